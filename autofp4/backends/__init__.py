@@ -1,0 +1,45 @@
+"""Backend registry. Kernel backends are imported lazily (CuTeDSL is heavy and optional)."""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .base import Backend, BackendConfig, ProblemKey, Runner, dtype_name  # noqa: F401
+
+# name -> "module:Class"; order is preference order when several apply.
+_REGISTRY: dict[str, str] = {
+    "sm100_blockscaled": "autofp4.backends.sm100_blockscaled:SM100BlockScaledBackend",
+    "sm90_w4a16": "autofp4.backends.sm90_w4a16:SM90W4A16Backend",
+    "reference": "autofp4.backends.reference:ReferenceBackend",
+}
+_INSTANCES: dict[str, Backend] = {}
+
+
+def backend_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get_backend(name: str) -> Backend:
+    """The backend instance called ``name`` (imports its module on first use)."""
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown backend {name!r}; known: {', '.join(_REGISTRY)}")
+    inst = _INSTANCES.get(name)
+    if inst is None:
+        mod, cls = _REGISTRY[name].split(":")
+        inst = getattr(importlib.import_module(mod), cls)()
+        _INSTANCES[name] = inst
+    return inst
+
+
+def available_backends(device: torch.device) -> list[Backend]:
+    """Backends that run on ``device``, preferred first (the reference backend is always last)."""
+    out = []
+    for name in _REGISTRY:
+        try:
+            b = get_backend(name)
+        except (ImportError, AttributeError, ModuleNotFoundError):
+            continue
+        if b.applies_to(device):
+            out.append(b)
+    return out

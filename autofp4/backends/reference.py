@@ -1,0 +1,115 @@
+"""The reference backend: dequantize, then matmul in the activation dtype.
+
+Runs on the CPU and on any CUDA GPU. It is also the correctness oracle for every other
+backend, so it stays simple and obviously right: the only tunable knob is how many output
+rows of the weight are dequantized at once (memory vs. speed), which never changes the math
+beyond the order of independent output columns.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .base import Backend, BackendConfig, ProblemKey, Runner
+
+
+class ReferenceConfig(BackendConfig):
+    #: dequantize this many output rows (N) at a time; 0 = the whole weight at once.
+    chunk_n: int = 0
+
+
+def _dense(prepared: Any, dtype: torch.dtype) -> torch.Tensor:
+    return prepared.dequantize(dtype)
+
+
+def reference_linear(x: torch.Tensor, w: Any, bias: torch.Tensor | None, chunk_n: int = 0) -> torch.Tensor:
+    """``x @ dequantize(w).T + bias`` in x's dtype (fp32 accumulation on GPU/CPU matmul)."""
+    n = w.shape[-2]
+    if chunk_n <= 0 or chunk_n >= n:
+        return F.linear(x, _dense(w, x.dtype), bias)
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    for s in range(0, n, chunk_n):
+        e = min(s + chunk_n, n)
+        wd = w.slice_rows(s, e).dequantize(x.dtype)
+        out[..., s:e] = F.linear(x, wd, None if bias is None else bias[s:e])
+    return out
+
+
+def _act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu":
+        return F.gelu(gate, approximate="tanh") * up
+    raise ValueError(f"activation must be 'silu' or 'gelu', got {activation!r}")
+
+
+def reference_moe(
+    x: torch.Tensor,
+    w13: Any,
+    w2: Any,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    chunk_n: int = 0,
+) -> torch.Tensor:
+    """The fused-MoE layer, one expert at a time over the tokens routed to it."""
+    t, h = x.shape
+    out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1).long()
+    flat_w = topk_weights.reshape(-1).float()
+    token_of = torch.arange(t, device=x.device).repeat_interleave(topk_ids.shape[1])
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        sel = order[start : start + c]
+        start += c
+        tok = token_of[sel]
+        xe = x[tok]
+        hmid = _act(reference_linear(xe, w13.expert(e), None, chunk_n), activation)
+        ye = reference_linear(hmid, w2.expert(e), None, chunk_n)
+        out.index_add_(0, tok, ye.float() * flat_w[sel, None])
+    return out.to(x.dtype)
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    ops = frozenset({"linear", "moe"})
+    config_model = ReferenceConfig
+
+    def applies_to(self, device: torch.device) -> bool:
+        return True
+
+    def config_space(self, key: ProblemKey) -> Mapping[str, Sequence[Any]]:
+        return {"chunk_n": [0, 1024, 4096]}
+
+    def is_valid(self, config: BackendConfig, key: ProblemKey) -> str | None:
+        if not isinstance(config, ReferenceConfig):
+            return f"expected a ReferenceConfig, got {type(config).__name__}"
+        if config.chunk_n < 0:
+            return f"chunk_n must be >= 0, got {config.chunk_n}"
+        if config.chunk_n and config.chunk_n >= key.n:
+            return f"chunk_n={config.chunk_n} does not split n={key.n}; use 0"
+        if config.chunk_n and config.chunk_n % 16:
+            return f"chunk_n must be a multiple of 16, got {config.chunk_n}"
+        return None
+
+    def default(self, key: ProblemKey, m: int | None = None) -> ReferenceConfig:
+        return ReferenceConfig()
+
+    def prepare(self, weight: Any) -> Any:
+        return weight
+
+    def compile(self, config: BackendConfig, key: ProblemKey) -> Runner:
+        reason = self.is_valid(config, key)
+        if reason:
+            raise ValueError(f"invalid reference config {config}: {reason}")
+        chunk = config.chunk_n  # type: ignore[attr-defined]
+        if key.op == "linear":
+            return lambda x, w, bias: reference_linear(x, w, bias, chunk)
+        return lambda x, w13, w2, tw, ti, act: reference_moe(x, w13, w2, tw, ti, act, chunk)

@@ -1,0 +1,29 @@
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_db(tmp_path, monkeypatch):
+    """Every test gets its own tuning database file, never the user's."""
+    monkeypatch.setenv("AUTOFP4_DB", str(tmp_path / "autofp4-test.db"))
+    yield
+
+
+@pytest.fixture
+def gen():
+    """A fresh random generator per test (seeded from the OS, printed on failure)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    g.seed_value = seed
+    return g
