@@ -1,0 +1,39 @@
+"""autofp4: fast 4-bit floating-point (NVFP4, MXFP4) weights on the NVIDIA GPU you have.
+
+    w = autofp4.quantize(weight, "nvfp4")      # FP4Weight
+    y = autofp4.linear(x, w)                   # custom op autofp4::linear
+    y = autofp4.moe(x, w13, w2, *autofp4.route(logits, top_k=2))
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .formats import dequantize, quantize  # noqa: E402
+from .weights import FP4Weight  # noqa: E402
+from .ops import linear, moe, route  # noqa: E402
+from .dispatch import get_dispatcher, set_db  # noqa: E402
+from .nn import FP4Linear, quantize_model  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "FP4Weight",
+    "FP4Linear",
+    "quantize",
+    "dequantize",
+    "linear",
+    "moe",
+    "route",
+    "quantize_model",
+    "set_db",
+    "get_dispatcher",
+    "tune",
+]
+
+
+def __getattr__(name: str):
+    # The tuner pulls in optuna; import it only when asked for.
+    if name == "tune":
+        from .tuner import tune
+
+        return tune
+    raise AttributeError(f"module 'autofp4' has no attribute {name!r}")

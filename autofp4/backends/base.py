@@ -82,6 +82,11 @@ class BackendConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
+        # Unused optional fields are left out of stored configs (DB rows, exports).
+        kwargs.setdefault("exclude_none", True)
+        return super().model_dump(**kwargs)
+
 
 class Backend(ABC):
     """One family of kernels. Subclasses are stateless apart from explicit caches."""
@@ -124,13 +129,17 @@ class Backend(ABC):
             return data
         return self.config_model.model_validate(dict(data))
 
-    def candidates(self, key: ProblemKey) -> list[BackendConfig]:
-        """Every valid point of the config space (the grid), default first."""
+    def candidates(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
+        """Every valid point of the config space (the grid), the default for ``m`` first.
+
+        ``m`` (the token bucket being tuned) lets a backend leave out configs that cannot
+        serve that many tokens well; the base grid ignores it.
+        """
         space = self.config_space(key)
         names = list(space)
         out: list[BackendConfig] = []
         seen: set[BackendConfig] = set()
-        default = self.default(key)
+        default = self.default(key, m)
         if self.is_valid(default, key) is None:
             out.append(default)
             seen.add(default)

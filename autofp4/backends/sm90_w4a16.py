@@ -1,0 +1,263 @@
+"""Hopper (sm_90a) W4A16 backend: FP4 weights decoded to bf16/fp16 in registers.
+
+Two CuTeDSL kernels share one config model, told apart by ``kernel``:
+
+* ``"decode"`` (:mod:`autofp4.kernels.w4a16_decode`): memory-bound small-M kernel, warp-level
+  ``mma.sync`` with the decoded weights as the A operand, split-K; serves ``M <= m_max``.
+* ``"gemm"`` (:mod:`autofp4.kernels.sm90_w4a16_gemm`): TMA + multi-stage pipeline + wgmma with
+  the weights as the register operand (``out^T = W x^T``); serves any M.
+
+A decode config asked to run ``M > m_max`` (the dispatcher hands the largest tuned bucket to
+larger M) runs the default GEMM config for that call instead, so every config answers every M.
+Each kernel reads its own repacked copy of the weight, built on first use and cached on the
+:class:`~autofp4.weights.FP4Weight`.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import warnings
+from dataclasses import asdict
+from typing import Any, Literal, Mapping, Optional, Sequence
+
+import torch
+from pydantic import Field, model_validator
+
+from .base import Backend, BackendConfig, ProblemKey, Runner
+from .reference import reference_linear
+
+_DECODE_FIELDS = ("warps", "k_split", "m_max")
+_GEMM_FIELDS = ("tile_n", "tile_m", "tile_k", "stages", "split_k", "cluster_n", "raster")
+
+
+class SM90Config(BackendConfig):
+    kernel: Literal["decode", "gemm"]
+    # decode kernel
+    warps: Optional[int] = Field(None, ge=1, le=32)
+    k_split: Optional[int] = Field(None, ge=1, le=256)
+    m_max: Optional[int] = Field(None, ge=1, le=4096)
+    # gemm kernel
+    tile_n: Optional[int] = Field(None, ge=1, le=1024)
+    tile_m: Optional[int] = Field(None, ge=1, le=1024)
+    tile_k: Optional[int] = Field(None, ge=1, le=1024)
+    stages: Optional[int] = Field(None, ge=1, le=16)
+    split_k: Optional[int] = Field(None, ge=1, le=64)
+    cluster_n: Optional[int] = Field(None, ge=1, le=16)
+    raster: Optional[Literal["n", "m"]] = None
+
+    @model_validator(mode="after")
+    def _fields_match_kernel(self) -> "SM90Config":
+        mine, other = (_DECODE_FIELDS, _GEMM_FIELDS) if self.kernel == "decode" else (_GEMM_FIELDS, _DECODE_FIELDS)
+        missing = [f for f in mine if getattr(self, f) is None]
+        stray = [f for f in other if getattr(self, f) is not None]
+        if missing:
+            raise ValueError(f"a {self.kernel} config needs {', '.join(missing)}")
+        if stray:
+            raise ValueError(f"a {self.kernel} config takes no {', '.join(stray)}")
+        return self
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    from ..kernels import sm90_w4a16_gemm as gemm
+    from ..kernels import w4a16_decode as decode
+
+    return decode, gemm
+
+
+def _to_kernel_config(cfg: SM90Config):
+    decode, gemm = _kernels()
+    if cfg.kernel == "decode":
+        return decode.DecodeConfig(**{f: getattr(cfg, f) for f in _DECODE_FIELDS})
+    return gemm.Sm90GemmConfig(**{f: getattr(cfg, f) for f in _GEMM_FIELDS})
+
+
+def _from_kernel_config(kernel: str, kcfg: Any) -> SM90Config:
+    fields = _DECODE_FIELDS if kernel == "decode" else _GEMM_FIELDS
+    d = asdict(kcfg)
+    return SM90Config(kernel=kernel, **{f: d[f] for f in fields})
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(kernel: str, kcfg: Any, n: int, k: int, fmt: str, dtype: str):
+    """One compiled kernel per (kernel, config, n, k, fmt, dtype), shared by every runner."""
+    decode, gemm = _kernels()
+    return (decode if kernel == "decode" else gemm).compile_kernel(kcfg, n, k, fmt, dtype)
+
+
+class SM90Prepared:
+    """The weight in each kernel's layout, packed lazily on first use."""
+
+    def __init__(self, weight: Any) -> None:
+        self.weight = weight
+        self._decode = None
+        self._gemm = None
+
+    @property
+    def decode(self):
+        if self._decode is None:
+            self._decode = _kernels()[0].pack_weight(self.weight)
+        return self._decode
+
+    @property
+    def gemm(self):
+        if self._gemm is None:
+            self._gemm = _kernels()[1].pack_weight(self.weight)
+        return self._gemm
+
+
+def _fp16_range_problem(prep: SM90Prepared, kernel: str) -> str | None:
+    """Why an mxfp4 weight cannot run with fp16 activations in ``kernel`` (None if it can)."""
+    if kernel == "decode":
+        return prep.decode.unsupported[1]
+    return None if prep.gemm.fp16_ok else "mxfp4 scale exponents span more than fp16 can hold"
+
+
+class SM90W4A16Backend(Backend):
+    name = "sm90_w4a16"
+    ops = frozenset({"linear"})
+    config_model = SM90Config
+
+    # -- where it runs ------------------------------------------------------------------
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return "needs a CUDA device"
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        cc = torch.cuda.get_device_capability(device)
+        if cc != (9, 0):
+            return f"needs compute capability 9.0 (Hopper), this GPU has {cc[0]}.{cc[1]}"
+        if importlib.util.find_spec("cutlass") is None:
+            return "nvidia-cutlass-dsl is not installed (pip install 'autofp4[cute]')"
+        return None
+
+    def applies_to(self, device: torch.device) -> bool:
+        return self.unavailable_reason(device) is None
+
+    # -- the search space -------------------------------------------------------------------
+    def config_space(self, key: ProblemKey) -> Mapping[str, Sequence[Any]]:
+        decode, gemm = _kernels()
+        space: dict[str, list] = {"kernel": ["decode", "gemm"]}
+        space.update(decode.config_space(key.n, key.k, key.fmt, key.dtype))
+        space.update(gemm.config_space(key.n, key.k, key.fmt, key.dtype))
+        return space
+
+    def is_valid(self, config: BackendConfig, key: ProblemKey) -> str | None:
+        if not isinstance(config, SM90Config):
+            return f"expected an SM90Config, got {type(config).__name__}"
+        if key.op != "linear":
+            return f"{self.name} implements linear only, not {key.op}"
+        decode, gemm = _kernels()
+        mod = decode if config.kernel == "decode" else gemm
+        return mod.validate(_to_kernel_config(config), key.n, key.k, key.fmt, key.dtype)
+
+    def default(self, key: ProblemKey, m: int | None = None) -> SM90Config:
+        decode, gemm = _kernels()
+        if m is not None and m <= max(decode.M_MAX_CHOICES):
+            kcfg = decode.default_config(key.n, key.k, key.fmt, key.dtype, m)
+            if decode.validate(kcfg, key.n, key.k, key.fmt, key.dtype) is None:
+                return _from_kernel_config("decode", kcfg)
+        return _from_kernel_config("gemm", gemm.default_config(key.n, key.k, key.fmt, key.dtype, m))
+
+    def candidates(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
+        """Both kernels' grids (decode only where ``m <= m_max``), the default first.
+
+        The GEMM grid is large; the tuner samples it (optuna TPE) when it exceeds its budget.
+        """
+        decode, gemm = _kernels()
+        out: list[BackendConfig] = [self.default(key, m)]
+        seen = set(out)
+        for kernel, mod in (("decode", decode), ("gemm", gemm)):
+            space = mod.config_space(key.n, key.k, key.fmt, key.dtype)
+            cls = mod.DecodeConfig if kernel == "decode" else mod.Sm90GemmConfig
+            for combo in _grid(space):
+                kcfg = cls(**combo)
+                if kernel == "decode" and m is not None and kcfg.m_max < m:
+                    continue
+                if mod.validate(kcfg, key.n, key.k, key.fmt, key.dtype) is not None:
+                    continue
+                cfg = _from_kernel_config(kernel, kcfg)
+                if cfg not in seen:
+                    seen.add(cfg)
+                    out.append(cfg)
+        return out
+
+    # -- running ------------------------------------------------------------------------------
+    def prepare(self, weight: Any) -> SM90Prepared:
+        return SM90Prepared(weight)
+
+    def compile(self, config: BackendConfig, key: ProblemKey) -> Runner:
+        reason = self.is_valid(config, key)
+        if reason:
+            raise ValueError(f"invalid {self.name} config {config.model_dump(exclude_none=True)}: {reason}")
+        assert isinstance(config, SM90Config)
+        n, k, fmt, dtype = key.n, key.k, key.fmt, key.dtype
+        kcfg = _to_kernel_config(config)
+        run = _compiled(config.kernel, kcfg, n, k, fmt, dtype)
+        check_fp16 = fmt == "mxfp4" and dtype == "float16"
+
+        def gemm_fallback():
+            big = _kernels()[1].default_config(n, k, fmt, dtype)
+            return _compiled("gemm", big, n, k, fmt, dtype)
+
+        if config.kernel == "gemm":
+
+            def runner(x: torch.Tensor, prep: SM90Prepared, bias: torch.Tensor | None) -> torch.Tensor:
+                if check_fp16 and _fp16_range_problem(prep, "gemm"):
+                    return _reference_fallback(x, prep, bias, _fp16_range_problem(prep, "gemm"))
+                return run(x, prep.gemm, bias)
+
+            return runner
+
+        m_max = config.m_max
+
+        def runner(x: torch.Tensor, prep: SM90Prepared, bias: torch.Tensor | None) -> torch.Tensor:
+            if x.shape[0] > m_max:
+                if check_fp16 and _fp16_range_problem(prep, "gemm"):
+                    return _reference_fallback(x, prep, bias, _fp16_range_problem(prep, "gemm"))
+                return gemm_fallback()(x, prep.gemm, bias)
+            if check_fp16 and _fp16_range_problem(prep, "decode"):
+                return _reference_fallback(x, prep, bias, _fp16_range_problem(prep, "decode"))
+            return run(x, prep.decode, bias)
+
+        return runner
+
+    def compile_only(self, config: SM90Config, key: ProblemKey) -> None:
+        """Compile without a GPU (``CUTE_DSL_ARCH=sm_90a``): the CI check of every kernel config."""
+        reason = self.is_valid(config, key)
+        if reason:
+            raise ValueError(f"invalid {self.name} config: {reason}")
+        decode, gemm = _kernels()
+        mod = decode if config.kernel == "decode" else gemm
+        mod.compile_only(_to_kernel_config(config), key.n, key.k, key.fmt, key.dtype)
+
+    def source_modules(self) -> list[Any]:
+        import sys
+
+        decode, gemm = _kernels()
+        return [sys.modules[__name__], decode, gemm]
+
+
+_WARNED: set[str] = set()
+
+
+def _reference_fallback(x, prep: SM90Prepared, bias, why: str | None) -> torch.Tensor:
+    if why not in _WARNED:
+        _WARNED.add(why or "")
+        warnings.warn(f"autofp4 sm90_w4a16: {why}; running this weight with the reference backend", stacklevel=3)
+    return reference_linear(x, prep.weight, bias)
+
+
+def _grid(space: Mapping[str, Sequence[Any]]):
+    names = list(space)
+
+    def rec(i: int, acc: dict):
+        if i == len(names):
+            yield dict(acc)
+            return
+        for v in space[names[i]]:
+            acc[names[i]] = v
+            yield from rec(i + 1, acc)
+
+    yield from rec(0, {})

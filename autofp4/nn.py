@@ -1,0 +1,136 @@
+"""torch.nn modules: :class:`FP4Linear` and :func:`quantize_model`."""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from . import ops
+from .formats import BLOCK_SIZE, quantize
+from .weights import FP4Weight
+
+__all__ = ["FP4Linear", "ConversionReport", "quantize_model"]
+
+
+class FP4Linear(nn.Module):
+    """A linear layer whose weight is stored in NVFP4 or MXFP4.
+
+    The packed values, block scales and global scale are buffers, so ``state_dict``,
+    ``.to(device)`` and ``load_state_dict`` work as for any module.
+    """
+
+    def __init__(self, weight: FP4Weight, bias: Optional[torch.Tensor] = None) -> None:
+        super().__init__()
+        if not isinstance(weight, FP4Weight) or weight.experts:
+            raise TypeError(f"FP4Linear needs a 2-D FP4Weight, got {type(weight).__name__} {getattr(weight, 'shape', '')}")
+        self.in_features = weight.k
+        self.out_features = weight.n
+        self.fmt = weight.fmt
+        self.register_buffer("weight_packed", weight.data)
+        self.register_buffer("weight_scale", weight.scale)
+        self.register_buffer("weight_global_scale", weight.global_scale)
+        if bias is not None:
+            if bias.shape != (weight.n,):
+                raise ValueError(f"bias must be [{weight.n}], got {tuple(bias.shape)}")
+            self.bias = nn.Parameter(bias.detach(), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self._w = weight
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str) -> "FP4Linear":
+        """Quantize ``linear``'s weight to ``fmt`` ("nvfp4" or "mxfp4"); the bias is kept as is."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear expects a torch.nn.Linear, got {type(linear).__name__}")
+        w = quantize(linear.weight.detach(), fmt)
+        return cls(w, None if linear.bias is None else linear.bias.detach().clone())
+
+    def fp4_weight(self) -> FP4Weight:
+        """The FP4Weight over the current buffers (rebuilt after ``.to()`` or loading)."""
+        w = self._w
+        if (
+            w.data is not self.weight_packed
+            or w.scale is not self.weight_scale
+            or w.global_scale is not self.weight_global_scale
+        ):
+            w = self._w = FP4Weight(
+                self.fmt, self.weight_packed, self.weight_scale, self.weight_global_scale, check_values=False
+            )
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.autofp4.linear(
+                x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias, self.fmt
+            )
+        return ops.linear(x, self.fp4_weight(), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, bias={self.bias is not None}"
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`quantize_model` did: converted layer names and skipped ones with a reason."""
+
+    fmt: str
+    converted: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+    def __str__(self) -> str:
+        lines = [
+            f"autofp4: converted {len(self.converted)} Linear layers to {self.fmt}, skipped {len(self.skipped)}; "
+            f"weights {self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB"
+        ]
+        for name, why in self.skipped:
+            lines.append(f"  skipped {name}: {why}")
+        return "\n".join(lines)
+
+
+def _weight_bytes(w: FP4Weight) -> int:
+    return sum(t.numel() * t.element_size() for t in (w.data, w.scale) + ((w.global_scale,) if w.global_scale is not None else ()))
+
+
+def quantize_model(
+    model: nn.Module,
+    fmt: str,
+    skip: Iterable[str] = ("lm_head", "*.lm_head"),
+) -> ConversionReport:
+    """Replace the ``torch.nn.Linear`` layers of ``model`` by :class:`FP4Linear` in place.
+
+    ``skip`` holds glob patterns matched against each layer's qualified name (``"lm_head"``,
+    ``"*.mlp.gate"``). Layers whose input size is not a multiple of the format's block size,
+    or whose weight is not bf16/fp16/fp32 or lives on the meta device, are skipped with a
+    reason in the returned report.
+    """
+    if fmt not in BLOCK_SIZE:
+        raise ValueError(f"fmt must be one of {tuple(BLOCK_SIZE)}, got {fmt!r}")
+    patterns = list(skip)
+    report = ConversionReport(fmt)
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, FP4Linear)]
+    for name, lin in targets:
+        why = None
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            why = "matches a skip pattern"
+        elif lin.weight.is_meta:
+            why = "weight is on the meta device"
+        elif lin.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            why = f"weight dtype {lin.weight.dtype} is not bf16/fp16/fp32"
+        elif lin.in_features % BLOCK_SIZE[fmt]:
+            why = f"in_features={lin.in_features} is not a multiple of {fmt}'s block size {BLOCK_SIZE[fmt]}"
+        if why:
+            report.skipped.append((name, why))
+            continue
+        new = FP4Linear.from_linear(lin, fmt)
+        report.bytes_before += lin.weight.numel() * lin.weight.element_size()
+        report.bytes_after += _weight_bytes(new.fp4_weight())
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, new)
+        report.converted.append(name)
+    return report

@@ -1,0 +1,219 @@
+"""Side-by-side FP4 linear benchmark on one GPU (a benchmark, not a test).
+
+For each shape, M and format, in one run: bf16 cuBLAS (``F.linear`` on the unquantized bf16
+weight), autofp4 with its backend's default config, autofp4 as tuned (the dispatcher's pick
+from the tuning DB layers: the user DB and ``tuning_db/*.json``), and the HBM floor of the
+FP4 bytes (weight values + scales, at the copy bandwidth measured in the same run).
+
+Timing: CUDA events after warm-up, medians; weights and inputs rotated through enough copies to
+exceed twice the L2; every variant timed inside a CUDA graph and eagerly (eager autofp4 goes
+through the public ``autofp4.linear``, dispatcher included).
+
+    python scripts/bench_linear.py --out out/                       # on the GPU: JSON + table
+    python scripts/bench_linear.py --plot out/bench_linear.json     # anywhere: PNG + markdown
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {
+    "8B qkv": (6144, 4096),
+    "8B o": (4096, 4096),
+    "8B gate_up": (28672, 4096),
+    "8B down": (4096, 14336),
+    "70B gate_up": (57344, 8192),
+    "70B down": (8192, 28672),
+}
+MS = (1, 16, 64, 128, 512, 2048, 8192)
+TARGETS = [((1, 16), 2.5), ((64, 128, 512), 1.3), ((2048, 8192), 1.1)]
+
+
+def measure_copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), 1 GiB buffers."""
+    from autofp4.timing import time_cuda
+
+    a = torch.randn(2**28, device="cuda")
+    b = torch.empty_like(a)
+    st = time_cuda(lambda: b.copy_(a), [()], warmup=5, reps=20)
+    return 2 * a.numel() * 4 / (st.median_us * 1e-6)
+
+
+def bench(args) -> dict:
+    import autofp4
+    from autofp4.backends import ProblemKey, available_backends
+    from autofp4.dispatch import get_dispatcher
+    from autofp4.timing import copies_for_cold_l2, l2_cache_bytes, time_cuda
+
+    dev = torch.device("cuda")
+    l2 = l2_cache_bytes(dev)
+    bw = measure_copy_bandwidth()
+    backend = available_backends(dev)[0]
+    disp = get_dispatcher(dev)
+    rows = []
+    fmts = args.fmt.split(",")
+    ms = [int(v) for v in args.m.split(",")]
+    for name, (n, k) in SHAPES.items():
+        if args.shapes and name not in args.shapes.split(","):
+            continue
+        gen = torch.Generator(device=dev).manual_seed(1234 + n + k)
+        dense_bytes = n * k * 2
+        nd = copies_for_cold_l2(dense_bytes, l2, max_copies=8)
+        dense = [torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(nd)]
+        for fmt in fmts:
+            ws = [autofp4.quantize(d, fmt) for d in dense]
+            fp4_bytes = ws[0].data.numel() + ws[0].scale.numel() * ws[0].scale.element_size()
+            nq = copies_for_cold_l2(fp4_bytes, l2, max_copies=32)
+            while len(ws) < nq:
+                ws.append(autofp4.quantize(torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02, fmt))
+            key = ProblemKey("linear", fmt, "bfloat16", n, k)
+            for m in ms:
+                xs = [torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(max(nq, nd))]
+                r = {"shape": name, "n": n, "k": k, "m": m, "fmt": fmt, "backend": backend.name}
+                # bf16 cuBLAS
+                cargs = [(xs[i % len(xs)], dense[i % nd]) for i in range(nd)]
+                r["cublas_graph_us"] = time_cuda(F.linear, cargs, warmup=3, reps=args.reps, use_graph=True).median_us
+                r["cublas_eager_us"] = time_cuda(F.linear, cargs, warmup=3, reps=args.reps).median_us
+                # autofp4: default config, and the dispatcher's (tuned) pick
+                dcfg = backend.default(key, m)
+                tb, tcfg = disp.pick(key, m)
+                r["default_config"] = dcfg.model_dump(mode="json")
+                r["tuned_config"] = tcfg.model_dump(mode="json") if (tb is backend and tcfg != dcfg) else None
+                qargs = [(xs[i % len(xs)], ws[i].packed(backend.name, backend.prepare), None) for i in range(nq)]
+                ref = F.linear(xs[0].float(), ws[0].dequantize(torch.float32))
+                for label, b, cfg in (("default", backend, dcfg), ("tuned", tb, tcfg)):
+                    if label == "tuned" and r["tuned_config"] is None:
+                        for t in ("graph", "eager"):
+                            r[f"tuned_{t}_us"] = r[f"default_{t}_us"]
+                        continue
+                    run = disp.runner(b, cfg, key)
+                    out = run(*qargs[0]).float()
+                    err = float((out - ref).norm() / ref.norm())
+                    r[f"{label}_rel_err"] = err
+                    if not err < 2e-2:
+                        raise RuntimeError(f"{name} M={m} {fmt} {label}: relative error {err:.3g}")
+                    r[f"{label}_graph_us"] = time_cuda(run, qargs, warmup=3, reps=args.reps, use_graph=True).median_us
+                    r[f"{label}_eager_us"] = time_cuda(run, qargs, warmup=3, reps=args.reps).median_us
+                # the public eager path (dispatcher + runner), for host overhead
+                pargs = [(xs[i % len(xs)], ws[i]) for i in range(nq)]
+                r["api_eager_us"] = time_cuda(autofp4.linear, pargs, warmup=3, reps=args.reps).median_us
+                r["hbm_floor_us"] = fp4_bytes / bw * 1e6
+                best = min(r["default_graph_us"], r["tuned_graph_us"])
+                r["speedup_default"] = r["cublas_graph_us"] / r["default_graph_us"]
+                r["speedup_tuned"] = r["cublas_graph_us"] / best
+                r["floor_pct"] = 100 * r["hbm_floor_us"] / best
+                rows.append(r)
+                print(
+                    f"{name:12s} {fmt} M={m:5d} cublas {r['cublas_graph_us']:8.1f}us default {r['default_graph_us']:8.1f}us "
+                    f"tuned {best:8.1f}us  x{r['speedup_tuned']:.2f}  floor {r['floor_pct']:.0f}%",
+                    flush=True,
+                )
+                del xs, cargs, qargs, pargs
+            del ws
+        del dense
+        torch.cuda.empty_cache()
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(dev),
+        "torch": torch.__version__,
+        "copy_bandwidth_tbs": bw / 1e12,
+        "rows": rows,
+    }
+
+
+def geomean(xs):
+    xs = list(xs)
+    return math.exp(sum(math.log(v) for v in xs) / len(xs)) if xs else float("nan")
+
+
+def markdown(doc: dict) -> str:
+    rows = doc["rows"]
+    out = [
+        f"FP4 linear vs bf16 cuBLAS on {doc['gpu']}, {doc['date']} (torch {doc['torch']}, copy bandwidth "
+        f"{doc['copy_bandwidth_tbs']:.2f} TB/s). Times in us, CUDA-graph medians, cold L2.",
+        "",
+        "| shape | N x K | fmt | M | cuBLAS bf16 | autofp4 default | autofp4 tuned | speedup | HBM floor | % of floor | eager cuBLAS | eager autofp4 |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        best = min(r["default_graph_us"], r["tuned_graph_us"])
+        out.append(
+            f"| {r['shape']} | {r['n']}x{r['k']} | {r['fmt']} | {r['m']} | {r['cublas_graph_us']:.1f} | "
+            f"{r['default_graph_us']:.1f} | {best:.1f} | {r['speedup_tuned']:.2f}x | {r['hbm_floor_us']:.1f} | "
+            f"{r['floor_pct']:.0f}% | {r['cublas_eager_us']:.1f} | {r['api_eager_us']:.1f} |"
+        )
+    out += ["", "Geomean speedup over bf16 cuBLAS (CUDA graph) per format and M group, against the targets:", "",
+            "| fmt | M | default | tuned | target |", "|---|---|---:|---:|---:|"]
+    for fmt in sorted({r["fmt"] for r in rows}):
+        for ms, target in TARGETS:
+            sel = [r for r in rows if r["fmt"] == fmt and r["m"] in ms]
+            if sel:
+                out.append(
+                    f"| {fmt} | {','.join(map(str, ms))} | {geomean(r['speedup_default'] for r in sel):.2f}x | "
+                    f"{geomean(r['speedup_tuned'] for r in sel):.2f}x | {target}x |"
+                )
+    return "\n".join(out) + "\n"
+
+
+def plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fmts = sorted({r["fmt"] for r in doc["rows"]})
+    fig, axes = plt.subplots(1, len(fmts), figsize=(6 * len(fmts), 4.5), squeeze=False, sharey=True)
+    for ax, fmt in zip(axes[0], fmts):
+        for shape in dict.fromkeys(r["shape"] for r in doc["rows"]):
+            sel = sorted((r for r in doc["rows"] if r["fmt"] == fmt and r["shape"] == shape), key=lambda r: r["m"])
+            ax.plot([r["m"] for r in sel], [r["speedup_tuned"] for r in sel], marker="o", label=shape)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("M (tokens)")
+        ax.set_title(f"{fmt}: autofp4 tuned vs bf16 cuBLAS")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("speedup (CUDA graph)")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"{doc['gpu']}, {doc['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    p.add_argument("--fmt", default="nvfp4,mxfp4")
+    p.add_argument("--m", default=",".join(map(str, MS)))
+    p.add_argument("--shapes", default="", help="comma-separated subset of: " + ", ".join(SHAPES))
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--plot", metavar="JSON", help="only render the table and plot from a saved run")
+    args = p.parse_args()
+    if args.plot:
+        doc = json.loads(Path(args.plot).read_text())
+        base = Path(args.plot).with_suffix("")
+        base.with_suffix(".md").write_text(markdown(doc))
+        plot(doc, base.with_suffix(".png"))
+        print(markdown(doc))
+        return 0
+    if not torch.cuda.is_available():
+        print("bench_linear needs a CUDA GPU", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = bench(args)
+    (out / "bench_linear.json").write_text(json.dumps(doc, indent=1))
+    (out / "bench_linear.md").write_text(markdown(doc))
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""autofp4.linear / moe / route against float64 math written here, on fresh random data."""
+import pytest
+import torch
+
+import autofp4
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# relative Frobenius error of the op's output vs float64 math on the same dequantized weight
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def dense64(w: autofp4.FP4Weight) -> torch.Tensor:
+    return w.dequantize(torch.float32).double()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_matches_float64(device, fmt, dtype, gen):
+    n, k = 96, 256
+    w = autofp4.quantize(torch.randn(n, k, generator=gen).to(device), fmt)
+    x = torch.randn(3, 5, k, generator=gen).to(device, dtype)
+    bias = torch.randn(n, generator=gen).to(device, dtype)
+    y = autofp4.linear(x, w, bias)
+    assert y.shape == (3, 5, n) and y.dtype == dtype and y.device.type == device
+    ref = x.double() @ dense64(w).T + bias.double()
+    assert rel_err(y, ref) < TOL[dtype]
+    # the bound is meaningful: another weight of the same distribution is far off
+    w_other = autofp4.quantize(torch.randn(n, k, generator=gen).to(device), fmt)
+    assert rel_err(autofp4.linear(x, w_other, bias), ref) > 0.3
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_linear_known_values(fmt):
+    # weights exactly on the E2M1 grid with amax 6 in every block: quantization is lossless
+    k = 64
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    w = torch.stack([grid.repeat(k // 8), -grid.flip(0).repeat(k // 8)])
+    w[:, :: (16 if fmt == "nvfp4" else 32)] = 6.0
+    q = autofp4.quantize(w, fmt)
+    x = torch.ones(1, k, dtype=torch.float16)
+    y = autofp4.linear(x, q)
+    assert torch.equal(y.double(), (x.double() @ w.double().T).to(torch.float16).double())
+
+
+def test_linear_rejects_bad_input(gen):
+    w = autofp4.quantize(torch.randn(32, 64, generator=gen), "nvfp4")
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        autofp4.linear(torch.randn(2, 64), w)
+    with pytest.raises(ValueError, match="last dimension K=64"):
+        autofp4.linear(torch.randn(2, 48, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match=r"bias must be \[32\]"):
+        autofp4.linear(torch.randn(2, 64, dtype=torch.bfloat16), w, torch.randn(31, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="FP4Weight"):
+        autofp4.linear(torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(32, 64))
+    stacked = autofp4.quantize(torch.randn(2, 32, 64, generator=gen), "nvfp4")
+    with pytest.raises(ValueError, match="2-D weight"):
+        autofp4.linear(torch.randn(2, 64, dtype=torch.bfloat16), stacked)
+
+
+def test_linear_empty_batch(gen):
+    w = autofp4.quantize(torch.randn(32, 64, generator=gen), "mxfp4")
+    y = autofp4.linear(torch.randn(0, 64, dtype=torch.bfloat16), w)
+    assert y.shape == (0, 32)
+
+
+def moe_float64(x, w13, w2, topk_w, topk_ids, act):
+    """Token by token, expert by expert, in float64."""
+    a13, a2 = dense64(w13), dense64(w2)
+    inter = a2.shape[-1]
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        xt = x[t].double()
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            gu = a13[e] @ xt
+            g, u = gu[:inter], gu[inter:]
+            h = (torch.nn.functional.silu(g) if act == "silu" else torch.nn.functional.gelu(g, approximate="tanh")) * u
+            out[t] += float(topk_w[t, j]) * (a2[e] @ h)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_moe_matches_float64(device, fmt, act, gen):
+    e, h, inter, t, top_k = 6, 128, 64, 9, 2
+    dtype = torch.bfloat16
+    w13 = autofp4.quantize(torch.randn(e, 2 * inter, h, generator=gen).to(device), fmt)
+    w2 = autofp4.quantize(torch.randn(e, h, inter, generator=gen).to(device), fmt)
+    x = torch.randn(t, h, generator=gen).to(device, dtype)
+    logits = torch.randn(t, e, generator=gen).to(device)
+    topk_w, topk_ids = autofp4.route(logits, top_k)
+    y = autofp4.moe(x, w13, w2, topk_w, topk_ids, activation=act)
+    assert y.shape == x.shape and y.dtype == dtype
+    ref = moe_float64(x, w13, w2, topk_w, topk_ids, act)
+    assert rel_err(y, ref) < 2e-2
+
+
+def test_route_matches_softmax_topk(gen):
+    logits = torch.randn(7, 10, generator=gen)
+    w, ids = autofp4.route(logits, 3)
+    p = torch.softmax(logits.double(), -1)
+    for t in range(7):
+        top = sorted(range(10), key=lambda i: -float(p[t, i]))[:3]
+        assert sorted(ids[t].tolist()) == sorted(top)
+        expect = p[t, ids[t].long()] / p[t, ids[t].long()].sum()
+        assert torch.allclose(w[t].double(), expect, atol=1e-6)
+    w_raw, _ = autofp4.route(logits, 3, renormalize=False)
+    assert torch.allclose(w_raw.double(), p.gather(1, ids.long()), atol=1e-6)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    with pytest.raises(ValueError, match="top_k must be in"):
+        autofp4.route(logits, 11)
+
+
+def test_moe_rejects_bad_input(gen):
+    e, h, inter = 4, 64, 32
+    w13 = autofp4.quantize(torch.randn(e, 2 * inter, h, generator=gen), "nvfp4")
+    w2 = autofp4.quantize(torch.randn(e, h, inter, generator=gen), "nvfp4")
+    x = torch.randn(3, h, dtype=torch.bfloat16)
+    tw = torch.rand(3, 2)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\)"):
+        autofp4.moe(x, w13, w2, tw, torch.tensor([[0, 1], [2, 4], [1, 1]], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\)"):
+        autofp4.moe(x, w13, w2, tw, torch.tensor([[0, -1], [2, 3], [1, 1]]))
+    with pytest.raises(ValueError, match="topk_ids must be int32/int64"):
+        autofp4.moe(x, w13, w2, tw, torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="topk_weights must be a float tensor"):
+        autofp4.moe(x, w13, w2, torch.rand(3, 3), torch.zeros(3, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"w2 must be \[E, H, I\]"):
+        autofp4.moe(x, w13, w13, tw, torch.zeros(3, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        autofp4.moe(x, w13, w2, tw, torch.zeros(3, 2, dtype=torch.int32), activation="relu")
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, fmt, gen):
+        super().__init__()
+        self.proj = autofp4.FP4Linear(autofp4.quantize(torch.randn(128, 64, generator=gen), fmt))
+        self.w13 = autofp4.quantize(torch.randn(4, 64, 128, generator=gen), fmt)
+        self.w2 = autofp4.quantize(torch.randn(4, 128, 32, generator=gen), fmt)
+        self.router = torch.nn.Linear(128, 4, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        h = self.proj(x)
+        tw, ti = autofp4.route(self.router(h), 2)
+        return autofp4.moe(h, self.w13, self.w2, tw, ti) + autofp4.linear(x, self.proj.fp4_weight()).float().mean()
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_torch_compile_fullgraph(fmt, gen):
+    torch._dynamo.reset()
+    block = _Block(fmt, gen)
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        eager = block(x)
+        out = compiled(x)
+    assert torch.equal(out, eager)
