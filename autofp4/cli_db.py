@@ -1,0 +1,308 @@
+"""``autofp4 db``: inspect, export, import, merge, diff and prune the tuning database.
+
+Exit codes: 0 success; 1 nothing found (``show``) or differences found (``diff``);
+2 bad input (missing file, invalid JSON, failed validation, unreadable database).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Sequence, TextIO
+
+from .db import (
+    Difference,
+    MergeReport,
+    TuningDB,
+    TuningDBError,
+    TuningFileError,
+    default_db_path,
+)
+from .schema import TuningRecord, config_json
+
+SUBCOMMANDS = ("list", "show", "export", "import", "merge", "diff", "prune")
+
+
+class UsageError(Exception):
+    """Bad command-line input (exit code 2)."""
+
+
+# --------------------------------------------------------------------------------------
+# parser
+# --------------------------------------------------------------------------------------
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", metavar="PATH", default=None,
+                   help="tuning database (default: $AUTOFP4_DB or ~/.cache/autofp4/tuning.db)")
+
+
+def _add_key_filters(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--op", choices=("linear", "moe"))
+    p.add_argument("--fmt", choices=("nvfp4", "mxfp4"))
+    p.add_argument("--dtype", choices=("bfloat16", "float16"))
+    p.add_argument("--backend")
+    p.add_argument("--m", "--m-bucket", dest="m_bucket", type=int, metavar="M", help="M bucket")
+    p.add_argument("--n", type=int)
+    p.add_argument("--k", type=int)
+    p.add_argument("--experts", type=int)
+    p.add_argument("--topk", type=int)
+    p.add_argument("--env", default="all", metavar="current|all|KEY",
+                   help="environment: the running one, all (default) or an env key")
+
+
+def add_db_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``db`` and its sub-commands on ``subparsers`` (from ``add_subparsers()``)."""
+    db = subparsers.add_parser("db", help="inspect and share the tuning database",
+                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = db.add_subparsers(dest="db_command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    sub.required = True
+
+    p = sub.add_parser("list", help="table of tuned results")
+    _add_common(p)
+    _add_key_filters(p)
+
+    p = sub.add_parser("show", help="one key's result rows and all of its trials")
+    _add_common(p)
+    _add_key_filters(p)
+
+    p = sub.add_parser("export", help="write results as sorted, reviewable JSON")
+    _add_common(p)
+    p.add_argument("--out", required=True, metavar="FILE")
+    p.add_argument("--env", default="all", metavar="current|all|KEY")
+
+    p = sub.add_parser("import", help="validate an export and merge it in")
+    _add_common(p)
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--replace", action="store_true",
+                   help="the file's rows win every key (default: the better-evidenced row wins)")
+
+    p = sub.add_parser("merge", help="merge another database or export in")
+    _add_common(p)
+    p.add_argument("other", metavar="OTHER.db|OTHER.json")
+
+    p = sub.add_parser("diff", help="keys whose rows differ from another database or export")
+    _add_common(p)
+    p.add_argument("other", metavar="OTHER.db|OTHER.json")
+
+    p = sub.add_parser("prune", help="delete old, foreign-environment or failed rows")
+    _add_common(p)
+    p.add_argument("--older-than-days", type=float, metavar="DAYS")
+    p.add_argument("--env", default=None, metavar="current|KEY", help="rows of this environment")
+    p.add_argument("--keep-current-env-only", action="store_true",
+                   help="delete rows of every environment but the running one")
+    p.add_argument("--failed-trials", action="store_true", help="delete failed trials only")
+
+    db.set_defaults(func=run_db)
+    return db
+
+
+# --------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------
+def _db_path(args: argparse.Namespace) -> Path:
+    return Path(args.db).expanduser() if getattr(args, "db", None) else default_db_path()
+
+
+def _open(args: argparse.Namespace, *, write: bool) -> TuningDB:
+    path = _db_path(args)
+    if write:
+        return TuningDB(path)
+    if not path.is_file():
+        raise UsageError(f"no tuning database at {path}")
+    try:
+        return TuningDB(path, readonly=True)
+    except TuningDBError as e:
+        if "needs migrating" not in str(e):
+            raise
+        return TuningDB(path)  # an older schema: migrate it once, then read
+
+
+def _env_key(spec: str | None) -> str | None:
+    if spec is None or spec == "all":
+        return None
+    if spec == "current":
+        from .env import current_environment
+
+        return current_environment().key()
+    if len(spec) != 16 or any(c not in "0123456789abcdef" for c in spec):
+        raise UsageError(f"--env must be 'current', 'all' or a 16-hex-digit env key, got {spec!r}")
+    return spec
+
+
+def _filters(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("op", "fmt", "dtype", "backend", "m_bucket", "n", "k", "experts", "topk")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _fmt_us(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _table(rows: list[list[str]], header: list[str], out: TextIO) -> None:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    right = {i for i, h in enumerate(header) if h in {"M", "N", "K", "E", "topk", "median_us", "default_us",
+                                                        "speedup", "spread_us", "m", "samples"}}
+    for row in [header, *rows]:
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        print("  ".join(cells).rstrip(), file=out)
+
+
+def _result_rows(recs: list[TuningRecord]) -> list[list[str]]:
+    rows = []
+    for r in recs:
+        sp = r.speedup
+        rows.append([
+            r.op, r.fmt, r.dtype, r.backend, str(r.m_bucket), str(r.n), str(r.k), str(r.experts),
+            str(r.topk), _fmt_us(r.median_us), _fmt_us(r.default_median_us),
+            "-" if sp is None else f"{sp:.2f}x", r.env_key,
+        ])
+    return rows
+
+
+RESULT_HEADER = ["op", "fmt", "dtype", "backend", "M", "N", "K", "E", "topk",
+                 "median_us", "default_us", "speedup", "env"]
+
+
+def _print_report(rep: MergeReport, out: TextIO) -> None:
+    print(rep.summary(), file=out)
+    for c in rep.conflicts:
+        print(f"  conflict: {c.describe()}", file=out)
+
+
+# --------------------------------------------------------------------------------------
+# sub-commands
+# --------------------------------------------------------------------------------------
+def _cmd_list(args: argparse.Namespace, out: TextIO) -> int:
+    with _open(args, write=False) as db:
+        recs = db.results(_env_key(args.env), **_filters(args))
+    _table(_result_rows(recs), RESULT_HEADER, out)
+    print(f"{len(recs)} results", file=out)
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace, out: TextIO) -> int:
+    filters = _filters(args)
+    env_key = _env_key(args.env)
+    with _open(args, write=False) as db:
+        recs = db.results(env_key, **filters)
+        trials = db.trials(env_key, **filters)
+        envs = db.environments()
+    if not recs and not trials:
+        print("no results or trials match", file=out)
+        return 1
+    for r in recs:
+        print(f"result  {r.describe()}  env={r.env_key}", file=out)
+        print(f"  config      {config_json(r.config)}", file=out)
+        print(f"  median_us   {_fmt_us(r.median_us)} (spread {_fmt_us(r.spread_us)}, {r.samples} samples)", file=out)
+        sp = r.speedup
+        print(f"  default_us  {_fmt_us(r.default_median_us)}"
+              f"{'' if sp is None else f' (speedup {sp:.2f}x)'}", file=out)
+        print(f"  source      {r.backend_source or '-'}  created {r.created_at}", file=out)
+        print(f"  env         {r.env.gpu_name}, sm={r.env.sm_count}, cc={r.env.compute_capability}, "
+              f"driver={r.env.driver or '-'}, cuda={r.env.cuda or '-'}, torch={r.env.torch}, "
+              f"cutlass_dsl={r.env.cutlass_dsl or '-'}, autofp4={r.env.autofp4}", file=out)
+    if trials:
+        print(f"trials ({len(trials)}):", file=out)
+        rows = [[t.backend, str(t.m_bucket), str(t.m), t.outcome, _fmt_us(t.median_us), _fmt_us(t.spread_us),
+                 config_json(t.config), t.env_key, t.error.splitlines()[0][:80] if t.error else ""]
+                for t in trials]
+        _table(rows, ["backend", "M", "m", "outcome", "median_us", "spread_us", "config", "env", "error"], out)
+    unknown = {t.env_key for t in trials} - set(envs)
+    if unknown:
+        print(f"(trials of unrecorded environments: {', '.join(sorted(unknown))})", file=out)
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace, out: TextIO) -> int:
+    env_key = _env_key(args.env)
+    with _open(args, write=False) as db:
+        doc = db.export(args.out, env_key)
+    print(f"wrote {len(doc.records)} records ({len(doc.environments)} environments) to {args.out}", file=out)
+    return 0
+
+
+def _cmd_import(args: argparse.Namespace, out: TextIO) -> int:
+    if not Path(args.file).is_file():
+        raise UsageError(f"no such file: {args.file}")
+    with _open(args, write=True) as db:
+        rep = db.import_file(args.file, replace=args.replace)
+    _print_report(rep, out)
+    return 0
+
+
+def _check_other(other: str) -> None:
+    if not Path(other).is_file():
+        raise UsageError(f"no such file: {other}")
+
+
+def _cmd_merge(args: argparse.Namespace, out: TextIO) -> int:
+    _check_other(args.other)
+    with _open(args, write=True) as db:
+        rep = db.merge(args.other)
+    _print_report(rep, out)
+    return 0
+
+
+def _cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
+    _check_other(args.other)
+    with _open(args, write=False) as db:
+        diffs: list[Difference] = db.diff(args.other)
+    for d in diffs:
+        print(d.describe(), file=out)
+    print(f"{len(diffs)} differences", file=out)
+    return 1 if diffs else 0
+
+
+def _cmd_prune(args: argparse.Namespace, out: TextIO) -> int:
+    if args.env == "all":
+        raise UsageError("prune --env takes 'current' or an env key, not 'all'")
+    env_key = _env_key(args.env)
+    if (args.older_than_days is None and env_key is None and not args.keep_current_env_only
+            and not args.failed_trials):
+        raise UsageError("prune needs at least one of --older-than-days, --env, "
+                         "--keep-current-env-only, --failed-trials")
+    if args.older_than_days is not None and not args.older_than_days >= 0:
+        raise UsageError(f"--older-than-days must be >= 0, got {args.older_than_days}")
+    with _open(args, write=True) as db:
+        n = db.prune(older_than_days=args.older_than_days, env_key=env_key,
+                     keep_current_env_only=args.keep_current_env_only, failed_trials=args.failed_trials)
+        counts = db.counts()
+    print(f"deleted {n} rows; {counts['results']} results and {counts['trials']} trials remain", file=out)
+    return 0
+
+
+_COMMANDS = {
+    "list": _cmd_list,
+    "show": _cmd_show,
+    "export": _cmd_export,
+    "import": _cmd_import,
+    "merge": _cmd_merge,
+    "diff": _cmd_diff,
+    "prune": _cmd_prune,
+}
+
+
+def run_db(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run the parsed ``db`` sub-command; returns the exit code (2 for bad input)."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    cmd = _COMMANDS.get(getattr(args, "db_command", None) or "")
+    if cmd is None:
+        print(f"error: expected a db sub-command ({', '.join(SUBCOMMANDS)})", file=err)
+        return 2
+    try:
+        return cmd(args, out)
+    except (UsageError, TuningDBError, TuningFileError, ValueError, OSError) as e:
+        print(f"error: {e}", file=err)
+        return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Stand-alone entry: ``python -m autofp4.cli_db list ...`` (same as ``autofp4 db ...``)."""
+    parser = argparse.ArgumentParser(prog="autofp4")
+    add_db_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["db", *(sys.argv[1:] if argv is None else argv)])
+    return run_db(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

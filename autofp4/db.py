@@ -1,0 +1,879 @@
+"""The tuning database: SQLite (through sqlite-utils) plus portable JSON exports.
+
+Tables
+------
+``results``       the winning config per (op, fmt, dtype, backend, m_bucket, n, k, experts,
+                  topk, env_key) with its timing evidence (median, spread, samples).
+``trials``        every config the tuner tried, including failures (never retried).
+``environments``  env_key -> the :class:`~autofp4.schema.Environment` as JSON.
+``meta``          the schema version; :data:`MIGRATIONS` bring older files up to date.
+
+The file runs in WAL mode with a long busy timeout, so several tuner processes can write to
+one database at the same time; every write is one ``BEGIN IMMEDIATE`` transaction, so a
+killed process leaves only complete rows. Exports are sorted, pretty JSON validated with the
+pydantic models on import (never executed).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+import tempfile
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import sqlite_utils
+from pydantic import ValidationError
+
+from .schema import (
+    EXPORT_SCHEMA_VERSION,
+    KEY_FIELDS,
+    SUPPORTED_EXPORT_VERSIONS,
+    Environment,
+    ExportDoc,
+    ExportedRecord,
+    TrialRecord,
+    TuningRecord,
+    config_json,
+    format_timestamp,
+    parse_timestamp,
+    utc_now,
+)
+
+BUSY_TIMEOUT_S = 30.0
+MAX_IMPORT_BYTES = 256 * 2**20
+
+_RESULT_COLUMNS = (
+    *KEY_FIELDS,
+    "env_key",
+    "config",
+    "median_us",
+    "spread_us",
+    "samples",
+    "default_median_us",
+    "backend_source",
+    "created_at",
+)
+_TRIAL_COLUMNS = (
+    *KEY_FIELDS,
+    "m",
+    "env_key",
+    "config",
+    "outcome",
+    "median_us",
+    "spread_us",
+    "error",
+    "backend_source",
+    "created_at",
+)
+_UNIQUE = (*KEY_FIELDS, "env_key")
+
+
+class TuningDBError(Exception):
+    """A database file that cannot be opened, read, migrated or written."""
+
+
+class TuningFileError(ValueError):
+    """An export file that cannot be read or does not validate (the message names the file)."""
+
+
+class TuningDBWarning(UserWarning):
+    """A layer (DB or JSON file) or a row that was skipped while loading tuning results."""
+
+
+# --------------------------------------------------------------------------------------
+# paths
+# --------------------------------------------------------------------------------------
+def default_db_path() -> Path:
+    """``$AUTOFP4_DB`` if set, else ``$XDG_CACHE_HOME/autofp4/tuning.db`` (default ``~/.cache``)."""
+    env = os.environ.get("AUTOFP4_DB")
+    if env:
+        return Path(env).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "autofp4" / "tuning.db"
+
+
+def shipped_db_dir() -> Path:
+    """The folder of shipped exports: ``$AUTOFP4_SHIPPED_DB`` if set, else the repo's ``tuning_db/``."""
+    env = os.environ.get("AUTOFP4_SHIPPED_DB")
+    if env:
+        return Path(env).expanduser()
+    return Path(__file__).resolve().parents[1] / "tuning_db"
+
+
+# --------------------------------------------------------------------------------------
+# migrations: MIGRATIONS[i] takes a database from version i to version i + 1
+# --------------------------------------------------------------------------------------
+def _m1_initial(db: sqlite_utils.Database) -> None:
+    """Version 1: the four tables and the results' unique key."""
+    existing = set(db.table_names()) & {"results", "trials", "environments"}
+    if existing:
+        raise TuningDBError(
+            f"not an autofp4 tuning database: it has no version but already holds tables {sorted(existing)}"
+        )
+    key_cols: dict[str, Any] = {
+        "op": str, "fmt": str, "dtype": str, "backend": str,
+        "m_bucket": int, "n": int, "k": int, "experts": int, "topk": int,
+    }
+    db["environments"].create({"env_key": str, "env": str}, pk="env_key", not_null={"env"})
+    db["results"].create(
+        {
+            "id": int, **key_cols, "env_key": str, "config": str,
+            "median_us": float, "spread_us": float, "samples": int, "default_median_us": float,
+            "backend_source": str, "created_at": str,
+        },
+        pk="id",
+        not_null={*key_cols, "env_key", "config", "median_us", "spread_us", "samples", "created_at"},
+    )
+    db["results"].create_index(list(_UNIQUE), index_name="results_unique_key", unique=True)
+    db["trials"].create(
+        {
+            "id": int, **key_cols, "m": int, "env_key": str, "config": str, "outcome": str,
+            "median_us": float, "spread_us": float, "error": str, "backend_source": str,
+            "created_at": str,
+        },
+        pk="id",
+        not_null={*key_cols, "m", "env_key", "config", "outcome", "created_at"},
+    )
+
+
+def _m2_lookup_indexes(db: sqlite_utils.Database) -> None:
+    """Version 2: indexes for the tuner's failure lookups and per-environment queries."""
+    db["trials"].create_index(
+        ["op", "fmt", "dtype", "backend", "n", "k", "experts", "topk", "env_key", "outcome"],
+        index_name="trials_problem",
+    )
+    db["results"].create_index(["env_key"], index_name="results_env")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial, _m2_lookup_indexes]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+# --------------------------------------------------------------------------------------
+# reports
+# --------------------------------------------------------------------------------------
+@dataclass
+class Conflict:
+    """Both sides hold a row for ``key`` and their configs differ."""
+
+    key: dict[str, Any]
+    ours: TuningRecord
+    theirs: TuningRecord
+    winner: str  # "ours" | "theirs"
+
+    def describe(self) -> str:
+        return (
+            f"{self.ours.describe()} env={self.key['env_key']}: ours {config_json(self.ours.config)} "
+            f"{self.ours.median_us:.2f}us x{self.ours.samples} vs theirs {config_json(self.theirs.config)} "
+            f"{self.theirs.median_us:.2f}us x{self.theirs.samples} -> keep {self.winner}"
+        )
+
+
+@dataclass
+class MergeReport:
+    """What a merge (or import) did, counted per result row."""
+
+    source: str
+    added: int = 0
+    replaced: int = 0
+    kept: int = 0
+    identical: int = 0
+    environments_added: int = 0
+    conflicts: list[Conflict] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.added + self.replaced + self.kept + self.identical
+
+    def summary(self) -> str:
+        return (
+            f"{self.source}: {self.total} records: {self.added} added, {self.replaced} replaced, "
+            f"{self.kept} kept (ours better-evidenced), {self.identical} identical; "
+            f"{len(self.conflicts)} conflicts; {self.environments_added} new environments"
+        )
+
+
+@dataclass
+class ImportReport(MergeReport):
+    """What :meth:`TuningDB.import_file` did."""
+
+
+@dataclass
+class Difference:
+    """One key on which two databases differ.
+
+    ``kind``: ``"only_ours"``, ``"only_theirs"``, ``"config"`` (both have the key, configs
+    differ) or ``"timing"`` (same config, different measurements).
+    """
+
+    kind: str
+    key: dict[str, Any]
+    ours: TuningRecord | None
+    theirs: TuningRecord | None
+
+    def describe(self) -> str:
+        rec = self.ours or self.theirs
+        assert rec is not None
+        head = f"{self.kind:<11} {rec.describe()} env={self.key['env_key']}"
+        if self.kind == "only_ours":
+            return f"{head}: {config_json(rec.config)} {rec.median_us:.2f}us"
+        if self.kind == "only_theirs":
+            return f"{head}: {config_json(rec.config)} {rec.median_us:.2f}us"
+        assert self.ours is not None and self.theirs is not None
+        return (
+            f"{head}: ours {config_json(self.ours.config)} {self.ours.median_us:.2f}us x{self.ours.samples}"
+            f" | theirs {config_json(self.theirs.config)} {self.theirs.median_us:.2f}us x{self.theirs.samples}"
+        )
+
+
+def better_evidenced(a: TuningRecord, b: TuningRecord) -> bool:
+    """Is ``a`` better evidence than ``b``? More samples, then a lower spread/median ratio, then newer."""
+    if a.samples != b.samples:
+        return a.samples > b.samples
+    ra, rb = a.spread_ratio, b.spread_ratio
+    if not math.isclose(ra, rb, rel_tol=1e-12, abs_tol=0.0):
+        return ra < rb
+    return parse_timestamp(a.created_at) > parse_timestamp(b.created_at)
+
+
+def _same_measurement(a: TuningRecord, b: TuningRecord) -> bool:
+    return a.model_dump() == b.model_dump()
+
+
+def _key_dict(rec: TuningRecord) -> dict[str, Any]:
+    return dict(zip(_UNIQUE, rec.unique_key()))
+
+
+# --------------------------------------------------------------------------------------
+# reading export files
+# --------------------------------------------------------------------------------------
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name} is not allowed")
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        size = path.stat().st_size
+        if size > MAX_IMPORT_BYTES:
+            raise TuningFileError(f"{path}: {size} bytes is larger than the {MAX_IMPORT_BYTES} byte limit")
+        text = path.read_text(encoding="utf-8")
+    except TuningFileError:
+        raise
+    except FileNotFoundError:
+        raise TuningFileError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TuningFileError(f"{path}: cannot read: {e}") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise TuningFileError(f"{path}: invalid JSON: {e}") from None
+
+
+def _describe_raw_record(raw: Any) -> str:
+    if not isinstance(raw, dict):
+        return f"a {type(raw).__name__}, not an object"
+    parts = [f"{f}={raw.get(f)!r:.40}" for f in ("op", "fmt", "dtype", "backend", "m_bucket", "n", "k") if f in raw]
+    return " ".join(parts) or "no key fields"
+
+
+def _format_validation_error(path: Path, raw: Any, e: ValidationError) -> str:
+    lines = []
+    for err in e.errors()[:20]:
+        loc = list(err["loc"])
+        where = ".".join(str(p) for p in loc) or "<document>"
+        if len(loc) >= 2 and loc[0] == "records" and isinstance(loc[1], int):
+            recs = raw.get("records") if isinstance(raw, dict) else None
+            rec = recs[loc[1]] if isinstance(recs, list) and loc[1] < len(recs) else None
+            rest = ".".join(str(p) for p in loc[2:]) or "<record>"
+            where = f"record #{loc[1]} ({_describe_raw_record(rec)}) field {rest}"
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        lines.append(f"  {where}: {msg}")
+    more = len(e.errors()) - 20
+    if more > 0:
+        lines.append(f"  ... and {more} more errors")
+    return f"{path}: invalid tuning export:\n" + "\n".join(lines)
+
+
+def read_export(path: str | Path) -> ExportDoc:
+    """Read and fully validate an export file; :class:`TuningFileError` names what is wrong."""
+    path = Path(path)
+    raw = _read_json(path)
+    if not isinstance(raw, dict):
+        raise TuningFileError(f"{path}: expected a JSON object, got a {type(raw).__name__}")
+    version = raw.get("schema_version")
+    if version not in SUPPORTED_EXPORT_VERSIONS or isinstance(version, bool):
+        raise TuningFileError(
+            f"{path}: unsupported schema_version {version!r}; this autofp4 reads {sorted(SUPPORTED_EXPORT_VERSIONS)}"
+        )
+    try:
+        return ExportDoc.model_validate(raw)
+    except ValidationError as e:
+        raise TuningFileError(_format_validation_error(path, raw, e)) from None
+
+
+def _read_export_for_env(path: Path, env_key: str) -> list[TuningRecord]:
+    """The records of ``env_key`` in an export; records of other environments are not parsed.
+
+    The header must be valid (else :class:`TuningFileError`); an invalid record of this
+    environment is skipped with a warning.
+    """
+    raw = _read_json(path)
+    if not isinstance(raw, dict):
+        raise TuningFileError(f"{path}: expected a JSON object, got a {type(raw).__name__}")
+    version = raw.get("schema_version")
+    if version not in SUPPORTED_EXPORT_VERSIONS or isinstance(version, bool):
+        raise TuningFileError(f"{path}: unsupported schema_version {version!r}")
+    envs, records = raw.get("environments"), raw.get("records")
+    if not isinstance(envs, dict) or not isinstance(records, list):
+        raise TuningFileError(f"{path}: expected 'environments' (object) and 'records' (list)")
+    if env_key not in envs:
+        return []
+    try:
+        env = Environment.model_validate(envs[env_key])
+    except ValidationError as e:
+        raise TuningFileError(f"{path}: environment {env_key}: {e}") from None
+    if env.key() != env_key:
+        raise TuningFileError(f"{path}: environment {env_key} hashes to {env.key()}")
+    out = []
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict) or rec.get("env_key") != env_key:
+            continue
+        try:
+            out.append(ExportedRecord.model_validate(rec).to_record(env))
+        except (ValidationError, ValueError) as e:
+            warnings.warn(
+                f"{path}: skipping record #{i} ({_describe_raw_record(rec)}): {e}",
+                TuningDBWarning,
+                stacklevel=3,
+            )
+    return out
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def export_json(doc: ExportDoc) -> str:
+    """The canonical text of an export: pretty, sorted keys, records in key order."""
+    return json.dumps(doc.model_dump(mode="json"), indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+def _sort_key(rec: TuningRecord | ExportedRecord) -> tuple:
+    env_key = rec.env_key
+    return (env_key, rec.op, rec.fmt, rec.dtype, rec.n, rec.k, rec.experts, rec.topk, rec.backend, rec.m_bucket)
+
+
+# --------------------------------------------------------------------------------------
+# the database
+# --------------------------------------------------------------------------------------
+class TuningDB:
+    """One SQLite tuning database file. Use as a context manager or call :meth:`close`."""
+
+    def __init__(self, path: str | Path | None = None, *, readonly: bool = False) -> None:
+        self.path = Path(path).expanduser() if path is not None else default_db_path()
+        self.readonly = readonly
+        try:
+            if readonly:
+                if not self.path.is_file():
+                    raise TuningDBError(f"no tuning database at {self.path}")
+                conn = sqlite3.connect(
+                    self.path.resolve().as_uri() + "?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S
+                )
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S)
+        except sqlite3.Error as e:
+            raise TuningDBError(f"cannot open tuning database {self.path}: {e}") from None
+        except OSError as e:
+            raise TuningDBError(f"cannot open tuning database {self.path}: {e}") from None
+        self._conn = conn
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+            self._db = sqlite_utils.Database(conn)
+            # Reading the schema fails here on a file that is not an SQLite database.
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            if not readonly:
+                self._db.enable_wal()
+                conn.execute("PRAGMA synchronous = NORMAL")
+            self._migrate()
+        except sqlite3.Error as e:
+            conn.close()
+            raise TuningDBError(f"{self.path} is not a readable tuning database: {e}") from None
+        except BaseException:
+            conn.close()
+            raise
+
+    # -- lifecycle ------------------------------------------------------------------
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> "TuningDB":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TuningDB({str(self.path)!r}{', readonly=True' if self.readonly else ''})"
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite_utils.Database]:
+        """One write transaction; taking the write lock up front, so waiting never deadlocks."""
+        if self.readonly:
+            raise TuningDBError(f"{self.path} was opened read-only")
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            if conn.in_transaction:
+                conn.rollback()
+            raise
+        else:
+            conn.commit()
+
+    # -- schema -----------------------------------------------------------------------
+    def _version_now(self) -> int:
+        if "meta" not in self._db.table_names():
+            return 0
+        row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if row is None:
+            return 0
+        try:
+            return int(row[0])
+        except (TypeError, ValueError):
+            raise TuningDBError(f"{self.path}: corrupt schema_version {row[0]!r}") from None
+
+    @property
+    def schema_version(self) -> int:
+        return self._version_now()
+
+    def _migrate(self) -> None:
+        version = self._version_now()
+        if version > SCHEMA_VERSION:
+            raise TuningDBError(
+                f"{self.path} has schema version {version}, newer than this autofp4 supports "
+                f"({SCHEMA_VERSION}); upgrade autofp4"
+            )
+        if version == SCHEMA_VERSION:
+            return
+        if self.readonly:
+            raise TuningDBError(
+                f"{self.path} has schema version {version} and needs migrating to {SCHEMA_VERSION}; "
+                "open it writable once"
+            )
+        with self._write() as db:
+            version = self._version_now()  # another process may have migrated meanwhile
+            if version == 0 and "meta" not in db.table_names():
+                db["meta"].create({"key": str, "value": str}, pk="key")
+            for i in range(version, SCHEMA_VERSION):
+                MIGRATIONS[i](db)
+                db.execute(
+                    "INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", [str(i + 1)]
+                )
+
+    # -- environments -----------------------------------------------------------------
+    def add_environment(self, env: Environment) -> None:
+        with self._write():
+            self._put_env(env)
+
+    def _put_env(self, env: Environment) -> bool:
+        cur = self._conn.execute(
+            "INSERT OR IGNORE INTO environments (env_key, env) VALUES (?, ?)",
+            [env.key(), json.dumps(env.model_dump(mode="json"), sort_keys=True)],
+        )
+        return cur.rowcount > 0
+
+    def environments(self) -> dict[str, Environment]:
+        """env_key -> Environment for every environment stored (invalid rows are skipped)."""
+        out: dict[str, Environment] = {}
+        for key, text in self._conn.execute("SELECT env_key, env FROM environments ORDER BY env_key"):
+            try:
+                env = Environment.model_validate_json(text)
+            except ValidationError as e:
+                warnings.warn(f"{self.path}: skipping invalid environment {key}: {e}", TuningDBWarning, stacklevel=2)
+                continue
+            if env.key() != key:
+                warnings.warn(
+                    f"{self.path}: skipping environment {key}: its fields hash to {env.key()}",
+                    TuningDBWarning,
+                    stacklevel=2,
+                )
+                continue
+            out[key] = env
+        return out
+
+    # -- writes -------------------------------------------------------------------------
+    @staticmethod
+    def _result_row(rec: TuningRecord) -> dict[str, Any]:
+        row = rec.model_dump(exclude={"env"})
+        row["config"] = config_json(rec.config)
+        row["env_key"] = rec.env_key
+        return row
+
+    def _upsert(self, rec: TuningRecord) -> None:
+        self._put_env(rec.env)
+        self._db["results"].insert(self._result_row(rec), replace=True)
+
+    def upsert_result(self, rec: TuningRecord) -> None:
+        """Store ``rec``, replacing the row with the same unique key (and environment)."""
+        with self._write():
+            self._upsert(rec)
+
+    def upsert_results(self, recs: Iterable[TuningRecord]) -> None:
+        """Store several records in one transaction (all or none)."""
+        with self._write():
+            for rec in recs:
+                self._upsert(rec)
+
+    def add_trial(self, tr: TrialRecord) -> None:
+        """Append one tuner trial (its environment should be stored with :meth:`add_environment`)."""
+        self.add_trials([tr])
+
+    def add_trials(self, trials: Iterable[TrialRecord]) -> None:
+        rows = []
+        for tr in trials:
+            row = tr.model_dump()
+            row["config"] = config_json(tr.config)
+            rows.append(row)
+        with self._write() as db:
+            if rows:
+                db["trials"].insert_all(rows)
+
+    # -- queries --------------------------------------------------------------------------
+    @staticmethod
+    def _where(allowed: Iterable[str], env_key: str | None, filters: Mapping[str, Any]) -> tuple[str, list]:
+        allowed = set(allowed)
+        clauses, params = [], []
+        if env_key is not None:
+            clauses.append("env_key = ?")
+            params.append(env_key)
+        for name, value in filters.items():
+            if name not in allowed:
+                raise TypeError(f"unknown filter {name!r}; expected one of {sorted(allowed)}")
+            if value is None:
+                continue
+            if isinstance(value, (list, tuple, set, frozenset)):
+                values = list(value)
+                if not values:
+                    clauses.append("0")
+                    continue
+                clauses.append(f"[{name}] IN ({', '.join('?' for _ in values)})")
+                params.extend(values)
+            else:
+                clauses.append(f"[{name}] = ?")
+                params.append(value)
+        return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+    def _rows(self, sql: str, params: list) -> list[dict[str, Any]]:
+        return list(self._db.query(sql, params))
+
+    def _record_from_row(self, row: dict[str, Any], envs: dict[str, Environment]) -> TuningRecord | None:
+        row = dict(row)
+        row.pop("id", None)
+        env_key = row.pop("env_key")
+        env = envs.get(env_key)
+        try:
+            if env is None:
+                raise ValueError(f"environment {env_key} is missing from the environments table")
+            row["config"] = json.loads(row["config"])
+            return TuningRecord.model_validate({**row, "env": env})
+        except (ValueError, ValidationError) as e:
+            warnings.warn(
+                f"{self.path}: skipping invalid result row ({_describe_raw_record(row)} env={env_key}): {e}",
+                TuningDBWarning,
+                stacklevel=3,
+            )
+            return None
+
+    def results(self, env_key: str | None = None, **filters: Any) -> list[TuningRecord]:
+        """Result rows (all environments if ``env_key`` is None), filtered by key fields.
+
+        A filter value may be a single value or a list of accepted values. Rows that no
+        longer validate (e.g. a backend that was removed) are skipped with a warning.
+        """
+        where, params = self._where(KEY_FIELDS, env_key, filters)
+        order = " ORDER BY env_key, op, fmt, dtype, n, k, experts, topk, backend, m_bucket"
+        rows = self._rows(f"SELECT * FROM results{where}{order}", params)
+        envs = self.environments()
+        return [r for r in (self._record_from_row(row, envs) for row in rows) if r is not None]
+
+    def get_result(
+        self, op: str, fmt: str, dtype: str, backend: str, m_bucket: int, n: int, k: int,
+        experts: int, topk: int, env_key: str,
+    ) -> TuningRecord | None:
+        """The result row with exactly this unique key, or None."""
+        recs = self.results(
+            env_key, op=op, fmt=fmt, dtype=dtype, backend=backend, m_bucket=m_bucket,
+            n=n, k=k, experts=experts, topk=topk,
+        )
+        return recs[0] if recs else None
+
+    def has_result(
+        self, op: str, fmt: str, dtype: str, backend: str, m_bucket: int, n: int, k: int,
+        experts: int, topk: int, env_key: str,
+    ) -> bool:
+        where, params = self._where(
+            KEY_FIELDS, env_key,
+            dict(op=op, fmt=fmt, dtype=dtype, backend=backend, m_bucket=m_bucket, n=n, k=k,
+                 experts=experts, topk=topk),
+        )
+        return self._conn.execute(f"SELECT 1 FROM results{where} LIMIT 1", params).fetchone() is not None
+
+    def trials(self, env_key: str | None = None, **filters: Any) -> list[TrialRecord]:
+        """Trial rows (oldest first), filtered by key fields, ``m`` and ``outcome``."""
+        where, params = self._where((*KEY_FIELDS, "m", "outcome"), env_key, filters)
+        out = []
+        for row in self._rows(f"SELECT * FROM trials{where} ORDER BY id", params):
+            row.pop("id", None)
+            try:
+                row["config"] = json.loads(row["config"])
+                out.append(TrialRecord.model_validate(row))
+            except (ValueError, ValidationError) as e:
+                warnings.warn(
+                    f"{self.path}: skipping invalid trial row ({_describe_raw_record(row)}): {e}",
+                    TuningDBWarning,
+                    stacklevel=2,
+                )
+        return out
+
+    def failed_configs(
+        self, op: str, fmt: str, dtype: str, backend: str, m_bucket: int | None, n: int, k: int,
+        experts: int, topk: int, env_key: str, *, backend_source: str | None = None,
+    ) -> set[str]:
+        """Canonical config JSON (:func:`~autofp4.schema.config_json`) of every failed trial.
+
+        ``m_bucket=None`` counts failures in any M bucket; ``backend_source`` (if given)
+        counts only failures of that kernel source revision, so fixed kernels are retried.
+        """
+        where, params = self._where(
+            KEY_FIELDS, env_key,
+            dict(op=op, fmt=fmt, dtype=dtype, backend=backend, m_bucket=m_bucket, n=n, k=k,
+                 experts=experts, topk=topk),
+        )
+        where += " AND outcome != 'ok'"
+        if backend_source is not None:
+            where += " AND backend_source = ?"
+            params.append(backend_source)
+        return {r[0] for r in self._conn.execute(f"SELECT DISTINCT config FROM trials{where}", params)}
+
+    def counts(self) -> dict[str, int]:
+        q = self._conn.execute
+        return {
+            "results": q("SELECT count(*) FROM results").fetchone()[0],
+            "trials": q("SELECT count(*) FROM trials").fetchone()[0],
+            "failed_trials": q("SELECT count(*) FROM trials WHERE outcome != 'ok'").fetchone()[0],
+            "environments": q("SELECT count(*) FROM environments").fetchone()[0],
+            "schema_version": self._version_now(),
+        }
+
+    # -- export / import / merge -----------------------------------------------------------
+    def export_doc(self, env_key: str | None = None) -> ExportDoc:
+        recs = self.results(env_key)
+        envs = {r.env_key: r.env for r in recs}
+        from .env import autofp4_version
+
+        return ExportDoc(
+            schema_version=EXPORT_SCHEMA_VERSION,
+            exported_at=utc_now(),
+            autofp4=autofp4_version(),
+            environments=dict(sorted(envs.items())),
+            records=sorted((r.to_exported() for r in recs), key=_sort_key),
+        )
+
+    def export(self, path: str | Path, env_key: str | None = None) -> ExportDoc:
+        """Write the results (of ``env_key``, or all) to ``path`` as sorted, pretty JSON."""
+        doc = self.export_doc(env_key)
+        _write_text_atomic(Path(path), export_json(doc))
+        return doc
+
+    def _merge_records(
+        self, recs: Iterable[TuningRecord], report: MergeReport, replace: bool = False
+    ) -> MergeReport:
+        with self._write():
+            current = {r.unique_key(): r for r in self.results()}
+            for rec in recs:
+                if self._put_env(rec.env):
+                    report.environments_added += 1
+                key = rec.unique_key()
+                ours = current.get(key)
+                if ours is None:
+                    report.added += 1
+                    self._upsert(rec)
+                    current[key] = rec
+                    continue
+                if _same_measurement(ours, rec):
+                    report.identical += 1
+                    continue
+                take = replace or better_evidenced(rec, ours)
+                if config_json(ours.config) != config_json(rec.config):
+                    report.conflicts.append(
+                        Conflict(_key_dict(rec), ours, rec, "theirs" if take else "ours")
+                    )
+                if take:
+                    report.replaced += 1
+                    self._upsert(rec)
+                    current[key] = rec
+                else:
+                    report.kept += 1
+        return report
+
+    def import_file(self, path: str | Path, *, replace: bool = False) -> ImportReport:
+        """Validate an export file and merge its records in (better-evidenced row wins).
+
+        ``replace=True`` makes the file's rows win every key. Raises
+        :class:`TuningFileError` (naming the file and record) if anything fails validation;
+        then nothing is written.
+        """
+        doc = read_export(path)
+        recs = doc.tuning_records()
+        return self._merge_records(recs, ImportReport(source=str(path)), replace=replace)  # type: ignore[return-value]
+
+    def _records_of(self, other: "TuningDB | str | Path") -> tuple[str, list[TuningRecord]]:
+        if isinstance(other, TuningDB):
+            return str(other.path), other.results()
+        path = Path(other)
+        if path.suffix.lower() == ".json":
+            return str(path), read_export(path).tuning_records()
+        if not path.is_file():
+            raise TuningDBError(f"no tuning database at {path}")
+        with TuningDB(path, readonly=True) as o:
+            return str(path), o.results()
+
+    def merge(self, other: "TuningDB | str | Path") -> MergeReport:
+        """Merge another database (or export file) in; per key the better-evidenced row wins."""
+        source, recs = self._records_of(other)
+        return self._merge_records(recs, MergeReport(source=source))
+
+    def diff(self, other: "TuningDB | str | Path") -> list[Difference]:
+        """Keys whose rows differ between this database (ours) and ``other`` (theirs)."""
+        _, theirs_list = self._records_of(other)
+        ours = {r.unique_key(): r for r in self.results()}
+        theirs = {r.unique_key(): r for r in theirs_list}
+        out = []
+        for key in sorted(set(ours) | set(theirs)):
+            a, b = ours.get(key), theirs.get(key)
+            kd = dict(zip(_UNIQUE, key))
+            if b is None:
+                out.append(Difference("only_ours", kd, a, None))
+            elif a is None:
+                out.append(Difference("only_theirs", kd, None, b))
+            elif config_json(a.config) != config_json(b.config):
+                out.append(Difference("config", kd, a, b))
+            elif not _same_measurement(a, b):
+                out.append(Difference("timing", kd, a, b))
+        return out
+
+    # -- maintenance -------------------------------------------------------------------------
+    def prune(
+        self,
+        older_than_days: float | None = None,
+        env_key: str | None = None,
+        keep_current_env_only: bool = False,
+        failed_trials: bool = False,
+    ) -> int:
+        """Delete rows; returns how many (results + trials) were deleted.
+
+        The criteria combine with AND: ``older_than_days`` (created before now - days),
+        ``env_key`` (rows of that environment), ``keep_current_env_only`` (rows of any other
+        environment than the running one). ``failed_trials`` restricts the deletion to failed
+        trials (results are kept). Environments no longer referenced are dropped. At least
+        one criterion is required.
+        """
+        if older_than_days is None and env_key is None and not keep_current_env_only and not failed_trials:
+            raise ValueError("prune needs at least one criterion (older_than_days, env_key, "
+                             "keep_current_env_only or failed_trials)")
+        clauses, params = [], []
+        if older_than_days is not None:
+            if not math.isfinite(older_than_days) or older_than_days < 0:
+                raise ValueError(f"older_than_days must be a finite number >= 0, got {older_than_days}")
+            cutoff = format_timestamp(datetime.now(timezone.utc) - timedelta(days=older_than_days))
+            clauses.append("created_at < ?")  # the timestamp format sorts as text
+            params.append(cutoff)
+        if env_key is not None:
+            clauses.append("env_key = ?")
+            params.append(env_key)
+        if keep_current_env_only:
+            from .env import current_environment
+
+            clauses.append("env_key != ?")
+            params.append(current_environment().key())
+        deleted = 0
+        with self._write():
+            if failed_trials:
+                where = " WHERE " + " AND ".join([*clauses, "outcome != 'ok'"])
+                deleted += self._conn.execute(f"DELETE FROM trials{where}", params).rowcount
+            else:
+                where = " WHERE " + " AND ".join(clauses)
+                deleted += self._conn.execute(f"DELETE FROM results{where}", params).rowcount
+                deleted += self._conn.execute(f"DELETE FROM trials{where}", params).rowcount
+            self._conn.execute(
+                "DELETE FROM environments WHERE env_key NOT IN (SELECT env_key FROM results)"
+                " AND env_key NOT IN (SELECT env_key FROM trials)"
+            )
+        return deleted
+
+
+# --------------------------------------------------------------------------------------
+# layered lookup
+# --------------------------------------------------------------------------------------
+def _warn_skip(path: Path, e: BaseException) -> None:
+    warnings.warn(f"skipping tuning layer {path}: {e}", TuningDBWarning, stacklevel=3)
+
+
+def load_layers(env: Environment, user_path: str | Path | None = None) -> list[TuningRecord]:
+    """Every result of ``env``: the user DB first, then each shipped ``tuning_db/*.json``.
+
+    When several layers hold the same key (op, fmt, dtype, backend, m_bucket, n, k, experts,
+    topk), the first layer wins. A layer that cannot be read (missing permissions, corrupt or
+    truncated file, invalid JSON or header) is skipped with a :class:`TuningDBWarning` naming
+    the file; this function never raises for bad files.
+    """
+    key = env.key()
+    layers: list[list[TuningRecord]] = []
+    user = Path(user_path).expanduser() if user_path is not None else default_db_path()
+    if user.exists():
+        try:
+            with TuningDB(user) as db:
+                layers.append(db.results(key))
+        except (TuningDBError, sqlite3.Error, OSError) as e:
+            _warn_skip(user, e)
+    shipped = shipped_db_dir()
+    try:
+        files = sorted(shipped.glob("*.json")) if shipped.is_dir() else []
+    except OSError as e:
+        _warn_skip(shipped, e)
+        files = []
+    for f in files:
+        try:
+            layers.append(_read_export_for_env(f, key))
+        except (TuningFileError, OSError) as e:
+            _warn_skip(f, e)
+    seen: set[tuple] = set()
+    out: list[TuningRecord] = []
+    for layer in layers:
+        for rec in layer:
+            k = rec.key_tuple()
+            if k not in seen:
+                seen.add(k)
+                out.append(rec)
+    return out

@@ -1,0 +1,133 @@
+"""The environment fingerprint: where a measurement was taken.
+
+A tuning row is only used where its environment matches the running one exactly (same GPU
+model and SM count, driver, CUDA, torch, CuTeDSL and autofp4 versions). Everything here is
+cached: the fingerprint is read once per device and process.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from .schema import Environment
+
+_NVIDIA_SMI_TIMEOUT_S = 5.0
+
+
+@functools.lru_cache(maxsize=None)
+def autofp4_version() -> str:
+    """The installed autofp4 version (package metadata, else the source tree's, else unknown)."""
+    try:
+        return importlib.metadata.version("autofp4")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    pkg = sys.modules.get(__package__ or "autofp4")
+    version = getattr(pkg, "__version__", None)
+    if isinstance(version, str) and version:
+        return version
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    try:
+        m = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.MULTILINE)
+    except OSError:
+        m = None
+    return m.group(1) if m else "0+unknown"
+
+
+@functools.lru_cache(maxsize=None)
+def cutlass_dsl_version() -> str:
+    """The installed nvidia-cutlass-dsl version, ``""`` if it is not installed."""
+    try:
+        return importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+@functools.lru_cache(maxsize=None)
+def driver_version() -> str:
+    """The NVIDIA driver version ("550.54.15"): NVML, else ``nvidia-smi``, else ``"unknown"``."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        try:
+            v = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run(
+                [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=_NVIDIA_SMI_TIMEOUT_S,
+                check=True,
+            ).stdout.strip().splitlines()
+            if out and out[0].strip():
+                return out[0].strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        # The CUDA driver API version (e.g. 12040) still tells drivers apart coarsely.
+        v = int(torch._C._cuda_getDriverVersion())  # type: ignore[attr-defined]
+        if v > 0:
+            return f"cuda-api-{v // 1000}.{(v % 1000) // 10}"
+    except Exception:
+        pass
+    return "unknown"
+
+
+def _resolve(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"asked for the environment of {dev}, but CUDA is not available")
+        return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+    return torch.device("cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _environment_of(device: str) -> Environment:
+    dev = torch.device(device)
+    common = dict(torch=torch.__version__, cutlass_dsl=cutlass_dsl_version(), autofp4=autofp4_version())
+    if dev.type != "cuda":
+        return Environment(
+            gpu_name="cpu",
+            sm_count=max(1, os.cpu_count() or 1),
+            compute_capability="cpu",
+            driver="",
+            cuda="",
+            **common,
+        )
+    props = torch.cuda.get_device_properties(dev)
+    return Environment(
+        gpu_name=torch.cuda.get_device_name(dev),
+        sm_count=int(props.multi_processor_count),
+        compute_capability=f"{props.major}.{props.minor}",
+        driver=driver_version(),
+        cuda=torch.version.cuda or "",
+        **common,
+    )
+
+
+def current_environment(device: torch.device | str | None = None) -> Environment:
+    """The environment of ``device`` (default: the current CUDA device, else the CPU).
+
+    Non-CUDA devices all map to the CPU environment. Cached per device.
+    """
+    return _environment_of(str(_resolve(device)))

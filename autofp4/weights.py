@@ -1,0 +1,261 @@
+"""FP4Weight: packed E2M1 values, block scales, global scale (+ an expert dimension).
+
+An :class:`FP4Weight` is a plain container of tensors that all live on one device:
+
+==============  ==========================================  ====================================
+attribute       nvfp4                                       mxfp4
+==============  ==========================================  ====================================
+data            uint8 [..., N, K/2], two E2M1 codes a byte  same
+scale           torch.float8_e4m3fn [..., N, K/16]          uint8 E8M0 [..., N, K/32]
+global_scale    fp32 [] (2-D) or [E] (stacked experts)      None
+input_scale     optional fp32 [] or [E] (checkpoint's       optional, same shapes
+                activation scale, carried along)
+==============  ==========================================  ====================================
+
+``...`` is empty for a linear weight ``[N, K]`` and ``E`` for stacked MoE experts ``[E, N, K]``.
+The constructor checks dtypes, shapes, block size and device (cheap, no device sync) and, unless
+``check_values=False``, the values that make a weight invalid: a global or input scale that is
+not finite and positive, a NaN or negative E4M3 block scale, an E8M0 NaN (255). Those value
+checks need one device sync on CUDA; they are skipped while a CUDA graph is being captured,
+under torch.compile and for meta/fake tensors.
+
+Backends keep their prepacked forms in a per-instance cache (:meth:`FP4Weight.packed`);
+:meth:`FP4Weight.to` returns a new weight whose cache starts empty.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from . import formats
+from .formats import BLOCK_SIZE, FORMATS
+
+__all__ = ["FP4Weight"]
+
+Device = Union[torch.device, str, int]
+
+try:  # FakeTensor (torch.compile / fake-tensor mode) cannot be read on the host
+    from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
+except ImportError:  # pragma: no cover
+    _FakeTensor = ()  # type: ignore[assignment]
+
+
+def _values_readable(t: torch.Tensor) -> bool:
+    if t.device.type == "meta" or isinstance(t, _FakeTensor):
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def _as_index(i: Any) -> Optional[int]:
+    try:
+        return operator.index(i)
+    except TypeError:
+        return None
+
+
+def _describe(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+    return type(t).__name__
+
+
+class FP4Weight:
+    """An FP4-quantized weight ``[N, K]`` or stacked experts ``[E, N, K]``.
+
+    Build one with :func:`autofp4.quantize` or a loader from :mod:`autofp4.loaders`; the
+    constructor takes the stored tensors as they are (no copies).
+    """
+
+    def __init__(
+        self,
+        fmt: str,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        global_scale: Optional[torch.Tensor] = None,
+        input_scale: Optional[torch.Tensor] = None,
+        *,
+        check_values: bool = True,
+    ) -> None:
+        self.fmt = fmt
+        self.data = data
+        self.scale = scale
+        self.global_scale = global_scale
+        self.input_scale = input_scale
+        self._packed: dict[str, Any] = {}
+        self._check_structure()
+        if check_values and _values_readable(data):
+            self._check_values()
+
+    # -- validation -----------------------------------------------------------------
+    def _check_structure(self) -> None:
+        fmt, data, scale = self.fmt, self.data, self.scale
+        if fmt not in FORMATS:
+            raise ValueError(f"FP4Weight: fmt must be one of {FORMATS}, got {fmt!r}")
+        if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
+            raise TypeError(f"FP4Weight: data must be a uint8 tensor (two E2M1 codes a byte), got {_describe(data)}")
+        if data.dim() not in (2, 3):
+            raise ValueError(
+                f"FP4Weight: data must be [N, K/2] or [E, N, K/2], got {data.dim()}-D shape {tuple(data.shape)}"
+            )
+        if data.numel() == 0:
+            raise ValueError(f"FP4Weight: data is empty (shape {tuple(data.shape)})")
+        bs = BLOCK_SIZE[fmt]
+        k = data.shape[-1] * 2
+        if k % bs:
+            raise ValueError(
+                f"FP4Weight: {fmt} needs K to be a multiple of its block size {bs}, "
+                f"got K={k} (data shape {tuple(data.shape)})"
+            )
+        want_scale_dtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8
+        if not isinstance(scale, torch.Tensor) or scale.dtype != want_scale_dtype:
+            hint = ""
+            if fmt == "nvfp4" and isinstance(scale, torch.Tensor) and scale.dtype == torch.uint8:
+                hint = " (a uint8 checkpoint tensor can be reinterpreted with .view(torch.float8_e4m3fn))"
+            raise TypeError(f"FP4Weight: {fmt} scales must be {want_scale_dtype}, got {_describe(scale)}{hint}")
+        want = tuple(data.shape[:-1]) + (k // bs,)
+        if tuple(scale.shape) != want:
+            raise ValueError(
+                f"FP4Weight: {fmt} scales must have shape {want} (one per {bs} values of K={k}) "
+                f"for data of shape {tuple(data.shape)}, got {tuple(scale.shape)}"
+            )
+        lead = tuple(data.shape[:-2])  # () or (E,)
+        gs = self.global_scale
+        if fmt == "nvfp4":
+            if not isinstance(gs, torch.Tensor) or gs.dtype != torch.float32:
+                raise TypeError(f"FP4Weight: nvfp4 needs a float32 global_scale tensor, got {_describe(gs)}")
+            if tuple(gs.shape) != lead:
+                what = "a scalar tensor (shape ())" if not lead else f"one per expert (shape {lead})"
+                raise ValueError(f"FP4Weight: nvfp4 global_scale must be {what}, got shape {tuple(gs.shape)}")
+        elif gs is not None:
+            raise ValueError(f"FP4Weight: mxfp4 has no global scale, got {_describe(gs)}")
+        ins = self.input_scale
+        if ins is not None:
+            if not isinstance(ins, torch.Tensor) or ins.dtype != torch.float32:
+                raise TypeError(f"FP4Weight: input_scale must be a float32 tensor or None, got {_describe(ins)}")
+            if tuple(ins.shape) not in ((), lead):
+                what = "()" if not lead else f"() or {lead}"
+                raise ValueError(f"FP4Weight: input_scale must have shape {what}, got {tuple(ins.shape)}")
+        for name in ("scale", "global_scale", "input_scale"):
+            t = getattr(self, name)
+            if t is not None and t.device != data.device:
+                raise ValueError(f"FP4Weight: {name} is on {t.device} but data is on {data.device}; all tensors must share a device")
+
+    def _check_values(self) -> None:
+        checks = []
+        if self.fmt == "nvfp4":
+            # E4M3 bytes: sign bit 0x80, NaN 0x7F/0xFF -> valid non-negative scales are < 0x7F
+            checks.append(("a negative or NaN E4M3 block scale", self.scale.view(torch.uint8).max() < 0x7F))
+            g = self.global_scale
+            checks.append(("a global_scale that is not finite and positive", (torch.isfinite(g) & (g > 0)).all()))
+        else:
+            checks.append(("an E8M0 scale of 255 (NaN)", self.scale.max() < formats.E8M0_NAN))
+        if self.input_scale is not None:
+            s = self.input_scale
+            checks.append(("an input_scale that is not finite and positive", (torch.isfinite(s) & (s > 0)).all()))
+        ok = torch.stack([c for _, c in checks]).cpu().tolist()  # one device sync for all checks
+        for (what, _), good in zip(checks, ok):
+            if not good:
+                detail = ""
+                if "global" in what:
+                    detail = f": {self.global_scale.cpu().tolist()}"
+                elif "input" in what:
+                    detail = f": {self.input_scale.cpu().tolist()}"
+                raise ValueError(f"FP4Weight: {self.fmt} weight has {what}{detail}")
+
+    # -- shape ------------------------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        """The dense shape ``[N, K]`` or ``[E, N, K]``."""
+        return torch.Size((*self.data.shape[:-1], self.data.shape[-1] * 2))
+
+    @property
+    def n(self) -> int:
+        return self.data.shape[-2]
+
+    @property
+    def k(self) -> int:
+        return self.data.shape[-1] * 2
+
+    @property
+    def experts(self) -> int:
+        """Number of stacked experts (0 for a 2-D weight)."""
+        return self.data.shape[0] if self.data.dim() == 3 else 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def block_size(self) -> int:
+        return BLOCK_SIZE[self.fmt]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored tensors."""
+        ts = [self.data, self.scale, self.global_scale, self.input_scale]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def __repr__(self) -> str:
+        extra = "" if self.input_scale is None else ", input_scale"
+        return f"FP4Weight(fmt={self.fmt!r}, shape={tuple(self.shape)}, device={self.device}{extra})"
+
+    # -- views and copies --------------------------------------------------------------
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense weight ``[..., N, K]`` in ``dtype`` (computed in fp32)."""
+        return formats.dequantize(self, dtype)
+
+    def _derived(self, data, scale, gs, ins) -> "FP4Weight":
+        return FP4Weight(self.fmt, data, scale, gs, ins, check_values=False)
+
+    def to(self, device: Device, non_blocking: bool = False) -> "FP4Weight":
+        """This weight on ``device``; ``self`` when it is already there. A moved weight starts
+        with an empty prepacked cache."""
+        data = self.data.to(device, non_blocking=non_blocking)
+        if data is self.data:
+            return self
+        mv = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return self._derived(data, mv(self.scale), mv(self.global_scale), mv(self.input_scale))
+
+    def expert(self, e: int) -> "FP4Weight":
+        """Expert ``e`` of a stacked weight as a 2-D FP4Weight (views, no copy)."""
+        if not self.experts:
+            raise ValueError(f"expert() needs a stacked [E, N, K] weight, this one is {tuple(self.shape)}")
+        i = _as_index(e)
+        if i is None or not 0 <= i < self.experts:
+            raise IndexError(f"expert index must be an int in [0, {self.experts}), got {e!r}")
+        e = i
+        gs = None if self.global_scale is None else self.global_scale[e]
+        ins = self.input_scale
+        if ins is not None and ins.dim() == 1:
+            ins = ins[e]
+        return self._derived(self.data[e], self.scale[e], gs, ins)
+
+    def slice_rows(self, start: int, end: int) -> "FP4Weight":
+        """Output rows ``[start:end]`` (along N; for stacked experts, of every expert), as views."""
+        s, e = _as_index(start), _as_index(end)
+        if s is None or e is None or not 0 <= s < e <= self.n:
+            raise IndexError(f"slice_rows needs ints 0 <= start < end <= N={self.n}, got start={start!r}, end={end!r}")
+        start, end = s, e
+        return self._derived(
+            self.data[..., start:end, :], self.scale[..., start:end, :], self.global_scale, self.input_scale
+        )
+
+    # -- per-backend prepacked forms ------------------------------------------------------
+    def packed(self, name: str, factory: Callable[["FP4Weight"], Any]) -> Any:
+        """The prepacked form called ``name``, built by ``factory(self)`` on first use and cached
+        on this instance."""
+        try:
+            return self._packed[name]
+        except KeyError:
+            value = self._packed[name] = factory(self)
+            return value
+
+    def clear_packed(self) -> None:
+        """Drop every cached prepacked form."""
+        self._packed.clear()

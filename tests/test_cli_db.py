@@ -1,0 +1,160 @@
+"""`autofp4 db ...` through a real argparse parser (and once as a real subprocess)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autofp4.cli_db import add_db_parser, run_db
+from autofp4.db import TuningDB
+from autofp4.schema import Environment, TrialRecord, TuningRecord
+
+REPO = Path(__file__).resolve().parents[1]
+ENV_A = dict(gpu_name="NVIDIA H200", sm_count=132, compute_capability="9.0", driver="570.124.06",
+             cuda="12.8", torch="2.13.0", cutlass_dsl="4.8.1", autofp4="0.1.0")
+ENV_B = {**ENV_A, "gpu_name": "NVIDIA H100 80GB HBM3", "sm_count": 132}
+
+
+def rec(env=ENV_A, **over) -> TuningRecord:
+    data = dict(op="linear", fmt="nvfp4", dtype="bfloat16", backend="reference", m_bucket=16,
+                n=4096, k=4096, config={"chunk_n": 1024}, median_us=40.0, spread_us=1.0, samples=20,
+                default_median_us=50.0, backend_source="src1", created_at="2025-01-01T00:00:00Z",
+                env=env)
+    data.update(over)
+    return TuningRecord.model_validate(data)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autofp4")
+    add_db_parser(p.add_subparsers(dest="command", required=True))
+    return p
+
+
+def cli(*argv: str) -> int:
+    args = parser().parse_args(["db", *argv])
+    assert args.func is run_db
+    return run_db(args)
+
+
+@pytest.fixture
+def dbfile(tmp_path) -> Path:
+    path = tmp_path / "cli.db"
+    with TuningDB(path) as db:
+        db.upsert_result(rec(m_bucket=1, median_us=10.0, default_median_us=25.0))
+        db.upsert_result(rec(m_bucket=64, median_us=80.0, default_median_us=None))
+        db.upsert_result(rec(ENV_B, op="moe", fmt="mxfp4", experts=8, topk=2, n=2048, k=1024,
+                             config={"chunk_n": 0}))
+        db.add_trial(TrialRecord(op="linear", fmt="nvfp4", dtype="bfloat16", backend="reference",
+                                 m_bucket=1, m=1, n=4096, k=4096, config={"chunk_n": 512},
+                                 outcome="wrong_result", error="max abs err 3.1 > 0.05",
+                                 env_key=Environment(**ENV_A).key()))
+    return path
+
+
+def test_list_table(dbfile, capsys):
+    assert cli("list", "--db", str(dbfile)) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split() == ["op", "fmt", "dtype", "backend", "M", "N", "K", "E", "topk",
+                                "median_us", "default_us", "speedup", "env"]
+    assert "3 results" in lines[-1]
+    row1 = next(line for line in lines if line.split()[:5] == ["linear", "nvfp4", "bfloat16", "reference", "1"])
+    assert row1.split()[9:12] == ["10.00", "25.00", "2.50x"]
+    row64 = next(line for line in lines if line.split()[4:5] == ["64"])
+    assert row64.split()[10:12] == ["-", "-"]
+    # filters
+    assert cli("list", "--db", str(dbfile), "--op", "moe") == 0
+    out = capsys.readouterr().out
+    assert "1 results" in out and "mxfp4" in out and "nvfp4" not in out
+    key_b = Environment(**ENV_B).key()
+    assert cli("list", "--db", str(dbfile), "--env", key_b) == 0
+    assert "1 results" in capsys.readouterr().out
+
+
+def test_show_row_and_trials(dbfile, capsys):
+    assert cli("show", "--db", str(dbfile), "--op", "linear", "--m", "1", "--n", "4096", "--k", "4096") == 0
+    out = capsys.readouterr().out
+    assert '{"chunk_n":1024}' in out and "speedup 2.50x" in out
+    assert "wrong_result" in out and "max abs err" in out and '{"chunk_n":512}' in out
+    assert cli("show", "--db", str(dbfile), "--n", "12345") == 1
+
+
+def test_export_import_round_trip(dbfile, tmp_path, capsys):
+    out_json = tmp_path / "out.json"
+    assert cli("export", "--db", str(dbfile), "--out", str(out_json)) == 0
+    doc = json.loads(out_json.read_text())
+    assert len(doc["records"]) == 3 and len(doc["environments"]) == 2
+    key_a = Environment(**ENV_A).key()
+    assert cli("export", "--db", str(dbfile), "--out", str(tmp_path / "a.json"), "--env", key_a) == 0
+    assert len(json.loads((tmp_path / "a.json").read_text())["records"]) == 2
+    fresh = tmp_path / "fresh.db"
+    assert cli("import", "--db", str(fresh), str(out_json)) == 0
+    assert "3 added" in capsys.readouterr().out
+    with TuningDB(fresh) as a, TuningDB(dbfile) as b:
+        assert [r.model_dump() for r in a.results()] == [r.model_dump() for r in b.results()]
+    assert cli("diff", "--db", str(fresh), str(out_json)) == 0
+    assert "0 differences" in capsys.readouterr().out
+
+
+def test_bad_input_exits_2(dbfile, tmp_path, capsys):
+    assert cli("import", "--db", str(dbfile), str(tmp_path / "missing.json")) == 2
+    assert "no such file" in capsys.readouterr().err
+    (tmp_path / "broken.json").write_text("{not json")
+    assert cli("import", "--db", str(dbfile), str(tmp_path / "broken.json")) == 2
+    assert "invalid JSON" in capsys.readouterr().err
+    good = tmp_path / "good.json"
+    assert cli("export", "--db", str(dbfile), "--out", str(good)) == 0
+    doc = json.loads(good.read_text())
+    doc["records"][1]["backend"] = "evil"
+    (tmp_path / "evil.json").write_text(json.dumps(doc))
+    assert cli("import", "--db", str(dbfile), str(tmp_path / "evil.json")) == 2
+    err = capsys.readouterr().err
+    assert "record #1" in err and "unknown backend 'evil'" in err
+    assert cli("list", "--db", str(tmp_path / "nope.db")) == 2
+    assert "no tuning database" in capsys.readouterr().err
+    (tmp_path / "garbage.db").write_bytes(os.urandom(4096))
+    assert cli("list", "--db", str(tmp_path / "garbage.db")) == 2
+    assert "not a readable tuning database" in capsys.readouterr().err
+    assert cli("list", "--db", str(dbfile), "--env", "xyz") == 2
+    assert cli("prune", "--db", str(dbfile)) == 2
+    assert "at least one" in capsys.readouterr().err
+    assert cli("merge", "--db", str(dbfile), str(tmp_path / "missing.db")) == 2
+
+
+def test_merge_diff_prune(dbfile, tmp_path, capsys):
+    other = tmp_path / "other.db"
+    with TuningDB(other) as db:
+        db.upsert_result(rec(m_bucket=1, samples=99, config={"chunk_n": 2048}, median_us=9.0))
+        db.upsert_result(rec(m_bucket=4))
+    assert cli("diff", "--db", str(dbfile), str(other)) == 1
+    out = capsys.readouterr().out
+    assert "only_theirs" in out and "only_ours" in out and "config" in out
+    assert cli("merge", "--db", str(dbfile), str(other)) == 0
+    out = capsys.readouterr().out
+    assert "1 added, 1 replaced" in out and "conflict" in out and "keep theirs" in out
+    with TuningDB(dbfile) as db:
+        (r1,) = db.results(m_bucket=1)
+        assert r1.config == {"chunk_n": 2048} and r1.samples == 99
+    assert cli("prune", "--db", str(dbfile), "--failed-trials") == 0
+    assert "deleted 1 rows" in capsys.readouterr().out
+    assert cli("prune", "--db", str(dbfile), "--env", Environment(**ENV_B).key()) == 0
+    assert "deleted 1 rows" in capsys.readouterr().out
+    with TuningDB(dbfile) as db:
+        assert db.counts()["results"] == 3 and db.counts()["trials"] == 0
+
+
+def test_cli_as_subprocess(dbfile, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "autofp4.cli_db", "list", "--db", str(dbfile)],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "3 results" in out.stdout
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 999, "records": []}')
+    out = subprocess.run([sys.executable, "-m", "autofp4.cli_db", "import", str(bad), "--db", str(dbfile)],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 2 and "schema_version 999" in out.stderr
