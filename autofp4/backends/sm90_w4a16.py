@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 from .base import Backend, BackendConfig, ProblemKey, Runner
 from .reference import reference_linear
 
-_DECODE_FIELDS = ("warps", "k_split", "m_max")
+_DECODE_FIELDS = ("warps", "k_split", "m_max", "prefetch", "split_reduce", "tiles_per_warp")
 _GEMM_FIELDS = ("tile_n", "tile_m", "tile_k", "stages", "split_k", "cluster_n", "raster")
 
 
@@ -36,6 +36,9 @@ class SM90Config(BackendConfig):
     warps: Optional[int] = Field(None, ge=1, le=32)
     k_split: Optional[int] = Field(None, ge=1, le=256)
     m_max: Optional[int] = Field(None, ge=1, le=4096)
+    prefetch: Optional[bool] = None
+    split_reduce: Optional[Literal["kernel", "last_warp"]] = None
+    tiles_per_warp: Optional[int] = Field(None, ge=1, le=16)
     # gemm kernel
     tile_n: Optional[int] = Field(None, ge=1, le=1024)
     tile_m: Optional[int] = Field(None, ge=1, le=1024)

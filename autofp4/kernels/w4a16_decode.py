@@ -1,0 +1,765 @@
+"""Small-M ("decode") W4A16 FP4 linear for Hopper: a memory-bound, warp-level-MMA kernel.
+
+``out[M, N] = (x[M, K] @ W[N, K]^T) * global_scale + bias`` for M = 1..``m_max`` tokens, where
+``W`` is NVFP4 or MXFP4. The FP4 bytes stream from HBM once; everything else is small.
+
+How it works
+------------
+* Swap A and B: the kernel computes ``out^T = W x^T`` with ``mma.sync.m16n8k16`` (fp32
+  accumulate). The decoded *weights* are the A operand (16 rows of N per MMA), the tokens the
+  N=8 operand (``m_max / 8`` n8 tiles), so M = 1..8 wastes no weight bandwidth.
+* Each warp owns ``tiles_per_warp`` 16-row tiles of W (sharing its x fragments) and a range of
+  K (``k_split`` CTAs share a tile's K); no shared memory, no CTA barriers.
+  K is walked in groups of 512 = 8 chunks of 64. Per chunk, each lane issues ONE 16-byte load
+  that holds exactly its A fragments for 4 MMAs (rows ``g`` and ``g + 8``, 16 consecutive K).
+  The reduction over K is order-free, so lane ``t`` of a quad takes the physical K range
+  ``16 t .. 16 t + 15`` of the chunk and MMA step ``j`` uses ``16 t + 4 j .. + 3``; the same map
+  is applied to x, whose B fragments then come from two 16-byte loads per lane and n8 tile.
+* :func:`pack_weight` reorders the nibbles of each 32-bit word so that the decode is a few
+  shift/and/or ops (``_DECODE_TERMS``): the 3 magnitude bits of an E2M1 value land on the low
+  exponent/mantissa bits of a bf16 (fp16) lane and its sign on bit 15, which is the value
+  times 2**-126 (2**-14 for fp16; code 1 is a subnormal). The power of two is folded into the
+  block scale multiply (``mul.rn.bf16x2``) and the fp32 epilogue, so every product is exact:
+  - nvfp4: block scale E4M3 -> f16 (``cvt.rn.f16x2.e4m3x2``) -> scaled by 2**118 (bf16) or
+    2**7 (fp16). Decoded weight = value * scale * 2**-8 (2**-7); the epilogue multiplies by
+    ``global_scale * 2**8`` (``* 2**7``).
+  - mxfp4: the E8M0 byte ``s`` becomes the bf16 (fp16) power of two ``2**(s + A - 127)``
+    (``2**(s + A - 15)``) with one integer multiply-add; ``A = 254 - max(s)`` (``30 - max(s)``)
+    is chosen per tensor by :func:`pack_weight`, the epilogue multiplies by ``2**(max(s) - 128)``.
+    bf16 needs ``max(s) - min(s) <= 133``, fp16 ``<= 24`` (fp16 has 5 exponent bits); a weight
+    outside that range is rejected with a ValueError when run with that dtype.
+* Loads: per K group, each lane issues 9 (x tiles_per_warp) 16-byte loads (8 weight chunks
+  bypassing L1, one scale record) before decoding; with ``prefetch`` the next group's loads are
+  issued into a second register buffer before the current group is computed. x is read with
+  L1-cached 16-byte loads (only rows < M; other lanes' loads are predicated off).
+* ``k_split > 1``: each CTA writes fp32 partial sums to a workspace ``[k_split, M, N16]``
+  (``torch.empty`` per call). ``split_reduce="kernel"``: a second small kernel sums them and
+  applies the epilogue and bias. ``"last_warp"``: one launch; each warp counts itself in on a
+  per-tile int32 counter (``fence.acq_rel.gpu`` + ``atom.add``) and the last one sums the
+  partials; it resets the counter, so the counters (zeroed once per device) stay zero between
+  launches. No host sync, CUDA-graph capturable either way.
+* One compile serves every ``1 <= M <= m_max`` (symbolic M); n8 tiles beyond M are skipped at
+  run time. Larger M raises a ValueError (the wgmma kernel serves those).
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+FORMATS = ("nvfp4", "mxfp4")
+DTYPES = ("bfloat16", "float16")
+BLOCK = {"nvfp4": 16, "mxfp4": 32}
+
+TILE_N = 16  # weight rows per warp (the MMA's M)
+CHUNK_K = 64  # K per 16-byte lane load (4 MMA k-steps)
+CHUNKS = 8  # chunks per K group (one 16-byte scale load per lane covers a group)
+GROUP_K = CHUNK_K * CHUNKS  # 512
+M_MAX_CHOICES = (8, 16, 32, 64)
+WARPS_CHOICES = (1, 2, 4, 8, 16)
+MAX_K_SPLIT = 64
+SPLIT_REDUCE = ("kernel", "last_warp")
+TILES_PER_WARP_CHOICES = (1, 2)
+
+# fp32 epilogue factors that undo the power of two folded into the decode (nvfp4)
+_NV_SHIFT = {"bfloat16": 8, "float16": 7}
+# mxfp4: largest biased exponent the scaled block scale may take, and the range it needs
+_MX_TOP = {"bfloat16": 254, "float16": 30}
+_MX_SPAN = {"bfloat16": 133, "float16": 24}
+_MX_MUL = {"bfloat16": 0x00800080, "float16": 0x04000400}
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One point of the decode kernel's search space.
+
+    warps:   warps per CTA; each warp owns one 16-row tile of W, so a CTA covers 16 * warps rows.
+    k_split: CTAs that share one tile's K range (split-K; > 1 adds a tiny reduction kernel).
+    m_max:   largest M this compile serves (m_max / 8 n8 MMA tiles per warp).
+    prefetch: load K group i+1 into a second register buffer while group i is computed
+             (more bytes in flight per warp, more registers).
+    split_reduce: how split-K partials are summed: "kernel" (a second small kernel) or
+             "last_warp" (the last warp to finish a tile sums them in the same launch, using
+             per-tile arrival counters that reset themselves).
+    tiles_per_warp: 16-row tiles one warp decodes against the same x fragments (fewer x
+             loads per weight byte, more registers).
+    """
+
+    warps: int = 4
+    k_split: int = 1
+    m_max: int = 16
+    prefetch: bool = False
+    split_reduce: str = "kernel"
+    tiles_per_warp: int = 1
+
+    @property
+    def rows_per_cta(self) -> int:
+        return TILE_N * self.warps * self.tiles_per_warp
+
+
+def _groups(k: int) -> int:
+    return -(-k // GROUP_K)
+
+
+def _tiles(n: int) -> int:
+    return -(-n // TILE_N)
+
+
+def config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
+    """Values worth sweeping for ``(n, k)``."""
+    g = _groups(k)
+    splits = sorted({s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if s <= g})
+    return {"warps": [2, 4, 8, 16], "k_split": splits, "m_max": list(M_MAX_CHOICES),
+            "prefetch": [False, True], "split_reduce": list(SPLIT_REDUCE),
+            "tiles_per_warp": list(TILES_PER_WARP_CHOICES)}
+
+
+def validate(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | None:
+    """``None`` if ``cfg`` can run ``(n, k, fmt, dtype)``, else why not (one rule each)."""
+    if not isinstance(cfg, DecodeConfig):
+        return f"expected a DecodeConfig, got {type(cfg).__name__}"
+    if fmt not in FORMATS:
+        return f"fmt must be one of {FORMATS}, got {fmt!r}"
+    if dtype not in DTYPES:
+        return f"dtype must be one of {DTYPES}, got {dtype!r}"
+    if not (isinstance(n, int) and n > 0):
+        return f"n must be a positive int, got {n!r}"
+    if not (isinstance(k, int) and k > 0):
+        return f"k must be a positive int, got {k!r}"
+    if k % BLOCK[fmt]:
+        return f"k must be a multiple of the {fmt} block size {BLOCK[fmt]}, got k={k}"
+    if cfg.warps not in WARPS_CHOICES:
+        return f"warps must be one of {WARPS_CHOICES}, got {cfg.warps}"
+    if cfg.m_max not in M_MAX_CHOICES:
+        return f"m_max must be one of {M_MAX_CHOICES}, got {cfg.m_max}"
+    if not (isinstance(cfg.k_split, int) and cfg.k_split >= 1):
+        return f"k_split must be an int >= 1, got {cfg.k_split!r}"
+    if cfg.k_split > MAX_K_SPLIT:
+        return f"k_split must be <= {MAX_K_SPLIT}, got {cfg.k_split}"
+    if cfg.k_split > _groups(k):
+        return (f"k_split={cfg.k_split} exceeds the {_groups(k)} K groups of {GROUP_K} "
+                f"(k={k}); some CTAs would have no work")
+    per_split = -(-_groups(k) // cfg.k_split)
+    if -(-_groups(k) // per_split) != cfg.k_split:
+        return (f"k_split={cfg.k_split} leaves an empty split: {_groups(k)} K groups in chunks "
+                f"of {per_split} need only {-(-_groups(k) // per_split)} splits")
+    if not isinstance(cfg.prefetch, bool):
+        return f"prefetch must be a bool, got {cfg.prefetch!r}"
+    if cfg.split_reduce not in SPLIT_REDUCE:
+        return f"split_reduce must be one of {SPLIT_REDUCE}, got {cfg.split_reduce!r}"
+    if cfg.split_reduce != "kernel" and cfg.k_split == 1:
+        return f"split_reduce={cfg.split_reduce!r} only applies with k_split > 1; use 'kernel'"
+    if cfg.tiles_per_warp not in TILES_PER_WARP_CHOICES:
+        return f"tiles_per_warp must be one of {TILES_PER_WARP_CHOICES}, got {cfg.tiles_per_warp}"
+    regs = _register_estimate(cfg)
+    if regs > 255:
+        return (f"about {regs} registers per thread needed (m_max={cfg.m_max}, tiles_per_warp="
+                f"{cfg.tiles_per_warp}, prefetch={cfg.prefetch}); the limit is 255")
+    if regs * 32 * cfg.warps > 65536:
+        return (f"a CTA of {cfg.warps} warps x about {regs} registers per thread exceeds the "
+                f"64K-register file; use fewer warps or a smaller m_max")
+    return None
+
+
+def _register_estimate(cfg: DecodeConfig) -> int:
+    """Rough registers per thread: weight/scale buffers, x fragments, accumulators, temporaries."""
+    nt = cfg.m_max // 8
+    buffers = (4 + CHUNKS * 4) * cfg.tiles_per_warp * (2 if cfg.prefetch else 1)
+    return 32 + buffers + 8 * nt + 4 * nt * cfg.tiles_per_warp
+
+
+def _sm_count() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 132
+
+
+def default_config(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> DecodeConfig:
+    """Heuristic: the smallest m_max that covers ``m``; split K until about 16 warps per SM have
+    work (one wave), keeping every split non-empty."""
+    m = 16 if m is None else m
+    m_max = next((c for c in M_MAX_CHOICES if c >= m), M_MAX_CHOICES[-1])
+    warps = 4
+    tiles = _tiles(n)
+    g = _groups(k)
+    target_warps = _sm_count() * 16
+    split = max(1, min(g, round(target_warps / max(tiles, 1))))
+    # snap to a split that leaves no empty CTA
+    while split > 1:
+        cfg = DecodeConfig(warps=warps, k_split=split, m_max=m_max)
+        if validate(cfg, n, k, fmt, dtype) is None:
+            return cfg
+        split -= 1
+    return DecodeConfig(warps=warps, k_split=1, m_max=m_max)
+
+
+# ----------------------------------------------------------------------------- layout
+# For one 32-bit word (8 E2M1 values = the A fragments of one MMA k-step of one lane), the
+# bit of the word that holds nibble bit ``b`` (0 = mantissa, 1-2 = exponent, 3 = sign) of
+# element ``e`` (0 = low half, 1 = high half) of A register ``r``. Register r holds rows
+# g (r even) / g + 8 (r odd) and physical K offsets 0,1 (r < 2) / 2,3 (r >= 2) of the step.
+def _bf16_out_bit(b: int, e: int) -> int:
+    return (6, 7, 8, 15)[b] + 16 * e
+
+
+def _fp16_out_bit(b: int, e: int) -> int:
+    return (9, 10, 11, 15)[b] + 16 * e
+
+
+def _word_bit(r: int, e: int, b: int) -> int:
+    if r < 3:
+        return _bf16_out_bit(b, e) - 3 * r
+    return (10, 13, 14, 11)[b] + 16 * e
+
+
+def _decode_terms(dtype: str) -> list[list[tuple[int, int]]]:
+    """Per A register: [(shift, mask)] with reg = OR((word << shift) & mask), shift < 0 = right."""
+    out_bit = _bf16_out_bit if dtype == "bfloat16" else _fp16_out_bit
+    regs = []
+    for r in range(4):
+        terms: dict[int, int] = {}
+        for e in range(2):
+            for b in range(4):
+                o = out_bit(b, e)
+                s = o - _word_bit(r, e, b)
+                terms[s] = terms.get(s, 0) | (1 << o)
+        regs.append(sorted(terms.items()))
+    return regs
+
+
+def _check_layout() -> None:
+    bits = sorted(_word_bit(r, e, b) for r in range(4) for e in range(2) for b in range(4))
+    assert bits == list(range(32)), bits
+
+
+_check_layout()
+
+
+@dataclass(frozen=True, eq=False)
+class DecodePacked:
+    """A weight in the decode kernel's layout (see :func:`pack_weight`)."""
+
+    fmt: str
+    n: int
+    k: int
+    data: torch.Tensor  # uint8 [tiles * groups * 8 * 32 * 16]
+    scales: torch.Tensor  # uint8 [tiles * groups * slots * 16]
+    alpha: torch.Tensor  # fp32 [2]: epilogue factor for bf16, fp16 activations
+    scale_add: tuple[int, int]  # mxfp4: integer added to s * _MX_MUL (bf16, fp16); 0 for nvfp4
+    unsupported: tuple[str | None, str | None]  # (bf16, fp16): why this weight cannot run
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+
+def _codes(w: Any) -> torch.Tensor:
+    d = w.data
+    return torch.stack((d & 0x0F, d >> 4), dim=-1).reshape(d.shape[0], d.shape[1] * 2)
+
+
+def pack_weight(w: Any) -> DecodePacked:
+    """Reorder an ``FP4Weight`` ``[N, K]`` into the layout the decode kernel streams.
+
+    data: for tile (16 rows), K group (512), chunk (64), lane (g, t): 16 bytes = 4 words, word
+    ``j`` holding rows ``g``/``g + 8`` x K ``16 t + 4 j .. + 3`` of the chunk, bits placed by
+    :func:`_word_bit`. scales: per tile, group and lane slot, 16 bytes = for chunk ``c``, byte
+    ``2 c`` (row g) and ``2 c + 1`` (row g + 8). Rows and K are zero-padded to 16 / 512.
+    Pure torch; runs on any device.
+    """
+    if getattr(w, "experts", 0):
+        raise ValueError(f"pack_weight takes a 2-D weight, got stacked experts of shape {tuple(w.shape)}")
+    fmt = w.fmt
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    n, k = int(w.shape[-2]), int(w.shape[-1])
+    if k % BLOCK[fmt]:
+        raise ValueError(f"k must be a multiple of {BLOCK[fmt]} for {fmt}, got {k}")
+    dev = w.data.device
+    tiles, groups = _tiles(n), _groups(k)
+    n_pad, k_pad = tiles * TILE_N, groups * GROUP_K
+
+    q = torch.zeros(n_pad, k_pad, dtype=torch.uint8, device=dev)
+    q[:n, :k] = _codes(w)
+    # [tile, h, g, group, chunk, t, j, kk] -> [tile, group, chunk, g, t, j, h, kk]
+    q = q.view(tiles, 2, 8, groups, CHUNKS, 4, 4, 4).permute(0, 3, 4, 2, 5, 6, 1, 7)
+    word = torch.zeros(q.shape[:6], dtype=torch.int32, device=dev)  # bit 31 wraps: fine
+    for r in range(4):
+        h, k0 = r & 1, 2 * (r >> 1)
+        for e in range(2):
+            code = q[..., h, k0 + e]
+            for b in range(4):
+                word |= ((code >> b) & 1).to(torch.int32) << _word_bit(r, e, b)
+    data = word.contiguous().view(torch.uint8).reshape(-1)
+
+    nb = k // BLOCK[fmt]
+    per_group = GROUP_K // BLOCK[fmt]  # 32 (nvfp4) or 16 (mxfp4) blocks per group
+    raw = w.scale.view(torch.uint8) if fmt == "nvfp4" else w.scale
+    sc = torch.zeros(n_pad, groups * per_group, dtype=torch.uint8, device=dev)
+    scale_add = (0, 0)
+    unsupported: list[str | None] = [None, None]
+    if fmt == "nvfp4":
+        sc[:n, :nb] = raw
+        gs = w.global_scale.to(device=dev, dtype=torch.float32).reshape(())
+        alpha = torch.stack([gs * 2.0 ** _NV_SHIFT["bfloat16"], gs * 2.0 ** _NV_SHIFT["float16"]])
+        tq = 4
+    else:
+        smax, smin = int(raw.max()), int(raw.min())
+        if smax == 255:
+            raise ValueError("mxfp4 scales contain the E8M0 NaN (255)")
+        sc[:n, :nb] = raw
+        sc[n:, :] = smax
+        sc[:, nb:] = smax
+        adds = []
+        for i, dt in enumerate(DTYPES):
+            a = _MX_TOP[dt] - smax
+            add = (a * _MX_MUL[dt]) & 0xFFFFFFFF  # uint32 arithmetic, passed as an int32
+            adds.append(add - (1 << 32) if add >= 1 << 31 else add)
+            if smax - smin > _MX_SPAN[dt]:
+                unsupported[i] = (f"mxfp4 block exponents span {smax - smin} binades "
+                                  f"(E8M0 {smin}..{smax}); {dt} activations hold at most "
+                                  f"{_MX_SPAN[dt]} exactly: use bfloat16")
+            if smax < 2:
+                unsupported[i] = f"mxfp4 scales are all below 2**-125 (max E8M0 byte {smax})"
+        scale_add = (adds[0], adds[1])
+        alpha = torch.full((2,), 2.0 ** (smax - 128), dtype=torch.float32, device=dev)
+        tq = 2
+    # [tile, h, g, group, chunk, tq] -> [tile, group, g, tq, chunk, h]
+    sc = sc.view(tiles, 2, 8, groups, CHUNKS, tq).permute(0, 3, 2, 5, 4, 1)
+    return DecodePacked(fmt, n, k, data, sc.contiguous().reshape(-1), alpha.contiguous(),
+                        scale_add, (unsupported[0], unsupported[1]))
+
+
+def unpack_reference(p: DecodePacked, dtype: str = "bfloat16") -> torch.Tensor:
+    """fp32 ``[N, K]`` weight decoded from the packed layout by emulating the kernel's decode
+    (``_DECODE_TERMS`` bit ops, scale encodings, epilogue factor) in torch. Used by tests to
+    prove the packed layout and the decode formulas agree with ``FP4Weight.dequantize``."""
+    tiles, groups = _tiles(p.n), _groups(p.k)
+    words = p.data.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    words = words.view(tiles, groups, CHUNKS, 8, 4, 4)  # tile, group, chunk, g, t, j
+    t16 = torch.float16 if dtype == "float16" else torch.bfloat16
+    # scales per (tile, group, g, slot, chunk, h), as the kernel builds them in `dtype`
+    tq = 4 if p.fmt == "nvfp4" else 2
+    sc = p.scales.view(tiles, groups, 8, tq, CHUNKS, 2)
+    if p.fmt == "nvfp4":
+        f = sc.contiguous().view(torch.float8_e4m3fn).float()
+        scale = (f * 2.0 ** (126 - _NV_SHIFT[dtype] if dtype == "bfloat16" else 14 - _NV_SHIFT[dtype])).to(t16)
+    else:
+        add = p.scale_add[0 if dtype == "bfloat16" else 1]
+        bits = (sc.to(torch.int64) * _MX_MUL[dtype] + add) & 0xFFFF  # low half: row g lane
+        scale = bits.to(torch.int32).to(torch.int16).view(t16)
+    scale = scale[:, :, :, torch.arange(4, device=scale.device) // (4 // tq)]  # lane t -> slot
+    scale = scale.permute(0, 1, 4, 2, 3, 5).float()  # tile, group, chunk, g, t, h
+    vals = torch.zeros(tiles, groups, CHUNKS, 8, 4, 4, 2, 4, dtype=torch.float64,
+                       device=words.device)  # ..., j, h, kk
+    for r, terms in enumerate(_decode_terms(dtype)):
+        reg = torch.zeros_like(words)
+        for s, mask in terms:
+            sh = (words << s) if s >= 0 else (words >> -s)
+            reg |= sh & mask
+        h = r & 1
+        for e in range(2):
+            half = ((reg >> (16 * e)) & 0xFFFF).to(torch.int32).to(torch.int16)
+            tiny = half.view(t16).float()
+            prod = (tiny * scale[..., None, h]).to(t16)  # mul.rn in the activation dtype
+            vals[..., h, 2 * (r >> 1) + e] = prod.double()
+    vals = vals * p.alpha[0 if dtype == "bfloat16" else 1].double()
+    # [tile, group, chunk, g, t, j, h, kk] -> [tile, h, g, group, chunk, t, j, kk]
+    dense = vals.permute(0, 6, 3, 1, 2, 4, 5, 7).reshape(tiles * TILE_N, groups * GROUP_K)
+    return dense[: p.n, : p.k].float()
+
+
+# ----------------------------------------------------------------------------- kernel
+def _dsl():
+    """Import CuTeDSL lazily (the layout helpers above need only torch)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    return cutlass, cute, llvm, T
+
+
+def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bool):
+    """The main (and, for k_split > 1, the reduction) @cute.jit launchers for one problem."""
+    cutlass, cute, llvm, T = _dsl()
+    from cutlass import Float32, Int32, Int64, Uint32
+
+    WARPS, KS, NT = cfg.warps, cfg.k_split, cfg.m_max // 8
+    PREFETCH, LAST_WARP = cfg.prefetch, cfg.split_reduce == "last_warp"
+    TPW = cfg.tiles_per_warp
+    TILES, GROUPS = _tiles(n), _groups(k)
+    GPS = -(-GROUPS // KS)  # K groups per split
+    N_PAD = TILES * TILE_N
+    SLOTS = 32 if fmt == "nvfp4" else 16
+    TERMS = _decode_terms(dtype)
+    BF16 = dtype == "bfloat16"
+    ALPHA_IDX = 0 if BF16 else 1
+    MX_MUL = _MX_MUL[dtype]
+    HMUL = "mul.rn.bf16x2 $0, $1, $2;" if BF16 else "mul.rn.f16x2 $0, $1, $2;"
+    MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, "
+           "{{$8,$9}}, {{$10,$11,$12,$13}};").format(t="bf16" if BF16 else "f16")
+    if BF16:  # two E4M3 (low 16 bits) -> (s_lo * 2^118, s_lo * 2^118), (s_hi.., s_hi..) bf16x2
+        NV_SCALE = (
+            "{ .reg .b16 l, h; .reg .b32 p; .reg .f32 f0, f1;\n"
+            "mov.b32 {l, h}, $2;\n"
+            "cvt.rn.f16x2.e4m3x2 p, l;\n"
+            "mov.b32 {l, h}, p;\n"
+            "cvt.f32.f16 f0, l; cvt.f32.f16 f1, h;\n"
+            "mul.f32 f0, f0, 0f7A800000; mul.f32 f1, f1, 0f7A800000;\n"
+            "cvt.rn.bf16x2.f32 p, f1, f0;\n"
+            "prmt.b32 $0, p, p, 0x1010; prmt.b32 $1, p, p, 0x3232; }"
+        )
+    else:  # fp16: * 2^7
+        NV_SCALE = (
+            "{ .reg .b16 l, h; .reg .b32 p, c;\n"
+            "mov.b32 {l, h}, $2;\n"
+            "cvt.rn.f16x2.e4m3x2 p, l;\n"
+            "mov.b32 c, 0x58005800;\n"
+            "mul.rn.f16x2 p, p, c;\n"
+            "prmt.b32 $0, p, p, 0x1010; prmt.b32 $1, p, p, 0x3232; }"
+        )
+
+    def asm(ret, args, text, cons):
+        return llvm.inline_asm(ret, [a.ir_value() for a in args], text, cons,
+                               has_side_effects=False, is_align_stack=False,
+                               asm_dialect=llvm.AsmDialect.AD_ATT)
+
+    def ld16(addr, pred, stream: bool):
+        hint = ".L1::no_allocate" if stream else ""
+        r = asm(llvm.StructType.get_literal([T.i32()] * 4), [Int64(addr), Int32(pred)],
+                "{ .reg .pred p; setp.ne.b32 p, $5, 0;\n"
+                "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;\n"
+                f"@p ld.global.nc{hint}.v4.u32 {{$0,$1,$2,$3}}, [$4]; }}",
+                "=r,=r,=r,=r,l,r")
+        return [Uint32(llvm.extractvalue(T.i32(), r, [i])) for i in range(4)]
+
+    def hmul2(a, b):
+        return Uint32(asm(T.i32(), [Uint32(a), Uint32(b)], HMUL, "=r,r,r"))
+
+    def mma(a, b0, b1, c):
+        r = asm(llvm.StructType.get_literal([T.f32()] * 4),
+                [Uint32(a[0]), Uint32(a[1]), Uint32(a[2]), Uint32(a[3]), Uint32(b0), Uint32(b1),
+                 Float32(c[0]), Float32(c[1]), Float32(c[2]), Float32(c[3])],
+                MMA, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+        return [Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
+
+    def scale_pairs(bits16, sadd):
+        """Low 16 bits = (row g, row g+8) scale bytes -> replicated (S_g, S_g), (S_g8, S_g8)."""
+        if fmt == "nvfp4":
+            r = asm(llvm.StructType.get_literal([T.i32()] * 2), [Uint32(bits16)], NV_SCALE,
+                    "=r,=r,r")
+            return Uint32(llvm.extractvalue(T.i32(), r, [0])), Uint32(llvm.extractvalue(T.i32(), r, [1]))
+        lo = (bits16 & Uint32(0xFF)) * Uint32(MX_MUL) + sadd
+        hi = ((bits16 >> Uint32(8)) & Uint32(0xFF)) * Uint32(MX_MUL) + sadd
+        return lo, hi
+
+    def decode(word, r):
+        acc = None
+        for s, mask in TERMS[r]:
+            sh = word << Uint32(s) if s > 0 else (word >> Uint32(-s) if s < 0 else word)
+            v = sh & Uint32(mask)
+            acc = v if acc is None else acc | v
+        return acc
+
+    def ld_cg_f32(addr):
+        return Float32(asm(T.f32(), [Int64(addr)], "ld.global.cg.f32 $0, [$1];", "=f,l"))
+
+    def arrive(addr):
+        """Release this warp's partial sums and count it in; returns the previous count."""
+        return Int32(llvm.inline_asm(
+            T.i32(), [Int64(addr).ir_value()],
+            "fence.acq_rel.gpu;\natom.global.add.u32 $0, [$1], 1;", "=r,l",
+            has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+    def fence_gpu():
+        llvm.inline_asm(None, [], "fence.acq_rel.gpu;", "", has_side_effects=True,
+                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+    def store_u32(addr, v):
+        llvm.inline_asm(None, [Int64(addr).ir_value(), Int32(v).ir_value()],
+                        "st.global.u32 [$0], $1;", "l,r", has_side_effects=True,
+                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+    def store_f32(addr, v):
+        llvm.inline_asm(None, [Int64(addr).ir_value(), Float32(v).ir_value()],
+                        "st.global.cg.f32 [$0], $1;", "l,f", has_side_effects=True,
+                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+    NBUF = 4 + CHUNKS * 4  # 16 B of scales + 8 x 16 B of weights per lane and K group
+
+    @cute.jit
+    def load_group(buf: cute.Tensor, off: cutlass.Constexpr, w_base, s_base, gi, pred):
+        v = ld16(s_base + Int64(gi) * (SLOTS * 16), pred, True)
+        for i in cutlass.range_constexpr(4):
+            buf[off + i] = v[i]
+        for c in cutlass.range_constexpr(CHUNKS):
+            v = ld16(w_base + (Int64(gi) * CHUNKS + c) * 512, pred, True)
+            for i in cutlass.range_constexpr(4):
+                buf[off + 4 + 4 * c + i] = v[i]
+
+    def load_tiles(buf, w_bases, s_bases, gi, valid, pred):
+        for tw in range(TPW):
+            load_group(buf, tw * NBUF, w_bases[tw], s_bases[tw], gi, Int32(valid[tw] & pred))
+
+    @cute.jit
+    def compute_group(buf: cute.Tensor, acc, xv, x_base, gi, g, t, sadd_u, m_rows):
+        for c in cutlass.range_constexpr(CHUNKS):
+            kin = gi * GROUP_K + c * CHUNK_K + t * 16 < k
+            for nt in cutlass.range_constexpr(NT):
+                if nt * 8 < m_rows:
+                    m = nt * 8 + g
+                    xa = x_base + (Int64(m) * k + Int64(gi) * GROUP_K + c * CHUNK_K) * 2
+                    ok = Int32((m < m_rows) & kin)
+                    v0 = ld16(xa, ok, False)
+                    v1 = ld16(xa + Int64(16), ok, False)
+                    for i in cutlass.range_constexpr(4):
+                        xv[nt * 8 + i] = v0[i]
+                        xv[nt * 8 + 4 + i] = v1[i]
+            for tw in cutlass.range_constexpr(TPW):  # the x fragments serve every tile
+                b = tw * NBUF
+                s_g, s_g8 = scale_pairs(buf[b + c // 2] >> Uint32(16 * (c % 2)), sadd_u)
+                for j in cutlass.range_constexpr(4):
+                    wd = buf[b + 4 + 4 * c + j]
+                    a = [hmul2(decode(wd, 0), s_g), hmul2(decode(wd, 1), s_g8),
+                         hmul2(decode(wd, 2), s_g), hmul2(decode(wd, 3), s_g8)]
+                    for nt in cutlass.range_constexpr(NT):
+                        if nt * 8 < m_rows:
+                            q = (tw * NT + nt) * 4
+                            cur = [acc[q + i] for i in range(4)]
+                            res = mma(a, xv[nt * 8 + 2 * j], xv[nt * 8 + 2 * j + 1], cur)
+                            for i in cutlass.range_constexpr(4):
+                                acc[q + i] = res[i]
+
+    @cute.kernel
+    def main_kernel(x: cute.Tensor, wq: cute.Tensor, sc: cute.Tensor, alpha: cute.Tensor,
+                    out: cute.Tensor, bias: cute.Tensor, ws: cute.Tensor, cnt: cute.Tensor,
+                    sadd: Int32, m_rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, bz, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        t = lane % 4
+        tile0 = (bidx * WARPS + warp) * TPW  # this warp's first 16-row tile
+        g0 = bz * GPS
+        g1 = cutlass.min(g0 + GPS, GROUPS)
+        acc = cute.make_rmem_tensor((TPW * NT * 4,), Float32)
+        for i in cutlass.range_constexpr(TPW * NT * 4):
+            acc[i] = Float32(0.0)
+        xv = cute.make_rmem_tensor((NT * 8,), Uint32)
+        buf_a = cute.make_rmem_tensor((TPW * NBUF,), Uint32)
+        buf_b = cute.make_rmem_tensor((TPW * NBUF,), Uint32)
+        sadd_u = Uint32(sadd)
+        if tile0 < TILES:
+            slot = lane
+            if cutlass.const_expr(SLOTS == 16):
+                slot = g * 2 + t // 2
+            w_bases = []
+            s_bases = []
+            valid = []
+            for tw in cutlass.range_constexpr(TPW):
+                w_bases.append(wq.iterator.toint()
+                               + Int64(((tile0 + tw) * GROUPS * CHUNKS * 32 + lane) * 16))
+                s_bases.append(sc.iterator.toint() + Int64(((tile0 + tw) * GROUPS * SLOTS + slot) * 16))
+                valid.append(tile0 + tw < TILES)
+            x_base = x.iterator.toint() + Int64(t * 32)
+            if cutlass.const_expr(PREFETCH):
+                # two-deep register pipeline over K groups: load group i+1 while computing i
+                load_tiles(buf_a, w_bases, s_bases, g0, valid, g0 < g1)
+                for gi in cutlass.range(g0, g1, 2):
+                    load_tiles(buf_b, w_bases, s_bases, gi + 1, valid, gi + 1 < g1)
+                    compute_group(buf_a, acc, xv, x_base, gi, g, t, sadd_u, m_rows)
+                    load_tiles(buf_a, w_bases, s_bases, gi + 2, valid, gi + 2 < g1)
+                    if gi + 1 < g1:
+                        compute_group(buf_b, acc, xv, x_base, gi + 1, g, t, sadd_u, m_rows)
+            else:
+                # all loads of a group issued at once; other warps hide the latency
+                for gi in cutlass.range(g0, g1, 1):
+                    load_tiles(buf_a, w_bases, s_bases, gi, valid, gi < g1)
+                    compute_group(buf_a, acc, xv, x_base, gi, g, t, sadd_u, m_rows)
+            # accumulator c0,c1 -> row g, tokens 2t, 2t+1; c2,c3 -> row g+8
+            last = Int32(1)
+            if cutlass.const_expr(KS > 1):
+                # split-K: publish fp32 partials [k_split, M, N16]
+                ws_base = ws.iterator.toint()
+                for tw in cutlass.range_constexpr(TPW):
+                    for nt in cutlass.range_constexpr(NT):
+                        for i in cutlass.range_constexpr(4):
+                            ms = nt * 8 + 2 * t + (i % 2)
+                            ns = (tile0 + tw) * TILE_N + g + 8 * (i // 2)
+                            if (ms < m_rows) & (ns < N_PAD):
+                                store_f32(ws_base + ((Int64(bz) * m_rows + ms) * N_PAD + ns) * 4,
+                                          acc[(tw * NT + nt) * 4 + i])
+                if cutlass.const_expr(LAST_WARP):
+                    # the last warp to arrive for this tile sums the partials and finishes
+                    fence_gpu()
+                    cute.arch.sync_warp()
+                    prev = Int32(0)
+                    if lane == 0:
+                        prev = arrive(cnt.iterator.toint() + Int64(tile0) * 4)
+                    prev = cute.arch.shuffle_sync(prev, 0)
+                    last = Int32(prev == KS - 1)
+                    if last != 0:
+                        fence_gpu()
+                        for tw in cutlass.range_constexpr(TPW):
+                            for nt in cutlass.range_constexpr(NT):
+                                for i in cutlass.range_constexpr(4):
+                                    mr = nt * 8 + 2 * t + (i % 2)
+                                    nr = (tile0 + tw) * TILE_N + g + 8 * (i // 2)
+                                    if (mr < m_rows) & (nr < N_PAD):
+                                        tot = Float32(0.0)
+                                        for z in cutlass.range_constexpr(KS):
+                                            tot = tot + ld_cg_f32(
+                                                ws_base + ((Int64(z) * m_rows + mr) * N_PAD + nr) * 4)
+                                        acc[(tw * NT + nt) * 4 + i] = tot
+                        if lane == 0:
+                            store_u32(cnt.iterator.toint() + Int64(tile0) * 4, Int32(0))
+                else:
+                    last = Int32(0)  # reduce_kernel finishes
+            if last != 0:
+                al = alpha[ALPHA_IDX]
+                for tw in cutlass.range_constexpr(TPW):
+                    for nt in cutlass.range_constexpr(NT):
+                        for i in cutlass.range_constexpr(4):
+                            mm = nt * 8 + 2 * t + (i % 2)
+                            nn = (tile0 + tw) * TILE_N + g + 8 * (i // 2)
+                            if (mm < m_rows) & (nn < n):
+                                v = acc[(tw * NT + nt) * 4 + i] * al
+                                if cutlass.const_expr(has_bias):
+                                    v = v + bias[nn].to(Float32)
+                                out[mm, nn] = v.to(out.element_type)
+
+    @cute.kernel
+    def reduce_kernel(ws: cute.Tensor, alpha: cute.Tensor, out: cute.Tensor, bias: cute.Tensor,
+                      m_rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        idx = bidx * 256 + tidx
+        mm = idx // n
+        nn = idx % n
+        if mm < m_rows:
+            s = ws[0, mm, nn]
+            for z in cutlass.range_constexpr(1, KS):
+                s = s + ws[z, mm, nn]
+            v = s * alpha[ALPHA_IDX]
+            if cutlass.const_expr(has_bias):
+                v = v + bias[nn].to(Float32)
+            out[mm, nn] = v.to(out.element_type)
+
+    grid_x = -(-TILES // (WARPS * TPW))
+
+    @cute.jit
+    def launch(x: cute.Tensor, wq: cute.Tensor, sc: cute.Tensor, alpha: cute.Tensor,
+               out: cute.Tensor, bias: cute.Tensor, ws: cute.Tensor, cnt: cute.Tensor,
+               sadd: Int32, stream):
+        m_rows = x.shape[0]
+        main_kernel(x, wq, sc, alpha, out, bias, ws, cnt, sadd, m_rows).launch(
+            grid=[grid_x, KS, 1], block=[32 * WARPS, 1, 1], stream=stream)
+        if cutlass.const_expr(KS > 1 and not LAST_WARP):
+            reduce_kernel(ws, alpha, out, bias, m_rows).launch(
+                grid=[(m_rows * n + 255) // 256, 1, 1], block=[256, 1, 1], stream=stream)
+
+    return launch
+
+
+def _cute_dtype(dtype: str):
+    import cutlass
+
+    return cutlass.BFloat16 if dtype == "bfloat16" else cutlass.Float16
+
+
+def _compile(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bool):
+    cutlass, cute, _, _ = _dsl()
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    dt = _cute_dtype(dtype)
+    tiles, groups = _tiles(n), _groups(k)
+    slots = 32 if fmt == "nvfp4" else 16
+    m = cute.sym_int()
+    fx = make_fake_compact_tensor(dt, (m, k), stride_order=(1, 0), assumed_align=16)
+    fw = make_fake_compact_tensor(cutlass.Uint8, (tiles * groups * CHUNKS * 32 * 16,), assumed_align=16)
+    fs = make_fake_compact_tensor(cutlass.Uint8, (tiles * groups * slots * 16,), assumed_align=16)
+    fa = make_fake_compact_tensor(cutlass.Float32, (2,), assumed_align=4)
+    fo = make_fake_compact_tensor(dt, (m, n), stride_order=(1, 0), assumed_align=2)
+    fb = make_fake_compact_tensor(dt, (n,) if has_bias else (1,), assumed_align=2)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    fn = _build(cfg, n, k, fmt, dtype, has_bias)
+    # extra CuTeDSL options for inspection, e.g. "--keep-ptx --keep-cubin --dump-dir=/tmp/d"
+    opts = ("--enable-tvm-ffi " + os.environ.get("AUTOFP4_CUTE_DSL_OPTIONS", "")).strip()
+    # split-K workspace [k_split, M, N16] fp32 and per-tile arrival counters (int32, self-resetting)
+    ws_shape = (cfg.k_split, m, tiles * TILE_N) if cfg.k_split > 1 else (1,)
+    fws = make_fake_compact_tensor(cutlass.Float32, ws_shape,
+                                   stride_order=tuple(reversed(range(len(ws_shape)))), assumed_align=16)
+    fc = make_fake_compact_tensor(cutlass.Int32, (tiles,), assumed_align=4)
+    return cute.compile(fn, fx, fw, fs, fa, fo, fb, fws, fc, 0, stream, options=opts)
+
+
+def _check_problem(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> None:
+    reason = validate(cfg, n, k, fmt, dtype)
+    if reason:
+        raise ValueError(f"invalid decode config {cfg} for n={n}, k={k}, {fmt}, {dtype}: {reason}")
+
+
+def compile_only(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> None:
+    """Compile (no GPU needed with ``CUTE_DSL_ARCH=sm_90a``), with and without bias."""
+    _check_problem(cfg, n, k, fmt, dtype)
+    _compile(cfg, n, k, fmt, dtype, False)
+    _compile(cfg, n, k, fmt, dtype, True)
+
+
+def compile_kernel(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> Callable:
+    """``run(x, packed, bias) -> out`` for every ``1 <= M <= cfg.m_max`` (one compile)."""
+    _check_problem(cfg, n, k, fmt, dtype)
+    tdt = getattr(torch, dtype)
+    di = DTYPES.index(dtype)
+    compiled: dict[bool, Any] = {False: _compile(cfg, n, k, fmt, dtype, False)}
+    ks, m_max, tiles = cfg.k_split, cfg.m_max, _tiles(n)
+    n_pad = tiles * TILE_N
+    # per-device helpers: a dummy bias / workspace, and the split-K arrival counters. The
+    # counters start at zero and every launch leaves them at zero, so one set per device serves
+    # every call (calls of one runner on one device must not run concurrently on two streams).
+    state: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def device_state(dev: torch.device):
+        st = state.get(dev)
+        if st is None:
+            st = state[dev] = (torch.zeros(1, dtype=tdt, device=dev),
+                               torch.zeros(1, dtype=torch.float32, device=dev),
+                               torch.zeros(tiles, dtype=torch.int32, device=dev))
+        return st
+
+    def run(x: torch.Tensor, packed: DecodePacked, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != k or x.dtype != tdt:
+            raise ValueError(f"x must be [M, {k}] {tdt}, got {tuple(x.shape)} {x.dtype}")
+        m = x.shape[0]
+        if not 1 <= m <= m_max:
+            raise ValueError(f"this decode kernel serves 1 <= M <= {m_max}, got M={m}")
+        if not x.is_contiguous() or x.data_ptr() % 16:
+            raise ValueError("x must be contiguous and 16-byte aligned")
+        if not x.is_cuda or packed.data.device != x.device:
+            raise ValueError(f"x ({x.device}) and the packed weight ({packed.data.device}) must be "
+                             "on the same CUDA device")
+        if packed.fmt != fmt or packed.n != n or packed.k != k:
+            raise ValueError(f"packed weight is {packed.fmt} [{packed.n}, {packed.k}], "
+                             f"this kernel was compiled for {fmt} [{n}, {k}]")
+        if packed.unsupported[di]:
+            raise ValueError(packed.unsupported[di])
+        dummy_b, dummy_ws, cnt = device_state(x.device)
+        out = torch.empty(m, n, dtype=tdt, device=x.device)
+        if bias is None:
+            b, fn = dummy_b, compiled[False]
+        else:
+            if bias.shape != (n,) or bias.dtype != tdt:
+                raise ValueError(f"bias must be [{n}] {tdt}, got {tuple(bias.shape)} {bias.dtype}")
+            b = bias.contiguous()
+            fn = compiled.get(True)
+            if fn is None:
+                fn = compiled[True] = _compile(cfg, n, k, fmt, dtype, True)
+        ws = torch.empty(ks, m, n_pad, dtype=torch.float32, device=x.device) if ks > 1 else dummy_ws
+        fn(x, packed.data, packed.scales, packed.alpha, out, b, ws, cnt, packed.scale_add[di])
+        return out
+
+    return run

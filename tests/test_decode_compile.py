@@ -1,0 +1,216 @@
+"""CPU tests of the small-M decode kernel: packed layout, config rules, sm_90a compilation."""
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import autofp4  # noqa: E402
+from autofp4.kernels import w4a16_decode as D  # noqa: E402
+from autofp4.weights import FP4Weight  # noqa: E402
+
+LLAMA = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]
+
+
+def _weight(n, k, fmt, gen, scale=0.05):
+    return autofp4.quantize(torch.randn(n, k, generator=gen) * scale, fmt)
+
+
+# ------------------------------------------------------------------------------ layout
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("n,k", [(16, 512), (40, 1088), (129, 2048), (7, 64)])
+def test_packed_decode_matches_dequantize(fmt, dtype, n, k, gen):
+    """Emulating the kernel's bit decode, scale encoding, bf16/fp16 multiply and epilogue on
+    the packed bytes reproduces FP4Weight.dequantize exactly (edges in N and K included)."""
+    w = _weight(n, k, fmt, gen)
+    p = D.pack_weight(w)
+    got = D.unpack_reference(p, dtype).double()
+    ref = w.dequantize(torch.float64)
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def _lane_position(n, k, tiles_groups):
+    """Byte offset of the 16-byte lane record and word index that hold element (n, k), from
+    the documented layout (independent of pack_weight's tensor permutes)."""
+    groups = tiles_groups
+    tile, rr = divmod(n, 16)
+    h, g = divmod(rr, 8)
+    grp, kr = divmod(k, 512)
+    c, kr = divmod(kr, 64)
+    t, kr = divmod(kr, 16)
+    j, kk = divmod(kr, 4)
+    lane = g * 4 + t
+    off = (((tile * groups + grp) * 8 + c) * 32 + lane) * 16 + 4 * j
+    reg = h + 2 * (kk // 2)
+    return off, reg, kk % 2
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_single_value_lands_in_documented_word(fmt, gen):
+    """A weight with one non-zero code: exactly the bits of _word_bit in the documented word."""
+    n, k = 40, 1536
+    for _ in range(20):
+        i = int(torch.randint(n, (1,), generator=gen))
+        kk = int(torch.randint(k, (1,), generator=gen))
+        code = int(torch.randint(1, 16, (1,), generator=gen))
+        codes = torch.zeros(n, k, dtype=torch.uint8)
+        codes[i, kk] = code
+        data = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        if fmt == "nvfp4":
+            scale = torch.ones(n, k // 16).to(torch.float8_e4m3fn)
+            w = FP4Weight(fmt, data, scale, torch.tensor(1.0))
+        else:
+            w = FP4Weight(fmt, data, torch.full((n, k // 32), 127, dtype=torch.uint8))
+        p = D.pack_weight(w)
+        words = p.data.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        off, reg, e = _lane_position(i, kk, D._groups(k))
+        expect = sum(((code >> b) & 1) << D._word_bit(reg, e, b) for b in range(4))
+        assert int(words[off // 4]) == expect
+        nz = torch.nonzero(words).flatten().tolist()
+        assert nz == [off // 4]
+
+
+def test_scale_layout_nvfp4(gen):
+    """Scale byte for (row, 16-block) sits at [tile, group, lane(g, t), 2 * chunk + h]."""
+    n, k = 32, 1024
+    w = _weight(n, k, "nvfp4", gen)
+    p = D.pack_weight(w)
+    raw = w.scale.view(torch.uint8)
+    groups = D._groups(k)
+    for _ in range(50):
+        r = int(torch.randint(n, (1,), generator=gen))
+        b = int(torch.randint(k // 16, (1,), generator=gen))
+        tile, rr = divmod(r, 16)
+        h, g = divmod(rr, 8)
+        grp, br = divmod(b, 32)
+        c, t = divmod(br, 4)
+        off = ((tile * groups + grp) * 32 + g * 4 + t) * 16 + 2 * c + h
+        assert int(p.scales[off]) == int(raw[r, b])
+
+
+def test_mxfp4_fp16_range_is_rejected(gen):
+    """Block exponents spanning more than fp16 can hold: packed marks fp16 unsupported, bf16 ok."""
+    n, k = 16, 512
+    w = _weight(n, k, "mxfp4", gen)
+    scale = w.scale.clone()
+    scale[0, 0] = 90
+    scale[1, 1] = 140
+    w2 = FP4Weight("mxfp4", w.data, scale)
+    p = D.pack_weight(w2)
+    assert p.unsupported[0] is None
+    assert "float16" in p.unsupported[1] and "bfloat16" in p.unsupported[1]
+    got = D.unpack_reference(p, "bfloat16").double()
+    torch.testing.assert_close(got, w2.dequantize(torch.float64), rtol=0, atol=0)
+
+
+def test_pack_rejects_stacked_experts(gen):
+    w = autofp4.quantize(torch.randn(2, 16, 64, generator=gen), "nvfp4")
+    with pytest.raises(ValueError, match="2-D"):
+        D.pack_weight(w)
+
+
+# ------------------------------------------------------------------------------ configs
+@pytest.mark.parametrize(
+    "cfg,n,k,fmt,dtype,needle",
+    [
+        (D.DecodeConfig(m_max=12), 64, 512, "nvfp4", "bfloat16", "m_max"),
+        (D.DecodeConfig(warps=3), 64, 512, "nvfp4", "bfloat16", "warps"),
+        (D.DecodeConfig(k_split=3), 64, 1024, "nvfp4", "bfloat16", "exceeds"),
+        (D.DecodeConfig(k_split=4), 64, 512 * 6, "nvfp4", "bfloat16", "empty split"),
+        (D.DecodeConfig(k_split=0), 64, 512, "nvfp4", "bfloat16", "k_split"),
+        (D.DecodeConfig(), 64, 520, "nvfp4", "bfloat16", "block size"),
+        (D.DecodeConfig(), 64, 528, "mxfp4", "bfloat16", "block size"),
+        (D.DecodeConfig(), 64, 512, "fp8", "bfloat16", "fmt"),
+        (D.DecodeConfig(), 64, 512, "nvfp4", "float32", "dtype"),
+        (D.DecodeConfig(), 0, 512, "nvfp4", "bfloat16", "n must"),
+        (D.DecodeConfig(m_max=64, warps=4), 64, 512, "nvfp4", "bfloat16", None),
+        (D.DecodeConfig(m_max=64, warps=16), 64, 512, "nvfp4", "bfloat16", "register"),
+        (D.DecodeConfig(m_max=64, prefetch=True, tiles_per_warp=2), 64, 512, "nvfp4", "bfloat16", "255"),
+        (D.DecodeConfig(tiles_per_warp=3), 64, 512, "nvfp4", "bfloat16", "tiles_per_warp"),
+        (D.DecodeConfig(prefetch=1), 64, 512, "nvfp4", "bfloat16", "prefetch"),
+        (D.DecodeConfig(split_reduce="atomic", k_split=2), 64, 1024, "nvfp4", "bfloat16", "split_reduce"),
+        (D.DecodeConfig(split_reduce="last_warp"), 64, 1024, "nvfp4", "bfloat16", "k_split > 1"),
+    ],
+)
+def test_validate_rules(cfg, n, k, fmt, dtype, needle):
+    reason = D.validate(cfg, n, k, fmt, dtype)
+    if needle is None:
+        assert reason is None
+    else:
+        assert reason is not None and needle in reason
+
+
+def test_invalid_config_rejected_before_compiling(monkeypatch):
+    # a compile attempt would fail loudly: validation must stop it first
+    monkeypatch.setattr(D, "_compile", lambda *a, **k: pytest.fail("compiled an invalid config"))
+    with pytest.raises(ValueError, match="m_max"):
+        D.compile_only(D.DecodeConfig(m_max=24), 64, 512, "nvfp4", "bfloat16")
+    with pytest.raises(ValueError, match="block size"):
+        D.compile_kernel(D.DecodeConfig(), 64, 520, "nvfp4", "bfloat16")
+
+
+@pytest.mark.parametrize("n,k", LLAMA)
+def test_default_config_valid(n, k):
+    for fmt in ("nvfp4", "mxfp4"):
+        for m in (None, 1, 3, 8, 9, 16, 17, 33, 64):
+            cfg = D.default_config(n, k, fmt, "bfloat16", m)
+            assert D.validate(cfg, n, k, fmt, "bfloat16") is None
+            assert cfg.m_max >= (m or 16)
+
+
+def test_config_space_values_are_checked():
+    space = D.config_space(4096, 4096, "nvfp4", "bfloat16")
+    valid = invalid = 0
+    for ks in space["k_split"]:
+        for w in space["warps"]:
+            for mm in space["m_max"]:
+                cfg = D.DecodeConfig(warps=w, k_split=ks, m_max=mm)
+                if D.validate(cfg, 4096, 4096, "nvfp4", "bfloat16") is None:
+                    valid += 1
+                else:
+                    invalid += 1
+    assert valid > 10 and invalid > 0
+
+
+# ------------------------------------------------------------------------------ compile
+try:
+    import cutlass  # noqa: F401
+
+    HAVE_CUTE = True
+except ImportError:  # pragma: no cover
+    HAVE_CUTE = False
+needs_cute = pytest.mark.skipif(not HAVE_CUTE, reason="needs nvidia-cutlass-dsl")
+
+
+@needs_cute
+@pytest.mark.parametrize(
+    "cfg,n,k,fmt,dtype",
+    [
+        (D.DecodeConfig(4, 1, 8), 4096, 4096, "nvfp4", "bfloat16"),
+        (D.DecodeConfig(4, 3, 16, split_reduce="kernel"), 200, 1536, "mxfp4", "bfloat16"),
+        (D.DecodeConfig(2, 2, 32, prefetch=True, split_reduce="last_warp"), 40, 1040, "nvfp4", "float16"),
+        (D.DecodeConfig(8, 1, 16, prefetch=True), 64, 512, "mxfp4", "float16"),
+        (D.DecodeConfig(4, 4, 64), 300, 4096, "nvfp4", "bfloat16"),
+        (D.DecodeConfig(4, 3, 16, split_reduce="last_warp", tiles_per_warp=2), 200, 1536, "mxfp4", "bfloat16"),
+        (D.DecodeConfig(2, 1, 8, tiles_per_warp=2), 24, 512, "nvfp4", "float16"),
+    ],
+)
+def test_compiles_for_sm90a(cfg, n, k, fmt, dtype):
+    assert D.validate(cfg, n, k, fmt, dtype) is None
+    D.compile_only(cfg, n, k, fmt, dtype)
+
+
+def test_decode_terms_cover_every_bit():
+    for dtype in ("bfloat16", "float16"):
+        seen = 0
+        for terms in D._decode_terms(dtype):
+            reg_mask = 0
+            for _, mask in terms:
+                assert reg_mask & mask == 0
+                reg_mask |= mask
+            assert bin(reg_mask).count("1") == 8
+            seen += 1
+        assert seen == 4
