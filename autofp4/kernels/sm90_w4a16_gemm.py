@@ -1,0 +1,827 @@
+"""Hopper (sm_90a) W4A16 GEMM for medium and large M: ``out = x @ dequant(W).T (+ bias)``.
+
+The kernel computes ``out^T = W x^T`` so that the FP4 weight is the *register* (A) operand of
+``wgmma`` and the activations are the shared-memory (B) operand: the weight's N becomes the MMA's
+M (64 rows per warpgroup atom) and the token count M becomes the MMA's N (``tile_m``).
+
+Data path of one CTA (``tile_n`` weight rows x ``tile_m`` tokens):
+
+* warp 0 streams, per K tile and pipeline stage, the prepacked weight chunks (FP4 values and
+  their block scales, contiguous) with 1-D bulk copies and the ``x`` tile with a TMA tensor copy
+  (out-of-bounds tokens / K read as zero; with ``cluster_n = 2`` the two CTAs of a cluster each
+  load half of the shared ``x`` tile and multicast it) into shared memory, completing on an
+  mbarrier (``stages``-deep ring); it refills a stage as soon as the consumers release it;
+* each consumer warpgroup (1 or 2; 64 or 128 weight rows each) reads, per 64x64 weight chunk,
+  one 16-byte vector (its 32 FP4 values of 4 ``k16`` steps) and one 8- or 4-byte vector of block
+  scales, decodes E2M1 to bf16/fp16 with shifts and masks, multiplies by the block scale
+  (exact), fences once and issues the chunk's 4 ``wgmma`` with the decoded fragment as A and
+  the ``x`` tile as B, accumulating in fp32. The A fragment is double-buffered across K tiles:
+  tile t+1 is decoded while tile t's wgmmas run (``wait_group(1)``);
+* the epilogue multiplies by ``alpha`` (a device fp32 scalar: the NVFP4 global scale times the
+  power of two folded out of the decode, see below), adds the bias, and stores ``out[m, n]``
+  predicated on ``m < M`` and ``n < N``. With ``split_k > 1`` every K slice adds its fp32 partial
+  into a zeroed fp32 buffer with atomics and ``run`` converts it.
+
+Exactness of the decode
+-----------------------
+A nibble ``s e1 e0 m`` is placed as ``sign -> bit 15``, ``e1 e0 m -> exponent[1:0], mantissa[6]``
+of a bf16 (for fp16: exponent[1:0], mantissa[9]); this is exactly ``v * 2**-126`` (bf16) or
+``v * 2**-14`` (fp16), E2M1 subnormals included. The block scale is converted exactly and
+pre-multiplied by a power of two so that the product is ``v * s * 2**-7`` (NVFP4) or
+``v * s * 2**-t`` (MXFP4, ``t`` chosen per weight at pack time), a normal number computed exactly
+by one ``mul``; the power of two goes back in the fp32 epilogue through ``alpha``.
+FP16 + MXFP4 requires the weight's E8M0 exponents to span at most 14 binades (checked on the
+host from pack-time statistics, no device sync); otherwise use bfloat16 activations.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import torch
+
+try:  # CuTeDSL is an optional dependency; annotations of the jit functions resolve here
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+except ImportError:  # pragma: no cover - exercised only without nvidia-cutlass-dsl
+    cuda = cutlass = cute = None  # type: ignore[assignment]
+
+FORMATS = ("nvfp4", "mxfp4")
+DTYPES = ("bfloat16", "float16")
+SMEM_BUDGET = 227 * 1024          # bytes of shared memory one CTA may use on sm_90
+CHUNK_N = 64                      # weight rows per wgmma atom / pack chunk
+CHUNK_K = 64                      # K per pack chunk (4 k16 steps)
+PAD = 256                         # pack pads N and K to multiples of this (largest tiles)
+VALUE_BYTES = CHUNK_N * CHUNK_K // 2   # 2048 bytes of FP4 values per chunk
+_SM_COUNT_HINT = 132              # H100/H200 SXM multiprocessors (only steers default_config)
+
+
+def _scale_bytes(fmt: str) -> int:
+    """Block-scale bytes per 64x64 chunk: one byte per 16 (NVFP4) or 32 (MXFP4) values."""
+    return CHUNK_N * CHUNK_K // (16 if fmt == "nvfp4" else 32)
+
+
+def chunk_bytes(fmt: str) -> int:
+    return VALUE_BYTES + _scale_bytes(fmt)
+
+
+def _pad(v: int, to: int = PAD) -> int:
+    return (v + to - 1) // to * to
+
+
+# --------------------------------------------------------------------------------------------
+# Config space
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sm90GemmConfig:
+    tile_n: int = 128      # weight rows per CTA (wgmma M side), multiple of 64
+    tile_m: int = 128      # tokens per CTA (wgmma N)
+    tile_k: int = 128      # K per pipeline stage
+    stages: int = 4        # shared-memory pipeline depth
+    split_k: int = 1       # K slices reduced with fp32 atomics
+    cluster_n: int = 1     # CTAs (consecutive weight tiles) per cluster sharing x by TMA multicast
+    raster: str = "n"      # "n": consecutive CTAs walk weight tiles; "m": walk token tiles
+
+    @property
+    def warpgroups(self) -> int:
+        return min(self.tile_n // CHUNK_N, 2)
+
+    @property
+    def reps(self) -> int:
+        """64-row wgmma atoms per consumer warpgroup."""
+        return self.tile_n // CHUNK_N // self.warpgroups
+
+    def smem_bytes(self, fmt: str) -> int:
+        per_stage = self.tile_m * self.tile_k * 2 + (self.tile_n // CHUNK_N) * (
+            self.tile_k // CHUNK_K
+        ) * chunk_bytes(fmt)
+        return self.stages * per_stage + 2 * 8 * self.stages + 1024 * 3
+
+
+def config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
+    return {
+        "tile_n": [64, 128, 256],
+        "tile_m": [16, 32, 64, 128, 256],
+        "tile_k": [64, 128, 256],
+        "stages": [2, 3, 4, 5, 6, 8],
+        "split_k": [1, 2, 4],
+        "cluster_n": [1, 2],
+        "raster": ["n", "m"],
+    }
+
+
+def validate(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> str | None:
+    """``None`` if ``cfg`` can run (n, k, fmt, dtype), else the reason (one rule each)."""
+    if fmt not in FORMATS:
+        return f"fmt must be one of {FORMATS}, got {fmt!r}"
+    if dtype not in DTYPES:
+        return f"dtype must be one of {DTYPES}, got {dtype!r}"
+    if n <= 0 or k <= 0:
+        return f"n and k must be positive, got n={n}, k={k}"
+    block = 16 if fmt == "nvfp4" else 32
+    if k % block:
+        return f"k={k} must be a multiple of the {fmt} block size {block}"
+    if k % 8:
+        return f"k={k} must be a multiple of 8 (16-byte rows of x for TMA)"
+    if cfg.tile_n not in (64, 128, 256):
+        return f"tile_n must be 64, 128 or 256, got {cfg.tile_n}"
+    if cfg.tile_m not in (16, 32, 64, 128, 256):
+        return f"tile_m must be 16, 32, 64, 128 or 256, got {cfg.tile_m}"
+    if cfg.tile_k not in (64, 128, 256):
+        return f"tile_k must be 64, 128 or 256, got {cfg.tile_k}"
+    if not 2 <= cfg.stages <= 8:
+        return f"stages must be in 2..8, got {cfg.stages}"
+    if cfg.split_k not in (1, 2, 4):
+        return f"split_k must be 1, 2 or 4, got {cfg.split_k}"
+    if cfg.cluster_n not in (1, 2):
+        return f"cluster_n must be 1 or 2, got {cfg.cluster_n}"
+    if cfg.raster not in ("n", "m"):
+        return f"raster must be 'n' or 'm', got {cfg.raster!r}"
+    if cfg.cluster_n > 1 and cfg.raster != "n":
+        return "cluster_n > 1 (x multicast across weight tiles) needs raster='n'"
+    if cfg.cluster_n > 1 and (_pad(n) // cfg.tile_n) % cfg.cluster_n:
+        return (
+            f"cluster_n={cfg.cluster_n} must divide the number of weight tiles "
+            f"{_pad(n) // cfg.tile_n} (padded n={_pad(n)}, tile_n={cfg.tile_n})"
+        )
+    kp = _pad(k)
+    if kp % (cfg.tile_k * cfg.split_k):
+        return (
+            f"padded k={kp} must be divisible by tile_k*split_k={cfg.tile_k * cfg.split_k}"
+        )
+    if kp // (cfg.tile_k * cfg.split_k) < 1:
+        return "each K slice needs at least one K tile"
+    acc_regs = cfg.reps * cfg.tile_m // 2
+    if acc_regs > 128:
+        return (
+            f"accumulators need {acc_regs} registers per thread (tile_n={cfg.tile_n}, "
+            f"tile_m={cfg.tile_m}); the limit is 128"
+        )
+    frag_regs = cfg.reps * cfg.tile_k // 16 * 4
+    if acc_regs + 2 * frag_regs > 192:
+        return (
+            f"accumulators + 2 decoded weight fragments need {acc_regs + 2 * frag_regs} registers per "
+            "thread; the limit is 192"
+        )
+    smem = cfg.smem_bytes(fmt)
+    if smem > SMEM_BUDGET:
+        return f"needs {smem} bytes of shared memory, more than the {SMEM_BUDGET} available"
+    return None
+
+
+def default_config(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> Sm90GemmConfig:
+    """Heuristic from H200 sweeps on the Llama-3.1-8B shapes (see scripts/gpu_check_gemm.py).
+
+    The FP4 decode bounds what one CTA does per cycle, so first give every multiprocessor a CTA,
+    then amortize the decode over as many tokens as possible:
+    * M <= 64: 256-row weight tiles (K tile 128) when N alone nearly fills the GPU with them,
+      else 64-row tiles with a 256-deep K tile (measured best at M = 64);
+    * 64 < M <= 128 with few weight tiles: the same 64-row tiles, two token tiles;
+    * otherwise 128-row weight tiles and the widest token tile (<= M rounded up to a power of
+      two) that still gives one CTA per multiprocessor; 128 x 256 x 64 (measured at parity with
+      cuBLAS bf16 from M = 2048) when M is large.
+    The deepest pipeline that fits shared memory."""
+    if m is None:
+        m = 1024
+    sms = _SM_COUNT_HINT
+    np_ = _pad(n)
+    raster = "n"
+    stages_cap = 8
+    if m <= 64:
+        tile_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        if np_ // 256 >= (3 * sms) // 4:
+            tile_n, tile_k, stages_cap = 256, 128, 4
+        else:
+            tile_n, tile_k, stages_cap = 64, 256, 4
+    elif m <= 128 and (np_ // 128) * 2 < sms:
+        tile_n, tile_m, tile_k, stages_cap = 64, 64, 256, 4
+    else:
+        m_pow2 = 1 << (max(m, 64) - 1).bit_length()
+        tile_n, tile_m = 128, 64
+        for tm in (256, 128):
+            if tm <= m_pow2 and -(-np_ // 128) * -(-m // tm) >= sms:
+                tile_m = tm
+                break
+        tile_k = 64 if tile_m == 256 else 128
+        if n >= 16384:
+            raster = "m"
+    for stages in range(stages_cap, 1, -1):
+        cfg = Sm90GemmConfig(
+            tile_n=tile_n, tile_m=tile_m, tile_k=tile_k, stages=stages, raster=raster
+        )
+        if validate(cfg, n, k, fmt, dtype) is None:
+            return cfg
+    return Sm90GemmConfig(tile_n=64, tile_m=min(tile_m, 64), tile_k=64, stages=2)
+
+
+# --------------------------------------------------------------------------------------------
+# Weight packing (pure torch)
+# --------------------------------------------------------------------------------------------
+# Bit position, inside the 32-bit word of one thread and one k16 step, of each of the 8 values
+# of the wgmma A fragment (fragment order e0..e7), as (mag_bit0, mag_bit1, mag_bit2, sign).
+# Pair j = (e_2j, e_2j+1) decodes into one 32-bit register (low half e_2j). See _decode_terms.
+_LO_POS = (
+    (6, 7, 8, 15),     # pair 0: already in place (bf16)
+    (3, 4, 5, 12),     # pair 1: << 3
+    (0, 1, 2, 9),      # pair 2: << 6
+    (10, 11, 13, 14),  # pair 3: mixed shifts
+)
+
+
+def _nibble_bit_positions() -> list[tuple[int, int, int, int]]:
+    """For each fragment value e0..e7, the word bit of (mag0, mag1, mag2, sign)."""
+    out = []
+    for e in range(8):
+        lo = _LO_POS[e // 2]
+        off = 16 * (e % 2)
+        out.append(tuple(p + off for p in lo))
+    return out
+
+
+def _decode_terms(dtype: str) -> list[list[tuple[int, int]]]:
+    """Per pair: [(shift, mask)] with ``reg = OR((word << shift) & mask)`` (negative = right)."""
+    mag0 = 6 if dtype == "bfloat16" else 9
+    targets = (mag0, mag0 + 1, mag0 + 2, 15)
+    terms = []
+    for j in range(4):
+        by_shift: dict[int, int] = {}
+        for half in (0, 16):
+            for src, dst in zip(_LO_POS[j], targets):
+                sh = dst - src
+                by_shift[sh] = by_shift.get(sh, 0) | (1 << (dst + half))
+        terms.append(sorted(by_shift.items()))
+    return terms
+
+
+@dataclass(frozen=True)
+class PackedSm90Weight:
+    """What the kernel reads. ``data``: uint8 [Np/64, Kp/64, chunk] (chunk = 2048 value bytes +
+    block-scale bytes, see ``pack_weight``); ``alpha``: fp32 [1] epilogue factor;
+    ``scale_shift``: MXFP4 exponent shift ``t`` (0 for NVFP4); ``fp16_ok``: MXFP4 exponents fit
+    fp16 decode."""
+
+    data: torch.Tensor
+    alpha: torch.Tensor
+    fmt: str
+    n: int
+    k: int
+    scale_shift: int
+    fp16_ok: bool
+
+
+def _fragment_coords() -> tuple[torch.Tensor, torch.Tensor]:
+    """Row (0..63) and k (0..15) of value e of thread t in one 64x16 wgmma A atom: [128, 8]."""
+    t = torch.arange(128)
+    warp, lane = t // 32, t % 32
+    g, c = lane // 4, lane % 4
+    r0 = 16 * warp + g
+    rows = torch.stack([r0, r0, r0 + 8, r0 + 8, r0, r0, r0 + 8, r0 + 8], dim=1)
+    k0 = 2 * c
+    ks = torch.stack([k0, k0 + 1, k0, k0 + 1, k0 + 8, k0 + 9, k0 + 8, k0 + 9], dim=1)
+    return rows, ks
+
+
+def pack_weight(w: Any) -> PackedSm90Weight:
+    """Reorder an FP4Weight (2-D) into the chunked layout the kernel reads. Pure torch.
+
+    Layout: chunk (nb, kc) covers rows [64 nb, 64 nb + 64) and K [64 kc, 64 kc + 64). Bytes
+    [0, 2048): thread t (of the 128 of a warpgroup) owns bytes [16 t, 16 t + 16) = 4 words, word
+    i holding its 8 wgmma-A-fragment values of k16 step i (bit positions: ``_LO_POS``). Bytes
+    [2048, ...): block scales, per row group q = 8 warp + lane // 4 (rows r = 16 warp + lane%4..,
+    r and r + 8): NVFP4 8 bytes [s(r,b0), s(r+8,b0), ..., s(r,b3), s(r+8,b3)] (b = k16 step),
+    MXFP4 4 bytes [s(r,b0), s(r+8,b0), s(r,b1), s(r+8,b1)] (b = 32-block).
+    """
+    if w.fmt not in FORMATS:
+        raise ValueError(f"expected fmt in {FORMATS}, got {w.fmt!r}")
+    if getattr(w, "experts", 0):
+        raise ValueError("pack_weight expects a 2-D weight; use w.expert(e) for MoE weights")
+    n, k = int(w.shape[-2]), int(w.shape[-1])
+    fmt = w.fmt
+    dev = w.data.device
+    np_, kp = _pad(n), _pad(k)
+    data = w.data.to(torch.uint8)
+    q = torch.zeros(np_, kp, dtype=torch.uint8, device=dev)
+    q[:n, 0:k:2] = data & 0xF
+    q[:n, 1:k:2] = data >> 4
+    nbk, nkc = np_ // CHUNK_N, kp // CHUNK_K
+    # [nbk, 64, nkc, 4 steps, 16] -> values per (nb, kc, step, t, e)
+    qv = q.view(nbk, CHUNK_N, nkc, 4, 16)
+    rows, ks = _fragment_coords()
+    rows, ks = rows.to(dev), ks.to(dev)
+    # gather -> [nbk, nkc, 4, 128, 8]
+    qv = qv.permute(0, 2, 3, 1, 4)  # [nbk, nkc, 4, 64, 16]
+    vals = qv[:, :, :, rows, ks].to(torch.int64)  # [nbk, nkc, 4, 128, 8]
+    mag = vals & 7
+    sign = (vals >> 3) & 1
+    word = torch.zeros(vals.shape[:-1], dtype=torch.int64, device=dev)
+    for e, (p0, p1, p2, ps) in enumerate(_nibble_bit_positions()):
+        m = mag[..., e]
+        word |= (m & 1) << p0
+        word |= ((m >> 1) & 1) << p1
+        word |= ((m >> 2) & 1) << p2
+        word |= sign[..., e] << ps
+    # [nbk, nkc, 128 t, 4 steps] words, little-endian bytes
+    word = word.permute(0, 1, 3, 2).contiguous()
+    wbytes = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], dim=-1)
+    wbytes = wbytes.to(torch.uint8).reshape(nbk, nkc, VALUE_BYTES)
+
+    # scales
+    if fmt == "nvfp4":
+        sraw = w.scale.view(torch.uint8) if w.scale.dtype != torch.uint8 else w.scale
+        per_chunk = 4
+        bs = 16
+    else:
+        sraw = w.scale.to(torch.uint8)
+        per_chunk = 2
+        bs = 32
+    # padding blocks hold zero values; give them a scale the decode keeps finite (MXFP4: the
+    # largest exponent of the weight, always in range after the shift; NVFP4: 0)
+    if fmt == "mxfp4":
+        e_all = sraw.reshape(-1).to(torch.int32)
+        emax, emin = int(e_all.max()), int(e_all.min())
+    fill = emax if fmt == "mxfp4" else 0
+    s = torch.full((np_, kp // bs), fill, dtype=torch.uint8, device=dev)
+    s[:n, : k // bs] = sraw.reshape(n, k // bs)
+    sv = s.view(nbk, 4, 2, 8, nkc, per_chunk)  # rows = 16 warp + 8 half + g
+    # -> [nbk, nkc, warp, g, blk, half]
+    sv = sv.permute(0, 4, 1, 3, 5, 2).contiguous()
+    sbytes = sv.reshape(nbk, nkc, _scale_bytes(fmt))
+    packed = torch.cat([wbytes, sbytes], dim=-1).contiguous()
+
+    shift = 0
+    fp16_ok = True
+    if fmt == "nvfp4":
+        alpha = w.global_scale.reshape(1).to(device=dev, dtype=torch.float32) * 128.0
+    else:
+        shift = emax - 128
+        if emin - shift < 2:
+            raise ValueError(
+                f"mxfp4 scale exponents span {emax - emin} binades (min {emin}, max {emax}); "
+                "the sm90 decode supports at most 126"
+            )
+        fp16_ok = emin - shift >= 114
+        alpha = torch.full((1,), 2.0**shift, dtype=torch.float32, device=dev)
+    return PackedSm90Weight(
+        data=packed, alpha=alpha.contiguous(), fmt=fmt, n=n, k=k, scale_shift=shift,
+        fp16_ok=fp16_ok,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel
+# --------------------------------------------------------------------------------------------
+class _Sm90W4A16Kernel:
+    """One compiled kernel per (config, N, K, fmt, dtype); M is symbolic."""
+
+    def __init__(self, cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str):
+        self.cfg = cfg
+        self.n, self.k, self.fmt, self.dtype = n, k, fmt, dtype
+        self.np_, self.kp = _pad(n), _pad(k)
+        self.chunk = chunk_bytes(fmt)
+        self.sbytes = _scale_bytes(fmt)
+        self.num_wg = cfg.warpgroups
+        self.reps = cfg.reps
+        self.threads = 128 * self.num_wg
+        self.kc_per_tile = cfg.tile_k // CHUNK_K
+        self.w_stage_bytes = (cfg.tile_n // CHUNK_N) * self.kc_per_tile * self.chunk
+        self.k_tiles = self.kp // cfg.tile_k
+        self.k_tiles_per_split = self.k_tiles // cfg.split_k
+        self.terms = _decode_terms(dtype)
+
+    def build(self):
+        import cutlass
+        import cutlass.cute as cute
+        import cutlass.pipeline as pipeline
+        import cutlass.utils as utils
+        import cutlass.utils.hopper_helpers as sm90_utils
+        from cutlass.cute.nvgpu import cpasync, warpgroup
+
+        cfg = self.cfg
+        dt = cutlass.BFloat16 if self.dtype == "bfloat16" else cutlass.Float16
+        is_nv = self.fmt == "nvfp4"
+        tile_n, tile_m, tile_k = cfg.tile_n, cfg.tile_m, cfg.tile_k
+        stages = cfg.stages
+        reps = self.reps
+        num_wg = self.num_wg
+        threads = self.threads
+        kc_per_tile = self.kc_per_tile
+        chunk = self.chunk
+        sbytes = self.sbytes
+        s_per_q = sbytes // 32  # scale bytes each row group (4 threads) reads per chunk
+        n_real = self.n
+        np_ = self.np_
+        nkc_total = self.kp // CHUNK_K
+        w_stage_bytes = self.w_stage_bytes
+        w_copy_bytes = kc_per_tile * chunk
+        nb_per_cta = tile_n // CHUNK_N
+        k_tiles_split = self.k_tiles_per_split
+        split_k = cfg.split_k
+        raster_n = cfg.raster == "n"
+        cl = cfg.cluster_n
+        x_mcast_kw = {"mcast_mask": cutlass.Int16((1 << cl) - 1)} if cl > 1 else {}
+        terms = self.terms
+        scale_mul = float(2.0**119) if dt is cutlass.BFloat16 else 128.0
+        ebits_shift = 7 if dt is cutlass.BFloat16 else 10
+        n_tiles = np_ // tile_n
+        x_bytes = tile_m * tile_k * 2
+        tx_bytes = x_bytes + w_stage_bytes
+        out_is_f32 = split_k > 1
+
+        @cute.kernel
+        def kernel(
+            tma_atom_x: cute.CopyAtom,
+            mX: cute.Tensor,
+            mW: cute.Tensor,
+            mAlpha: cute.Tensor,
+            mBias: cute.Tensor,
+            mOut: cute.Tensor,
+            sbias: cutlass.Int32,
+            m_size: cutlass.Int32,
+            tiled_mma: cute.TiledMma,
+            x_smem_layout_staged: cute.ComposedLayout,
+        ):
+            tidx, _, _ = cute.arch.thread_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            bidx, bidy, bidz = cute.arch.block_idx()
+            if cutlass.const_expr(raster_n):
+                pid_n = bidx
+                pid_m = bidy
+            else:
+                pid_n = bidy
+                pid_m = bidx
+
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_atom_x)
+
+            @cute.struct
+            class SharedStorage:
+                mbar: cute.struct.MemRange[cutlass.Int64, stages * 2]
+                sX: cute.struct.Align[
+                    cute.struct.MemRange[dt, cute.cosize(x_smem_layout_staged)], 1024
+                ]
+                sW: cute.struct.Align[
+                    cute.struct.MemRange[cutlass.Uint8, w_stage_bytes * stages], 1024
+                ]
+
+            smem = cutlass.memory.SmemAllocator()
+            storage = smem.allocate(SharedStorage)
+            sX = storage.sX.get_tensor(
+                x_smem_layout_staged.outer, swizzle=x_smem_layout_staged.inner
+            )
+            sW = storage.sW.get_tensor(cute.make_layout((w_stage_bytes, stages)))
+            n_chunks_stage = nb_per_cta * kc_per_tile
+            sWv = cute.make_tensor(
+                cute.recast_ptr(storage.sW.data_ptr(), dtype=cutlass.Uint32),
+                cute.make_layout(
+                    (4, 128, n_chunks_stage, stages),
+                    stride=(1, 4, chunk // 4, w_stage_bytes // 4),
+                ),
+            )
+            sSv = cute.make_tensor(
+                storage.sW.data_ptr() + VALUE_BYTES,
+                cute.make_layout(
+                    (s_per_q, 32, n_chunks_stage, stages),
+                    stride=(1, s_per_q, chunk, w_stage_bytes),
+                ),
+            )
+
+            prod_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+            # every consumer warp releases a stage in each CTA of the cluster (they multicast x)
+            cons_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, threads // 32 * cl)
+            pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar.data_ptr(),
+                num_stages=stages,
+                producer_group=prod_group,
+                consumer_group=cons_group,
+                tx_count=tx_bytes,
+                cta_layout_vmnk=cute.make_layout((1, cl, 1, 1)),
+            )
+
+            k_tile0 = bidz * k_tiles_split
+            # x tiles: (tile_m, tile_k, m_tiles?, k_tiles)
+            gX = cute.local_tile(mX, (tile_m, tile_k), (pid_m, None))
+            if cutlass.const_expr(cl > 1):
+                cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            else:
+                cta_rank = 0
+            tXsX, tXgX = cpasync.tma_partition(
+                tma_atom_x,
+                cta_rank,
+                cute.make_layout(cl),
+                cute.group_modes(sX, 0, 2),
+                cute.group_modes(gX, 0, 2),
+            )
+            bulk_atom = cute.make_copy_atom(
+                cpasync.CopyBulkG2SOp(), cutlass.Uint8, num_bits_per_copy=w_copy_bytes * 8
+            )
+
+            # MMA setup (per warpgroup)
+            wg = cute.arch.make_warp_uniform(tidx // 128)
+            wtid = tidx % 128
+            thr_mma = tiled_mma.get_slice(wtid)
+            tCsB = thr_mma.partition_B(sX)
+            tCrB = tiled_mma.make_fragment_B(tCsB)
+            acc = cute.make_rmem_tensor(
+                thr_mma.partition_shape_C((CHUNK_N * reps, tile_m)), cutlass.Float32
+            )
+            acc.fill(0.0)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            a_shape = thr_mma.partition_shape_A((CHUNK_N * reps, tile_k))
+            rAs = [tiled_mma.make_fragment_A(a_shape), tiled_mma.make_fragment_A(a_shape)]
+            wregs = cute.make_rmem_tensor(cute.make_layout((4, reps)), cutlass.Uint32)
+            sc_u32 = cute.make_rmem_tensor(cute.make_layout((4,)), cutlass.Uint32)
+            sc_dt = cute.make_tensor(cute.recast_ptr(sc_u32.iterator, dtype=dt), cute.make_layout((8,)))
+            sraw = cute.make_rmem_tensor(cute.make_layout((s_per_q, reps)), cutlass.Uint8)
+            sconv = cute.make_rmem_tensor(cute.make_layout((8, reps)), dt)
+            sconv16 = cute.make_tensor(
+                cute.recast_ptr(sconv.iterator, dtype=cutlass.Uint16), cute.make_layout((8, reps))
+            )
+
+            prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+            cons_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+            rel_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+
+            n_row0 = pid_n * nb_per_cta  # first 64-row block of this CTA
+            lane_q = wtid // 4  # row group 0..31 (scale bytes)
+
+            # ---- prologue: fill the pipeline
+            n_pre = cutlass.min(stages, k_tiles_split)
+            if warp_idx == 0:
+                for i in cutlass.range(n_pre, unroll=1):
+                    pipe.producer_acquire(prod_state)
+                    bar = pipe.producer_get_barrier(prod_state)
+                    kt = k_tile0 + prod_state.count
+                    cute.copy(
+                        tma_atom_x, tXgX[(None, kt)], tXsX[(None, prod_state.index)], tma_bar_ptr=bar,
+                        **x_mcast_kw,
+                    )
+                    with cute.arch.elect_one():
+                        for b in cutlass.range_constexpr(nb_per_cta):
+                            goff = ((n_row0 + b) * nkc_total + kt * kc_per_tile) * chunk
+                            src = cute.make_tensor(mW.iterator + goff, cute.make_layout((w_copy_bytes,)))
+                            dst = cute.make_tensor(
+                                sW[(None, prod_state.index)].iterator + b * w_copy_bytes,
+                                cute.make_layout((w_copy_bytes,)),
+                            )
+                            cute.copy(bulk_atom, src, dst, mbar_ptr=bar)
+                    pipe.producer_commit(prod_state)
+                    prod_state.advance()
+
+            # ---- mainloop, unrolled by two for the double-buffered A fragment: decode K tile t
+            # into buffer t % 2 and issue its wgmmas; then wait for tile t-1's wgmmas, release
+            # its stage and refill it
+            for kt2 in cutlass.range((k_tiles_split + 1) // 2, unroll=1):
+                for buf in cutlass.range_constexpr(2):
+                    t_cur = kt2 * 2 + buf
+                    if t_cur < k_tiles_split:
+                        rA = rAs[buf]
+                        rA8 = cute.make_tensor(rA.iterator, cute.make_layout((8, reps, tile_k // 16)))
+                        rA32 = cute.make_tensor(
+                            cute.recast_ptr(rA.iterator, dtype=cutlass.Uint32),
+                            cute.make_layout((4, reps, tile_k // 16)),
+                        )
+                        pipe.consumer_wait(cons_state)
+                        for kc in cutlass.range_constexpr(kc_per_tile):
+                            for r in cutlass.range_constexpr(reps):
+                                cidx = (wg * reps + r) * kc_per_tile + kc
+                                cute.autovec_copy(
+                                    sWv[(None, wtid, cidx, cons_state.index)], wregs[(None, r)]
+                                )
+                                cute.autovec_copy(
+                                    sSv[(None, lane_q, cidx, cons_state.index)], sraw[(None, r)]
+                                )
+                                if cutlass.const_expr(is_nv):
+                                    f8 = cute.make_tensor(
+                                        cute.recast_ptr(
+                                            sraw[(None, r)].iterator, dtype=cutlass.Float8E4M3FN
+                                        ),
+                                        cute.make_layout((8,)),
+                                    )
+                                    sf = f8.load().to(cutlass.Float32) * scale_mul
+                                    sconv[(None, r)].store(sf.to(dt))
+                            for st in cutlass.range_constexpr(4):
+                                kb = kc * 4 + st
+                                for r in cutlass.range_constexpr(reps):
+                                    # scale words [a a | b b | a a | b b]
+                                    if cutlass.const_expr(is_nv):
+                                        ua = cutlass.Uint32(sconv16[2 * st, r])
+                                        ub = cutlass.Uint32(sconv16[2 * st + 1, r])
+                                    else:
+                                        ea = cutlass.Int32(sraw[2 * (st // 2), r]) + sbias
+                                        eb = cutlass.Int32(sraw[2 * (st // 2) + 1, r]) + sbias
+                                        ua = cutlass.Uint32(ea) << ebits_shift
+                                        ub = cutlass.Uint32(eb) << ebits_shift
+                                    wa = ua | (ua << 16)
+                                    wb = ub | (ub << 16)
+                                    sc_u32[0] = wa
+                                    sc_u32[1] = wb
+                                    sc_u32[2] = wa
+                                    sc_u32[3] = wb
+                                    word = wregs[st, r]
+                                    for j in cutlass.range_constexpr(4):
+                                        v = cutlass.Uint32(0)
+                                        for t_i, (sh, mask) in enumerate(terms[j]):
+                                            if cutlass.const_expr(sh >= 0):
+                                                piece = (word << sh) & cutlass.Uint32(mask)
+                                            else:
+                                                piece = (word >> (-sh)) & cutlass.Uint32(mask)
+                                            if cutlass.const_expr(t_i == 0):
+                                                v = piece
+                                            else:
+                                                v = v | piece
+                                        rA32[j, r, kb] = v
+                                    seg = rA8[(None, r, kb)]
+                                    seg.store(seg.load() * sc_dt.load())
+                            # one fence per 64-K chunk: the 4 k16 steps decode independently
+                            # (ILP), then their wgmmas are issued back to back
+                            cute.nvgpu.warpgroup.fence()
+                            for st in cutlass.range_constexpr(4):
+                                cute.gemm(
+                                    tiled_mma,
+                                    acc,
+                                    rA[(None, None, kc * 4 + st)],
+                                    tCrB[(None, None, kc * 4 + st, cons_state.index)],
+                                    acc,
+                                )
+                        cute.nvgpu.warpgroup.commit_group()
+                        cons_state.advance()
+                        # the previous tile's wgmmas are done after this: its registers and stage are free
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        if t_cur > 0:
+                            pipe.consumer_release(rel_state)
+                            rel_state.advance()
+                            if warp_idx == 0:
+                                if prod_state.count < k_tiles_split:
+                                    pipe.producer_acquire(prod_state)
+                                    bar = pipe.producer_get_barrier(prod_state)
+                                    kt = k_tile0 + prod_state.count
+                                    cute.copy(
+                                        tma_atom_x, tXgX[(None, kt)], tXsX[(None, prod_state.index)], tma_bar_ptr=bar,
+                                        **x_mcast_kw,
+                                    )
+                                    with cute.arch.elect_one():
+                                        for b in cutlass.range_constexpr(nb_per_cta):
+                                            goff = ((n_row0 + b) * nkc_total + kt * kc_per_tile) * chunk
+                                            src = cute.make_tensor(mW.iterator + goff, cute.make_layout((w_copy_bytes,)))
+                                            dst = cute.make_tensor(
+                                                sW[(None, prod_state.index)].iterator + b * w_copy_bytes,
+                                                cute.make_layout((w_copy_bytes,)),
+                                            )
+                                            cute.copy(bulk_atom, src, dst, mbar_ptr=bar)
+                                    pipe.producer_commit(prod_state)
+                                    prod_state.advance()
+
+            cute.nvgpu.warpgroup.wait_group(0)
+            if cutlass.const_expr(cl > 1):
+                # keep this CTA's shared memory alive until the peer's multicasts into it are done
+                cute.arch.cluster_arrive_relaxed()
+                cute.arch.cluster_wait()
+
+            # ---- epilogue: out[m, n] = acc[n, m] * alpha + bias[n]
+            alpha = mAlpha[0]
+            row0 = pid_n * tile_n + wg * (reps * CHUNK_N)
+            col0 = pid_m * tile_m
+            cid = cute.make_identity_tensor((CHUNK_N * reps, tile_m))
+            tcid = thr_mma.partition_C(cid)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                rr, cc = tcid[i]
+                nn = row0 + rr
+                mm = col0 + cc
+                if nn < n_real and mm < m_size:
+                    val = acc[i] * alpha
+                    if cutlass.const_expr(out_is_f32):
+                        if bidz == 0:
+                            val = val + mBias[nn].to(cutlass.Float32)
+                        cute.arch.atomic_add(
+                            (mOut.iterator + (mm * n_real + nn)).llvm_ptr, val
+                        )
+                    else:
+                        val = val + mBias[nn].to(cutlass.Float32)
+                        mOut[mm, nn] = val.to(dt)
+
+        @cute.jit
+        def host(
+            mX: cute.Tensor,
+            mW: cute.Tensor,
+            mAlpha: cute.Tensor,
+            mBias: cute.Tensor,
+            mOut: cute.Tensor,
+            sbias: cutlass.Int32,
+            stream: cuda.CUstream,
+        ):
+            tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                dt,
+                dt,
+                cute.nvgpu.OperandMajorMode.K,
+                cute.nvgpu.OperandMajorMode.K,
+                cutlass.Float32,
+                (1, 1, 1),
+                tiler_mn=(CHUNK_N, tile_m),
+                a_source=warpgroup.OperandSource.RMEM,
+            )
+            x_smem_layout_staged = sm90_utils.make_smem_layout_b(
+                utils.LayoutEnum.ROW_MAJOR, (CHUNK_N, tile_m, tile_k), dt, stages
+            )
+            x_smem_one = cute.slice_(x_smem_layout_staged, (None, None, 0))
+            tma_atom_x, tma_x = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SMulticastOp() if cl > 1
+                else cpasync.CopyBulkTensorTileG2SOp(),
+                mX, x_smem_one, (tile_m, tile_k), num_multicast=cl
+            )
+            m_size = mX.shape[0]
+            m_tiles = (m_size + tile_m - 1) // tile_m
+            if cutlass.const_expr(raster_n):
+                grid = (n_tiles, m_tiles, split_k)
+            else:
+                grid = (m_tiles, n_tiles, split_k)
+            kernel(
+                tma_atom_x, tma_x, mW, mAlpha, mBias, mOut, sbias, m_size, tiled_mma,
+                x_smem_layout_staged,
+            ).launch(grid=grid, block=[threads, 1, 1], cluster=(cl, 1, 1), stream=stream)
+
+        return host
+
+    def fake_args(self):
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+        dt = cutlass.BFloat16 if self.dtype == "bfloat16" else cutlass.Float16
+        m = cute.sym_int32()
+        x = make_fake_compact_tensor(dt, (m, self.k), stride_order=(1, 0), assumed_align=16)
+        w = make_fake_compact_tensor(
+            cutlass.Uint8, (self.np_ // CHUNK_N * (self.kp // CHUNK_K) * self.chunk,),
+            assumed_align=16,
+        )
+        alpha = make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4)
+        bias = make_fake_compact_tensor(dt, (self.n,), assumed_align=2)
+        out_dt = cutlass.Float32 if self.cfg.split_k > 1 else dt
+        out = make_fake_compact_tensor(out_dt, (m, self.n), stride_order=(1, 0), assumed_align=4)
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        return x, w, alpha, bias, out, cutlass.Int32(0), stream
+
+
+def _check(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> None:
+    reason = validate(cfg, n, k, fmt, dtype)
+    if reason is not None:
+        raise ValueError(f"invalid Sm90GemmConfig {cfg} for n={n}, k={k}, {fmt}, {dtype}: {reason}")
+
+
+def _compile(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str):
+    import cutlass.cute as cute
+
+    _check(cfg, n, k, fmt, dtype)
+    kern = _Sm90W4A16Kernel(cfg, n, k, fmt, dtype)
+    host = kern.build()
+    # the kernel is sm_90a-only: name the target so CPU-only hosts (CI) compile it too
+    return cute.compile(host, *kern.fake_args(), options="--enable-tvm-ffi --gpu-arch sm_90a"), kern
+
+
+def compile_only(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> None:
+    """Compile without a GPU (set CUTE_DSL_ARCH=sm_90a), for CI."""
+    _compile(cfg, n, k, fmt, dtype)
+
+
+def compile_kernel(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> Callable:
+    """Compile once for (cfg, n, k, fmt, dtype); the returned ``run(x, packed, bias)`` serves any M."""
+    fn, kern = _compile(cfg, n, k, fmt, dtype)
+    tdt = getattr(torch, dtype)
+    zeros: dict[torch.device, torch.Tensor] = {}
+    split = cfg.split_k > 1
+    mx_base = 126 if dtype == "bfloat16" else -98
+
+    def run(x: torch.Tensor, packed: PackedSm90Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if packed.n != n or packed.k != k or packed.fmt != fmt:
+            raise ValueError(
+                f"kernel compiled for n={n}, k={k}, {fmt}; got a packed weight n={packed.n}, "
+                f"k={packed.k}, {packed.fmt}"
+            )
+        if x.dtype != tdt or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"expected x [M, {k}] {tdt}, got {tuple(x.shape)} {x.dtype}")
+        if fmt == "mxfp4" and dtype == "float16" and not packed.fp16_ok:
+            raise ValueError(
+                "this mxfp4 weight's scale exponents span more than 14 binades: float16 "
+                "activations cannot hold the scaled values exactly; use bfloat16"
+            )
+        if not x.is_contiguous() or x.data_ptr() % 16:
+            x = x.contiguous() if not x.is_contiguous() else x.clone()
+        m = x.shape[0]
+        if bias is None:
+            b = zeros.get(x.device)
+            if b is None:
+                b = zeros[x.device] = torch.zeros(n, dtype=tdt, device=x.device)
+        else:
+            b = bias
+        sbias = mx_base - packed.scale_shift if fmt == "mxfp4" else 0
+        if split:
+            out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+        else:
+            out = torch.empty(m, n, dtype=tdt, device=x.device)
+        if m == 0:
+            return out.to(tdt)
+        fn(x, packed.data.view(-1), packed.alpha, b, out, sbias)
+        return out.to(tdt) if split else out
+
+    return run

@@ -1,0 +1,213 @@
+"""CPU tests of the Hopper W4A16 GEMM: configs, compilation for sm_90a, the packed layout."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from autofp4.formats import quantize  # noqa: E402
+from autofp4.kernels import sm90_w4a16_gemm as g  # noqa: E402
+
+cute_available = True
+try:  # the compile tests need nvidia-cutlass-dsl
+    import cutlass  # noqa: F401
+except ImportError:  # pragma: no cover
+    cute_available = False
+
+needs_cute = pytest.mark.skipif(not cute_available, reason="needs nvidia-cutlass-dsl")
+
+
+# ------------------------------------------------------------------ an independent decoder
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _e4m3_to_float(b: int) -> float:
+    e, m = (b >> 3) & 0xF, b & 7
+    v = m / 8 * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+    return -v if b & 0x80 else v
+
+
+def _half_bits_to_float(bits: int, dtype: str) -> float:
+    """Value of a 16-bit bf16/fp16 bit pattern (normal or subnormal), by hand."""
+    sign = -1.0 if bits & 0x8000 else 1.0
+    if dtype == "bfloat16":
+        e, m, mb, bias = (bits >> 7) & 0xFF, bits & 0x7F, 7, 127
+    else:
+        e, m, mb, bias = (bits >> 10) & 0x1F, bits & 0x3FF, 10, 15
+    if e == 0:
+        return sign * m / 2**mb * 2.0 ** (1 - bias)
+    return sign * (1 + m / 2**mb) * 2.0 ** (e - bias)
+
+
+def _emulate(packed: g.PackedSm90Weight, dtype: str) -> torch.Tensor:
+    """Dense [N, K] float64 weight from the packed bytes, reading them the way the kernel does:
+    thread t of a warpgroup loads bytes [16t, 16t+16) of a 64x64 chunk, word i = k16 step i, and
+    decodes pair j of its wgmma A fragment with the shift/mask terms; scales at 2048 + q * s."""
+    data = packed.data.cpu()
+    nbk, nkc, _ = data.shape
+    n, k = packed.n, packed.k
+    out = torch.zeros(nbk * 64, nkc * 64, dtype=torch.float64)
+    terms = g._decode_terms(dtype)
+    raw_exp = -126 if dtype == "bfloat16" else -14
+    is_nv = packed.fmt == "nvfp4"
+    sper = 8 if is_nv else 4
+    for nb in range(nbk):
+        for kc in range(nkc):
+            ch = data[nb, kc].tolist()
+            for t in range(128):
+                warp, lane = t // 32, t % 32
+                r0 = 16 * warp + lane // 4
+                c = lane % 4
+                q = t // 4
+                sb = ch[2048 + q * sper: 2048 + (q + 1) * sper]
+                for step in range(4):
+                    wb = ch[16 * t + 4 * step: 16 * t + 4 * step + 4]
+                    word = wb[0] | wb[1] << 8 | wb[2] << 16 | wb[3] << 24
+                    coords = [(r0, 2 * c), (r0, 2 * c + 1), (r0 + 8, 2 * c), (r0 + 8, 2 * c + 1),
+                              (r0, 2 * c + 8), (r0, 2 * c + 9), (r0 + 8, 2 * c + 8),
+                              (r0 + 8, 2 * c + 9)]
+                    for j in range(4):
+                        reg = 0
+                        for sh, mask in terms[j]:
+                            reg |= ((word << sh) if sh >= 0 else (word >> -sh)) & mask
+                        reg &= 0xFFFFFFFF
+                        for h in range(2):
+                            v = _half_bits_to_float((reg >> (16 * h)) & 0xFFFF, dtype) * 2.0**-raw_exp
+                            row, col = coords[2 * j + h]
+                            half = 0 if row == r0 else 1
+                            if is_nv:
+                                s = _e4m3_to_float(sb[2 * step + half])
+                            else:
+                                s = 2.0 ** (sb[2 * (step // 2) + half] - 127)
+                            out[nb * 64 + row, kc * 64 + step * 16 + col] = v * s
+    dense = out[:n, :k].float()  # v * s is exact in fp32
+    if is_nv:  # the global scale, applied in fp32 like the kernel's epilogue
+        dense = dense * (packed.alpha.cpu().float() / 128.0)
+    return dense
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_pack_layout_matches_dequantize(fmt, dtype, gen):
+    n, k = 80, 96  # not multiples of the chunk: exercises the padding
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen).add(0.1)
+    fw = quantize(w, fmt)
+    packed = g.pack_weight(fw)
+    assert packed.data.dtype == torch.uint8
+    assert packed.data.shape == (256 // 64, 256 // 64, g.chunk_bytes(fmt))
+    got = _emulate(packed, dtype)
+    want = fw.dequantize(torch.float32)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # padding is zero
+    assert packed.data.float().abs().sum() > 0
+
+
+def test_pack_decode_terms_cover_each_bit_once():
+    for dtype in ("bfloat16", "float16"):
+        for j, terms in enumerate(g._decode_terms(dtype)):
+            masks = [m for _, m in terms]
+            union = 0
+            for m in masks:
+                assert union & m == 0
+                union |= m
+            target = 0x81C081C0 if dtype == "bfloat16" else 0x8E008E00
+            assert union == target, (dtype, j, hex(union))
+    seen = set()
+    for pos in g._nibble_bit_positions():
+        for p in pos:
+            assert p not in seen
+            seen.add(p)
+    assert seen == set(range(32))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mxfp4_folded_exponents_in_range_including_padding(dtype, gen):
+    """The kernel builds the scale's bits as (E + base - shift) << mantissa_bits: every scale byte
+    of the packed weight, padding included, must give a finite normal exponent field."""
+    w = torch.randn(80, 96, generator=gen) * torch.rand(80, 1, generator=gen).add(0.1)
+    p = g.pack_weight(quantize(w, "mxfp4"))
+    e = p.data[..., g.VALUE_BYTES:].reshape(-1).to(torch.int32)
+    base, top = (126, 254) if dtype == "bfloat16" else (-98, 30)
+    f = e + base - p.scale_shift
+    assert p.fp16_ok
+    assert int(f.min()) >= 1 and int(f.max()) <= top
+
+
+def test_mxfp4_scale_shift_and_fp16_range(gen):
+    w = torch.randn(64, 64, generator=gen)
+    w[0, :32] *= 2.0**-20  # a block 20 binades below the rest
+    p = g.pack_weight(quantize(w, "mxfp4"))
+    assert not p.fp16_ok
+    p2 = g.pack_weight(quantize(torch.randn(64, 64, generator=gen), "mxfp4"))
+    assert p2.fp16_ok
+    assert float(p2.alpha) == 2.0**p2.scale_shift
+
+
+# ------------------------------------------------------------------ configs
+def test_validate_rules():
+    ok = g.Sm90GemmConfig()
+    assert g.validate(ok, 4096, 4096, "nvfp4", "bfloat16") is None
+    bad = {
+        "tile_n": g.Sm90GemmConfig(tile_n=96),
+        "tile_m": g.Sm90GemmConfig(tile_m=48),
+        "tile_k": g.Sm90GemmConfig(tile_k=32),
+        "stages": g.Sm90GemmConfig(stages=9),
+        "split_k": g.Sm90GemmConfig(split_k=3),
+        "cluster_n": g.Sm90GemmConfig(cluster_n=4),
+        "raster": g.Sm90GemmConfig(cluster_n=2, raster="m"),
+        "raster value": g.Sm90GemmConfig(raster="x"),
+        "shared memory": g.Sm90GemmConfig(tile_m=128, tile_n=64, tile_k=256, stages=8),
+        "registers": g.Sm90GemmConfig(tile_n=256, tile_m=256),
+    }
+    for word, cfg in bad.items():
+        reason = g.validate(cfg, 4096, 4096, "nvfp4", "bfloat16")
+        assert reason is not None and word.split()[0] in reason, (word, reason)
+    assert "block size" in g.validate(ok, 4096, 4104, "mxfp4", "bfloat16")
+    assert "divisible" in g.validate(g.Sm90GemmConfig(tile_k=256, split_k=4), 64, 256, "nvfp4", "bfloat16")
+    assert g.validate(ok, 4096, 4096, "int4", "bfloat16") is not None
+
+
+def test_default_config_is_valid_for_llama_shapes():
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (64, 64)]:
+        for fmt in ("nvfp4", "mxfp4"):
+            for m in (None, 1, 64, 512, 8192):
+                cfg = g.default_config(n, k, fmt, "bfloat16", m)
+                assert g.validate(cfg, n, k, fmt, "bfloat16") is None, (n, k, fmt, m, cfg)
+
+
+def test_config_space_values_are_known():
+    space = g.config_space(4096, 4096, "nvfp4", "bfloat16")
+    names = {f for f in g.Sm90GemmConfig.__dataclass_fields__}
+    assert set(space) == names
+
+
+@needs_cute
+def test_invalid_config_rejected_before_compiling():
+    with pytest.raises(ValueError, match="registers"):
+        g.compile_only(g.Sm90GemmConfig(tile_n=256, tile_m=256), 4096, 4096, "nvfp4", "bfloat16")
+    with pytest.raises(ValueError, match="block size"):
+        g.compile_kernel(g.Sm90GemmConfig(), 4096, 4100, "nvfp4", "bfloat16")
+
+
+@needs_cute
+@pytest.mark.parametrize(
+    "cfg,fmt,dtype",
+    [
+        (g.Sm90GemmConfig(tile_n=128, tile_m=128, tile_k=128, stages=4), "nvfp4", "bfloat16"),
+        (g.Sm90GemmConfig(tile_n=64, tile_m=64, tile_k=64, stages=3, raster="m"), "mxfp4", "float16"),
+        (g.Sm90GemmConfig(tile_n=256, tile_m=64, tile_k=64, stages=4, split_k=2), "nvfp4", "float16"),
+        (g.Sm90GemmConfig(tile_n=128, tile_m=16, tile_k=256, stages=3), "mxfp4", "bfloat16"),
+        (g.Sm90GemmConfig(tile_n=256, tile_m=64, tile_k=128, stages=4, cluster_n=2), "nvfp4", "bfloat16"),
+    ],
+)
+def test_compiles_for_sm90a(cfg, fmt, dtype):
+    assert g.validate(cfg, 1000, 4096, fmt, dtype) is None
+    g.compile_only(cfg, 1000, 4096, fmt, dtype)
+
+
+def test_cluster_needs_even_tile_count():
+    cfg = g.Sm90GemmConfig(tile_n=256, tile_m=64, tile_k=128, stages=4, cluster_n=2)
+    assert "divide" in g.validate(cfg, 768, 4096, "nvfp4", "bfloat16")
