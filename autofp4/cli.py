@@ -1,0 +1,330 @@
+"""The ``autofp4`` command: ``tune``, ``db`` and ``info``.
+
+Exit codes: 0 success; 1 some jobs failed with an error; 2 bad input (unknown architecture,
+missing or invalid file, bad option); 130 interrupted (everything measured so far is kept).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence, TextIO
+
+import torch
+
+__all__ = ["main", "build_parser"]
+
+
+class _UsageError(Exception):
+    """Bad command-line input (exit code 2)."""
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"{what} must be non-negative integers, got {text!r}")
+    return vals
+
+
+def _m_list(text: str) -> list[int]:
+    vals = _int_list(text, "--m")
+    if any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"--m values must be >= 1, got {text!r}")
+    return vals
+
+
+def _gpu_list(text: str) -> list[int]:
+    return _int_list(text, "--gpus")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autofp4", description="FP4 (NVFP4 / MXFP4) kernels tuned for the GPU you have."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{tune,db,info}")
+    sub.required = True
+
+    t = sub.add_parser("tune", help="tune the GEMM / MoE shapes of a model on this GPU")
+    t.add_argument("--model", metavar="CONFIG", help="Hugging Face config.json (or its folder)")
+    t.add_argument("--fmt", choices=("nvfp4", "mxfp4"), default="nvfp4")
+    t.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    t.add_argument("--m", type=_m_list, metavar="M1,M2,...",
+                   help="M buckets (token counts); default 1..8192 (powers of two) on the GPU, 1,16,128 on the CPU")
+    t.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
+    t.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
+    t.add_argument("--budget", type=_positive_int, metavar="N", help="trials per (shape, M)")
+    t.add_argument("--time-budget", type=_positive_float, metavar="SECONDS", help="wall-clock budget of the run")
+    t.add_argument("--dry-run", action="store_true", help="print the shapes and the job count, tune nothing")
+    t.add_argument("--from-misses", nargs="?", const="", default=None, metavar="FILE",
+                   help="tune what a workload missed (default file: next to the user DB)")
+    t.add_argument("--force", action="store_true", help="re-tune jobs that already have a result")
+    t.add_argument("--gpus", type=_gpu_list, metavar="0,1,...", help="CUDA devices, one job stream each")
+    t.add_argument("--storage", metavar="URL", help="optuna storage shared by cooperating processes (sqlite:///study.db)")
+    t.add_argument("--workers", type=_nonneg_int, metavar="N", help="compile worker processes (0: compile in-process)")
+    t.add_argument("--db", metavar="PATH", help="tuning DB file (default: $AUTOFP4_DB or ~/.cache/autofp4/tuning.db)")
+    t.add_argument("--backend", action="append", metavar="NAME", help="only this backend (repeatable, or comma-separated)")
+    t.add_argument("--device", choices=("cuda", "cpu"), help="where to tune (default: cuda if available, else cpu)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    from .cli_db import add_db_parser
+
+    add_db_parser(sub)
+
+    i = sub.add_parser("info", help="device, environment, backends and tuning DB layers")
+    i.add_argument("--db", metavar="PATH", help="tuning DB file")
+    i.add_argument("--device", help="device to describe (default: cuda if available, else cpu)")
+    return parser
+
+
+# --------------------------------------------------------------------------------------------
+# tune
+# --------------------------------------------------------------------------------------------
+def _backend_names(args: argparse.Namespace) -> list[str] | None:
+    if not args.backend:
+        return None
+    from .backends import backend_names
+
+    names = [n.strip() for item in args.backend for n in item.split(",") if n.strip()]
+    known = backend_names()
+    for n in names:
+        if n not in known:
+            raise _UsageError(f"unknown backend {n!r}; known: {', '.join(known)}")
+    return names
+
+
+def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from . import dispatch, tuner
+
+    if args.model is None and args.from_misses is None:
+        raise _UsageError("tune needs --model CONFIG (a config.json) or --from-misses [FILE]")
+    if args.model is not None and args.from_misses is not None:
+        raise _UsageError("give either --model or --from-misses, not both")
+    backends = _backend_names(args)
+    if args.db:
+        dispatch.set_db(args.db)
+    db_path = dispatch.user_db_path()
+    cuda = torch.cuda.is_available()
+    if args.gpus and not cuda:
+        raise _UsageError(f"--gpus {','.join(map(str, args.gpus))} given, but no CUDA GPU is available")
+    if args.device == "cuda" and not cuda:
+        raise _UsageError("--device cuda given, but no CUDA GPU is available")
+    if args.gpus and args.device == "cpu":
+        raise _UsageError("--gpus and --device cpu contradict each other")
+    on_cpu = not cuda or args.device == "cpu"
+    cpu_note = (
+        "no CUDA GPU found: tuning the reference backend on the CPU" if not cuda
+        else "--device cpu: tuning the reference backend on the CPU"
+    )
+    common: dict[str, Any] = dict(
+        backends=backends, db=db_path, budget_per_shape=args.budget, budget_total_s=args.time_budget,
+        force=args.force, workers=args.workers, progress=not args.no_progress and not args.dry_run,
+        gpus=args.gpus, storage=args.storage,
+    )
+
+    if args.from_misses is not None:
+        path = Path(args.from_misses) if args.from_misses else dispatch.misses_path()
+        try:
+            misses = dispatch.load_misses(path)
+        except FileNotFoundError:
+            raise _UsageError(f"no misses file at {path} (run a workload with autofp4 first)") from None
+        if args.dry_run:
+            print(f"{len(misses)} missed (problem, M) pairs in {path}:", file=out)
+            for key, m, c in misses:
+                extra = f" E={key.experts} topk={key.topk}" if key.op == "moe" else ""
+                print(f"  {key.op} {key.fmt} {key.dtype} N={key.n} K={key.k}{extra} M={m}: {c} calls", file=out)
+            return 0
+        if on_cpu:
+            print(cpu_note, file=out)
+        try:
+            report = tuner.tune_from_misses(path, device="cpu" if on_cpu else None, **common)
+        except (RuntimeError, ValueError) as e:  # setup: a backend that cannot run here, ...
+            raise _UsageError(str(e)) from None
+        return _finish(report, db_path, out)
+
+    from .models import load_config, model_shapes, shapes_table
+
+    try:
+        config = load_config(args.model)
+    except FileNotFoundError as e:
+        raise _UsageError(str(e)) from None
+    except (ValueError, TypeError, OSError, UnicodeDecodeError) as e:
+        raise _UsageError(f"cannot read {args.model}: {e}") from None
+    try:
+        shapes = model_shapes(config, tp=args.tp, ep=args.ep)
+    except (ValueError, TypeError) as e:
+        raise _UsageError(str(e)) from None
+    if args.m:
+        ms = sorted(set(args.m))
+    else:
+        ms = list(dispatch.DEFAULT_M_BUCKETS if not on_cpu else tuner.CPU_M_BUCKETS)
+    jobs = tuner.jobs_for(shapes, ms, args.fmt, args.dtype)
+    if args.dry_run:
+        out.write(shapes_table(shapes))
+        print(
+            f"\n{len(shapes)} shapes x {len(ms)} M buckets ({','.join(map(str, ms))}) = {len(jobs)} (shape, M) jobs"
+            f"  [{args.fmt}, {args.dtype}, tp={args.tp}, ep={args.ep}, device={'cpu' if on_cpu else 'cuda'}]",
+            file=out,
+        )
+        return 0
+    if on_cpu:
+        print(cpu_note, file=out)
+    print(f"tuning {len(jobs)} (shape, M) jobs into {db_path}", file=out)
+    try:
+        report = tuner.tune_jobs(jobs, device="cpu" if on_cpu else None, **common)
+    except (RuntimeError, ValueError) as e:  # setup: a backend that cannot run here, ...
+        raise _UsageError(str(e)) from None
+    return _finish(report, db_path, out)
+
+
+def _finish(report: Any, db_path: Path, out: TextIO) -> int:
+    out.write(report.table())
+    tuned = len(report.tuned)
+    skipped = sum(1 for r in report.results if r.status == "skipped")
+    errors = [r for r in report.results if r.status == "error"]
+    print(
+        f"\n{tuned} tuned, {skipped} already tuned (use --force to re-tune), "
+        f"{len(report.results) - tuned - skipped} other; {report.trials_run} trials "
+        f"({report.trials_failed} failed) in {report.elapsed_s:.1f} s on {report.device}; DB: {db_path}",
+        file=out,
+    )
+    for r in errors:
+        print(f"error: {r.job.key} M={r.job.m}: {r.note}", file=out)
+    if report.interrupted:
+        print("interrupted: every trial and result measured so far is stored; run again to resume", file=out)
+        return 130
+    return 1 if errors else 0
+
+
+# --------------------------------------------------------------------------------------------
+# info
+# --------------------------------------------------------------------------------------------
+def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from . import dispatch
+    from .backends import backend_names, get_backend
+    from .db import TuningDB, TuningDBError, read_export, shipped_db_dir
+    from .env import current_environment
+
+    if args.db:
+        dispatch.set_db(args.db)
+    dev = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise _UsageError(f"--device {args.device}: no CUDA GPU is available")
+    env = current_environment(dev)
+    key = env.key()
+    print(f"device:        {dev}", file=out)
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        print(f"gpu:           {p.name}, {p.multi_processor_count} SMs, compute capability {p.major}.{p.minor}, "
+              f"{p.total_memory / 2**30:.1f} GiB, L2 {getattr(p, 'L2_cache_size', 0) / 2**20:.0f} MiB", file=out)
+    else:
+        print(f"gpu:           none (CUDA available: {torch.cuda.is_available()}); {os.cpu_count()} CPU cores", file=out)
+    print(f"environment:   {key}", file=out)
+    for field, value in env.model_dump().items():
+        print(f"  {field + ':':20} {value}", file=out)
+    print("backends:", file=out)
+    for name in backend_names():
+        try:
+            b = get_backend(name)
+            why = b.unavailable_reason(dev)
+        except Exception as e:  # an optional package missing, a broken import
+            why = f"cannot be imported: {type(e).__name__}: {e}"
+        print(f"  {name:20} {'applies' if why is None else 'does not apply: ' + why}", file=out)
+    print("tuning DB layers (rows for this environment / all rows):", file=out)
+    user = dispatch.user_db_path()
+    if user.is_file():
+        try:
+            with TuningDB(user, readonly=True) as db:
+                mine = len(db.results(key))
+                total = db.counts()["results"]
+            print(f"  user     {user}: {mine} / {total}", file=out)
+        except (TuningDBError, OSError) as e:
+            print(f"  user     {user}: unreadable ({e})", file=out)
+    else:
+        print(f"  user     {user}: (not created yet)", file=out)
+    shipped = shipped_db_dir()
+    files = sorted(shipped.glob("*.json")) if shipped.is_dir() else []
+    if not files:
+        print(f"  shipped  {shipped}: no files", file=out)
+    for f in files:
+        try:
+            doc = read_export(f)
+            mine = sum(1 for r in doc.records if r.env_key == key)
+            print(f"  shipped  {f}: {mine} / {len(doc.records)}", file=out)
+        except Exception as e:  # report, never fail `info`
+            print(f"  shipped  {f}: unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})", file=out)
+    misses = dispatch.misses_path()
+    if misses.is_file():
+        print(f"misses file:   {misses}", file=out)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# entry point
+# --------------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run the ``autofp4`` command line; returns the exit code."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2)
+        return int(e.code or 0) if isinstance(e.code, int) else 2
+    try:
+        if args.command == "tune":
+            return _cmd_tune(args, out, err)
+        if args.command == "info":
+            return _cmd_info(args, out, err)
+        if args.command == "db":
+            from .cli_db import run_db
+
+            return run_db(args, out, err)
+    except _UsageError as e:
+        print(f"error: {e}", file=err)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=err)
+        return 130
+    except Exception as e:
+        from .db import TuningDBError
+
+        if isinstance(e, TuningDBError):
+            print(f"error: {e}", file=err)
+            return 2
+        raise
+    parser.error(f"unknown command {args.command!r}")
+    return 2

@@ -1,0 +1,399 @@
+"""The dispatcher: ``(ProblemKey, M) -> (backend, config, runner)`` on every call.
+
+The hot path (:meth:`Dispatcher.resolve`) is a dict lookup: tuned rows are loaded once into
+memory, ``(key, M)`` answers are memoized, runners are compiled once per
+``(backend, config, key)`` and serve every M. No SQL, no file access, no tensor hashing.
+
+M buckets
+---------
+A row is tuned for an M bucket ``b`` and serves every ``M <= b`` down to the next smaller
+tuned bucket: :func:`bucket_for` picks the nearest tuned bucket at or above ``M`` (the
+largest when ``M`` is beyond all of them).
+
+Misses
+------
+A call is a *miss* when its key has no tuned row, or when the tuned bucket that serves it is
+coarser than the standard bucket of M (``bucket_for(M, DEFAULT_M_BUCKETS)``) or smaller
+than M. Misses are counted per ``(key, standard bucket)`` and appended (counts merged) to a
+JSON file next to the user DB when the process exits, so ``autofp4 tune --from-misses``
+can tune exactly what a workload needed.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import tempfile
+import threading
+import warnings
+from bisect import bisect_left
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from .backends import available_backends, get_backend
+from .backends.base import Backend, BackendConfig, ProblemKey, Runner
+
+__all__ = [
+    "DEFAULT_M_BUCKETS",
+    "bucket_for",
+    "Dispatcher",
+    "get_dispatcher",
+    "set_db",
+    "reload",
+    "user_db_path",
+    "misses_path",
+    "load_misses",
+]
+
+DEFAULT_M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+MISSES_VERSION = 1
+
+
+def bucket_for(m: int, buckets: Sequence[int] = DEFAULT_M_BUCKETS) -> int:
+    """The smallest bucket ``>= m``; the largest bucket when ``m`` exceeds all of them.
+
+    ``buckets`` must be sorted ascending and non-empty; ``m`` must be ``>= 1``.
+    """
+    if m < 1:
+        raise ValueError(f"m (the token count) must be >= 1, got {m}")
+    if not buckets:
+        raise ValueError("bucket_for needs at least one bucket, got none")
+    i = bisect_left(buckets, m)
+    return buckets[i] if i < len(buckets) else buckets[-1]
+
+
+def _norm_device(device: torch.device | str | int) -> torch.device:
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _key_dict(key: ProblemKey) -> dict[str, Any]:
+    return asdict(key)
+
+
+class Dispatcher:
+    """Tuned rows of one device in memory, plus the runner cache and the miss counter.
+
+    ``records`` are :class:`~autofp4.schema.TuningRecord` s in priority order. Several rows
+    can answer one ``(key, bucket)`` (one per backend); the fastest measured one wins, the
+    earlier one on ties (the user DB comes before the shipped files). Rows measured in another environment than ``env`` (default:
+    the current environment of ``device``), rows whose backend does not run on ``device`` and
+    rows whose config its backend rejects are ignored (one warning for the latter two).
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | int,
+        records: Iterable[Any] = (),
+        env: Any = None,
+        misses_file: str | os.PathLike | None = None,
+    ) -> None:
+        self.device = _norm_device(device)
+        if env is None:
+            from .env import current_environment
+
+            env = current_environment(self.device)
+        self.env = env
+        self.env_key: str = env.key() if hasattr(env, "key") else str(env)
+        # bound now, so misses go next to the DB this dispatcher was built from
+        self.misses_file = Path(misses_file) if misses_file is not None else misses_path()
+        # key -> (sorted tuned buckets, {bucket: (backend, config)})
+        self._table: dict[ProblemKey, tuple[list[int], dict[int, tuple[Backend, BackendConfig]]]] = {}
+        self._runners: dict[tuple[str, BackendConfig, ProblemKey], Runner] = {}
+        self._memo: dict[tuple[ProblemKey, int], tuple[Backend, BackendConfig, Runner, Any]] = {}
+        self._misses: dict[tuple[ProblemKey, int], int] = {}
+        self._lock = threading.Lock()
+        self._applies: dict[str, bool] = {}
+        self.ignored: list[str] = []
+        self.other_env_rows = 0
+        self._load(records)
+
+    # -- loading ---------------------------------------------------------------------
+    def _backend_applies(self, name: str) -> Backend | None:
+        try:
+            b = get_backend(name)
+        except (KeyError, ImportError, AttributeError) as e:
+            self._applies[name] = False
+            self.ignored.append(f"backend {name!r} is not available: {e}")
+            return None
+        ok = self._applies.get(name)
+        if ok is None:
+            try:
+                ok = bool(b.applies_to(self.device))
+            except Exception:  # a broken probe means "does not apply"
+                ok = False
+            self._applies[name] = ok
+        return b if ok else None
+
+    def _load(self, records: Iterable[Any]) -> None:
+        staged: dict[ProblemKey, dict[int, tuple[float, Backend, BackendConfig]]] = {}
+        for rec in records:
+            rec_env = getattr(rec, "env_key", None)
+            if rec_env is not None and rec_env != self.env_key:
+                self.other_env_rows += 1
+                continue
+            try:
+                key = ProblemKey(rec.op, rec.fmt, rec.dtype, rec.n, rec.k, rec.experts, rec.topk)
+            except ValueError as e:
+                self.ignored.append(f"row {rec.op} {rec.n}x{rec.k}: {e}")
+                continue
+            by_bucket = staged.setdefault(key, {})
+            prev = by_bucket.get(rec.m_bucket)
+            median = float(getattr(rec, "median_us", 0.0) or 0.0)
+            if prev is not None and prev[0] <= median:
+                continue  # an equally fast or faster row (or an earlier layer's) already answers
+            b = self._backend_applies(rec.backend)
+            if b is None:
+                self.ignored.append(f"{rec.backend} row for {key} M<={rec.m_bucket}: backend does not run on {self.device}")
+                continue
+            try:
+                cfg = b.parse_config(rec.config)
+                reason = b.supports(key) or b.is_valid(cfg, key)
+            except Exception as e:  # pydantic errors, a backend's own checks
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if reason:
+                self.ignored.append(f"{rec.backend} row for {key} M<={rec.m_bucket}: {reason}")
+                continue
+            by_bucket[rec.m_bucket] = (median, b, cfg)
+        for key, by_bucket in staged.items():
+            if by_bucket:
+                self._table[key] = (sorted(by_bucket), {m: (b, c) for m, (_, b, c) in by_bucket.items()})
+        if self.ignored:
+            warnings.warn(
+                f"autofp4: ignored {len(self.ignored)} tuning row(s) that cannot run on {self.device} "
+                f"(first: {self.ignored[0]})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    # -- lookups ---------------------------------------------------------------------
+    def tuned(self, key: ProblemKey) -> dict[int, tuple[Backend, BackendConfig]]:
+        """The tuned ``{bucket: (backend, config)}`` of ``key`` (empty when untuned)."""
+        entry = self._table.get(key)
+        return dict(entry[1]) if entry else {}
+
+    def __len__(self) -> int:
+        return sum(len(e[0]) for e in self._table.values())
+
+    def _fallback(self, key: ProblemKey, m: int) -> tuple[Backend, BackendConfig]:
+        reasons = []
+        for b in available_backends(self.device):
+            why = b.supports(key)
+            if why is None:
+                return b, b.default(key, m)
+            reasons.append(f"{b.name}: {why}")
+        raise RuntimeError(f"no backend on {self.device} can run {key}: " + "; ".join(reasons))
+
+    def _pick(self, key: ProblemKey, m: int) -> tuple[Backend, BackendConfig, bool]:
+        std = bucket_for(m, DEFAULT_M_BUCKETS)
+        entry = self._table.get(key)
+        if entry is not None:
+            buckets, by_bucket = entry
+            b = bucket_for(m, buckets)
+            backend, cfg = by_bucket[b]
+            return backend, cfg, not (min(m, std) <= b <= std)
+        backend, cfg = self._fallback(key, m)
+        return backend, cfg, True
+
+    def pick(self, key: ProblemKey, m: int) -> tuple[Backend, BackendConfig]:
+        """The tuned ``(backend, config)`` for ``key`` at ``m`` tokens, else the default one."""
+        backend, cfg, _ = self._pick(key, m)
+        return backend, cfg
+
+    def runner(self, backend: Backend, config: BackendConfig, key: ProblemKey) -> Runner:
+        """The compiled runner for ``(backend, config, key)``; compiled once, reused for all M."""
+        ck = (backend.name, config, key)
+        r = self._runners.get(ck)
+        if r is None:
+            with self._lock:
+                r = self._runners.get(ck)
+                if r is None:
+                    r = backend.compile(config, key)
+                    self._runners[ck] = r
+        return r
+
+    def resolve(self, key: ProblemKey, m: int) -> tuple[Backend, BackendConfig, Runner]:
+        """``(backend, config, runner)`` for a call with ``m`` tokens (memoized per ``(key, m)``)."""
+        hit = self._memo.get((key, m))
+        if hit is None:
+            backend, cfg, miss = self._pick(key, m)
+            runner = self.runner(backend, cfg, key)
+            miss_key = (key, bucket_for(m, DEFAULT_M_BUCKETS)) if miss else None
+            hit = (backend, cfg, runner, miss_key)
+            if len(self._memo) > 1 << 16:
+                self._memo.clear()
+            self._memo[(key, m)] = hit
+        if hit[3] is not None:
+            self._count_miss(hit[3])
+        return hit[0], hit[1], hit[2]
+
+    # -- misses ----------------------------------------------------------------------
+    def _count_miss(self, mk: tuple[ProblemKey, int]) -> None:
+        with self._lock:
+            first = not self._misses
+            self._misses[mk] = self._misses.get(mk, 0) + 1
+        if first:
+            _register_pending(self)
+
+    def misses(self) -> list[tuple[ProblemKey, int, int]]:
+        """The misses counted since the last flush: ``(key, standard M bucket, calls)``."""
+        with self._lock:
+            return [(k, m, c) for (k, m), c in self._misses.items()]
+
+    def flush_misses(self, path: str | os.PathLike | None = None) -> Path | None:
+        """Merge the counted misses into the misses JSON file (atomic replace); reset counts.
+
+        ``path`` defaults to ``misses_file`` (given to the constructor, else the file next to
+        the user DB in use when the dispatcher was built, :func:`misses_path`). Returns the
+        path written, or ``None`` when there was nothing to write.
+        """
+        with self._lock:
+            pending = dict(self._misses)
+            self._misses.clear()
+        if not pending:
+            return None
+        target = Path(path) if path is not None else self.misses_file
+        merged: dict[tuple, int] = {}
+        for key, m, c in _read_misses(target, strict=False):
+            merged[(key, m)] = merged.get((key, m), 0) + c
+        for mk, c in pending.items():
+            merged[mk] = merged.get(mk, 0) + c
+        _write_misses(target, merged)
+        return target
+
+
+# -- misses file ----------------------------------------------------------------------
+def _write_misses(path: Path, merged: dict[tuple[ProblemKey, int], int]) -> None:
+    items = sorted(merged.items(), key=lambda kv: (-kv[1], str(kv[0][0]), kv[0][1]))
+    doc = {
+        "version": MISSES_VERSION,
+        "misses": [{**_key_dict(k), "m": m, "count": c} for (k, m), c in items],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _read_misses(path: Path, strict: bool) -> list[tuple[ProblemKey, int, int]]:
+    if not path.exists():
+        if strict:
+            raise FileNotFoundError(f"misses file not found: {path}")
+        return []
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(doc, dict) or doc.get("version") != MISSES_VERSION:
+            raise ValueError(f"expected a JSON object with version {MISSES_VERSION}")
+        out = []
+        for i, e in enumerate(doc.get("misses", [])):
+            if not isinstance(e, dict):
+                raise ValueError(f"misses[{i}] must be an object")
+            key = ProblemKey(
+                str(e["op"]), str(e["fmt"]), str(e["dtype"]), int(e["n"]), int(e["k"]),
+                int(e.get("experts", 0)), int(e.get("topk", 0)),
+            )
+            m, c = int(e["m"]), int(e.get("count", 1))
+            if m < 1 or c < 1:
+                raise ValueError(f"misses[{i}]: m and count must be >= 1, got m={m}, count={c}")
+            out.append((key, m, c))
+        return out
+    except (ValueError, KeyError, TypeError) as e:
+        if strict:
+            raise ValueError(f"invalid misses file {path}: {e}") from None
+        warnings.warn(f"autofp4: ignoring unreadable misses file {path}: {e}", RuntimeWarning, stacklevel=3)
+        return []
+
+
+def load_misses(path: str | os.PathLike | None = None) -> list[tuple[ProblemKey, int, int]]:
+    """The misses recorded in ``path`` (default :func:`misses_path`): ``(key, m, count)``."""
+    return _read_misses(Path(path) if path is not None else misses_path(), strict=True)
+
+
+# -- process-wide dispatchers -----------------------------------------------------------
+_DB_PATH: Path | None = None
+_DISPATCHERS: dict[torch.device, Dispatcher] = {}
+_PENDING: list[Dispatcher] = []
+_STATE_LOCK = threading.Lock()
+_ATEXIT = False
+
+
+def user_db_path() -> Path:
+    """The user DB file in use: the one given to :func:`set_db`, else ``db.default_db_path()``."""
+    if _DB_PATH is not None:
+        return _DB_PATH
+    from .db import default_db_path
+
+    return Path(default_db_path())
+
+
+def misses_path() -> Path:
+    """The misses file next to the user DB (``<db>.misses.json``)."""
+    return user_db_path().with_suffix(".misses.json")
+
+
+def _flush_all() -> None:
+    for d in list(_PENDING):
+        try:
+            d.flush_misses()
+        except Exception as e:  # never fail interpreter exit
+            warnings.warn(f"autofp4: could not write the misses file: {e}", RuntimeWarning)
+
+
+def _register_pending(d: Dispatcher) -> None:
+    global _ATEXIT
+    with _STATE_LOCK:
+        if d not in _PENDING:
+            _PENDING.append(d)
+        if not _ATEXIT:
+            atexit.register(_flush_all)
+            _ATEXIT = True
+
+
+def get_dispatcher(device: torch.device | str | int) -> Dispatcher:
+    """The process-wide :class:`Dispatcher` of ``device`` (built on first use from the DB layers)."""
+    d = _DISPATCHERS.get(device)  # fast path: tensors' devices carry an index
+    if d is not None:
+        return d
+    dev = _norm_device(device)
+    with _STATE_LOCK:
+        d = _DISPATCHERS.get(dev)
+        if d is None:
+            from .db import load_layers
+            from .env import current_environment
+
+            env = current_environment(dev)
+            db_path = user_db_path()
+            records = load_layers(env, user_path=db_path)
+            d = Dispatcher(dev, records, env=env, misses_file=db_path.with_suffix(".misses.json"))
+            _DISPATCHERS[dev] = d
+    if isinstance(device, torch.device) and device == dev:
+        _DISPATCHERS[device] = d
+    return d
+
+
+def set_db(path: str | os.PathLike | None) -> None:
+    """Use ``path`` as the user tuning DB (``None``: back to the default) and drop dispatchers."""
+    global _DB_PATH
+    _DB_PATH = Path(path).expanduser() if path is not None else None
+    reload()
+
+
+def reload() -> None:
+    """Forget the loaded dispatchers; the next call reloads the DB layers."""
+    with _STATE_LOCK:
+        _DISPATCHERS.clear()

@@ -1,0 +1,88 @@
+#!/usr/bin/env python
+"""Host-side cost of dispatch: ``Dispatcher.resolve`` and ``autofp4.linear`` vs. the bare runner.
+
+    python scripts/bench_dispatch.py [--device cuda] [--calls 20000]
+
+Prints one table row per measurement: microseconds of host time per call (median of
+several rounds). On the GPU the kernels are asynchronous, so the eager numbers are the
+launch-side overhead the dispatcher adds, which is what matters for decode. A benchmark,
+not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import autofp4  # noqa: E402
+from autofp4.backends import ProblemKey  # noqa: E402
+from autofp4.dispatch import Dispatcher, get_dispatcher  # noqa: E402
+
+
+def per_call_us(fn, calls: int, rounds: int = 5, sync=None) -> float:
+    """Median over ``rounds`` of the host time of ``calls`` calls, in microseconds per call."""
+    for _ in range(min(calls, 100)):
+        fn()
+    if sync:
+        sync()
+    res = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if sync:
+            sync()
+        res.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(res)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--calls", type=int, default=20000, help="calls per round for the lookups")
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--m", type=int, default=1)
+    args = p.parse_args()
+    dev = torch.device(args.device)
+    key = ProblemKey("linear", "nvfp4", "bfloat16", args.n, args.k)
+    rows: list[tuple[str, float]] = []
+
+    d = Dispatcher(dev, [])
+    d.resolve(key, args.m)
+    rows.append(("Dispatcher.resolve (memo hit, untuned)", per_call_us(lambda: d.resolve(key, args.m), args.calls)))
+    rows.append(("Dispatcher.pick (no memo)", per_call_us(lambda: d.pick(key, args.m), args.calls)))
+    gd = get_dispatcher(dev)
+    x = torch.randn(args.m, args.k, device=dev, dtype=torch.bfloat16)
+    rows.append(("get_dispatcher(x.device)", per_call_us(lambda: get_dispatcher(x.device), args.calls)))
+    rows.append(("get_dispatcher(x.device).resolve", per_call_us(lambda: gd.resolve(key, args.m), args.calls)))
+
+    if hasattr(autofp4, "linear"):
+        w = autofp4.quantize(torch.randn(args.n, args.k, device=dev), "nvfp4")
+        backend, cfg, runner = gd.resolve(key, args.m)
+        prepared = w.packed(backend.name, backend.prepare)
+        sync = torch.cuda.synchronize if dev.type == "cuda" else None
+        calls = max(10, args.calls // 100) if dev.type == "cpu" else max(100, args.calls // 10)
+        direct = per_call_us(lambda: runner(x, prepared, None), calls, sync=sync)
+        full = per_call_us(lambda: autofp4.linear(x, w), calls, sync=sync)
+        rows.append((f"runner(x, w) direct [{backend.name}]", direct))
+        rows.append(("autofp4.linear(x, w) eager", full))
+        rows.append(("  overhead of autofp4.linear", full - direct))
+
+    width = max(len(r[0]) for r in rows)
+    print(f"device={dev}  N={args.n} K={args.k} M={args.m}  torch {torch.__version__}")
+    print(f"{'measurement'.ljust(width)}  host us/call")
+    print(f"{'-' * width}  ------------")
+    for name, us in rows:
+        print(f"{name.ljust(width)}  {us:12.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""``autofp4`` command line on the CPU: tune a tiny model end to end into real SQLite files."""
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from autofp4 import dispatch
+from autofp4.backends import get_backend
+from autofp4.cli import main
+from autofp4.db import TuningDB, load_layers
+from autofp4.dispatch import Dispatcher
+from autofp4.env import current_environment
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+TINY = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1000,
+}
+# qkv (512 x 256), o (256 x 256), gate_up (1024 x 256), down (256 x 512); M = 1, 16, 128
+N_JOBS = 12
+
+
+@pytest.fixture(autouse=True)
+def _reset_db():
+    dispatch.set_db(None)
+    yield
+    dispatch.set_db(None)
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    p = tmp_path / "tiny-llama.json"
+    p.write_text(json.dumps(TINY))
+    return p
+
+
+def run(argv):
+    out, err = io.StringIO(), io.StringIO()
+    rc = main([str(a) for a in argv], out=out, err=err)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _env_key():
+    return current_environment(CPU).key()
+
+
+def _picks(d, recs):
+    return {(r.problem_key(), r.m_bucket): d.pick(r.problem_key(), r.m_bucket) for r in recs}
+
+
+def test_dry_run(tiny, tmp_path):
+    db = tmp_path / "t.db"
+    rc, out, err = run(["tune", "--model", tiny, "--dry-run", "--db", db, "--device", "cpu"])
+    assert rc == 0, err
+    assert "gate_up_proj" in out and "down_proj" in out and "qkv_proj" in out
+    assert "4 shapes x 3 M buckets (1,16,128) = 12 (shape, M) jobs" in out
+    rc, out, _ = run(["tune", "--model", tiny, "--dry-run", "--m", "1,2,4,8", "--tp", "2", "--device", "cpu"])
+    assert rc == 0 and "x 4 M buckets (1,2,4,8)" in out and "tp=2" in out
+    assert not db.exists()
+
+
+def test_bad_inputs_exit_2(tmp_path, tiny):
+    bad_arch = tmp_path / "c.json"
+    bad_arch.write_text(json.dumps({**TINY, "model_type": "not-a-model"}))
+    rc, out, err = run(["tune", "--model", bad_arch, "--dry-run"])
+    assert rc == 2 and "not-a-model" in err and "Traceback" not in err
+    rc, _, err = run(["tune", "--model", tmp_path / "missing.json"])
+    assert rc == 2 and "missing.json" in err
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    rc, _, err = run(["tune", "--model", broken])
+    assert rc == 2 and "JSON" in err
+    rc, _, err = run(["tune"])
+    assert rc == 2 and "--model" in err
+    rc, _, err = run(["tune", "--model", tiny, "--backend", "nope"])
+    assert rc == 2 and "unknown backend" in err
+    rc, _, err = run(["tune", "--model", tiny, "--m", "0,4"])
+    assert rc == 2
+    rc, _, err = run(["tune", "--from-misses", tmp_path / "none.misses.json"])
+    assert rc == 2 and "no misses file" in err
+
+
+def test_tune_end_to_end_export_import(tiny, tmp_path):
+    db = tmp_path / "t.db"
+    rc, out, err = run(["tune", "--model", tiny, "--db", db, "--no-progress", "--device", "cpu"])
+    assert rc == 0, out + err
+    assert "tuning the reference backend on the CPU" in out
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU found: tuning the reference backend on the CPU" in out
+    assert "12 tuned" in out and "gate_up_proj" in out and "speedup" in out
+    env = current_environment(CPU)
+    ref = get_backend("reference")
+    with TuningDB(db) as t:
+        recs = t.results(env.key())
+        trials = t.trials(env.key())
+        assert len(recs) == N_JOBS
+        assert {(r.n, r.k) for r in recs} == {(512, 256), (256, 256), (1024, 256), (256, 512)}
+        assert {r.m_bucket for r in recs} == {1, 16, 128}
+        for r in recs:  # provenance
+            assert r.backend == "reference" and r.env == env and r.backend_source == ref.source_hash()
+            assert r.median_us > 0 and r.spread_us >= 0 and r.samples >= 1 and r.default_median_us > 0
+            assert r.created_at.endswith("Z")
+        assert len(trials) >= N_JOBS and all(t.outcome == "ok" for t in trials)
+        export = tmp_path / "export.json"
+        t.export(export, env.key())
+    # a new dispatcher picks exactly the stored rows and counts no misses for them
+    d = Dispatcher(CPU, load_layers(env, user_path=db), env=env)
+    picks = _picks(d, recs)
+    for r in recs:
+        b, cfg = picks[(r.problem_key(), r.m_bucket)]
+        assert b.name == r.backend and cfg == b.parse_config(r.config)
+        d.resolve(r.problem_key(), r.m_bucket)
+    assert d.misses() == []
+    # export -> import into a fresh DB -> the same picks
+    fresh = tmp_path / "fresh.db"
+    with TuningDB(fresh) as f:
+        f.import_file(export)
+        assert len(f.results(env.key())) == N_JOBS
+    d2 = Dispatcher(CPU, load_layers(env, user_path=fresh), env=env)
+    assert _picks(d2, recs) == picks
+    # `autofp4 db list` and `autofp4 info` see the DB
+    rc, out, err = run(["db", "list", "--db", db])
+    assert rc == 0, err
+    rc, out, err = run(["info", "--db", db, "--device", "cpu"])
+    assert rc == 0, err
+    assert env.key() in out and "reference" in out and f"{N_JOBS} / {N_JOBS}" in out
+
+
+def test_resume_skips_and_force_retunes(tiny, tmp_path):
+    db = tmp_path / "t.db"
+    args = ["tune", "--model", tiny, "--db", db, "--no-progress", "--device", "cpu", "--m", "1,16"]
+    assert run(args)[0] == 0
+    with TuningDB(db) as t:
+        n_trials = len(t.trials())
+        first = {r.unique_key(): r.created_at for r in t.results()}
+    rc, out, _ = run(args)
+    assert rc == 0 and "0 tuned, 8 already tuned" in out
+    with TuningDB(db) as t:
+        assert len(t.trials()) == n_trials
+    rc, out, _ = run([*args, "--force"])
+    assert rc == 0 and "8 tuned" in out
+    with TuningDB(db) as t:
+        assert len(t.trials()) == 2 * n_trials
+        again = {r.unique_key(): r.created_at for r in t.results()}
+    assert set(again) == set(first) and all(again[k] > first[k] for k in first)
+
+
+def test_from_misses_cli(tmp_path):
+    db = tmp_path / "t.db"
+    dispatch.set_db(db)
+    from autofp4.backends import ProblemKey
+
+    k = ProblemKey("linear", "nvfp4", "bfloat16", 256, 128)
+    d = Dispatcher(CPU, [], misses_file=dispatch.misses_path())
+    d.resolve(k, 5)
+    d.flush_misses()
+    rc, out, _ = run(["tune", "--from-misses", "--db", db, "--dry-run"])
+    assert rc == 0 and "N=256 K=128 M=8: 1 calls" in out
+    rc, out, err = run(["tune", "--from-misses", "--db", db, "--no-progress", "--device", "cpu"])
+    assert rc == 0, out + err
+    with TuningDB(db) as t:
+        assert [(r.n, r.k, r.m_bucket) for r in t.results(_env_key())] == [(256, 128, 8)]
+
+
+def test_two_processes_tune_one_db(tmp_path):
+    # intermediate 1024: gate_up is 2048 x 256, where the reference backend has 2 configs
+    tiny = tmp_path / "tiny2.json"
+    tiny.write_text(json.dumps({**TINY, "intermediate_size": 1024}))
+    db = tmp_path / "shared.db"
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    cmd = [sys.executable, "-m", "autofp4", "tune", "--model", str(tiny), "--db", str(db),
+           "--storage", storage, "--no-progress", "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    with TuningDB(db) as t:
+        recs = t.results(_env_key())
+        trials = t.trials(_env_key())
+    keys = [r.unique_key() for r in recs]
+    assert len(keys) == len(set(keys)) == N_JOBS  # every job once, none twice
+    assert all(t.outcome == "ok" for t in trials)
+    assert len(trials) == N_JOBS + 3  # gate_up has a second config in each of the 3 buckets
+    measured = {(t.n, t.k, t.m, json.dumps(t.config, sort_keys=True)) for t in trials}
+    assert len(measured) == len(trials)  # the shared study handed out each point once
+    for r in recs:  # every stored winner is backed by a trial of its config
+        assert (r.n, r.k, r.m_bucket, json.dumps(r.config, sort_keys=True)) in measured
+
+
+def test_ctrl_c_keeps_what_was_measured(tmp_path):
+    cfg = tmp_path / "mid.json"
+    cfg.write_text(json.dumps({**TINY, "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 8}))
+    db = tmp_path / "t.db"
+    cmd = [sys.executable, "-m", "autofp4", "tune", "--model", str(cfg), "--db", str(db), "--no-progress", "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    stored = 0
+    while time.monotonic() < deadline and p.poll() is None and stored < 2:
+        time.sleep(0.2)
+        if db.exists():
+            try:
+                with TuningDB(db, readonly=True) as t:
+                    stored = len(t.results())
+            except Exception:
+                pass
+    assert p.poll() is None, "the run finished before it could be interrupted"
+    p.send_signal(signal.SIGINT)
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode == 130, out
+    assert "interrupted" in out and "Traceback" not in out
+    with TuningDB(db) as t:
+        kept = {r.unique_key() for r in t.results()}
+    assert len(kept) >= 2
+    # a second run resumes: what was stored is skipped
+    rc, out, _ = run(["tune", "--model", cfg, "--db", db, "--no-progress", "--device", "cpu", "--m", "1"])
+    assert rc == 0 and f"{sum(1 for k in kept if k[4] == 1)} already tuned" in out

@@ -1,0 +1,198 @@
+import json
+import os
+
+import pytest
+import torch
+
+import autofp4
+from autofp4 import backends as registry
+from autofp4 import dispatch
+from autofp4.backends import ProblemKey
+from autofp4.backends.reference import ReferenceBackend, ReferenceConfig
+from autofp4.db import TuningDB, load_layers
+from autofp4.dispatch import DEFAULT_M_BUCKETS, Dispatcher, bucket_for, load_misses
+from autofp4.env import current_environment
+from autofp4.schema import Environment, TuningRecord
+
+CPU = torch.device("cpu")
+KEY = ProblemKey("linear", "nvfp4", "bfloat16", 512, 256)
+KEY2 = ProblemKey("linear", "mxfp4", "float16", 256, 512)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatchers():
+    dispatch.set_db(None)
+    yield
+    dispatch.set_db(None)
+
+
+def _rec(key, m_bucket, chunk_n, backend="reference", env=None, median=10.0):
+    return TuningRecord(
+        op=key.op, fmt=key.fmt, dtype=key.dtype, backend=backend, m_bucket=m_bucket, n=key.n, k=key.k,
+        experts=key.experts, topk=key.topk, config={"chunk_n": chunk_n}, median_us=median,
+        spread_us=0.5, samples=10, default_median_us=12.0, backend_source="abc",
+        env=env or current_environment(CPU),
+    )
+
+
+class CountingBackend(ReferenceBackend):
+    name = "test_counting"
+    compiles = 0
+
+    def compile(self, config, key):
+        type(self).compiles += 1
+        return super().compile(config, key)
+
+
+class OfflineBackend(ReferenceBackend):
+    name = "test_offline"
+
+    def applies_to(self, device):
+        return False
+
+
+def _register(monkeypatch, cls):
+    monkeypatch.setitem(registry._REGISTRY, cls.name, f"{cls.__module__}:{cls.__qualname__}")
+    inst = cls()
+    monkeypatch.setitem(registry._INSTANCES, cls.name, inst)
+    return inst
+
+
+def test_bucket_for_edges():
+    assert bucket_for(1) == 1
+    assert bucket_for(3) == 4
+    assert bucket_for(4) == 4
+    assert bucket_for(5) == 8
+    assert bucket_for(8192) == 8192
+    assert bucket_for(8193) == 8192 and bucket_for(10**6) == 8192
+    assert bucket_for(1, (16, 128)) == 16
+    assert bucket_for(16, (16, 128)) == 16
+    assert bucket_for(17, (16, 128)) == 128
+    assert bucket_for(500, (16, 128)) == 128
+    assert bucket_for(7, (7,)) == 7 and bucket_for(1, (7,)) == 7
+    assert list(DEFAULT_M_BUCKETS) == sorted(DEFAULT_M_BUCKETS)
+    with pytest.raises(ValueError):
+        bucket_for(0)
+    with pytest.raises(ValueError):
+        bucket_for(5, ())
+
+
+def test_pick_stored_rows_and_default():
+    d = Dispatcher(CPU, [_rec(KEY, 16, 128), _rec(KEY, 128, 256)])
+    assert len(d) == 2
+    ref = registry.get_backend("reference")
+    assert d.pick(KEY, 1) == (ref, ReferenceConfig(chunk_n=128))
+    assert d.pick(KEY, 16) == (ref, ReferenceConfig(chunk_n=128))
+    assert d.pick(KEY, 17) == (ref, ReferenceConfig(chunk_n=256))
+    assert d.pick(KEY, 100000) == (ref, ReferenceConfig(chunk_n=256))
+    # untuned key: the first available backend's default
+    b, cfg = d.pick(KEY2, 3)
+    assert b.name == "reference" and cfg == ref.default(KEY2, 3)
+
+
+def test_fastest_row_wins_a_bucket(monkeypatch):
+    _register(monkeypatch, CountingBackend)
+    d = Dispatcher(CPU, [_rec(KEY, 16, 128, median=20.0), _rec(KEY, 16, 64, backend="test_counting", median=5.0)])
+    b, cfg = d.pick(KEY, 16)
+    assert b.name == "test_counting" and cfg == ReferenceConfig(chunk_n=64)
+
+
+def test_rows_of_other_environments_are_ignored():
+    here = current_environment(CPU)
+    other = Environment(**{**here.model_dump(), "gpu_name": "Some Other GPU"})
+    assert other.key() != here.key()
+    d = Dispatcher(CPU, [_rec(KEY, 16, 128, env=other)])
+    assert d.other_env_rows == 1 and len(d) == 0
+    assert d.pick(KEY, 16)[1] == ReferenceConfig()
+
+
+def test_rows_that_cannot_run_are_ignored_with_one_warning(monkeypatch):
+    _register(monkeypatch, OfflineBackend)
+    recs = [_rec(KEY, 16, 128, backend="test_offline"), _rec(KEY, 128, 128, backend="test_offline")]
+    with pytest.warns(RuntimeWarning, match="ignored 2 tuning row") as w:
+        d = Dispatcher(CPU, recs)
+    assert len([x for x in w if issubclass(x.category, RuntimeWarning)]) == 1
+    assert len(d) == 0
+    assert d.pick(KEY, 16) == (registry.get_backend("reference"), ReferenceConfig())
+
+
+def test_runner_compiled_once_for_every_m(monkeypatch, gen):
+    inst = _register(monkeypatch, CountingBackend)
+    CountingBackend.compiles = 0
+    d = Dispatcher(CPU, [_rec(KEY, 16, 64, backend="test_counting"), _rec(KEY, 8192, 64, backend="test_counting")])
+    runners = {id(d.resolve(KEY, m)[2]) for m in (1, 2, 3, 15, 16, 17, 100, 4000, 9000)}
+    assert len(runners) == 1 and CountingBackend.compiles == 1
+    assert d.runner(inst, ReferenceConfig(chunk_n=64), KEY) is d.resolve(KEY, 5)[2]
+    assert CountingBackend.compiles == 1
+    # the runner computes x @ W^T (checked against float64 math)
+    w = autofp4.quantize(torch.randn(KEY.n, KEY.k, generator=gen), "nvfp4")
+    x = torch.randn(5, KEY.k, generator=gen).to(torch.bfloat16)
+    backend, cfg, runner = d.resolve(KEY, 5)
+    out = runner(x, backend.prepare(w), None)
+    ref = x.double() @ w.dequantize().double().T
+    err = (out.double() - ref).norm() / ref.norm()
+    assert out.shape == (5, KEY.n) and err < 1e-2
+
+
+def test_misses_counted_flushed_and_merged(tmp_path):
+    d = Dispatcher(CPU, [_rec(KEY, 16, 128)])
+    for _ in range(3):
+        d.resolve(KEY2, 3)  # untuned key -> standard bucket 4
+    d.resolve(KEY, 10)  # served by its own bucket (16): a hit
+    d.resolve(KEY, 16)
+    d.resolve(KEY, 1)  # bucket 16 is coarser than the standard bucket 1: a miss
+    d.resolve(KEY, 200)  # beyond the largest tuned bucket: a miss at 256
+    assert sorted(d.misses(), key=str) == sorted([(KEY2, 4, 3), (KEY, 1, 1), (KEY, 256, 1)], key=str)
+    path = tmp_path / "sub" / "w.misses.json"
+    assert d.flush_misses(path) == path
+    assert d.misses() == [] and d.flush_misses(path) is None
+    assert sorted(load_misses(path), key=str) == sorted([(KEY2, 4, 3), (KEY, 1, 1), (KEY, 256, 1)], key=str)
+    d.resolve(KEY2, 4)
+    d.flush_misses(path)
+    got = {(k, m): c for k, m, c in load_misses(path)}
+    assert got[(KEY2, 4)] == 4 and got[(KEY, 1)] == 1 and len(got) == 3
+    assert sorted(os.listdir(path.parent)) == ["w.misses.json"]  # no temp files left behind
+    doc = json.loads(path.read_text())
+    assert doc["version"] == 1 and doc["misses"][0]["count"] == 4
+    with pytest.raises(FileNotFoundError):
+        load_misses(tmp_path / "none.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": 1, "misses": [{"op": "conv"}]}')
+    with pytest.raises(ValueError, match="invalid misses file"):
+        load_misses(bad)
+
+
+def test_get_dispatcher_reads_the_user_db(tmp_path):
+    path = tmp_path / "user.db"
+    with TuningDB(path) as db:
+        db.upsert_result(_rec(KEY, 32, 64))
+    dispatch.set_db(path)
+    assert dispatch.user_db_path() == path
+    assert dispatch.misses_path() == tmp_path / "user.misses.json"
+    d = dispatch.get_dispatcher("cpu")
+    assert d is dispatch.get_dispatcher(torch.device("cpu"))
+    assert d.pick(KEY, 20)[1] == ReferenceConfig(chunk_n=64)
+    # rows added later are seen after reload()
+    with TuningDB(path) as db:
+        db.upsert_result(_rec(KEY, 64, 128))
+    assert dispatch.get_dispatcher("cpu").pick(KEY, 40)[1] == ReferenceConfig(chunk_n=64)
+    dispatch.reload()
+    d2 = dispatch.get_dispatcher("cpu")
+    assert d2 is not d and d2.pick(KEY, 40)[1] == ReferenceConfig(chunk_n=128)
+    # the same rows through load_layers directly
+    d3 = Dispatcher(CPU, load_layers(current_environment(CPU), user_path=path))
+    assert d3.tuned(KEY) == d2.tuned(KEY)
+    dispatch.set_db(None)
+    assert dispatch.get_dispatcher("cpu").tuned(KEY) == {}
+
+
+@pytest.mark.gpu
+def test_dispatch_on_gpu(gen):
+    dev = torch.device("cuda")
+    d = dispatch.get_dispatcher(dev)
+    w = autofp4.quantize(torch.randn(KEY.n, KEY.k, generator=gen), "nvfp4").to(dev)
+    x = torch.randn(7, KEY.k, generator=gen).to(dev, torch.bfloat16)
+    backend, cfg, runner = d.resolve(KEY, 7)
+    out = runner(x, w.packed(backend.name, backend.prepare), None)
+    ref = x.double() @ w.dequantize().double().T
+    assert out.is_cuda and (out.double() - ref).norm() / ref.norm() < 1e-2

@@ -1,0 +1,303 @@
+"""The tuner on the CPU: real tuning runs into real SQLite files, with test backends that are
+deliberately wrong, faulty or crashing (fixtures registered like any backend)."""
+import os
+import time
+
+import pytest
+import torch
+
+from autofp4 import backends as registry
+from autofp4.backends import ProblemKey
+from autofp4.backends.reference import ReferenceBackend
+from autofp4.db import TuningDB
+from autofp4.dispatch import Dispatcher
+from autofp4.env import current_environment
+from autofp4.schema import config_json
+from autofp4.tuner import Job, TOLERANCE, _check, tune, tune_from_misses, tune_jobs
+
+CPU = torch.device("cpu")
+KEY = ProblemKey("linear", "nvfp4", "bfloat16", 256, 128)
+KEY_B = ProblemKey("linear", "mxfp4", "float16", 128, 256)
+
+
+class NegatedColumnBackend(ReferenceBackend):
+    """chunk_n=64 is fast but negates output column 0; chunk_n=0 is correct but 3 ms slower."""
+
+    name = "test_negcol"
+
+    def config_space(self, key):
+        return {"chunk_n": [0, 64]}
+
+    def compile(self, config, key):
+        inner = super().compile(config, key)
+        if config.chunk_n == 64:
+            def wrong(x, w, bias):
+                out = inner(x, w, bias)
+                out[:, 0] = -out[:, 0]
+                return out
+            return wrong
+
+        def slow(x, w, bias):
+            time.sleep(0.003)
+            return inner(x, w, bias)
+        return slow
+
+
+class FaultyBackend(ReferenceBackend):
+    """chunk_n=32 fails to compile, chunk_n=64 raises when run, chunk_n=0 works."""
+
+    name = "test_faulty"
+
+    def config_space(self, key):
+        return {"chunk_n": [0, 32, 64]}
+
+    def compile(self, config, key):
+        if config.chunk_n == 32:
+            raise RuntimeError("code generation failed for chunk_n=32")
+        inner = super().compile(config, key)
+        if config.chunk_n == 64:
+            def boom(*args):
+                raise RuntimeError("kernel exploded")
+            return boom
+        return inner
+
+
+class CrashBackend(ReferenceBackend):
+    """chunk_n=48 kills its process (like a dead CUDA context), chunk_n=64 hangs."""
+
+    name = "test_crash"
+
+    def config_space(self, key):
+        return {"chunk_n": [0, 48, 64]}
+
+    def compile(self, config, key):
+        inner = super().compile(config, key)
+        if config.chunk_n == 48:
+            def die(*args):
+                os._exit(3)
+            return die
+        if config.chunk_n == 64:
+            def hang(*args):
+                time.sleep(120)
+            return hang
+        return inner
+
+
+class WideBackend(ReferenceBackend):
+    """The reference kernel with a 16-point config space (more than a small budget)."""
+
+    name = "test_wide"
+
+    def config_space(self, key):
+        return {"chunk_n": [0] + [16 * i for i in range(1, 16)]}
+
+
+def _register(monkeypatch, cls):
+    monkeypatch.setitem(registry._REGISTRY, cls.name, f"{cls.__module__}:{cls.__qualname__}")
+    monkeypatch.setitem(registry._INSTANCES, cls.name, cls())
+
+
+def _env_key():
+    return current_environment(CPU).key()
+
+
+def test_check_tolerance(gen):
+    ref = torch.randn(8, 64, generator=gen).to(torch.bfloat16)
+    assert _check(ref.clone(), ref, "bfloat16") is None
+    bad = ref.clone()
+    bad[:, 0] = -bad[:, 0]
+    assert "exceeds" in _check(bad, ref, "bfloat16")
+    noisy = (ref.double() * (1 + 0.5 * TOLERANCE["float16"] * torch.randn(8, 64, generator=gen).double()))
+    assert _check(noisy.to(torch.bfloat16), ref, "bfloat16") is None
+    nan = ref.clone()
+    nan[3, 3] = float("nan")
+    assert "non-finite" in _check(nan, ref, "bfloat16")
+    assert "expected" in _check(ref[:, :10], ref, "bfloat16")
+
+
+def test_wrong_result_recorded_and_never_chosen(monkeypatch, tmp_path):
+    _register(monkeypatch, NegatedColumnBackend)
+    path = tmp_path / "t.db"
+    rep = tune([KEY], m_buckets=[1, 8], backends=["test_negcol"], db=path, device="cpu", progress=False)
+    assert [r.status for r in rep.results] == ["tuned", "tuned"]
+    assert all(r.config == {"chunk_n": 0} and r.backend == "test_negcol" for r in rep.results)
+    assert rep.results[0].trials_failed == 1 and rep.results[0].trials_run == 2
+    # the second bucket does not re-run a config known to be wrong
+    assert rep.results[1].trials_run == 1 and rep.results[1].trials_failed == 0
+    with TuningDB(path) as db:
+        trials = db.trials(_env_key())
+        wrong = [t for t in trials if t.outcome == "wrong_result"]
+        assert len(wrong) == 1 and wrong[0].config == {"chunk_n": 64} and "Frobenius" in wrong[0].error
+        assert wrong[0].median_us is None
+        assert db.failed_configs("linear", "nvfp4", "bfloat16", "test_negcol", None, KEY.n, KEY.k, 0, 0, _env_key()) == {
+            config_json({"chunk_n": 64})
+        }
+        res = db.results(_env_key())
+        assert len(res) == 2 and all(r.config == {"chunk_n": 0} for r in res)
+        assert all(r.default_median_us == r.median_us and r.median_us > 3000 for r in res)
+
+
+def test_faults_recorded_and_the_run_continues(monkeypatch, tmp_path):
+    _register(monkeypatch, FaultyBackend)
+    path = tmp_path / "t.db"
+    keys = [KEY, ProblemKey("linear", "nvfp4", "float16", 128, 64)]
+    rep = tune(keys, m_buckets=[4], backends=["test_faulty"], db=path, device="cpu", progress=False)
+    assert [r.status for r in rep.results] == ["tuned", "tuned"]
+    with TuningDB(path) as db:
+        by_outcome = {}
+        for t in db.trials(_env_key()):
+            by_outcome.setdefault(t.outcome, []).append(t)
+        assert len(by_outcome["ok"]) == 2
+        assert len(by_outcome["compile_error"]) == 2
+        assert all("code generation failed" in t.error for t in by_outcome["compile_error"])
+        assert len(by_outcome["runtime_fault"]) == 2
+        assert all("kernel exploded" in t.error for t in by_outcome["runtime_fault"])
+        assert {(r.n, r.k, r.dtype) for r in db.results(_env_key())} == {(256, 128, "bfloat16"), (128, 64, "float16")}
+
+
+def test_crash_and_hang_isolated_in_worker_process(monkeypatch, tmp_path):
+    _register(monkeypatch, CrashBackend)
+    path = tmp_path / "t.db"
+    rep = tune(
+        [KEY], m_buckets=[1, 2], backends=["test_crash"], db=path, device="cpu", progress=False,
+        isolate=True, workers=1, trial_timeout_s=8,
+    )
+    assert [r.status for r in rep.results] == ["tuned", "tuned"]
+    with TuningDB(path) as db:
+        outcomes = {(t.m, t.config["chunk_n"]): (t.outcome, t.error) for t in db.trials(_env_key())}
+    assert outcomes[(1, 0)][0] == "ok" and outcomes[(2, 0)][0] == "ok"  # the 2nd on a restarted worker
+    assert outcomes[(1, 48)][0] == "runtime_fault" and "died" in outcomes[(1, 48)][1]
+    assert outcomes[(1, 64)][0] == "timeout"
+    assert len(outcomes) == 4  # failed configs are not retried in the second bucket
+
+
+def test_budget_smaller_than_space_uses_tpe(monkeypatch, tmp_path):
+    _register(monkeypatch, WideBackend)
+    path = tmp_path / "t.db"
+    rep = tune([KEY], m_buckets=[2], backends=["test_wide"], db=path, device="cpu", progress=False,
+               budget_per_shape=4)
+    r = rep.results[0]
+    assert r.status == "tuned" and r.trials_run == 4
+    with TuningDB(path) as db:
+        trials = db.trials(_env_key())
+        assert len(trials) == 4 and trials[0].config == {"chunk_n": 0}  # the default goes first
+        assert len({config_json(t.config) for t in trials}) == 4
+        (res,) = db.results(_env_key())
+        assert res.default_median_us == trials[0].median_us
+        ok = {config_json(t.config): t.median_us for t in trials}
+        assert config_json(res.config) in ok and res.median_us == ok[config_json(res.config)]
+
+
+def test_skip_resume_and_force(tmp_path):
+    path = tmp_path / "t.db"
+    rep = tune([KEY], m_buckets=[1], db=path, device="cpu", progress=False)
+    assert rep.results[0].status == "tuned"
+    rep2 = tune([KEY], m_buckets=[1, 4], db=path, device="cpu", progress=False)
+    assert [r.status for r in rep2.results] == ["skipped", "tuned"]
+    rep3 = tune([KEY], m_buckets=[1], db=path, device="cpu", progress=False, force=True)
+    assert rep3.results[0].status == "tuned" and rep3.results[0].trials_run >= 1
+    with TuningDB(path) as db:
+        assert len(db.results(_env_key())) == 2
+        assert len(db.trials(_env_key(), m=1)) == 2 * rep.results[0].trials_run
+
+
+def test_time_budget_stops_the_run(tmp_path):
+    jobs = [Job(KEY, m) for m in (1, 2, 4, 8, 16, 32, 64, 128)]
+    rep = tune_jobs(jobs, db=tmp_path / "t.db", device="cpu", progress=False, budget_total_s=0.01)
+    assert any(r.status == "out_of_time" for r in rep.results)
+
+
+def test_tune_from_misses(tmp_path):
+    d = Dispatcher(CPU, [])
+    d.resolve(KEY, 3)
+    d.resolve(KEY, 3)
+    d.resolve(KEY_B, 100)
+    misses = tmp_path / "m.misses.json"
+    d.flush_misses(misses)
+    path = tmp_path / "t.db"
+    rep = tune_from_misses(misses, db=path, device="cpu", progress=False)
+    assert [(r.job.key, r.job.m) for r in rep.results] == [(KEY, 4), (KEY_B, 128)]
+    with TuningDB(path) as db:
+        got = {(r.problem_key(), r.m_bucket) for r in db.results(_env_key())}
+    assert got == {(KEY, 4), (KEY_B, 128)}
+    # a dispatcher over the tuned DB no longer misses those calls
+    from autofp4.db import load_layers
+
+    d2 = Dispatcher(CPU, load_layers(current_environment(CPU), user_path=path))
+    d2.resolve(KEY, 3)
+    d2.resolve(KEY_B, 100)
+    assert d2.misses() == []
+
+
+def test_moe_job_on_cpu(tmp_path):
+    key = ProblemKey("moe", "nvfp4", "bfloat16", 128, 64, experts=4, topk=2)
+    rep = tune([key], m_buckets=[3], db=tmp_path / "t.db", device="cpu", progress=False)
+    r = rep.results[0]
+    assert r.status == "tuned" and r.backend == "reference" and r.median_us > 0
+    with TuningDB(tmp_path / "t.db") as db:
+        (res,) = db.results(_env_key())
+    assert (res.op, res.experts, res.topk, res.m_bucket) == ("moe", 4, 2, 3)
+
+
+class CudaAssertBackend(ReferenceBackend):
+    """chunk_n=48 trips a device-side assert: the CUDA context of its process is dead after it."""
+
+    name = "test_cuda_assert"
+
+    def config_space(self, key):
+        return {"chunk_n": [0, 48]}
+
+    def compile(self, config, key):
+        inner = super().compile(config, key)
+        if config.chunk_n == 48:
+            def bad_index(x, w, bias):
+                idx = torch.full((4,), 10**9, device=x.device, dtype=torch.long)
+                return x.flatten()[idx].sum() + inner(x, w, bias)
+            return bad_index
+        return inner
+
+
+@pytest.mark.gpu
+def test_gpu_tuning_survives_a_dead_cuda_context(monkeypatch, tmp_path):
+    _register(monkeypatch, CudaAssertBackend)
+    path = tmp_path / "t.db"
+    rep = tune([KEY], m_buckets=[1, 64], backends=["test_cuda_assert"], db=path, device="cuda",
+               progress=False, workers=1, trial_timeout_s=120)
+    assert [r.status for r in rep.results] == ["tuned", "tuned"], [r.note for r in rep.results]
+    env_key = current_environment(torch.device("cuda")).key()
+    with TuningDB(path) as db:
+        outcomes = {(t.m, t.config["chunk_n"]): t.outcome for t in db.trials(env_key)}
+        (r1, r64) = sorted(db.results(env_key), key=lambda r: r.m_bucket)
+    assert outcomes == {(1, 0): "ok", (1, 48): "runtime_fault", (64, 0): "ok"}
+    assert r1.config == {"chunk_n": 0} and 0 < r1.median_us < 10_000
+
+
+@pytest.mark.gpu
+def test_gpu_tune_reference_moe_and_linear(tmp_path):
+    keys = [KEY, ProblemKey("moe", "mxfp4", "bfloat16", 256, 128, experts=8, topk=2)]
+    rep = tune(keys, m_buckets=[1, 32], backends=["reference"], db=tmp_path / "t.db", device="cuda", progress=False)
+    assert all(r.status == "tuned" and r.median_us > 0 for r in rep.results), rep.table()
+
+
+def test_two_job_streams_share_the_work(tmp_path):
+    """The scale-out path of ``gpus=[0, 1]``: one thread + timing process per device."""
+    keys = [KEY, KEY_B, ProblemKey("linear", "nvfp4", "bfloat16", 128, 128)]
+    path = tmp_path / "t.db"
+    rep = tune(keys, m_buckets=[1, 8], db=path, devices=["cpu", "cpu"], progress=False)
+    assert [r.status for r in rep.results] == ["tuned"] * 6
+    with TuningDB(path) as db:
+        recs = db.results(_env_key())
+        trials = db.trials(_env_key())
+    assert {(r.problem_key(), r.m_bucket) for r in recs} == {(k, m) for k in keys for m in (1, 8)}
+    assert len(recs) == 6
+    assert len(trials) == rep.trials_run and all(t.outcome == "ok" for t in trials)
+
+
+def test_timing_plan_bounds_the_time_of_slow_kernels():
+    from autofp4.tuner import MIN_REPS, TRIAL_TARGET_S, _timing_plan
+
+    assert _timing_plan(10.0, 10, 30) == (10, 30)  # fast: everything asked for
+    w, r = _timing_plan(200_000.0, 10, 30)  # 0.2 s a pass
+    assert r * 0.2 <= TRIAL_TARGET_S and MIN_REPS <= r < 30 and 1 <= w <= r
+    assert _timing_plan(5e6, 10, 30)[1] == MIN_REPS  # never fewer samples than MIN_REPS
+    assert _timing_plan(100.0, 0, 3) == (0, 3)
