@@ -207,6 +207,11 @@ def _finish_codes(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _pack(code)
 
 
+def _const(v: float, like: torch.Tensor) -> torch.Tensor:
+    """``v`` as a 0-d fp32 tensor on ``like``'s device (a true-division divisor, see quantize_nvfp4)."""
+    return torch.tensor(v, dtype=torch.float32, device=like.device)
+
+
 def _raise_non_finite(w: torch.Tensor) -> None:
     raise ValueError(
         f"quantize expects finite weights, got NaN or inf in a weight of shape {tuple(w.shape)} ({w.dtype})"
@@ -222,10 +227,13 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     amax = bmax.amax(dim=(-2, -1))  # [] or [E]
     if not bool(torch.isfinite(amax).all()):
         _raise_non_finite(w)
-    gs = amax / (E2M1_MAX * E4M3_MAX)
+    # Divisors are device tensors, not Python numbers: CUDA turns division by a host scalar into
+    # multiplication by its rounded reciprocal, which can differ from true division by one ulp
+    # and would make CUDA and CPU quantization disagree.
+    gs = amax / _const(E2M1_MAX * E4M3_MAX, amax)
     gs = torch.where(gs > 0, gs, torch.ones_like(gs))  # an all-zero tensor: any positive scale
     g = gs.reshape(gs.shape + (1, 1))  # broadcast over [N, K/16]
-    scale = (bmax / E2M1_MAX / g).clamp_(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = (bmax / _const(E2M1_MAX, bmax) / g).clamp_(max=E4M3_MAX).to(torch.float8_e4m3fn)
     denom = scale.float() * g
     # a zero block scale dequantizes the whole block to zero: store zero codes (x / inf = 0)
     denom = torch.where(denom > 0, denom, torch.full_like(denom, float("inf")))

@@ -181,7 +181,7 @@ def plot(doc: dict, path: Path) -> None:
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("M (tokens)")
-        ax.set_title(f"{fmt}: autofp4 tuned vs bf16 cuBLAS")
+        ax.set_title(f"{fmt}: autofp4 (dispatcher pick) vs bf16 cuBLAS")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("speedup (CUDA graph)")
     axes[0][-1].legend(fontsize=8)

@@ -26,7 +26,7 @@ CASES = [  # fmt, dtype, n, k, config, Ms, bias
 
 
 def _device_gen(gen):
-    return torch.Generator("cuda").manual_seed(gen.seed_value)
+    return torch.Generator("cuda").manual_seed(gen.initial_seed())
 
 
 def _check(out, x, w, bias, dtype):
