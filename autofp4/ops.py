@@ -19,22 +19,23 @@ from .weights import FP4Weight
 
 __all__ = ["linear", "moe", "route"]
 
-# (data_ptr of the packed values, data_ptr of the scales, fmt) -> FP4Weight (weak)
+# (data_ptr of the packed values, data_ptr of the scales, fmt, shape) -> FP4Weight (weak)
 _WEIGHTS: "weakref.WeakValueDictionary[tuple, FP4Weight]" = weakref.WeakValueDictionary()
 
 
 def _register(w: FP4Weight) -> FP4Weight:
-    key = (w.data.data_ptr(), w.scale.data_ptr(), w.fmt)
-    if _WEIGHTS.get(key) is not w:
-        _WEIGHTS[key] = w
+    # An FP4Weight's tensors never change, so one registration lasts its lifetime.
+    if w.__dict__.get("_registered") is not True:
+        _WEIGHTS[(w.data.data_ptr(), w.scale.data_ptr(), w.fmt, w.data.shape)] = w
+        w.__dict__["_registered"] = True
     return w
 
 
 def _weight_from_tensors(
     data: torch.Tensor, scale: torch.Tensor, global_scale: Optional[torch.Tensor], fmt: str
 ) -> FP4Weight:
-    w = _WEIGHTS.get((data.data_ptr(), scale.data_ptr(), fmt))
-    if w is not None and w.data.shape == data.shape:
+    w = _WEIGHTS.get((data.data_ptr(), scale.data_ptr(), fmt, data.shape))
+    if w is not None:
         return w
     return _register(FP4Weight(fmt, data, scale, global_scale, check_values=False))
 
@@ -75,17 +76,17 @@ def _linear_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) ->
         raise ValueError(
             f"linear: bias must be [{n}] {x.dtype} on {x.device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}"
         )
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
+    flat = x.dim() == 2  # the common case skips the reshape/view round trip (host time)
+    x2 = x if flat else x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     m = x2.shape[0]
     if m == 0:
-        return x.new_empty(*lead, n)
+        return x.new_empty(*x.shape[:-1], n)
     key = _problem_key(w, "linear", x.dtype)
     backend, _cfg, runner = get_dispatcher(x.device).resolve(key, m)
     out = runner(x2, w.packed(backend.name, backend.prepare), bias)
-    return out.view(*lead, n)
+    return out if flat else out.view(*x.shape[:-1], n)
 
 
 @torch.library.custom_op("autofp4::linear", mutates_args=())

@@ -162,3 +162,18 @@ def test_torch_compile_fullgraph(fmt, gen):
         eager = block(x)
         out = compiled(x)
     assert torch.equal(out, eager)
+
+
+def test_custom_op_reuses_the_registered_weight(gen):
+    """The tensor-only custom op finds the FP4Weight (and its prepacked cache) it was built from."""
+    from autofp4.ops import _weight_from_tensors
+
+    w = autofp4.quantize(torch.randn(64, 64, generator=gen), "nvfp4")
+    half = w.slice_rows(0, 32)  # same storage pointers, other shape: must not be confused with w
+    x = torch.randn(2, 64, generator=gen).to(torch.bfloat16)
+    autofp4.linear(x, w)
+    autofp4.linear(x, half)
+    assert _weight_from_tensors(w.data, w.scale, w.global_scale, "nvfp4") is w
+    assert _weight_from_tensors(half.data, half.scale, half.global_scale, "nvfp4") is half
+    y = torch.ops.autofp4.linear(x, w.data, w.scale, w.global_scale, None, "nvfp4")
+    assert torch.equal(y, autofp4.linear(x, w))
