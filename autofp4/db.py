@@ -355,7 +355,9 @@ def _read_export_for_env(path: Path, env_key: str) -> list[TuningRecord]:
     return out
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: readers see the old
+    file or the new one, never a half-written one (also after a crash)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -363,6 +365,7 @@ def _write_text_atomic(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -703,7 +706,7 @@ class TuningDB:
     def export(self, path: str | Path, env_key: str | None = None) -> ExportDoc:
         """Write the results (of ``env_key``, or all) to ``path`` as sorted, pretty JSON."""
         doc = self.export_doc(env_key)
-        _write_text_atomic(Path(path), export_json(doc))
+        write_text_atomic(Path(path), export_json(doc))
         return doc
 
     def _merge_records(

@@ -23,7 +23,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import tempfile
 import threading
 import warnings
 from bisect import bisect_left
@@ -274,20 +273,9 @@ def _write_misses(path: Path, merged: dict[tuple[ProblemKey, int], int]) -> None
         "version": MISSES_VERSION,
         "misses": [{**_key_dict(k), "m": m, "count": c} for (k, m), c in items],
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    from .db import write_text_atomic
+
+    write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
 
 
 def _read_misses(path: Path, strict: bool) -> list[tuple[ProblemKey, int, int]]:
