@@ -1,0 +1,97 @@
+"""The sm90_w4a16 backend on the CPU: its config model, rules and that what it would run compiles.
+
+Compiles for sm_90a without a GPU (CUTE_DSL_ARCH), as CI does for every change.
+"""
+import os
+import random
+
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+pytest.importorskip("cutlass")
+
+from pydantic import ValidationError  # noqa: E402
+
+from autofp4.backends import ProblemKey, get_backend  # noqa: E402
+from autofp4.backends.sm90_w4a16 import DECODE_MAX_M, SM90Config  # noqa: E402
+
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return get_backend("sm90_w4a16")
+
+
+def test_config_model_rejects_mixed_or_missing_fields(backend):
+    ok = backend.parse_config({"kernel": "gemm", "tile_n": 128, "tile_m": 64, "tile_k": 128, "stages": 4,
+                               "split_k": 1, "cluster_n": 1, "raster": "n"})
+    assert ok.kernel == "gemm" and "warps" not in ok.model_dump()
+    with pytest.raises(ValidationError, match="takes no tile_n"):
+        backend.parse_config({"kernel": "decode", "warps": 4, "k_split": 1, "m_max": 16, "prefetch": False,
+                              "split_reduce": "kernel", "tiles_per_warp": 1, "tile_n": 64})
+    with pytest.raises(ValidationError, match="needs"):
+        backend.parse_config({"kernel": "decode", "warps": 4})
+    with pytest.raises(ValidationError):
+        backend.parse_config({"kernel": "gemm", "tile_n": 10**9, "tile_m": 64, "tile_k": 128, "stages": 4,
+                              "split_k": 1, "cluster_n": 1, "raster": "n"})
+    with pytest.raises(ValidationError):
+        backend.parse_config({"kernel": "evil"})
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_default_picks_decode_for_small_m_and_gemm_above(backend, fmt):
+    for n, k in LLAMA_8B:
+        key = ProblemKey("linear", fmt, "bfloat16", n, k)
+        for m in (1, 8, 16, DECODE_MAX_M):
+            cfg = backend.default(key, m)
+            assert cfg.kernel == "decode" and cfg.m_max >= m
+            assert backend.is_valid(cfg, key) is None
+        for m in (DECODE_MAX_M + 1, 128, 8192, None):
+            cfg = backend.default(key, m)
+            assert cfg.kernel == "gemm" and backend.is_valid(cfg, key) is None
+
+
+def test_candidates_respect_m_and_validity(backend):
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 4096, 4096)
+    cands = backend.candidates(key, 16)
+    assert cands[0] == backend.default(key, 16)
+    assert len(set(cands)) == len(cands)
+    assert all(backend.is_valid(c, key) is None for c in cands)
+    assert all(c.m_max >= 16 for c in cands if c.kernel == "decode")
+    assert {c.kernel for c in cands} == {"decode", "gemm"}
+
+
+def test_invalid_configs_are_rejected_before_compiling(backend):
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 4096, 4096)
+    bad = SM90Config(kernel="gemm", tile_n=96, tile_m=64, tile_k=128, stages=4, split_k=1, cluster_n=1, raster="n")
+    assert "tile_n" in backend.is_valid(bad, key)
+    with pytest.raises(ValueError, match="tile_n"):
+        backend.compile(bad, key)
+    moe = ProblemKey("moe", "nvfp4", "bfloat16", 512, 256, 8, 2)
+    assert "linear only" in backend.is_valid(backend.default(ProblemKey("linear", "nvfp4", "bfloat16", 512, 256)), moe)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_default_configs_of_llama_shapes_compile_for_sm90a(backend, fmt):
+    """What the dispatcher runs untuned for Llama-3.1-8B (every M class) compiles for sm_90a."""
+    seen = set()
+    for n, k in LLAMA_8B:
+        key = ProblemKey("linear", fmt, "bfloat16", n, k)
+        for m in (1, 16, 2048):
+            cfg = backend.default(key, m)
+            if (cfg, n, k) not in seen:
+                seen.add((cfg, n, k))
+                backend.compile_only(cfg, key)
+
+
+@pytest.mark.slow
+def test_a_random_sample_of_the_space_compiles_for_sm90a(backend):
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    key = ProblemKey("linear", rng.choice(["nvfp4", "mxfp4"]), rng.choice(["bfloat16", "float16"]), 6144, 4096)
+    cands = backend.candidates(key)
+    for cfg in rng.sample(cands, 4):
+        print(cfg.model_dump())
+        backend.compile_only(cfg, key)
