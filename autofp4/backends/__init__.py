@@ -9,7 +9,6 @@ from .base import Backend, BackendConfig, ProblemKey, Runner, dtype_name  # noqa
 
 # name -> "module:Class"; order is preference order when several apply.
 _REGISTRY: dict[str, str] = {
-    "sm100_blockscaled": "autofp4.backends.sm100_blockscaled:SM100BlockScaledBackend",
     "sm90_w4a16": "autofp4.backends.sm90_w4a16:SM90W4A16Backend",
     "reference": "autofp4.backends.reference:ReferenceBackend",
 }
