@@ -258,27 +258,39 @@ def _mixtral_layers(cfg: Mapping[str, Any], tp: int, ep: int) -> list[list[Model
     return [_attention(cfg, tp) + [moe]] * layers
 
 
-def _qwen3_moe_layers(cfg: Mapping[str, Any], tp: int, ep: int) -> list[list[ModelShape]]:
-    layers = _get_int(cfg, "num_hidden_layers")
-    hidden = _get_int(cfg, "hidden_size")
-    experts = _get_int(cfg, "num_experts", default=0, allow_zero=True)
-    step = _get_int(cfg, "decoder_sparse_step", default=1)
-    mlp_only = set(cfg.get("mlp_only_layers") or [])
-    attention = _attention(cfg, tp)
+def _mixed_layers(
+    cfg: Mapping[str, Any], tp: int, layers: int, hidden: int, attention: list[ModelShape],
+    is_moe: Callable[[int], bool], make_moe: Callable[[], list[ModelShape]],
+) -> list[list[ModelShape]]:
+    """Layers that are MoE where ``is_moe(i)`` and a dense MLP of ``intermediate_size`` elsewhere
+    (each kind's shapes built once, on first use, so a config without dense layers needs no
+    ``intermediate_size``)."""
     moe = dense = None
     out = []
     for i in range(layers):
-        if experts > 0 and i not in mlp_only and (i + 1) % step == 0:
+        if is_moe(i):
             if moe is None:
-                moe = [_moe(hidden, _get_int(cfg, "moe_intermediate_size"), experts,
-                            _get_int(cfg, "num_experts_per_tok"), tp, ep,
-                            "moe_intermediate_size")]
+                moe = make_moe()
             out.append(attention + moe)
         else:
             if dense is None:
                 dense = _mlp(hidden, _get_int(cfg, "intermediate_size"), tp)
             out.append(attention + dense)
     return out
+
+
+def _qwen3_moe_layers(cfg: Mapping[str, Any], tp: int, ep: int) -> list[list[ModelShape]]:
+    layers = _get_int(cfg, "num_hidden_layers")
+    hidden = _get_int(cfg, "hidden_size")
+    experts = _get_int(cfg, "num_experts", default=0, allow_zero=True)
+    step = _get_int(cfg, "decoder_sparse_step", default=1)
+    mlp_only = set(cfg.get("mlp_only_layers") or [])
+    return _mixed_layers(
+        cfg, tp, layers, hidden, _attention(cfg, tp),
+        lambda i: experts > 0 and i not in mlp_only and (i + 1) % step == 0,
+        lambda: [_moe(hidden, _get_int(cfg, "moe_intermediate_size"), experts,
+                      _get_int(cfg, "num_experts_per_tok"), tp, ep, "moe_intermediate_size")],
+    )
 
 
 def _deepseek_layers(cfg: Mapping[str, Any], tp: int, ep: int) -> list[list[ModelShape]]:
@@ -288,24 +300,20 @@ def _deepseek_layers(cfg: Mapping[str, Any], tp: int, ep: int) -> list[list[Mode
     first_dense = _get_int(cfg, "first_k_dense_replace", default=0, allow_zero=True)
     freq = _get_int(cfg, "moe_layer_freq", default=1)
     shared = _get_int(cfg, "n_shared_experts", default=0, allow_zero=True)
-    attention = _mla_attention(cfg, tp)
-    moe = dense = None
-    out = []
-    for i in range(layers):
-        if experts > 0 and i >= first_dense and i % freq == 0:
-            if moe is None:
-                moe_inter = _get_int(cfg, "moe_intermediate_size")
-                moe = [_moe(hidden, moe_inter, experts, _get_int(cfg, "num_experts_per_tok"),
-                            tp, ep, "moe_intermediate_size")]
-                if shared:
-                    moe += _mlp(hidden, shared * moe_inter, tp, prefix="shared_experts.",
-                                what="n_shared_experts * moe_intermediate_size")
-            out.append(attention + moe)
-        else:
-            if dense is None:
-                dense = _mlp(hidden, _get_int(cfg, "intermediate_size"), tp)
-            out.append(attention + dense)
-    return out
+
+    def make_moe() -> list[ModelShape]:
+        moe_inter = _get_int(cfg, "moe_intermediate_size")
+        shapes = [_moe(hidden, moe_inter, experts, _get_int(cfg, "num_experts_per_tok"),
+                       tp, ep, "moe_intermediate_size")]
+        if shared:
+            shapes += _mlp(hidden, shared * moe_inter, tp, prefix="shared_experts.",
+                           what="n_shared_experts * moe_intermediate_size")
+        return shapes
+
+    return _mixed_layers(
+        cfg, tp, layers, hidden, _mla_attention(cfg, tp),
+        lambda i: experts > 0 and i >= first_dense and i % freq == 0, make_moe,
+    )
 
 
 def _gpt_oss_layers(cfg: Mapping[str, Any], tp: int, ep: int) -> list[list[ModelShape]]:
