@@ -17,10 +17,11 @@ moe: ``runner(x, prepared13, prepared2, topk_weights, topk_ids, activation) -> o
 from __future__ import annotations
 
 import hashlib
+import itertools
 import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -75,6 +76,13 @@ class ProblemKey:
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+
+def grid(space: Mapping[str, Sequence[Any]]) -> Iterator[dict[str, Any]]:
+    """Every combination of a config space (``{field: values}``), in field order."""
+    names = list(space)
+    for values in itertools.product(*(space[n] for n in names)):
+        yield dict(zip(names, values))
 
 
 class BackendConfig(BaseModel):
@@ -135,31 +143,20 @@ class Backend(ABC):
         ``m`` (the token bucket being tuned) lets a backend leave out configs that cannot
         serve that many tokens well; the base grid ignores it.
         """
-        space = self.config_space(key)
-        names = list(space)
         out: list[BackendConfig] = []
         seen: set[BackendConfig] = set()
         default = self.default(key, m)
         if self.is_valid(default, key) is None:
             out.append(default)
             seen.add(default)
-
-        def rec(i: int, acc: dict[str, Any]) -> None:
-            if i == len(names):
-                try:
-                    cfg = self.config_model(**acc)
-                except ValueError:
-                    return
-                if cfg not in seen and self.is_valid(cfg, key) is None:
-                    seen.add(cfg)
-                    out.append(cfg)
-                return
-            for v in space[names[i]]:
-                acc[names[i]] = v
-                rec(i + 1, acc)
-            acc.pop(names[i], None)
-
-        rec(0, {})
+        for point in grid(self.config_space(key)):
+            try:
+                cfg = self.config_model(**point)
+            except ValueError:
+                continue
+            if cfg not in seen and self.is_valid(cfg, key) is None:
+                seen.add(cfg)
+                out.append(cfg)
         return out
 
     # -- running ------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 import torch
 from pydantic import Field, model_validator
 
-from .base import Backend, BackendConfig, ProblemKey, Runner
+from .base import Backend, BackendConfig, ProblemKey, Runner, grid
 from .reference import reference_linear
 
 #: largest M the default heuristic sends to the decode kernel
@@ -177,7 +177,7 @@ class SM90W4A16Backend(Backend):
         for kernel, mod in (("decode", decode), ("gemm", gemm)):
             space = mod.config_space(key.n, key.k, key.fmt, key.dtype)
             cls = mod.DecodeConfig if kernel == "decode" else mod.Sm90GemmConfig
-            for combo in _grid(space):
+            for combo in grid(space):
                 kcfg = cls(**combo)
                 if kernel == "decode" and m is not None and kcfg.m_max < m:
                     continue
@@ -210,8 +210,8 @@ class SM90W4A16Backend(Backend):
         if config.kernel == "gemm":
 
             def runner(x: torch.Tensor, prep: SM90Prepared, bias: torch.Tensor | None) -> torch.Tensor:
-                if check_fp16 and _fp16_range_problem(prep, "gemm"):
-                    return _reference_fallback(x, prep, bias, _fp16_range_problem(prep, "gemm"))
+                if check_fp16 and (why := _fp16_range_problem(prep, "gemm")):
+                    return _reference_fallback(x, prep, bias, why)
                 return run(x, prep.gemm, bias)
 
             return runner
@@ -220,11 +220,11 @@ class SM90W4A16Backend(Backend):
 
         def runner(x: torch.Tensor, prep: SM90Prepared, bias: torch.Tensor | None) -> torch.Tensor:
             if x.shape[0] > m_max:
-                if check_fp16 and _fp16_range_problem(prep, "gemm"):
-                    return _reference_fallback(x, prep, bias, _fp16_range_problem(prep, "gemm"))
+                if check_fp16 and (why := _fp16_range_problem(prep, "gemm")):
+                    return _reference_fallback(x, prep, bias, why)
                 return gemm_fallback()(x, prep.gemm, bias)
-            if check_fp16 and _fp16_range_problem(prep, "decode"):
-                return _reference_fallback(x, prep, bias, _fp16_range_problem(prep, "decode"))
+            if check_fp16 and (why := _fp16_range_problem(prep, "decode")):
+                return _reference_fallback(x, prep, bias, why)
             return run(x, prep.decode, bias)
 
         return runner
@@ -254,16 +254,3 @@ def _reference_fallback(x, prep: SM90Prepared, bias, why: str | None) -> torch.T
         warnings.warn(f"autofp4 sm90_w4a16: {why}; running this weight with the reference backend", stacklevel=3)
     return reference_linear(x, prep.weight, bias)
 
-
-def _grid(space: Mapping[str, Sequence[Any]]):
-    names = list(space)
-
-    def rec(i: int, acc: dict):
-        if i == len(names):
-            yield dict(acc)
-            return
-        for v in space[names[i]]:
-            acc[names[i]] = v
-            yield from rec(i + 1, acc)
-
-    yield from rec(0, {})
