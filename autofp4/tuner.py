@@ -472,8 +472,15 @@ def run_trial(req: dict[str, Any]) -> dict[str, Any]:
     return {**res, "median_us": st.median_us, "spread_us": st.spread_us, "samples": st.samples}
 
 
+def _pool_init(arch: str) -> None:
+    """Compile workers target the tuned GPU without opening a CUDA context of their own."""
+    if arch and arch != "unknown":
+        os.environ.setdefault("CUTE_DSL_ARCH", arch)
+
+
 def _compile_only(req: dict[str, Any]) -> str | None:
-    """Compile a candidate (in a pool process, warming the backend's cache); the error or None."""
+    """Compile a candidate in a pool process; the error or None. The compiled kernels land in
+    the disk kernel cache (``autofp4.kernel_cache``), where the timing process loads them."""
     try:
         b = _backend_from(req["backend"], req["spec"])
         key = _key_from(req["key"])
@@ -481,7 +488,11 @@ def _compile_only(req: dict[str, Any]) -> str | None:
         reason = b.is_valid(cfg, key)
         if reason:
             return f"invalid: {reason}"
-        b.compile(cfg, key)
+        compile_all = getattr(b, "compile_only", None)  # every variant a trial runs (bias too)
+        if compile_all is not None:
+            compile_all(cfg, key)
+        else:
+            b.compile(cfg, key)
         return None
     except Exception as e:
         return _short_error(e)
@@ -672,6 +683,7 @@ class _Ctx:
     deadline: float | None
     force: bool
     storage: Any  # None (in memory) or one optuna RDBStorage shared by the run's job streams
+    ask_lock: str | None  # SQLite storage: a lock file that serializes study.ask() across processes
     window: int
     pool: cf.ProcessPoolExecutor | None
     compile_timeout_s: float
@@ -787,6 +799,25 @@ def _open_storage(url: str | None) -> Any:
                 raise ValueError(f"cannot open the optuna storage {url!r}: {e}") from None
             time.sleep(0.3 * (attempt + 1))
     return None  # not reached
+
+
+def _ask_lock_path(url: str | None) -> str | None:
+    """SQLite ignores optuna's ``SELECT ... FOR UPDATE``, so two processes can pop the same
+    waiting trial; a lock file beside the database serializes ``ask`` on its host."""
+    if not url or not url.startswith("sqlite:///"):
+        return None
+    path = url[len("sqlite:///"):].split("?", 1)[0]
+    return None if path in ("", ":memory:") else path + ".ask.lock"
+
+
+def _ask(ctx: _Ctx, study: Any) -> Any:
+    if ctx.ask_lock is None:
+        return study.ask()
+    import fcntl
+
+    with open(ctx.ask_lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        return study.ask()
 
 
 def _make_study(ctx: _Ctx, job: Job, cands: Sequence[_Cand]) -> tuple[Any, _FieldSpace | None]:
@@ -914,7 +945,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer) -> JobResult:
     def refill() -> None:
         nonlocal asked
         while len(inflight) < ctx.window and not exhausted() and not _out_of_time(ctx):
-            trial = study.ask()
+            trial = _ask(ctx, study)
             asked += 1
             if grid and not _was_enqueued(study, trial):  # a peer took the last point
                 trial.set_user_attr("outcome", "unused")
@@ -1151,7 +1182,7 @@ def tune_jobs(
     else:
         chosen = available_backends(devices[0])
     if workers is None:
-        workers = max(1, min(8, (os.cpu_count() or 2) - 2)) if on_gpu else 0
+        workers = max(1, min(16, (os.cpu_count() or 2) - 2)) if on_gpu else 0
     if isolate is None:
         isolate = on_gpu
     timeout = float(trial_timeout_s or defaults.trial_timeout_s)
@@ -1163,7 +1194,12 @@ def tune_jobs(
     main_db.add_environment(env)
     pool = None
     if workers > 0:
-        pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+        from .kernel_cache import target_arch
+
+        arch = target_arch() if on_gpu else ""
+        pool = cf.ProcessPoolExecutor(
+            max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_pool_init, initargs=(arch,)
+        )
     pbar = None
     if progress:
         from tqdm.auto import tqdm
@@ -1183,7 +1219,7 @@ def tune_jobs(
             warmup=int(warmup if warmup is not None else defaults.warmup),
             reps=int(reps if reps is not None else defaults.reps),
             deadline=None if budget_total_s is None else t0 + float(budget_total_s),
-            force=force, storage=storage_obj, window=max(1, workers), pool=pool,
+            force=force, storage=storage_obj, ask_lock=_ask_lock_path(storage), window=max(1, workers), pool=pool,
             compile_timeout_s=timeout, stop=stop, pbar=pbar, lock=lock, seed=seed,
         )
 

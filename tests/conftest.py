@@ -1,7 +1,14 @@
 import os
+import tempfile
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    # compiled kernels go to a cache private to this test session, never the user's
+    if "AUTOFP4_KERNEL_CACHE" not in os.environ:
+        os.environ["AUTOFP4_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="autofp4-kernels-")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -769,14 +769,21 @@ def _check(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> None:
         raise ValueError(f"invalid Sm90GemmConfig {cfg} for n={n}, k={k}, {fmt}, {dtype}: {reason}")
 
 
-def _compile(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str):
-    import cutlass.cute as cute
+def _compile(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> Callable:
+    """The compiled launcher, from the disk kernel cache when it holds it (see kernel_cache)."""
+    from ..kernel_cache import compile_cached
 
     _check(cfg, n, k, fmt, dtype)
-    kern = _Sm90W4A16Kernel(cfg, n, k, fmt, dtype)
-    host = kern.build()
-    # the kernel is sm_90a-only: name the target so CPU-only hosts (CI) compile it too
-    return cute.compile(host, *kern.fake_args(), options="--enable-tvm-ffi --gpu-arch sm_90a"), kern
+
+    def build():
+        import cutlass.cute as cute
+
+        kern = _Sm90W4A16Kernel(cfg, n, k, fmt, dtype)
+        host = kern.build()
+        # the kernel is sm_90a-only: name the target so CPU-only hosts (CI) compile it too
+        return cute.compile(host, *kern.fake_args(), options="--enable-tvm-ffi --gpu-arch sm_90a")
+
+    return compile_cached("sm90_w4a16_gemm", __name__, (cfg, n, k, fmt, dtype), build)
 
 
 def compile_only(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> None:
@@ -786,7 +793,7 @@ def compile_only(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> N
 
 def compile_kernel(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> Callable:
     """Compile once for (cfg, n, k, fmt, dtype); the returned ``run(x, packed, bias)`` serves any M."""
-    fn, kern = _compile(cfg, n, k, fmt, dtype)
+    fn = _compile(cfg, n, k, fmt, dtype)
     tdt = getattr(torch, dtype)
     zeros: dict[torch.device, torch.Tensor] = {}
     split = cfg.split_k > 1

@@ -672,6 +672,19 @@ def _cute_dtype(dtype: str):
 
 
 def _compile(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bool):
+    """The compiled launcher, from the disk kernel cache when it holds it (see kernel_cache);
+    ``$AUTOFP4_CUTE_DSL_OPTIONS`` (extra CuTeDSL options for inspection, e.g. ``--keep-ptx
+    --keep-cubin --dump-dir=/tmp/d``) bypasses the cache."""
+    from ..kernel_cache import compile_cached
+
+    extra = os.environ.get("AUTOFP4_CUTE_DSL_OPTIONS", "").strip()
+    if extra:
+        return _compile_now(cfg, n, k, fmt, dtype, has_bias, extra)
+    return compile_cached("w4a16_decode", __name__, (cfg, n, k, fmt, dtype, has_bias),
+                          lambda: _compile_now(cfg, n, k, fmt, dtype, has_bias, ""))
+
+
+def _compile_now(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bool, extra: str):
     cutlass, cute, _, _ = _dsl()
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
@@ -687,8 +700,7 @@ def _compile(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: 
     fb = make_fake_compact_tensor(dt, (n,) if has_bias else (1,), assumed_align=2)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     fn = _build(cfg, n, k, fmt, dtype, has_bias)
-    # extra CuTeDSL options for inspection, e.g. "--keep-ptx --keep-cubin --dump-dir=/tmp/d"
-    opts = ("--enable-tvm-ffi " + os.environ.get("AUTOFP4_CUTE_DSL_OPTIONS", "")).strip()
+    opts = ("--enable-tvm-ffi " + extra).strip()
     # split-K workspace [k_split, M, N16] fp32 and per-tile arrival counters (int32, self-resetting)
     ws_shape = (cfg.k_split, m, tiles * TILE_N) if cfg.k_split > 1 else (1,)
     fws = make_fake_compact_tensor(cutlass.Float32, ws_shape,

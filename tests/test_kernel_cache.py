@@ -1,0 +1,135 @@
+"""The disk kernel cache with the real CuTeDSL compiler (sm_90a, no GPU needed)."""
+import os
+import warnings
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from autofp4 import kernel_cache  # noqa: E402
+from autofp4.kernels import w4a16_decode as D  # noqa: E402
+
+N, K = 256, 1024
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
+    kernel_cache.target_arch.cache_clear()
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(tmp_path / "kc"))
+    yield tmp_path / "kc"
+    kernel_cache.target_arch.cache_clear()
+
+
+def _compile_decode(cfg, counter):
+    def build():
+        counter.append(cfg)
+        return D._compile_now(cfg, N, K, "nvfp4", "bfloat16", False, "")
+    return kernel_cache.compile_cached("w4a16_decode", D.__name__, (cfg, N, K, "nvfp4", "bfloat16", False), build)
+
+
+def _no_compile():
+    raise AssertionError("compiled although the kernel is cached")
+
+
+def test_compile_stores_and_a_second_call_loads(cache):
+    calls = []
+    cfg = D.DecodeConfig(warps=4, k_split=2, m_max=16)
+    fn = _compile_decode(cfg, calls)
+    assert callable(fn) and calls == [cfg]
+    files = list(cache.glob("w4a16_decode-*.o"))
+    assert len(files) == 1 and files[0].stat().st_size > 10_000
+    assert not list(cache.glob(".*"))  # no temporary file left behind
+    again = kernel_cache.compile_cached("w4a16_decode", D.__name__, (cfg, N, K, "nvfp4", "bfloat16", False), _no_compile)
+    assert callable(again)
+    # a different config is a different kernel
+    other = D.DecodeConfig(warps=8, k_split=2, m_max=16)
+    _compile_decode(other, calls)
+    assert calls == [cfg, other] and len(list(cache.glob("*.o"))) == 2
+
+
+def test_key_covers_name_params_source_and_arch(cache, monkeypatch):
+    cfg = D.DecodeConfig()
+    base = kernel_cache.cache_key("w4a16_decode", D.__name__, (cfg, N, K))
+    assert base == kernel_cache.cache_key("w4a16_decode", D.__name__, (cfg, N, K))
+    assert base != kernel_cache.cache_key("w4a16_decode", D.__name__, (cfg, N, K + 16))
+    assert base != kernel_cache.cache_key("other", D.__name__, (cfg, N, K))
+    assert base != kernel_cache.cache_key("w4a16_decode", "autofp4.kernels.sm90_w4a16_gemm", (cfg, N, K))
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    kernel_cache.target_arch.cache_clear()
+    assert base != kernel_cache.cache_key("w4a16_decode", D.__name__, (cfg, N, K))
+
+
+def test_damaged_file_is_replaced(cache):
+    calls = []
+    cfg = D.DecodeConfig(warps=2, k_split=1, m_max=8)
+    _compile_decode(cfg, calls)
+    (path,) = cache.glob("*.o")
+    path.write_bytes(os.urandom(4096))
+    with pytest.warns(UserWarning, match="cannot load"):
+        fn = _compile_decode(cfg, calls)
+    assert callable(fn) and len(calls) == 2
+    assert path.stat().st_size > 10_000
+    kernel_cache.compile_cached("w4a16_decode", D.__name__, (cfg, N, K, "nvfp4", "bfloat16", False), _no_compile)
+
+
+def test_off_compiles_every_time(cache, monkeypatch):
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", "off")
+    assert kernel_cache.cache_dir() is None
+    calls = []
+    cfg = D.DecodeConfig(warps=4, k_split=1, m_max=8)
+    _compile_decode(cfg, calls)
+    _compile_decode(cfg, calls)
+    assert len(calls) == 2 and not cache.exists()
+
+
+def test_unwritable_directory_still_returns_the_kernel(cache, tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(blocker / "kc"))
+    calls = []
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fn = _compile_decode(D.DecodeConfig(warps=4, k_split=1, m_max=8), calls)
+    assert callable(fn) and len(calls) == 1
+    assert any("cannot store" in str(x.message) for x in w)
+
+
+def test_clear_removes_cached_kernels(cache):
+    _compile_decode(D.DecodeConfig(warps=4, k_split=1, m_max=8), [])
+    assert kernel_cache.clear() == 1 and not list(cache.glob("*.o"))
+
+
+@pytest.mark.gpu
+def test_kernel_compiled_by_another_process_runs_correctly(tmp_path, monkeypatch, gen):
+    """The tuner's compile workers hand kernels to the timing process through the cache."""
+    import subprocess
+    import sys
+
+    import torch
+
+    import autofp4
+
+    cache_path = tmp_path / "kc"
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(cache_path))
+    kernel_cache.target_arch.cache_clear()
+    cfg = D.DecodeConfig(warps=4, k_split=2, m_max=16)
+    code = (f"from autofp4.kernels import w4a16_decode as D; "
+            f"D.compile_only(D.{cfg!r}, {N}, {K}, 'nvfp4', 'bfloat16')")
+    env = {**os.environ, "CUTE_DSL_ARCH": kernel_cache.target_arch()}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+    assert len(list(cache_path.glob("*.o"))) == 2  # with and without bias
+    fn = kernel_cache.compile_cached("w4a16_decode", D.__name__, (cfg, N, K, "nvfp4", "bfloat16", False), _no_compile)
+    w = autofp4.quantize(torch.randn(N, K, generator=gen).cuda(), "nvfp4")
+    p = D.pack_weight(w)
+    x = torch.randn(7, K, generator=gen).cuda().to(torch.bfloat16)
+    out = torch.empty(7, N, dtype=torch.bfloat16, device="cuda")
+    ws = torch.empty(2, 7, N, dtype=torch.float32, device="cuda")
+    cnt = torch.zeros(N // 16, dtype=torch.int32, device="cuda")
+    dummy = torch.zeros(1, dtype=torch.bfloat16, device="cuda")
+    fn(x, p.data, p.scales, p.alpha, out, dummy, ws, cnt, p.scale_add[0])
+    ref = x.double() @ w.dequantize(torch.float64).T
+    torch.cuda.synchronize()
+    # split_reduce="kernel": the main kernel writes partials and the reduce kernel the output
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < 1e-2, err
