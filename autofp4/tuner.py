@@ -103,7 +103,7 @@ class _Defaults:
     trial_timeout_s: float
 
 
-GPU_DEFAULTS = _Defaults(budget=64, warmup=10, reps=30, trial_timeout_s=300.0)
+GPU_DEFAULTS = _Defaults(budget=32, warmup=10, reps=30, trial_timeout_s=300.0)
 # on the CPU the correctness check's call is the warm-up
 CPU_DEFAULTS = _Defaults(budget=3, warmup=0, reps=3, trial_timeout_s=600.0)
 

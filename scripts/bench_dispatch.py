@@ -42,6 +42,28 @@ def per_call_us(fn, calls: int, rounds: int = 5, sync=None) -> float:
     return statistics.median(res)
 
 
+def _decode_layers(w, cfg, x, calls, sync) -> list[tuple[str, float]]:
+    """The decode kernel's layers: the bare compiled launch (preallocated tensors), then the
+    kernel module's ``run`` (argument checks, output and split-K workspace allocation)."""
+    from autofp4.backends.sm90_w4a16 import _to_kernel_config
+    from autofp4.kernels import w4a16_decode as D
+
+    kcfg = _to_kernel_config(cfg)
+    n, k = w.n, w.k
+    fn = D._compile(kcfg, n, k, w.fmt, "bfloat16", False)
+    p = D.pack_weight(w)
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ws = torch.empty(max(1, kcfg.k_split), m, -(-n // 16) * 16, dtype=torch.float32, device=x.device)
+    cnt = torch.zeros(-(-n // 16), dtype=torch.int32, device=x.device)
+    dummy = torch.zeros(1, dtype=x.dtype, device=x.device)
+    run = D.compile_kernel(kcfg, n, k, w.fmt, "bfloat16")
+    return [
+        (f"bare decode launch {kcfg}", per_call_us(lambda: fn(x, p.data, p.scales, p.alpha, out, dummy, ws, cnt, p.scale_add[0]), calls, sync=sync)),
+        ("decode run(x, packed)", per_call_us(lambda: run(x, p, None), calls, sync=sync)),
+    ]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -71,6 +93,11 @@ def main() -> int:
         calls = max(10, args.calls // 100) if dev.type == "cpu" else max(100, args.calls // 10)
         direct = per_call_us(lambda: runner(x, prepared, None), calls, sync=sync)
         full = per_call_us(lambda: autofp4.linear(x, w), calls, sync=sync)
+        dense = w.dequantize(torch.bfloat16)
+        rows.append(("F.linear bf16 eager (cuBLAS, for scale)",
+                     per_call_us(lambda: torch.nn.functional.linear(x, dense), calls, sync=sync)))
+        if backend.name == "sm90_w4a16" and cfg.kernel == "decode":
+            rows += _decode_layers(w, cfg, x, calls, sync)
         rows.append((f"runner(x, w) direct [{backend.name}]", direct))
         rows.append(("autofp4.linear(x, w) eager", full))
         rows.append(("  overhead of autofp4.linear", full - direct))
