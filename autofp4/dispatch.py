@@ -231,6 +231,16 @@ class Dispatcher:
             self._count_miss(hit[3])
         return hit[0], hit[1], hit[2]
 
+    def resolve_entry(self, key: ProblemKey, m: int) -> tuple[Backend, BackendConfig, Runner, Any]:
+        """:meth:`resolve` plus the miss this call counted (``None`` for a tuned pick). A caller
+        that keeps the runner for later calls passes the miss to :meth:`count_miss` on each."""
+        backend, cfg, runner = self.resolve(key, m)
+        return backend, cfg, runner, self._memo[(key, m)][3]
+
+    def count_miss(self, miss: Any) -> None:
+        """Count one more call of an untuned ``(key, M bucket)`` (from :meth:`resolve_entry`)."""
+        self._count_miss(miss)
+
     # -- misses ----------------------------------------------------------------------
     def _count_miss(self, mk: tuple[ProblemKey, int]) -> None:
         with self._lock:

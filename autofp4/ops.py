@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from .backends import ProblemKey, dtype_name
-from .dispatch import get_dispatcher
+from .dispatch import _DISPATCHERS, get_dispatcher
 from .weights import FP4Weight
 
 __all__ = ["linear", "moe", "route"]
@@ -67,7 +67,28 @@ def _problem_key(w: FP4Weight, op: str, dtype: torch.dtype, topk: int = 0) -> Pr
 
 
 # ----------------------------------------------------------------------------- linear
+_FAST_MAX = 64  # (dtype, device, M) entries kept per weight
+
+
 def _linear_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    # Fast path: a call like one already made on this weight (same dtype, device and M, 2-D
+    # contiguous x) reuses its runner and prepacked weight, and counts its miss if untuned.
+    # The entry is valid while the device's dispatcher is the one that made it (set_db and
+    # reload replace the dispatchers).
+    fast = w.__dict__.get("_linear_fast")
+    if fast is not None and type(x) is torch.Tensor and x.dim() == 2:
+        dev = x.device
+        ent = fast.get((x.dtype, dev, x.shape[0]))
+        if (
+            ent is not None
+            and ent[0] is _DISPATCHERS.get(dev)
+            and x.shape[1] == w.k
+            and x.is_contiguous()
+            and (bias is None or (bias.shape == ent[3] and bias.dtype == x.dtype and bias.device == dev))
+        ):
+            if ent[4] is not None:
+                ent[0].count_miss(ent[4])
+            return ent[1](x, ent[2], bias)
     _check_act(x, w, "linear")
     if w.experts:
         raise ValueError(f"linear: expected a 2-D weight [N, K], got a stacked MoE weight {tuple(w.shape)}")
@@ -84,8 +105,14 @@ def _linear_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) ->
     if m == 0:
         return x.new_empty(*x.shape[:-1], n)
     key = _problem_key(w, "linear", x.dtype)
-    backend, _cfg, runner = get_dispatcher(x.device).resolve(key, m)
-    out = runner(x2, w.packed(backend.name, backend.prepare), bias)
+    disp = get_dispatcher(x.device)
+    backend, _cfg, runner, miss = disp.resolve_entry(key, m)
+    packed = w.packed(backend.name, backend.prepare)
+    if flat and type(x) is torch.Tensor:
+        if fast is None or len(fast) >= _FAST_MAX:
+            fast = w.__dict__["_linear_fast"] = {}
+        fast[(x.dtype, x.device, m)] = (disp, runner, packed, torch.Size((n,)), miss)
+    out = runner(x2, packed, bias)
     return out if flat else out.view(*x.shape[:-1], n)
 
 

@@ -257,5 +257,6 @@ class FP4Weight:
             return value
 
     def clear_packed(self) -> None:
-        """Drop every cached prepacked form."""
+        """Drop every cached prepacked form (and the runners ``autofp4.linear`` kept with them)."""
         self._packed.clear()
+        self.__dict__.pop("_linear_fast", None)

@@ -196,3 +196,61 @@ def test_dispatch_on_gpu(gen):
     out = runner(x, w.packed(backend.name, backend.prepare), None)
     ref = x.double() @ w.dequantize().double().T
     assert out.is_cuda and (out.double() - ref).norm() / ref.norm() < 1e-2
+
+
+def _fast_entries(w):
+    return w.__dict__.get("_linear_fast", {})
+
+
+def test_linear_fast_path_follows_set_db_and_counts_misses(tmp_path, gen):
+    """autofp4.linear keeps (runner, prepacked weight) per (dtype, device, M) on the weight;
+    a new DB replaces the dispatcher and with it every kept entry; misses are still counted."""
+    w = autofp4.quantize(torch.randn(KEY.n, KEY.k, generator=gen), "nvfp4")
+    x = torch.randn(3, KEY.k, generator=gen).to(torch.bfloat16)
+    ref = x.double() @ w.dequantize(torch.float32).double().T
+    y0 = autofp4.linear(x, w)
+    ((ck, ent),) = _fast_entries(w).items()
+    assert ck == (torch.bfloat16, CPU, 3) and ent[0] is dispatch.get_dispatcher(CPU) and ent[4] is not None
+    for _ in range(4):  # fast path: same result, one miss per call
+        assert torch.equal(autofp4.linear(x, w), y0)
+    assert dispatch.get_dispatcher(CPU).misses() == [(KEY, bucket_for(3, DEFAULT_M_BUCKETS), 5)]
+    assert float((y0.double() - ref).norm() / ref.norm()) < 1e-2
+    # a tuned row for this key in a new user DB: the next call takes the tuned config
+    path = tmp_path / "user.db"
+    with TuningDB(path) as db:
+        db.upsert_result(_rec(KEY, 4, 128))
+    dispatch.set_db(path)
+    y1 = autofp4.linear(x, w)
+    d = dispatch.get_dispatcher(CPU)
+    ent = _fast_entries(w)[ck]
+    assert ent[0] is d and ent[4] is None  # tuned: no miss to count
+    assert d.resolve(KEY, 3)[1] == ReferenceConfig(chunk_n=128) and ent[1] is d.resolve(KEY, 3)[2]
+    assert float((y1.double() - ref).norm() / ref.norm()) < 1e-2
+    assert d.misses() == []
+    w.clear_packed()
+    assert _fast_entries(w) == {}
+
+
+def test_linear_fast_path_checks_every_call(gen):
+    w = autofp4.quantize(torch.randn(KEY.n, KEY.k, generator=gen), "nvfp4")
+    x = torch.randn(2, KEY.k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(KEY.n, generator=gen).to(torch.bfloat16)
+    ref = x.double() @ w.dequantize(torch.float32).double().T
+    autofp4.linear(x, w)
+    y = autofp4.linear(x, w, bias)  # same entry, with a bias
+    assert float((y.double() - ref - bias.double()).norm() / ref.norm()) < 1e-2
+    with pytest.raises(ValueError, match="bias must be"):
+        autofp4.linear(x, w, bias[:-1])
+    with pytest.raises(ValueError, match="bias must be"):
+        autofp4.linear(x, w, bias.half())
+    with pytest.raises(ValueError, match="last dimension"):
+        autofp4.linear(torch.randn(2, KEY.k + 16, generator=gen).to(torch.bfloat16), w)
+    # a non-contiguous x of the same shape takes the full path and the same math
+    xt = torch.randn(KEY.k, 2, generator=gen).to(torch.bfloat16).T
+    yt = autofp4.linear(xt, w)
+    reft = xt.double() @ w.dequantize(torch.float32).double().T
+    assert float((yt.double() - reft).norm() / reft.norm()) < 1e-2
+    # another M gets its own entry; 3-D x is served without one
+    autofp4.linear(x[:1], w)
+    autofp4.linear(x.view(1, 2, KEY.k), w)
+    assert sorted(k[2] for k in _fast_entries(w)) == [1, 2]
