@@ -146,7 +146,7 @@ def timing(fmt, shapes, ms, sweep):
                 for wp in (4, 8):
                     for ks in sorted({max(1, base.k_split // 2), base.k_split, 2 * base.k_split}):
                         for tpw in (1, 2):
-                            for red in ("kernel", "last_warp"):
+                            for red in ("kernel", "last_warp", "cluster"):
                                 c = D.DecodeConfig(wp, ks, base.m_max, False, red, tpw)
                                 if c not in cfgs and D.validate(c, n, k, fmt, "bfloat16") is None:
                                     cfgs.append(c)

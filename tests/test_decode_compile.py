@@ -133,6 +133,10 @@ def test_pack_rejects_stacked_experts(gen):
         (D.DecodeConfig(prefetch=1), 64, 512, "nvfp4", "bfloat16", "prefetch"),
         (D.DecodeConfig(split_reduce="atomic", k_split=2), 64, 1024, "nvfp4", "bfloat16", "split_reduce"),
         (D.DecodeConfig(split_reduce="last_warp"), 64, 1024, "nvfp4", "bfloat16", "k_split > 1"),
+        (D.DecodeConfig(split_reduce="cluster"), 64, 1024, "nvfp4", "bfloat16", "k_split > 1"),
+        (D.DecodeConfig(k_split=12, split_reduce="cluster"), 64, 6144, "nvfp4", "bfloat16", "at most 8"),
+        (D.DecodeConfig(16, 2, 64, split_reduce="cluster", tiles_per_warp=2), 64, 8192, "nvfp4", "bfloat16",
+         "shared memory"),
     ],
 )
 def test_validate_rules(cfg, n, k, fmt, dtype, needle):
@@ -195,6 +199,8 @@ needs_cute = pytest.mark.skipif(not HAVE_CUTE, reason="needs nvidia-cutlass-dsl"
         (D.DecodeConfig(8, 1, 16, prefetch=True), 64, 512, "mxfp4", "float16"),
         (D.DecodeConfig(4, 4, 64), 300, 4096, "nvfp4", "bfloat16"),
         (D.DecodeConfig(4, 3, 16, split_reduce="last_warp", tiles_per_warp=2), 200, 1536, "mxfp4", "bfloat16"),
+        (D.DecodeConfig(4, 8, 8, split_reduce="cluster"), 4096, 4096, "nvfp4", "bfloat16"),
+        (D.DecodeConfig(2, 3, 32, split_reduce="cluster", tiles_per_warp=2), 520, 3072, "mxfp4", "float16"),
         (D.DecodeConfig(2, 1, 8, tiles_per_warp=2), 24, 512, "nvfp4", "float16"),
     ],
 )

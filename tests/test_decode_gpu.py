@@ -22,6 +22,11 @@ CASES = [  # fmt, dtype, n, k, config, Ms, bias
     ("nvfp4", "bfloat16", 1000, 4096, D.DecodeConfig(4, 4, 16, tiles_per_warp=2), (16, 1), True),
     ("mxfp4", "float16", 24, 1536, D.DecodeConfig(2, 3, 8, False, "last_warp", 2), (8, 3), False),
     ("nvfp4", "bfloat16", 4096, 4096, D.DecodeConfig(4, 1, 64, tiles_per_warp=2), (64, 17), False),
+    # split-K summed through distributed shared memory (one cluster per tile group)
+    ("nvfp4", "bfloat16", 4096, 4096, D.DecodeConfig(4, 8, 8, split_reduce="cluster"), (1, 5, 8), True),
+    ("mxfp4", "float16", 1000, 2048, D.DecodeConfig(8, 4, 16, split_reduce="cluster"), (16, 3), True),
+    ("nvfp4", "bfloat16", 520, 3072, D.DecodeConfig(2, 3, 32, split_reduce="cluster", tiles_per_warp=2), (32, 1), False),
+    ("mxfp4", "bfloat16", 4096, 14336, D.DecodeConfig(4, 7, 16, split_reduce="cluster"), (16, 2), True),
 ]
 
 
@@ -77,7 +82,8 @@ def test_one_compile_serves_every_m_and_rejects_larger(gen):
 
 
 @pytest.mark.parametrize("cfg", [D.DecodeConfig(4, 1, 8), D.DecodeConfig(4, 4, 8),
-                                 D.DecodeConfig(4, 4, 8, split_reduce="last_warp")])
+                                 D.DecodeConfig(4, 4, 8, split_reduce="last_warp"),
+                                 D.DecodeConfig(4, 4, 8, split_reduce="cluster")])
 def test_cuda_graph_replay(cfg, gen):
     """Captured once, replayed with new inputs (and again, exercising the split-K counters)."""
     g = _device_gen(gen)

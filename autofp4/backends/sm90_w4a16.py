@@ -39,7 +39,7 @@ class SM90Config(BackendConfig):
     k_split: Optional[int] = Field(None, ge=1, le=256)
     m_max: Optional[int] = Field(None, ge=1, le=4096)
     prefetch: Optional[bool] = None
-    split_reduce: Optional[Literal["kernel", "last_warp"]] = None
+    split_reduce: Optional[Literal["kernel", "last_warp", "cluster"]] = None
     tiles_per_warp: Optional[int] = Field(None, ge=1, le=16)
     # gemm kernel
     tile_n: Optional[int] = Field(None, ge=1, le=1024)

@@ -59,7 +59,9 @@ GROUP_K = CHUNK_K * CHUNKS  # 512
 M_MAX_CHOICES = (8, 16, 32, 64)
 WARPS_CHOICES = (1, 2, 4, 8, 16)
 MAX_K_SPLIT = 64
-SPLIT_REDUCE = ("kernel", "last_warp")
+SPLIT_REDUCE = ("kernel", "last_warp", "cluster")
+MAX_CLUSTER = 8  # portable thread-block-cluster size on sm_90
+CLUSTER_SMEM_MAX = 96 * 1024  # shared memory for the partial sums of one CTA
 TILES_PER_WARP_CHOICES = (1, 2)
 
 # fp32 epilogue factors that undo the power of two folded into the decode (nvfp4)
@@ -80,9 +82,11 @@ class DecodeConfig:
     m_max:   largest M this compile serves (m_max / 8 n8 MMA tiles per warp).
     prefetch: load K group i+1 into a second register buffer while group i is computed
              (more bytes in flight per warp, more registers).
-    split_reduce: how split-K partials are summed: "kernel" (a second small kernel) or
+    split_reduce: how split-K partials are summed: "kernel" (a second small kernel),
              "last_warp" (the last warp to finish a tile sums them in the same launch, using
-             per-tile arrival counters that reset themselves).
+             per-tile arrival counters that reset themselves) or "cluster" (the k_split CTAs of
+             a tile form a thread-block cluster and sum through distributed shared memory:
+             one launch, no global workspace; k_split <= 8).
     tiles_per_warp: 16-row tiles one warp decodes against the same x fragments (fewer x
              loads per weight byte, more registers).
     """
@@ -151,6 +155,13 @@ def validate(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | N
         return f"split_reduce must be one of {SPLIT_REDUCE}, got {cfg.split_reduce!r}"
     if cfg.split_reduce != "kernel" and cfg.k_split == 1:
         return f"split_reduce={cfg.split_reduce!r} only applies with k_split > 1; use 'kernel'"
+    if cfg.split_reduce == "cluster":
+        if cfg.k_split > MAX_CLUSTER:
+            return (f"split_reduce='cluster' makes the {cfg.k_split} K-split CTAs one cluster; "
+                    f"at most {MAX_CLUSTER} CTAs per cluster")
+        if _cluster_smem_bytes(cfg) > CLUSTER_SMEM_MAX:
+            return (f"split_reduce='cluster' needs {_cluster_smem_bytes(cfg)} bytes of shared memory "
+                    f"per CTA for the partial sums (limit {CLUSTER_SMEM_MAX}); use fewer warps or m_max")
     if cfg.tiles_per_warp not in TILES_PER_WARP_CHOICES:
         return f"tiles_per_warp must be one of {TILES_PER_WARP_CHOICES}, got {cfg.tiles_per_warp}"
     regs = _register_estimate(cfg)
@@ -161,6 +172,11 @@ def validate(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | N
         return (f"a CTA of {cfg.warps} warps x about {regs} registers per thread exceeds the "
                 f"64K-register file; use fewer warps or a smaller m_max")
     return None
+
+
+def _cluster_smem_bytes(cfg: DecodeConfig) -> int:
+    """fp32 partial sums of every lane of a CTA: warps x tiles x (m_max / 8) n8 tiles x 4 x 32."""
+    return cfg.warps * cfg.tiles_per_warp * (cfg.m_max // 8) * 4 * 32 * 4
 
 
 def _register_estimate(cfg: DecodeConfig) -> int:
@@ -389,6 +405,8 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
 
     WARPS, KS, NT = cfg.warps, cfg.k_split, cfg.m_max // 8
     PREFETCH, LAST_WARP = cfg.prefetch, cfg.split_reduce == "last_warp"
+    CLUSTER = cfg.split_reduce == "cluster" and cfg.k_split > 1
+    J = cfg.tiles_per_warp * (cfg.m_max // 8) * 4  # accumulators per lane
     TPW = cfg.tiles_per_warp
     TILES, GROUPS = _tiles(n), _groups(k)
     GPS = -(-GROUPS // KS)  # K groups per split
@@ -488,6 +506,14 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
                         "st.global.cg.f32 [$0], $1;", "l,f", has_side_effects=True,
                         is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
+    def ld_dsmem_f32(addr, rank):
+        """fp32 at shared-memory address ``addr`` of the CTA of cluster rank ``rank``."""
+        return Float32(llvm.inline_asm(
+            T.f32(), [Int32(addr).ir_value(), Int32(rank).ir_value()],
+            "{ .reg .u32 r; mapa.shared::cluster.u32 r, $1, $2; ld.shared::cluster.f32 $0, [r]; }",
+            "=f,r,r", has_side_effects=True, is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT))
+
     NBUF = 4 + CHUNKS * 4  # 16 B of scales + 8 x 16 B of weights per lane and K group
 
     @cute.jit
@@ -553,6 +579,10 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
         buf_a = cute.make_rmem_tensor((TPW * NBUF,), Uint32)
         buf_b = cute.make_rmem_tensor((TPW * NBUF,), Uint32)
         sadd_u = Uint32(sadd)
+        if cutlass.const_expr(CLUSTER):
+            # every lane's partial sums, [warp][accumulator][lane], read by the cluster's CTAs
+            sred = cutlass.utils.SmemAllocator().allocate_tensor(
+                Float32, cute.make_layout(WARPS * J * 32), byte_alignment=16)
         if tile0 < TILES:
             slot = lane
             if cutlass.const_expr(SLOTS == 16):
@@ -582,7 +612,11 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
                     compute_group(buf_a, acc, xv, x_base, gi, g, t, sadd_u, m_rows)
             # accumulator c0,c1 -> row g, tokens 2t, 2t+1; c2,c3 -> row g+8
             last = Int32(1)
-            if cutlass.const_expr(KS > 1):
+            if cutlass.const_expr(CLUSTER):
+                for j in cutlass.range_constexpr(J):
+                    sred[(warp * J + j) * 32 + lane] = acc[j]
+                last = Int32(0)  # the cluster reduction below finishes
+            if cutlass.const_expr(KS > 1 and not CLUSTER):
                 # split-K: publish fp32 partials [k_split, M, N16]
                 ws_base = ws.iterator.toint()
                 for tw in cutlass.range_constexpr(TPW):
@@ -631,6 +665,32 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
                                 if cutlass.const_expr(has_bias):
                                     v = v + bias[nn].to(Float32)
                                 out[mm, nn] = v.to(out.element_type)
+        if cutlass.const_expr(CLUSTER):
+            # split-K through distributed shared memory: after the cluster barrier (release /
+            # acquire) CTA ``bz`` sums accumulator ``q`` of every warp where q % k_split == bz,
+            # over the k_split CTAs of the cluster, and stores it; a second barrier keeps every
+            # CTA's shared memory alive until its peers have read it.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            if tile0 < TILES:
+                base = Int32(sred.iterator.toint())
+                al = alpha[ALPHA_IDX]
+                for tw in cutlass.range_constexpr(TPW):
+                    for nt in cutlass.range_constexpr(NT):
+                        for i in cutlass.range_constexpr(4):
+                            q = warp * J + (tw * NT + nt) * 4 + i
+                            mm = nt * 8 + 2 * t + (i % 2)
+                            nn = (tile0 + tw) * TILE_N + g + 8 * (i // 2)
+                            if (q % KS == bz) & (mm < m_rows) & (nn < n):
+                                tot = Float32(0.0)
+                                for z in cutlass.range_constexpr(KS):
+                                    tot = tot + ld_dsmem_f32(base + (q * 32 + lane) * 4, z)
+                                v = tot * al
+                                if cutlass.const_expr(has_bias):
+                                    v = v + bias[nn].to(Float32)
+                                out[mm, nn] = v.to(out.element_type)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     @cute.kernel
     def reduce_kernel(ws: cute.Tensor, alpha: cute.Tensor, out: cute.Tensor, bias: cute.Tensor,
@@ -656,9 +716,10 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
                out: cute.Tensor, bias: cute.Tensor, ws: cute.Tensor, cnt: cute.Tensor,
                sadd: Int32, stream):
         m_rows = x.shape[0]
+        cluster = {"cluster": [1, KS, 1]} if CLUSTER else {}
         main_kernel(x, wq, sc, alpha, out, bias, ws, cnt, sadd, m_rows).launch(
-            grid=[grid_x, KS, 1], block=[32 * WARPS, 1, 1], stream=stream)
-        if cutlass.const_expr(KS > 1 and not LAST_WARP):
+            grid=[grid_x, KS, 1], block=[32 * WARPS, 1, 1], stream=stream, **cluster)
+        if cutlass.const_expr(KS > 1 and not LAST_WARP and not CLUSTER):
             reduce_kernel(ws, alpha, out, bias, m_rows).launch(
                 grid=[(m_rows * n + 255) // 256, 1, 1], block=[256, 1, 1], stream=stream)
 
@@ -702,11 +763,16 @@ def _compile_now(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bi
     fn = _build(cfg, n, k, fmt, dtype, has_bias)
     opts = ("--enable-tvm-ffi " + extra).strip()
     # split-K workspace [k_split, M, N16] fp32 and per-tile arrival counters (int32, self-resetting)
-    ws_shape = (cfg.k_split, m, tiles * TILE_N) if cfg.k_split > 1 else (1,)
+    ws_shape = (cfg.k_split, m, tiles * TILE_N) if _needs_workspace(cfg) else (1,)
     fws = make_fake_compact_tensor(cutlass.Float32, ws_shape,
                                    stride_order=tuple(reversed(range(len(ws_shape)))), assumed_align=16)
     fc = make_fake_compact_tensor(cutlass.Int32, (tiles,), assumed_align=4)
     return cute.compile(fn, fx, fw, fs, fa, fo, fb, fws, fc, 0, stream, options=opts)
+
+
+def _needs_workspace(cfg: DecodeConfig) -> bool:
+    """Split-K through global memory: the "kernel" and "last_warp" reductions."""
+    return cfg.k_split > 1 and cfg.split_reduce != "cluster"
 
 
 def _check_problem(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> None:
@@ -729,6 +795,7 @@ def compile_kernel(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> C
     di = DTYPES.index(dtype)
     compiled: dict[bool, Any] = {False: _compile(cfg, n, k, fmt, dtype, False)}
     ks, m_max, tiles = cfg.k_split, cfg.m_max, _tiles(n)
+    use_ws = _needs_workspace(cfg)
     n_pad = tiles * TILE_N
     # per-device helpers: a dummy bias / workspace, and the split-K arrival counters. The
     # counters start at zero and every launch leaves them at zero, so one set per device serves
@@ -770,7 +837,7 @@ def compile_kernel(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> C
             fn = compiled.get(True)
             if fn is None:
                 fn = compiled[True] = _compile(cfg, n, k, fmt, dtype, True)
-        ws = torch.empty(ks, m, n_pad, dtype=torch.float32, device=x.device) if ks > 1 else dummy_ws
+        ws = torch.empty(ks, m, n_pad, dtype=torch.float32, device=x.device) if use_ws else dummy_ws
         fn(x, packed.data, packed.scales, packed.alpha, out, b, ws, cnt, packed.scale_add[di])
         return out
 
