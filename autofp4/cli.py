@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autofp4", description="FP4 (NVFP4 / MXFP4) kernels tuned for the GPU you have."
     )
-    sub = parser.add_subparsers(dest="command", metavar="{tune,db,info}")
+    sub = parser.add_subparsers(dest="command", metavar="{tune,db,info,cache}")
     sub.required = True
 
     t = sub.add_parser("tune", help="tune the GEMM / MoE shapes of a model on this GPU")
@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="device, environment, backends and tuning DB layers")
     i.add_argument("--db", metavar="PATH", help="tuning DB file")
     i.add_argument("--device", help="device to describe (default: cuda if available, else cpu)")
+
+    c = sub.add_parser("cache", help="the compiled-kernel cache: where it is and what it holds")
+    c.add_argument("--clear", action="store_true", help="delete every cached kernel")
     return parser
 
 
@@ -289,6 +292,25 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     misses = dispatch.misses_path()
     if misses.is_file():
         print(f"misses file:   {misses}", file=out)
+    print(f"kernel cache:  {_cache_line()}", file=out)
+    return 0
+
+
+def _cache_line() -> str:
+    from .kernel_cache import summary
+
+    d, n, size = summary()
+    if d is None:
+        return "disabled (AUTOFP4_KERNEL_CACHE=off): every process compiles its kernels"
+    return f"{d}: {n} compiled kernel{'s' if n != 1 else ''}, {size / 2**20:.1f} MiB"
+
+
+def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .kernel_cache import clear
+
+    if args.clear:
+        print(f"removed {clear()} compiled kernels", file=out)
+    print(f"kernel cache: {_cache_line()}", file=out)
     return 0
 
 
@@ -309,6 +331,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
             return _cmd_tune(args, out, err)
         if args.command == "info":
             return _cmd_info(args, out, err)
+        if args.command == "cache":
+            return _cmd_cache(args, out, err)
         if args.command == "db":
             from .cli_db import run_db
 
