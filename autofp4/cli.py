@@ -6,6 +6,7 @@ missing or invalid file, bad option); 130 interrupted (everything measured so fa
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -71,6 +72,12 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _time_budget(text: str) -> float:
+    if text.strip().lower() in ("none", "inf", "unlimited"):
+        return math.inf
+    return _positive_float(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autofp4", description="FP4 (NVFP4 / MXFP4) kernels tuned for the GPU you have."
@@ -87,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
     t.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
     t.add_argument("--budget", type=_positive_int, metavar="N", help="trials per (shape, M)")
-    t.add_argument("--time-budget", type=_positive_float, metavar="SECONDS", help="wall-clock budget of the run")
+    t.add_argument("--time-budget", type=_time_budget, metavar="SECONDS",
+                   help="wall-clock budget of the run, shared fairly by its jobs (default 900 on the GPU; 'none': no limit)")
     t.add_argument("--dry-run", action="store_true", help="print the shapes and the job count, tune nothing")
     t.add_argument("--from-misses", nargs="?", const="", default=None, metavar="FILE",
                    help="tune what a workload missed (default file: next to the user DB)")
