@@ -6,6 +6,7 @@ missing or invalid file, bad option); 130 interrupted (everything measured so fa
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -71,11 +72,17 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _time_budget(text: str) -> float:
+    if text.strip().lower() in ("none", "inf", "unlimited"):
+        return math.inf
+    return _positive_float(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autofp4", description="FP4 (NVFP4 / MXFP4) kernels tuned for the GPU you have."
     )
-    sub = parser.add_subparsers(dest="command", metavar="{tune,db,info}")
+    sub = parser.add_subparsers(dest="command", metavar="{tune,db,info,cache}")
     sub.required = True
 
     t = sub.add_parser("tune", help="tune the GEMM / MoE shapes of a model on this GPU")
@@ -87,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
     t.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
     t.add_argument("--budget", type=_positive_int, metavar="N", help="trials per (shape, M)")
-    t.add_argument("--time-budget", type=_positive_float, metavar="SECONDS", help="wall-clock budget of the run")
+    t.add_argument("--time-budget", type=_time_budget, metavar="SECONDS",
+                   help="wall-clock budget of the run, shared fairly by its jobs (default 900 on the GPU; 'none': no limit)")
     t.add_argument("--dry-run", action="store_true", help="print the shapes and the job count, tune nothing")
     t.add_argument("--from-misses", nargs="?", const="", default=None, metavar="FILE",
                    help="tune what a workload missed (default file: next to the user DB)")
@@ -107,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="device, environment, backends and tuning DB layers")
     i.add_argument("--db", metavar="PATH", help="tuning DB file")
     i.add_argument("--device", help="device to describe (default: cuda if available, else cpu)")
+
+    c = sub.add_parser("cache", help="the compiled-kernel cache: where it is and what it holds")
+    c.add_argument("--clear", action="store_true", help="delete every cached kernel")
     return parser
 
 
@@ -289,6 +300,25 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     misses = dispatch.misses_path()
     if misses.is_file():
         print(f"misses file:   {misses}", file=out)
+    print(f"kernel cache:  {_cache_line()}", file=out)
+    return 0
+
+
+def _cache_line() -> str:
+    from .kernel_cache import summary
+
+    d, n, size = summary()
+    if d is None:
+        return "disabled (AUTOFP4_KERNEL_CACHE=off): every process compiles its kernels"
+    return f"{d}: {n} compiled kernel{'s' if n != 1 else ''}, {size / 2**20:.1f} MiB"
+
+
+def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .kernel_cache import clear
+
+    if args.clear:
+        print(f"removed {clear()} compiled kernels", file=out)
+    print(f"kernel cache: {_cache_line()}", file=out)
     return 0
 
 
@@ -309,6 +339,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
             return _cmd_tune(args, out, err)
         if args.command == "info":
             return _cmd_info(args, out, err)
+        if args.command == "cache":
+            return _cmd_cache(args, out, err)
         if args.command == "db":
             from .cli_db import run_db
 

@@ -113,6 +113,15 @@ def compile_cached(name: str, module_name: str, params: Any, compile_fn: Callabl
         return fn
 
 
+def summary() -> tuple[Path | None, int, int]:
+    """``(directory, kernels, bytes)`` of the cache; ``(None, 0, 0)`` when it is disabled."""
+    d = cache_dir()
+    if d is None:
+        return None, 0, 0
+    files = list(d.glob("*.o")) if d.is_dir() else []
+    return d, len(files), sum(f.stat().st_size for f in files)
+
+
 def clear() -> int:
     """Delete every cached kernel; returns how many files were removed."""
     d = cache_dir()

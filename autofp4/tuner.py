@@ -101,11 +101,13 @@ class _Defaults:
     warmup: int
     reps: int
     trial_timeout_s: float
+    time_budget_s: float | None  # wall clock of a whole run, shared fairly by its jobs
 
 
-GPU_DEFAULTS = _Defaults(budget=32, warmup=10, reps=30, trial_timeout_s=300.0)
+# 32 trials per job and 15 minutes per run: Llama-3.1-8B (4 shapes x 14 M buckets) fits
+GPU_DEFAULTS = _Defaults(budget=32, warmup=10, reps=30, trial_timeout_s=300.0, time_budget_s=900.0)
 # on the CPU the correctness check's call is the warm-up
-CPU_DEFAULTS = _Defaults(budget=3, warmup=0, reps=3, trial_timeout_s=600.0)
+CPU_DEFAULTS = _Defaults(budget=3, warmup=0, reps=3, trial_timeout_s=600.0, time_budget_s=None)
 
 
 # -----------------------------------------------------------------------------------------
@@ -691,6 +693,8 @@ class _Ctx:
     pbar: Any
     lock: threading.Lock
     seed: int
+    streams: int = 1  # job streams (devices) sharing the run's time budget
+    job_deadline: float | None = None  # this stream's current job stops asking for trials here
 
 
 def _study_name(ctx: _Ctx, job: Job, cands: Sequence[_Cand]) -> str:
@@ -746,8 +750,23 @@ def _request(ctx: _Ctx, job: Job, cand: _Cand, seed: int) -> dict[str, Any]:
     }
 
 
+def _now() -> float:
+    """The clock of time budgets and shares (monotonic seconds)."""
+    return time.monotonic()
+
+
+def job_share_deadline(now: float, deadline: float | None, jobs_left: int, streams: int = 1) -> float | None:
+    """When a job that starts ``now`` should stop asking for trials: an equal share of the time
+    left among the ``jobs_left`` jobs (this one included) that ``streams`` streams still run.
+    Time a job does not use (it ran out of candidates) goes to the jobs after it."""
+    if deadline is None:
+        return None
+    left = max(0.0, deadline - now)
+    return now + left * max(1, streams) / max(1, jobs_left)
+
+
 def _out_of_time(ctx: _Ctx) -> bool:
-    return ctx.stop.is_set() or (ctx.deadline is not None and time.monotonic() >= ctx.deadline)
+    return ctx.stop.is_set() or (ctx.deadline is not None and _now() >= ctx.deadline)
 
 
 class _FieldSpace:
@@ -934,6 +953,15 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer) -> JobResult:
     max_asks = 4 * ctx.budget + len(cands)
     measured_here: dict[str, dict[str, Any]] = {}
 
+    trial_s: list[float] = []  # wall time of each trial measured here
+    stopped_by_share = False
+
+    def share_used() -> bool:
+        """With a result in hand, would one more trial end past this job's share of the time?"""
+        if ctx.job_deadline is None or not trial_s or not any(r["outcome"] == "ok" for r in measured_here.values()):
+            return False
+        return _now() + sum(trial_s) / len(trial_s) > ctx.job_deadline
+
     def executed() -> int:
         return sum(1 for t in _finished(study) if t.user_attrs.get("executed"))
 
@@ -944,7 +972,11 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer) -> JobResult:
 
     def refill() -> None:
         nonlocal asked
+        nonlocal stopped_by_share
         while len(inflight) < ctx.window and not exhausted() and not _out_of_time(ctx):
+            if share_used():
+                stopped_by_share = True
+                break
             trial = _ask(ctx, study)
             asked += 1
             if grid and not _was_enqueued(study, trial):  # a peer took the last point
@@ -976,9 +1008,13 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer) -> JobResult:
         refill()
         while inflight:
             trial, cand, fut = inflight.popleft()
-            if _out_of_time(ctx):
+            if _out_of_time(ctx) or share_used():
+                stopped_by_share = stopped_by_share or not _out_of_time(ctx)
+                if fut is not None:
+                    fut.cancel()
                 study.tell(trial, state=TrialState.FAIL)
                 continue
+            t_trial = _now()
             res: dict[str, Any] | None = None
             if fut is not None:
                 try:
@@ -992,6 +1028,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer) -> JobResult:
                     res = {"outcome": "invalid" if err.startswith("invalid: ") else "compile_error", "error": err}
             if res is None:
                 res = meas.run(_request(ctx, job, cand, seed))
+            trial_s.append(_now() - t_trial)
             measured_here[cand.ident] = res
             with ctx.lock:
                 _record_trial(db, ctx, job, cand, res)
@@ -1046,6 +1083,8 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer) -> JobResult:
         return result
     best = min(oks, key=lambda c: (stats[c.ident].median_us, c.backend.name, c.config_json))
     d_stats = stats.get(default.ident)
+    if stopped_by_share:
+        result.note = f"stopped at its share of the time budget after {result.trials_run} trials"
     if d_stats is None:
         winner = best
         result.note = "default config failed or was not measured"
@@ -1109,6 +1148,7 @@ def _stream(
             elif _out_of_time(ctx):
                 out[i] = JobResult(job, "out_of_time", note="time budget used up")
             else:
+                ctx.job_deadline = job_share_deadline(_now(), ctx.deadline, jobs.qsize() + 1, ctx.streams)
                 try:
                     out[i] = _tune_job(job, ctx, db, meas)
                 except _Interrupted as e:
@@ -1171,8 +1211,12 @@ def tune_jobs(
     budget = int(budget_per_shape or defaults.budget)
     if budget < 1:
         raise ValueError(f"budget_per_shape must be >= 1, got {budget}")
-    if budget_total_s is not None and budget_total_s <= 0:
-        raise ValueError(f"budget_total_s must be > 0, got {budget_total_s}")
+    if budget_total_s is None:
+        budget_total_s = defaults.time_budget_s
+    elif not budget_total_s > 0:
+        raise ValueError(f"budget_total_s must be > 0 (math.inf: no limit), got {budget_total_s}")
+    if budget_total_s is not None and math.isinf(budget_total_s):
+        budget_total_s = None
     if backends:
         chosen = [get_backend(n) for n in backends]
         for b in chosen:
@@ -1187,7 +1231,7 @@ def tune_jobs(
         isolate = on_gpu
     timeout = float(trial_timeout_s or defaults.trial_timeout_s)
     env = current_environment(devices[0])
-    t0 = time.monotonic()
+    t0 = _now()
     report = TuneReport(device=", ".join(str(d) for d in devices), env_key=env.key())
     storage_obj = _open_storage(storage)
     main_db, owned, db_path = _open_db(db)
@@ -1220,7 +1264,7 @@ def tune_jobs(
             reps=int(reps if reps is not None else defaults.reps),
             deadline=None if budget_total_s is None else t0 + float(budget_total_s),
             force=force, storage=storage_obj, ask_lock=_ask_lock_path(storage), window=max(1, workers), pool=pool,
-            compile_timeout_s=timeout, stop=stop, pbar=pbar, lock=lock, seed=seed,
+            compile_timeout_s=timeout, stop=stop, pbar=pbar, lock=lock, seed=seed, streams=len(devices),
         )
 
     try:
@@ -1255,7 +1299,7 @@ def tune_jobs(
     report.interrupted = stop.is_set()
     for i, j in enumerate(jobs):
         report.results.append(out.get(i) or JobResult(j, "interrupted" if report.interrupted else "out_of_time"))
-    report.elapsed_s = time.monotonic() - t0
+    report.elapsed_s = _now() - t0
     return report
 
 
@@ -1303,9 +1347,11 @@ def tune(
     :class:`ProblemKey` s. ``m_buckets``: default ``DEFAULT_M_BUCKETS`` on the GPU,
     ``CPU_M_BUCKETS`` on the CPU. ``backends``: backend names (default: every backend that
     applies to the device). ``db``: a TuningDB, a path, or None for the user DB.
-    ``budget_per_shape``: trials per (shape, bucket) (default 64 GPU / 3 CPU);
-    ``budget_total_s``: wall-clock budget of the whole run (jobs not started are reported as
-    ``out_of_time``). ``force``: re-tune jobs that already have a result. ``workers``:
+    ``budget_per_shape``: trials per (shape, bucket) (default 32 GPU / 3 CPU);
+    ``budget_total_s``: wall-clock budget of the whole run (default 900 s on the GPU, none on
+    the CPU; ``math.inf``: none). Each job gets an equal share of the time left when it starts
+    and stops asking for trials at the end of it once it has a measured result; jobs that
+    cannot start in time are reported as ``out_of_time``. ``force``: re-tune jobs that already have a result. ``workers``:
     compile worker processes (default: CPU count based on the GPU, 0 on the CPU = compile
     in-process). ``gpus``: CUDA device indices, one job stream each (``devices``: the same
     with explicit devices, e.g. ``["cpu", "cpu"]``). ``storage``: an optuna

@@ -230,3 +230,16 @@ def test_ctrl_c_keeps_what_was_measured(tmp_path):
     # a second run resumes: what was stored is skipped
     rc, out, _ = run(["tune", "--model", cfg, "--db", db, "--no-progress", "--device", "cpu", "--m", "1"])
     assert rc == 0 and f"{sum(1 for k in kept if k[4] == 1)} already tuned" in out
+
+
+def test_time_budget_argument():
+    import math
+
+    from autofp4.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["tune", "--model", "x.json", "--time-budget", "none"]).time_budget == math.inf
+    assert p.parse_args(["tune", "--model", "x.json", "--time-budget", "90"]).time_budget == 90.0
+    assert p.parse_args(["tune", "--model", "x.json"]).time_budget is None  # the tuner's default
+    with pytest.raises(SystemExit):
+        p.parse_args(["tune", "--model", "x.json", "--time-budget", "0"])

@@ -196,6 +196,7 @@ def _writer(path: str, worker: int, count: int, start) -> None:
         for i in range(count):
             db.upsert_result(rec(m_bucket=1 + worker, n=2048 + 16 * i, median_us=10.0 + i))
             db.add_trial(trial(m_bucket=1 + worker, m=1 + worker, n=2048 + 16 * i, median_us=10.0 + i))
+            time.sleep(0.002)  # spread the writes so that the two processes surely interleave
 
 
 def test_two_processes_write_concurrently_without_loss(tmp_path):

@@ -133,3 +133,18 @@ def test_kernel_compiled_by_another_process_runs_correctly(tmp_path, monkeypatch
     # split_reduce="kernel": the main kernel writes partials and the reduce kernel the output
     err = (out.double() - ref).norm() / ref.norm()
     assert err < 1e-2, err
+
+
+def test_cli_reports_and_clears_the_cache(cache, capsys):
+    from autofp4.cli import main
+
+    _compile_decode(D.DecodeConfig(warps=4, k_split=2, m_max=8), [])
+    assert main(["cache"]) == 0
+    text = capsys.readouterr().out
+    assert str(cache) in text and "1 compiled kernel," in text
+    assert main(["info", "--device", "cpu"]) == 0
+    assert "kernel cache:  " + str(cache) in capsys.readouterr().out
+    assert main(["cache", "--clear"]) == 0
+    text = capsys.readouterr().out
+    assert "removed 1 compiled kernels" in text and "0 compiled kernels" in text
+    assert not list(cache.glob("*.o"))

@@ -301,3 +301,53 @@ def test_timing_plan_bounds_the_time_of_slow_kernels():
     assert r * 0.2 <= TRIAL_TARGET_S and MIN_REPS <= r < 30 and 1 <= w <= r
     assert _timing_plan(5e6, 10, 30)[1] == MIN_REPS  # never fewer samples than MIN_REPS
     assert _timing_plan(100.0, 0, 3) == (0, 3)
+
+
+def test_job_share_deadline_splits_the_time_left_fairly():
+    from autofp4.tuner import job_share_deadline
+
+    assert job_share_deadline(100.0, None, 5) is None
+    assert job_share_deadline(100.0, 200.0, 4) == 125.0  # 100 s left, 4 jobs
+    assert job_share_deadline(100.0, 200.0, 4, streams=2) == 150.0  # two devices share the queue
+    assert job_share_deadline(100.0, 200.0, 1, streams=4) == 500.0  # never less than the time left
+    assert job_share_deadline(250.0, 200.0, 3) == 250.0  # past the deadline: no time at all
+    assert job_share_deadline(100.0, 200.0, 0) == 200.0
+
+
+def test_time_budget_is_shared_by_every_job(tmp_path, monkeypatch):
+    """With a budget below what the jobs would use, every job still gets a measured result: each
+    stops asking for trials when one more would end past its share of the time. A fake clock
+    makes every trial take 1 s (and nothing else take time), so the test is deterministic."""
+    from autofp4 import tuner
+    from autofp4.backends.reference import ReferenceBackend
+
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 2048, 256)
+    assert len(ReferenceBackend().candidates(key, 1)) == 2
+    clock = [1000.0]
+    real_run_trial = tuner.run_trial
+
+    def one_second_trial(req):
+        clock[0] += 1.0
+        return real_run_trial(req)
+
+    monkeypatch.setattr(tuner, "_now", lambda: clock[0])
+    monkeypatch.setattr(tuner, "run_trial", one_second_trial)
+    jobs = [Job(key, m) for m in (1, 2, 4, 8, 16, 32)]
+    # 9 s for 6 jobs of 2 trials: the first jobs could use it all; the shares leave 1 trial each
+    rep = tune_jobs(jobs, db=tmp_path / "t.db", device="cpu", progress=False, budget_total_s=9.0)
+    assert [r.status for r in rep.results] == ["tuned"] * len(jobs), [(r.status, r.note) for r in rep.results]
+    trials = [r.trials_run for r in rep.results]
+    assert sum(trials) <= 9 and min(trials) == 1 and max(trials) == 2, trials
+    assert all(("share of the time budget" in r.note) == (r.trials_run == 1) for r in rep.results)
+    # without a budget every job measures both candidates
+    rep = tune_jobs(jobs, db=tmp_path / "u.db", device="cpu", progress=False)
+    assert [r.trials_run for r in rep.results] == [2] * len(jobs)
+
+
+def test_unlimited_time_budget(tmp_path):
+    import math
+
+    rep = tune_jobs([Job(KEY, 1)], db=tmp_path / "t.db", device="cpu", progress=False, budget_total_s=math.inf)
+    assert rep.results[0].status == "tuned"
+    with pytest.raises(ValueError, match="budget_total_s"):
+        tune_jobs([Job(KEY, 1)], db=tmp_path / "t.db", device="cpu", progress=False, budget_total_s=0)
