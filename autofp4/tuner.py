@@ -666,8 +666,14 @@ def _backend_candidates(b: Backend, key: ProblemKey, m: int) -> list[BackendConf
     return list(b.candidates(key, m=m) if takes_m else b.candidates(key))
 
 
-def _applicable(key: ProblemKey, backends: Sequence[Backend]) -> list[Backend]:
-    return [b for b in backends if b.supports(key) is None]
+def _applicable(key: ProblemKey, backends: Sequence[Backend], reference_as_fallback: bool = False) -> list[Backend]:
+    """The backends that support ``key``. With ``reference_as_fallback`` (backends chosen
+    automatically) the reference backend, the correctness oracle, is only a candidate where
+    no other backend supports the key: it would cost a trial per job and never win."""
+    out = [b for b in backends if b.supports(key) is None]
+    if reference_as_fallback and any(b.name != "reference" for b in out):
+        out = [b for b in out if b.name != "reference"]
+    return out
 
 
 # -----------------------------------------------------------------------------------------
@@ -694,6 +700,7 @@ class _Ctx:
     lock: threading.Lock
     seed: int
     streams: int = 1  # job streams (devices) sharing the run's time budget
+    reference_as_fallback: bool = False  # backends chosen automatically: see _applicable
     job_deadline: float | None = None  # this stream's current job stops asking for trials here
 
 
@@ -923,7 +930,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer) -> JobResult:
     from optuna.trial import TrialState
 
     key = job.key
-    backends = _applicable(key, ctx.backends)
+    backends = _applicable(key, ctx.backends, ctx.reference_as_fallback)
     if not backends:
         why = "; ".join(f"{b.name}: {b.supports(key)}" for b in ctx.backends)
         return JobResult(job, "no_valid_config", note=f"no selected backend supports it ({why})")
@@ -1265,6 +1272,7 @@ def tune_jobs(
             deadline=None if budget_total_s is None else t0 + float(budget_total_s),
             force=force, storage=storage_obj, ask_lock=_ask_lock_path(storage), window=max(1, workers), pool=pool,
             compile_timeout_s=timeout, stop=stop, pbar=pbar, lock=lock, seed=seed, streams=len(devices),
+            reference_as_fallback=not backends,
         )
 
     try:

@@ -351,3 +351,16 @@ def test_unlimited_time_budget(tmp_path):
     assert rep.results[0].status == "tuned"
     with pytest.raises(ValueError, match="budget_total_s"):
         tune_jobs([Job(KEY, 1)], db=tmp_path / "t.db", device="cpu", progress=False, budget_total_s=0)
+
+
+def test_reference_backend_is_only_a_fallback_when_backends_are_automatic():
+    from autofp4.backends import get_backend
+    from autofp4.tuner import _applicable
+
+    sm90, ref = get_backend("sm90_w4a16"), get_backend("reference")
+    lin = ProblemKey("linear", "nvfp4", "bfloat16", 4096, 4096)
+    moe = ProblemKey("moe", "nvfp4", "bfloat16", 1024, 512, 8, 2)
+    assert sm90.supports(lin) is None and sm90.supports(moe) is not None
+    assert [b.name for b in _applicable(lin, [sm90, ref], True)] == ["sm90_w4a16"]
+    assert [b.name for b in _applicable(moe, [sm90, ref], True)] == ["reference"]
+    assert [b.name for b in _applicable(lin, [sm90, ref], False)] == ["sm90_w4a16", "reference"]
