@@ -757,6 +757,19 @@ def _request(ctx: _Ctx, job: Job, cand: _Cand, seed: int) -> dict[str, Any]:
     }
 
 
+def _prefetch_default(ctx: _Ctx, job: Job) -> None:
+    """Queue the compile of ``job``'s default config (its first trial) in the compile pool, so
+    that it is in the kernel cache when the job starts instead of the GPU waiting for it."""
+    if ctx.pool is None:
+        return
+    b = next(iter(_applicable(job.key, ctx.backends, ctx.reference_as_fallback)), None)
+    if b is None:
+        return
+    cfg = b.default(job.key, job.m)
+    if b.is_valid(cfg, job.key) is None:
+        ctx.pool.submit(_compile_only, _request(ctx, job, _Cand(b, cfg, _cfg_json(cfg)), ctx.seed))
+
+
 def _now() -> float:
     """The clock of time budgets and shares (monotonic seconds)."""
     return time.monotonic()
@@ -926,7 +939,9 @@ def _started(study: Any, stale_s: float) -> int:
     return n
 
 
-def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer) -> JobResult:
+def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = None) -> JobResult:
+    """Tune one (key, M bucket). ``then``: the job that follows on this stream; its default
+    config is sent to the compile workers right after this job's first candidates."""
     from optuna.trial import TrialState
 
     key = job.key
@@ -1013,6 +1028,8 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer) -> JobResult:
 
     try:
         refill()
+        if then is not None:
+            _prefetch_default(ctx, then)
         while inflight:
             trial, cand, fut = inflight.popleft()
             if _out_of_time(ctx) or share_used():
@@ -1155,9 +1172,11 @@ def _stream(
             elif _out_of_time(ctx):
                 out[i] = JobResult(job, "out_of_time", note="time budget used up")
             else:
+                with jobs.mutex:  # peek: the next job's first compile overlaps this job
+                    nxt = jobs.queue[0][1] if jobs.queue else None
                 ctx.job_deadline = job_share_deadline(_now(), ctx.deadline, jobs.qsize() + 1, ctx.streams)
                 try:
-                    out[i] = _tune_job(job, ctx, db, meas)
+                    out[i] = _tune_job(job, ctx, db, meas, then=nxt)
                 except _Interrupted as e:
                     out[i] = e.result
                     ctx.stop.set()
