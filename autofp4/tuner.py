@@ -666,8 +666,14 @@ def _backend_candidates(b: Backend, key: ProblemKey, m: int) -> list[BackendConf
     return list(b.candidates(key, m=m) if takes_m else b.candidates(key))
 
 
-def _applicable(key: ProblemKey, backends: Sequence[Backend]) -> list[Backend]:
-    return [b for b in backends if b.supports(key) is None]
+def _applicable(key: ProblemKey, backends: Sequence[Backend], reference_as_fallback: bool = False) -> list[Backend]:
+    """The backends that support ``key``. With ``reference_as_fallback`` (backends chosen
+    automatically) the reference backend, the correctness oracle, is only a candidate where
+    no other backend supports the key: it would cost a trial per job and never win."""
+    out = [b for b in backends if b.supports(key) is None]
+    if reference_as_fallback and any(b.name != "reference" for b in out):
+        out = [b for b in out if b.name != "reference"]
+    return out
 
 
 # -----------------------------------------------------------------------------------------
@@ -694,6 +700,7 @@ class _Ctx:
     lock: threading.Lock
     seed: int
     streams: int = 1  # job streams (devices) sharing the run's time budget
+    reference_as_fallback: bool = False  # backends chosen automatically: see _applicable
     job_deadline: float | None = None  # this stream's current job stops asking for trials here
 
 
@@ -748,6 +755,19 @@ def _request(ctx: _Ctx, job: Job, cand: _Cand, seed: int) -> dict[str, Any]:
         "key": asdict(job.key), "m": job.m, "seed": seed, "device": str(ctx.device),
         "warmup": ctx.warmup, "reps": ctx.reps, "graph": True,
     }
+
+
+def _prefetch_default(ctx: _Ctx, job: Job) -> None:
+    """Queue the compile of ``job``'s default config (its first trial) in the compile pool, so
+    that it is in the kernel cache when the job starts instead of the GPU waiting for it."""
+    if ctx.pool is None:
+        return
+    b = next(iter(_applicable(job.key, ctx.backends, ctx.reference_as_fallback)), None)
+    if b is None:
+        return
+    cfg = b.default(job.key, job.m)
+    if b.is_valid(cfg, job.key) is None:
+        ctx.pool.submit(_compile_only, _request(ctx, job, _Cand(b, cfg, _cfg_json(cfg)), ctx.seed))
 
 
 def _now() -> float:
@@ -919,11 +939,13 @@ def _started(study: Any, stale_s: float) -> int:
     return n
 
 
-def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer) -> JobResult:
+def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = None) -> JobResult:
+    """Tune one (key, M bucket). ``then``: the job that follows on this stream; its default
+    config is sent to the compile workers right after this job's first candidates."""
     from optuna.trial import TrialState
 
     key = job.key
-    backends = _applicable(key, ctx.backends)
+    backends = _applicable(key, ctx.backends, ctx.reference_as_fallback)
     if not backends:
         why = "; ".join(f"{b.name}: {b.supports(key)}" for b in ctx.backends)
         return JobResult(job, "no_valid_config", note=f"no selected backend supports it ({why})")
@@ -1006,6 +1028,8 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer) -> JobResult:
 
     try:
         refill()
+        if then is not None:
+            _prefetch_default(ctx, then)
         while inflight:
             trial, cand, fut = inflight.popleft()
             if _out_of_time(ctx) or share_used():
@@ -1148,9 +1172,11 @@ def _stream(
             elif _out_of_time(ctx):
                 out[i] = JobResult(job, "out_of_time", note="time budget used up")
             else:
+                with jobs.mutex:  # peek: the next job's first compile overlaps this job
+                    nxt = jobs.queue[0][1] if jobs.queue else None
                 ctx.job_deadline = job_share_deadline(_now(), ctx.deadline, jobs.qsize() + 1, ctx.streams)
                 try:
-                    out[i] = _tune_job(job, ctx, db, meas)
+                    out[i] = _tune_job(job, ctx, db, meas, then=nxt)
                 except _Interrupted as e:
                     out[i] = e.result
                     ctx.stop.set()
@@ -1265,6 +1291,7 @@ def tune_jobs(
             deadline=None if budget_total_s is None else t0 + float(budget_total_s),
             force=force, storage=storage_obj, ask_lock=_ask_lock_path(storage), window=max(1, workers), pool=pool,
             compile_timeout_s=timeout, stop=stop, pbar=pbar, lock=lock, seed=seed, streams=len(devices),
+            reference_as_fallback=not backends,
         )
 
     try:

@@ -351,3 +351,45 @@ def test_unlimited_time_budget(tmp_path):
     assert rep.results[0].status == "tuned"
     with pytest.raises(ValueError, match="budget_total_s"):
         tune_jobs([Job(KEY, 1)], db=tmp_path / "t.db", device="cpu", progress=False, budget_total_s=0)
+
+
+def test_reference_backend_is_only_a_fallback_when_backends_are_automatic():
+    from autofp4.backends import get_backend
+    from autofp4.tuner import _applicable
+
+    sm90, ref = get_backend("sm90_w4a16"), get_backend("reference")
+    lin = ProblemKey("linear", "nvfp4", "bfloat16", 4096, 4096)
+    moe = ProblemKey("moe", "nvfp4", "bfloat16", 1024, 512, 8, 2)
+    assert sm90.supports(lin) is None and sm90.supports(moe) is not None
+    assert [b.name for b in _applicable(lin, [sm90, ref], True)] == ["sm90_w4a16"]
+    assert [b.name for b in _applicable(moe, [sm90, ref], True)] == ["reference"]
+    assert [b.name for b in _applicable(lin, [sm90, ref], False)] == ["sm90_w4a16", "reference"]
+
+
+class LoggedCompileBackend(ReferenceBackend):
+    """Records every compile_only (which runs in the tuner's compile workers) in a file."""
+
+    name = "test_logged"
+
+    def config_space(self, key):
+        return {"chunk_n": [0, 64]}
+
+    def compile_only(self, config, key):
+        with open(os.environ["AUTOFP4_TEST_COMPILE_LOG"], "a") as f:
+            f.write(f"{key.n} {config.chunk_n}\n")
+
+
+def test_next_jobs_default_is_compiled_ahead(monkeypatch, tmp_path):
+    """While a job runs, its successor's default config (its first trial) goes to the compile
+    workers, so the timing process finds it compiled when the job starts."""
+    _register(monkeypatch, LoggedCompileBackend)
+    log = tmp_path / "compiles.log"
+    monkeypatch.setenv("AUTOFP4_TEST_COMPILE_LOG", str(log))
+    keys = [KEY, ProblemKey("linear", "nvfp4", "bfloat16", 384, 128), ProblemKey("linear", "nvfp4", "bfloat16", 512, 128)]
+    rep = tune(keys, m_buckets=[1], backends=["test_logged"], db=tmp_path / "t.db", device="cpu",
+               progress=False, workers=1)
+    assert [r.status for r in rep.results] == ["tuned"] * 3
+    lines = log.read_text().split("\n")
+    # each job compiles both candidates; jobs 2 and 3 had their default compiled once more, ahead
+    assert sorted(line for line in lines if line) == sorted(
+        ["256 0", "256 64", "384 0", "384 0", "384 64", "512 0", "512 0", "512 64"])
