@@ -147,9 +147,10 @@ def timing(fmt, shapes, ms, sweep):
                     for ks in sorted({max(1, base.k_split // 2), base.k_split, 2 * base.k_split}):
                         for tpw in (1, 2):
                             for red in ("kernel", "last_warp", "cluster"):
-                                c = D.DecodeConfig(wp, ks, base.m_max, False, red, tpw)
-                                if c not in cfgs and D.validate(c, n, k, fmt, "bfloat16") is None:
-                                    cfgs.append(c)
+                                for xs in (False, True):
+                                    c = D.DecodeConfig(wp, ks, base.m_max, False, red, tpw, xs)
+                                    if c not in cfgs and D.validate(c, n, k, fmt, "bfloat16") is None:
+                                        cfgs.append(c)
             t_blas = graph_time([(lambda i=i: F.linear(x, dense[i % dense_copies])) for i in range(calls)])
             best = None
             for cfg in cfgs:

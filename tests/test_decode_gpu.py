@@ -27,6 +27,12 @@ CASES = [  # fmt, dtype, n, k, config, Ms, bias
     ("mxfp4", "float16", 1000, 2048, D.DecodeConfig(8, 4, 16, split_reduce="cluster"), (16, 3), True),
     ("nvfp4", "bfloat16", 520, 3072, D.DecodeConfig(2, 3, 32, split_reduce="cluster", tiles_per_warp=2), (32, 1), False),
     ("mxfp4", "bfloat16", 4096, 14336, D.DecodeConfig(4, 7, 16, split_reduce="cluster"), (16, 2), True),
+    # x staged in shared memory per K group (ragged M and K, every reduction)
+    ("nvfp4", "bfloat16", 4096, 4096, D.DecodeConfig(4, 1, 16, x_smem=True), (16, 1, 7), True),
+    ("mxfp4", "float16", 200, 1056, D.DecodeConfig(4, 3, 32, x_smem=True), (32, 17), False),
+    ("nvfp4", "float16", 1000, 2048, D.DecodeConfig(8, 4, 16, split_reduce="cluster", tiles_per_warp=2,
+                                                    x_smem=True), (16, 9), True),
+    ("nvfp4", "bfloat16", 520, 3072, D.DecodeConfig(4, 2, 64, split_reduce="last_warp", x_smem=True), (64, 33), True),
 ]
 
 

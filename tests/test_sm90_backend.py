@@ -95,3 +95,21 @@ def test_a_random_sample_of_the_space_compiles_for_sm90a(backend):
     for cfg in rng.sample(cands, 4):
         print(cfg.model_dump())
         backend.compile_only(cfg, key)
+
+
+def test_x_smem_is_optional_in_stored_configs():
+    """Decode configs stored before x_smem existed still parse (as x_smem=False), and a config
+    without staging serializes exactly as before."""
+    from autofp4.backends.sm90_w4a16 import SM90Config, _from_kernel_config, _to_kernel_config
+    from autofp4.kernels import w4a16_decode as D
+
+    old = {"kernel": "decode", "warps": 4, "k_split": 8, "m_max": 16, "prefetch": False,
+           "split_reduce": "kernel", "tiles_per_warp": 1}
+    cfg = SM90Config(**old)
+    assert _to_kernel_config(cfg) == D.DecodeConfig(4, 8, 16)
+    assert _from_kernel_config("decode", D.DecodeConfig(4, 8, 16)).model_dump(exclude_none=True) == old
+    staged = _from_kernel_config("decode", D.DecodeConfig(4, 8, 16, x_smem=True))
+    assert staged.x_smem is True and _to_kernel_config(staged).x_smem is True
+    with pytest.raises(ValueError, match="takes no x_smem"):
+        SM90Config(kernel="gemm", tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=1, cluster_n=1,
+                   raster="n", x_smem=True)

@@ -29,6 +29,7 @@ from .reference import reference_linear
 #: largest M the default heuristic sends to the decode kernel
 DECODE_MAX_M = 32
 _DECODE_FIELDS = ("warps", "k_split", "m_max", "prefetch", "split_reduce", "tiles_per_warp")
+_DECODE_OPTIONAL = {"x_smem": False}  # omitted when it has this value (configs stored before it existed)
 _GEMM_FIELDS = ("tile_n", "tile_m", "tile_k", "stages", "split_k", "cluster_n", "raster")
 
 
@@ -41,6 +42,7 @@ class SM90Config(BackendConfig):
     prefetch: Optional[bool] = None
     split_reduce: Optional[Literal["kernel", "last_warp", "cluster"]] = None
     tiles_per_warp: Optional[int] = Field(None, ge=1, le=16)
+    x_smem: Optional[bool] = None
     # gemm kernel
     tile_n: Optional[int] = Field(None, ge=1, le=1024)
     tile_m: Optional[int] = Field(None, ge=1, le=1024)
@@ -55,6 +57,8 @@ class SM90Config(BackendConfig):
         mine, other = (_DECODE_FIELDS, _GEMM_FIELDS) if self.kernel == "decode" else (_GEMM_FIELDS, _DECODE_FIELDS)
         missing = [f for f in mine if getattr(self, f) is None]
         stray = [f for f in other if getattr(self, f) is not None]
+        if self.kernel == "gemm":
+            stray += [f for f in _DECODE_OPTIONAL if getattr(self, f) is not None]
         if missing:
             raise ValueError(f"a {self.kernel} config needs {', '.join(missing)}")
         if stray:
@@ -73,14 +77,16 @@ def _kernels():
 def _to_kernel_config(cfg: SM90Config):
     decode, gemm = _kernels()
     if cfg.kernel == "decode":
-        return decode.DecodeConfig(**{f: getattr(cfg, f) for f in _DECODE_FIELDS})
+        opt = {f: v if getattr(cfg, f) is None else getattr(cfg, f) for f, v in _DECODE_OPTIONAL.items()}
+        return decode.DecodeConfig(**{f: getattr(cfg, f) for f in _DECODE_FIELDS}, **opt)
     return gemm.Sm90GemmConfig(**{f: getattr(cfg, f) for f in _GEMM_FIELDS})
 
 
 def _from_kernel_config(kernel: str, kcfg: Any) -> SM90Config:
     fields = _DECODE_FIELDS if kernel == "decode" else _GEMM_FIELDS
     d = asdict(kcfg)
-    return SM90Config(kernel=kernel, **{f: d[f] for f in fields})
+    opt = {f: d[f] for f, v in _DECODE_OPTIONAL.items() if d[f] != v} if kernel == "decode" else {}
+    return SM90Config(kernel=kernel, **{f: d[f] for f in fields}, **opt)
 
 
 @functools.lru_cache(maxsize=None)

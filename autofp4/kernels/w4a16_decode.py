@@ -89,6 +89,9 @@ class DecodeConfig:
              one launch, no global workspace; k_split <= 8).
     tiles_per_warp: 16-row tiles one warp decodes against the same x fragments (fewer x
              loads per weight byte, more registers).
+    x_smem:  stage each K group of x (M rows x 512) in shared memory once per CTA, read by all
+             its warps, instead of every warp reading x through L1/L2 (at M >= 16 and large K,
+             those re-reads of x cost more L2 bandwidth than the weights); no prefetch.
     """
 
     warps: int = 4
@@ -97,6 +100,7 @@ class DecodeConfig:
     prefetch: bool = False
     split_reduce: str = "kernel"
     tiles_per_warp: int = 1
+    x_smem: bool = False
 
     @property
     def rows_per_cta(self) -> int:
@@ -117,7 +121,7 @@ def config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
     splits = sorted({s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if s <= g})
     return {"warps": [2, 4, 8, 16], "k_split": splits, "m_max": list(M_MAX_CHOICES),
             "prefetch": [False, True], "split_reduce": list(SPLIT_REDUCE),
-            "tiles_per_warp": list(TILES_PER_WARP_CHOICES)}
+            "tiles_per_warp": list(TILES_PER_WARP_CHOICES), "x_smem": [False, True]}
 
 
 def validate(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | None:
@@ -162,6 +166,10 @@ def validate(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | N
         if _cluster_smem_bytes(cfg) > CLUSTER_SMEM_MAX:
             return (f"split_reduce='cluster' needs {_cluster_smem_bytes(cfg)} bytes of shared memory "
                     f"per CTA for the partial sums (limit {CLUSTER_SMEM_MAX}); use fewer warps or m_max")
+    if not isinstance(cfg.x_smem, bool):
+        return f"x_smem must be a bool, got {cfg.x_smem!r}"
+    if cfg.x_smem and cfg.prefetch:
+        return "x_smem=True stages x per K group between CTA barriers; it needs prefetch=False"
     if cfg.tiles_per_warp not in TILES_PER_WARP_CHOICES:
         return f"tiles_per_warp must be one of {TILES_PER_WARP_CHOICES}, got {cfg.tiles_per_warp}"
     regs = _register_estimate(cfg)
@@ -172,6 +180,9 @@ def validate(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | N
         return (f"a CTA of {cfg.warps} warps x about {regs} registers per thread exceeds the "
                 f"64K-register file; use fewer warps or a smaller m_max")
     return None
+
+
+X_ROW_BYTES = GROUP_K * 2 + 16  # a staged x row, padded: conflict-free 16-byte fragment reads
 
 
 def _cluster_smem_bytes(cfg: DecodeConfig) -> int:
@@ -406,6 +417,8 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
     WARPS, KS, NT = cfg.warps, cfg.k_split, cfg.m_max // 8
     PREFETCH, LAST_WARP = cfg.prefetch, cfg.split_reduce == "last_warp"
     CLUSTER = cfg.split_reduce == "cluster" and cfg.k_split > 1
+    XS = cfg.x_smem
+    THREADS = 32 * cfg.warps
     J = cfg.tiles_per_warp * (cfg.m_max // 8) * 4  # accumulators per lane
     TPW = cfg.tiles_per_warp
     TILES, GROUPS = _tiles(n), _groups(k)
@@ -514,6 +527,19 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
             "=f,r,r", has_side_effects=True, is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT))
 
+    def ld_shared16(addr):
+        """16 bytes of shared memory (volatile: it must stay between the CTA barriers)."""
+        r = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr).ir_value()],
+                            "ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r",
+                            has_side_effects=True, is_align_stack=False,
+                            asm_dialect=llvm.AsmDialect.AD_ATT)
+        return [Uint32(llvm.extractvalue(T.i32(), r, [i])) for i in range(4)]
+
+    def st_shared16(addr, v):
+        llvm.inline_asm(None, [Int32(addr).ir_value()] + [Uint32(e).ir_value() for e in v],
+                        "st.shared.v4.u32 [$0], {$1,$2,$3,$4};", "r,r,r,r,r", has_side_effects=True,
+                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
     NBUF = 4 + CHUNKS * 4  # 16 B of scales + 8 x 16 B of weights per lane and K group
 
     @cute.jit
@@ -526,21 +552,41 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
             for i in cutlass.range_constexpr(4):
                 buf[off + 4 + 4 * c + i] = v[i]
 
+    def tile_bases(wq, sc, tile0, lane, g, t):
+        """Per tile of this warp: its lane's weight and scale addresses, and whether it exists."""
+        slot = lane
+        if cutlass.const_expr(SLOTS == 16):
+            slot = g * 2 + t // 2
+        w_bases, s_bases, valid = [], [], []
+        for tw in range(TPW):
+            w_bases.append(wq.iterator.toint() + Int64(((tile0 + tw) * GROUPS * CHUNKS * 32 + lane) * 16))
+            s_bases.append(sc.iterator.toint() + Int64(((tile0 + tw) * GROUPS * SLOTS + slot) * 16))
+            valid.append(tile0 + tw < TILES)
+        return w_bases, s_bases, valid
+
     def load_tiles(buf, w_bases, s_bases, gi, valid, pred):
         for tw in range(TPW):
             load_group(buf, tw * NBUF, w_bases[tw], s_bases[tw], gi, Int32(valid[tw] & pred))
 
     @cute.jit
     def compute_group(buf: cute.Tensor, acc, xv, x_base, gi, g, t, sadd_u, m_rows):
+        """One K group. ``x_base``: this lane's x address in global memory, or (x_smem) in the
+        staged group in shared memory (rows >= M hold stale values: they only feed MMA columns
+        that are never stored)."""
         for c in cutlass.range_constexpr(CHUNKS):
             kin = gi * GROUP_K + c * CHUNK_K + t * 16 < k
             for nt in cutlass.range_constexpr(NT):
                 if nt * 8 < m_rows:
                     m = nt * 8 + g
-                    xa = x_base + (Int64(m) * k + Int64(gi) * GROUP_K + c * CHUNK_K) * 2
-                    ok = Int32((m < m_rows) & kin)
-                    v0 = ld16(xa, ok, False)
-                    v1 = ld16(xa + Int64(16), ok, False)
+                    if cutlass.const_expr(XS):
+                        xa = x_base + m * X_ROW_BYTES + c * CHUNK_K * 2
+                        v0 = ld_shared16(xa)
+                        v1 = ld_shared16(xa + 16)
+                    else:
+                        xa = x_base + (Int64(m) * k + Int64(gi) * GROUP_K + c * CHUNK_K) * 2
+                        ok = Int32((m < m_rows) & kin)
+                        v0 = ld16(xa, ok, False)
+                        v1 = ld16(xa + Int64(16), ok, False)
                     for i in cutlass.range_constexpr(4):
                         xv[nt * 8 + i] = v0[i]
                         xv[nt * 8 + 4 + i] = v1[i]
@@ -579,24 +625,34 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
         buf_a = cute.make_rmem_tensor((TPW * NBUF,), Uint32)
         buf_b = cute.make_rmem_tensor((TPW * NBUF,), Uint32)
         sadd_u = Uint32(sadd)
+        w_bases, s_bases, valid = tile_bases(wq, sc, tile0, lane, g, t)
+        smem = cutlass.utils.SmemAllocator()
         if cutlass.const_expr(CLUSTER):
             # every lane's partial sums, [warp][accumulator][lane], read by the cluster's CTAs
-            sred = cutlass.utils.SmemAllocator().allocate_tensor(
-                Float32, cute.make_layout(WARPS * J * 32), byte_alignment=16)
+            sred = smem.allocate_tensor(Float32, cute.make_layout(WARPS * J * 32), byte_alignment=16)
+        if cutlass.const_expr(XS):
+            # one K group of x: m_max rows of 512 values (padded rows)
+            xs = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(cfg.m_max * X_ROW_BYTES), byte_alignment=16)
+            xs_base = Int32(xs.iterator.toint())
+            # every warp (also those past the last tile) takes part in staging x and in the
+            # barriers; the weight loads of a group are in flight while x is staged
+            for gi in cutlass.range(g0, g1, 1):
+                load_tiles(buf_a, w_bases, s_bases, gi, valid, tile0 < TILES)
+                for q in cutlass.range(tidx, m_rows * (GROUP_K // 8), THREADS):
+                    row = q // (GROUP_K // 8)
+                    col = q % (GROUP_K // 8)
+                    kk = gi * GROUP_K + col * 8
+                    v = ld16(x.iterator.toint() + (Int64(row) * k + Int64(kk)) * 2, Int32(kk < k), False)
+                    st_shared16(xs_base + row * X_ROW_BYTES + col * 16, v)
+                cute.arch.barrier()
+                if tile0 < TILES:
+                    compute_group(buf_a, acc, xv, xs_base + t * 32, gi, g, t, sadd_u, m_rows)
+                cute.arch.barrier()
         if tile0 < TILES:
-            slot = lane
-            if cutlass.const_expr(SLOTS == 16):
-                slot = g * 2 + t // 2
-            w_bases = []
-            s_bases = []
-            valid = []
-            for tw in cutlass.range_constexpr(TPW):
-                w_bases.append(wq.iterator.toint()
-                               + Int64(((tile0 + tw) * GROUPS * CHUNKS * 32 + lane) * 16))
-                s_bases.append(sc.iterator.toint() + Int64(((tile0 + tw) * GROUPS * SLOTS + slot) * 16))
-                valid.append(tile0 + tw < TILES)
             x_base = x.iterator.toint() + Int64(t * 32)
-            if cutlass.const_expr(PREFETCH):
+            if cutlass.const_expr(XS):
+                pass  # computed above, between the barriers
+            elif cutlass.const_expr(PREFETCH):
                 # two-deep register pipeline over K groups: load group i+1 while computing i
                 load_tiles(buf_a, w_bases, s_bases, g0, valid, g0 < g1)
                 for gi in cutlass.range(g0, g1, 2):
