@@ -1,0 +1,29 @@
+#!/bin/sh
+# One GPU lease for a kernel change: correctness first, then where the new configs stand, then
+# a fresh tuning DB and the side-by-side benchmark. Every stage is time-boxed and writes under
+# $OUT; run it in two calls (STAGE=1, then STAGE=2) to stay inside a 10-minute call limit.
+#   STAGE=1: GPU tests (4 parallel pytest processes) + decode sweep at M = 1, 16 (~5 min)
+#   STAGE=2: tune Llama-3.1-8B (fair 330 s budget), export, benchmark (~9 min)
+OUT=${OUT:-out}; mkdir -p "$OUT"
+DB=${DB:-/tmp/autofp4-h200.db}
+if [ "${STAGE:-1}" = 1 ]; then
+  T="timeout ${TEST_TIMEOUT:-170} python3 -m pytest -q -m gpu -p no:cacheprovider"
+  $T tests/test_decode_gpu.py tests/test_kernel_cache.py > "$OUT/ta.txt" 2>&1 &
+  $T tests/test_sm90_gemm_gpu.py > "$OUT/tb.txt" 2>&1 &
+  $T tests/test_gpu_api.py tests/test_tuner.py > "$OUT/tc.txt" 2>&1 &
+  $T tests/test_formats.py tests/test_weights.py tests/test_timing.py tests/test_dispatch.py tests/test_ops.py > "$OUT/td.txt" 2>&1 &
+  wait
+  for f in ta tb tc td; do echo "$f: $(tail -1 "$OUT/$f.txt")"; done
+  grep -h -E "^(FAILED|ERROR)" "$OUT"/t?.txt | head -20
+  timeout ${SWEEP_TIMEOUT:-200} python3 scripts/gpu_check_decode.py --sweep --skip-correct --ms 1,16 \
+    > "$OUT/decode_sweep.txt" 2>&1
+  tail -14 "$OUT/decode_sweep.txt"
+else
+  python3 -m autofp4 tune --model examples/llama-3.1-8b.json --db "$DB" --m 1,16,64,128,512,2048,8192 \
+    --time-budget "${TUNE_SECONDS:-330}" --no-progress > "$OUT/tune.txt" 2>&1
+  tail -4 "$OUT/tune.txt" | cut -c1-200
+  python3 -m autofp4 db export --db "$DB" --env current --out "$OUT/nvidia-h200.json"
+  AUTOFP4_DB="$DB" timeout ${BENCH_TIMEOUT:-200} python3 scripts/bench_linear.py --out "$OUT" \
+    --partial "$OUT/bench_linear.json" --fmt nvfp4,mxfp4 --reps 10 > "$OUT/bench_linear.txt" 2>&1
+  tail -8 "$OUT/bench_linear.txt"
+fi
