@@ -123,7 +123,46 @@ def graph_time(fn_list, reps=20):
     return times[len(times) // 2], times[0], times[-1]
 
 
+def sweep_configs(n, k, fmt, m):
+    """The default, then A/B variants of it: split-K reduction (its own / cluster), x staged in
+    shared memory or not, 4 or 8 warps, the default split or twice it."""
+    base = D.default_config(n, k, fmt, "bfloat16", m)
+    cfgs = [base]
+    for wp in (4, 8):
+        for ks in sorted({base.k_split, 2 * base.k_split, 4 if base.k_split == 1 else base.k_split}):
+            for red in ("kernel", "cluster"):
+                for xs in (False, True):
+                    c = D.DecodeConfig(wp, ks, base.m_max, False, red if ks > 1 else "kernel", 1, xs)
+                    if c not in cfgs and D.validate(c, n, k, fmt, "bfloat16") is None:
+                        cfgs.append(c)
+    return cfgs
+
+
+def _compile_one(job):
+    cfg, n, k, fmt = job
+    try:
+        D._compile(cfg, n, k, fmt, "bfloat16", False)
+        return None
+    except Exception as e:  # reported again when the config is timed
+        return repr(e)
+
+
+def precompile(fmt, shapes, ms):
+    """Compile every sweep config in parallel processes into the kernel cache (the timing loop
+    then only loads them)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    jobs = {(c, n, k, fmt) for n, k in shapes.values() for m in ms for c in sweep_configs(n, k, fmt, m)}
+    t0 = time.time()
+    with cf.ProcessPoolExecutor(max(1, (os.cpu_count() or 2) - 2), mp_context=mp.get_context("spawn")) as ex:
+        errors = [e for e in ex.map(_compile_one, sorted(jobs, key=str)) if e]
+    print(f"precompiled {len(jobs)} configs in {time.time() - t0:.0f}s ({len(errors)} errors)", flush=True)
+
+
 def timing(fmt, shapes, ms, sweep):
+    if sweep:
+        precompile(fmt, shapes, ms)
     rows = []
     for name, (n, k) in shapes.items():
         torch.cuda.empty_cache()
@@ -140,17 +179,7 @@ def timing(fmt, shapes, ms, sweep):
         calls = 2 * max(copies, dense_copies)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            cfgs = [D.default_config(n, k, fmt, "bfloat16", m)]
-            if sweep:
-                base = cfgs[0]
-                for wp in (4, 8):
-                    for ks in sorted({max(1, base.k_split // 2), base.k_split, 2 * base.k_split}):
-                        for tpw in (1, 2):
-                            for red in ("kernel", "last_warp", "cluster"):
-                                for xs in (False, True):
-                                    c = D.DecodeConfig(wp, ks, base.m_max, False, red, tpw, xs)
-                                    if c not in cfgs and D.validate(c, n, k, fmt, "bfloat16") is None:
-                                        cfgs.append(c)
+            cfgs = sweep_configs(n, k, fmt, m) if sweep else [D.default_config(n, k, fmt, "bfloat16", m)]
             t_blas = graph_time([(lambda i=i: F.linear(x, dense[i % dense_copies])) for i in range(calls)])
             best = None
             for cfg in cfgs:
