@@ -153,9 +153,13 @@ def precompile(fmt, shapes, ms):
     import concurrent.futures as cf
     import multiprocessing as mp
 
+    from autofp4.kernel_cache import target_arch
+    from autofp4.tuner import _pool_init
+
     jobs = {(c, n, k, fmt) for n, k in shapes.values() for m in ms for c in sweep_configs(n, k, fmt, m)}
     t0 = time.time()
-    with cf.ProcessPoolExecutor(max(1, (os.cpu_count() or 2) - 2), mp_context=mp.get_context("spawn")) as ex:
+    with cf.ProcessPoolExecutor(max(1, (os.cpu_count() or 2) - 2), mp_context=mp.get_context("spawn"),
+                                initializer=_pool_init, initargs=(target_arch(),)) as ex:
         errors = [e for e in ex.map(_compile_one, sorted(jobs, key=str)) if e]
     print(f"precompiled {len(jobs)} configs in {time.time() - t0:.0f}s ({len(errors)} errors)", flush=True)
 
