@@ -90,8 +90,8 @@ class DecodeConfig:
     tiles_per_warp: 16-row tiles one warp decodes against the same x fragments (fewer x
              loads per weight byte, more registers).
     x_smem:  stage each K group of x (M rows x 512) in shared memory once per CTA, read by all
-             its warps, instead of every warp reading x through L1/L2 (at M >= 16 and large K,
-             those re-reads of x cost more L2 bandwidth than the weights); no prefetch.
+             its warps, instead of every warp reading x through L1/L2 (at M >= 16 and large K
+             those re-reads can move as many bytes through L2 as the weights); no prefetch.
     """
 
     warps: int = 4
