@@ -218,6 +218,11 @@ class Dispatcher:
 
     def resolve(self, key: ProblemKey, m: int) -> tuple[Backend, BackendConfig, Runner]:
         """``(backend, config, runner)`` for a call with ``m`` tokens (memoized per ``(key, m)``)."""
+        return self.resolve_entry(key, m)[:3]
+
+    def resolve_entry(self, key: ProblemKey, m: int) -> tuple[Backend, BackendConfig, Runner, Any]:
+        """:meth:`resolve` plus the miss this call counted (``None`` for a tuned pick). A caller
+        that keeps the runner for later calls passes the miss to :meth:`count_miss` on each."""
         hit = self._memo.get((key, m))
         if hit is None:
             backend, cfg, miss = self._pick(key, m)
@@ -228,21 +233,12 @@ class Dispatcher:
                 self._memo.clear()
             self._memo[(key, m)] = hit
         if hit[3] is not None:
-            self._count_miss(hit[3])
-        return hit[0], hit[1], hit[2]
-
-    def resolve_entry(self, key: ProblemKey, m: int) -> tuple[Backend, BackendConfig, Runner, Any]:
-        """:meth:`resolve` plus the miss this call counted (``None`` for a tuned pick). A caller
-        that keeps the runner for later calls passes the miss to :meth:`count_miss` on each."""
-        backend, cfg, runner = self.resolve(key, m)
-        return backend, cfg, runner, self._memo[(key, m)][3]
-
-    def count_miss(self, miss: Any) -> None:
-        """Count one more call of an untuned ``(key, M bucket)`` (from :meth:`resolve_entry`)."""
-        self._count_miss(miss)
+            self.count_miss(hit[3])
+        return hit
 
     # -- misses ----------------------------------------------------------------------
-    def _count_miss(self, mk: tuple[ProblemKey, int]) -> None:
+    def count_miss(self, mk: tuple[ProblemKey, int]) -> None:
+        """Count one more call of an untuned ``(key, M bucket)`` (the miss of :meth:`resolve_entry`)."""
         with self._lock:
             first = not self._misses
             self._misses[mk] = self._misses.get(mk, 0) + 1

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from .backends import ProblemKey, dtype_name
-from .dispatch import _DISPATCHERS, get_dispatcher
+from .dispatch import get_dispatcher
 from .weights import FP4Weight
 
 __all__ = ["linear", "moe", "route"]
@@ -81,7 +81,7 @@ def _linear_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) ->
         ent = fast.get((x.dtype, dev, x.shape[0]))
         if (
             ent is not None
-            and ent[0] is _DISPATCHERS.get(dev)
+            and ent[0] is get_dispatcher(dev)
             and x.shape[1] == w.k
             and x.is_contiguous()
             and (bias is None or (bias.shape == ent[3] and bias.dtype == x.dtype and bias.device == dev))

@@ -57,7 +57,7 @@ import warnings
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -636,24 +636,31 @@ class _Cand:
         return f"{self.backend.name}:{self.config_json}"
 
 
+def _valid_defaults(key: ProblemKey, m: int, backends: Sequence[Backend]) -> Iterator[_Cand]:
+    """Each backend's default config for ``(key, m)`` where valid, in backend order: the first
+    is every job's first trial."""
+    for b in backends:
+        cfg = b.default(key, m)
+        if b.is_valid(cfg, key) is None:
+            yield _Cand(b, cfg, _cfg_json(cfg))
+
+
 def _candidates(key: ProblemKey, m: int, backends: Sequence[Backend]) -> list[_Cand]:
     """Default of the first applicable backend first, then every backend's candidates."""
     out: list[_Cand] = []
     seen: set[str] = set()
 
-    def add(b: Backend, cfg: BackendConfig) -> None:
-        if b.is_valid(cfg, key) is not None:
-            return
-        c = _Cand(b, cfg, _cfg_json(cfg))
+    def add(c: _Cand) -> None:
         if c.ident not in seen:
             seen.add(c.ident)
             out.append(c)
 
-    for b in backends:
-        add(b, b.default(key, m))
+    for c in _valid_defaults(key, m, backends):
+        add(c)
     for b in backends:
         for cfg in _backend_candidates(b, key, m):
-            add(b, cfg)
+            if b.is_valid(cfg, key) is None:
+                add(_Cand(b, cfg, _cfg_json(cfg)))
     return out
 
 
@@ -762,12 +769,10 @@ def _prefetch_default(ctx: _Ctx, job: Job) -> None:
     that it is in the kernel cache when the job starts instead of the GPU waiting for it."""
     if ctx.pool is None:
         return
-    b = next(iter(_applicable(job.key, ctx.backends, ctx.reference_as_fallback)), None)
-    if b is None:
-        return
-    cfg = b.default(job.key, job.m)
-    if b.is_valid(cfg, job.key) is None:
-        ctx.pool.submit(_compile_only, _request(ctx, job, _Cand(b, cfg, _cfg_json(cfg)), ctx.seed))
+    backends = _applicable(job.key, ctx.backends, ctx.reference_as_fallback)
+    first = next(_valid_defaults(job.key, job.m, backends), None)
+    if first is not None:
+        ctx.pool.submit(_compile_only, _request(ctx, job, first, ctx.seed))
 
 
 def _now() -> float:

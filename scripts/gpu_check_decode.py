@@ -22,17 +22,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import autofp4  # noqa: E402
 from autofp4.kernels import w4a16_decode as D  # noqa: E402
+from bench_dispatch import per_call_us  # noqa: E402
+from bench_linear import SHAPES  # noqa: E402  (name: (N, K), the benchmark's shapes)
 
 HBM = 4.27e12
 L2_BYTES = 60e6
-SHAPES = {  # name: (N, K)
-    "8B qkv": (6144, 4096),
-    "8B o": (4096, 4096),
-    "8B gate_up": (28672, 4096),
-    "8B down": (4096, 14336),
-    "70B gate_up": (57344, 8192),
-    "70B down": (8192, 28672),
-}
 MS = (1, 4, 16, 32, 64)
 _RUNS = {}
 
@@ -222,25 +216,11 @@ def host_overhead():
     for cfg in (D.DecodeConfig(4, 1, 8), D.DecodeConfig(4, 8, 8),
                 D.DecodeConfig(4, 8, 8, split_reduce="last_warp")):
         run = D.compile_kernel(cfg, n, k, "nvfp4", "bfloat16")
-        for _ in range(20):
-            run(x, p, None)
+        res[f"run ks={cfg.k_split} {cfg.split_reduce} (us/call host)"] = per_call_us(lambda: run(x, p, None), 2000)
         torch.cuda.synchronize()
-        it = 2000
-        t0 = time.perf_counter()
-        for _ in range(it):
-            run(x, p, None)
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        res[f"run ks={cfg.k_split} {cfg.split_reduce} (us/call host)"] = (t1 - t0) / it * 1e6
     z = torch.empty(1, device="cuda")
-    for _ in range(20):
-        z.add_(1)
-    t0 = time.perf_counter()
-    for _ in range(it):
-        z.add_(1)
-    t1 = time.perf_counter()
+    res["torch add_ (bare launch, us/call host)"] = per_call_us(lambda: z.add_(1), 2000)
     torch.cuda.synchronize()
-    res["torch add_ (bare launch, us/call host)"] = (t1 - t0) / it * 1e6
     return res
 
 
