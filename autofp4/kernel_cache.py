@@ -40,12 +40,25 @@ def cache_dir() -> Path | None:
     return Path(base) / "autofp4" / "kernels"
 
 
+def kernel_source(module_name: str) -> str:
+    """The source of a kernel module followed by the sources of the helper modules it names in
+    ``KERNEL_SOURCES`` (read from their files, so helpers that need CuTeDSL are not imported)."""
+    import importlib
+    import importlib.util
+
+    mod = importlib.import_module(module_name)
+    parts = [inspect.getsource(mod)]
+    for dep in getattr(mod, "KERNEL_SOURCES", ()):
+        spec = importlib.util.find_spec(dep)
+        if spec is None or spec.origin is None:
+            raise ImportError(f"{module_name} names a kernel source {dep!r} that cannot be found")
+        parts.append(Path(spec.origin).read_text())
+    return "\n".join(parts)
+
+
 @functools.lru_cache(maxsize=None)
 def _module_source_hash(module_name: str) -> str:
-    import importlib
-
-    src = inspect.getsource(importlib.import_module(module_name))
-    return hashlib.sha256(src.encode()).hexdigest()
+    return hashlib.sha256(kernel_source(module_name).encode()).hexdigest()
 
 
 @functools.lru_cache(maxsize=None)

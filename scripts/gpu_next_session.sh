@@ -15,9 +15,14 @@ if [ "${STAGE:-1}" = 1 ]; then
   wait
   for f in ta tb tc td; do echo "$f: $(tail -1 "$OUT/$f.txt")"; done
   grep -h -E "^(FAILED|ERROR)" "$OUT"/t?.txt | head -20
-  timeout ${SWEEP_TIMEOUT:-200} python3 scripts/gpu_check_decode.py --sweep --skip-correct --ms 1,16 \
-    > "$OUT/decode_sweep.txt" 2>&1
-  tail -14 "$OUT/decode_sweep.txt"
+  if [ "${SWEEP:-decode}" = decode ]; then
+    timeout ${SWEEP_TIMEOUT:-200} python3 scripts/gpu_check_decode.py --sweep --skip-correct --ms 1,16 \
+      > "$OUT/decode_sweep.txt" 2>&1
+    tail -14 "$OUT/decode_sweep.txt"
+  else
+    timeout ${SWEEP_TIMEOUT:-200} python3 scripts/gpu_sweep_gemm.py --ms 64,128,512 > "$OUT/gemm_sweep.txt" 2>&1
+    tail -19 "$OUT/gemm_sweep.txt"
+  fi
 else
   python3 -m autofp4 tune --model examples/llama-3.1-8b.json --db "$DB" --m 1,16,64,128,512,2048,8192 \
     --time-budget "${TUNE_SECONDS:-330}" --no-progress > "$OUT/tune.txt" 2>&1

@@ -198,7 +198,9 @@ def test_invalid_config_rejected_before_compiling():
     [
         (g.Sm90GemmConfig(tile_n=128, tile_m=128, tile_k=128, stages=4), "nvfp4", "bfloat16"),
         (g.Sm90GemmConfig(tile_n=64, tile_m=64, tile_k=64, stages=3, raster="m"), "mxfp4", "float16"),
-        (g.Sm90GemmConfig(tile_n=256, tile_m=64, tile_k=64, stages=4, split_k=2), "nvfp4", "float16"),
+        (g.Sm90GemmConfig(tile_n=256, tile_m=64, tile_k=64, stages=8, split_k=2), "nvfp4", "float16"),
+        (g.Sm90GemmConfig(tile_n=64, tile_m=64, tile_k=256, stages=4, split_k=4), "mxfp4", "bfloat16"),
+        (g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=2, cluster_n=2), "nvfp4", "bfloat16"),
         (g.Sm90GemmConfig(tile_n=128, tile_m=16, tile_k=256, stages=3), "mxfp4", "bfloat16"),
         (g.Sm90GemmConfig(tile_n=256, tile_m=64, tile_k=128, stages=4, cluster_n=2), "nvfp4", "bfloat16"),
     ],
@@ -206,6 +208,18 @@ def test_invalid_config_rejected_before_compiling():
 def test_compiles_for_sm90a(cfg, fmt, dtype):
     assert g.validate(cfg, 1000, 4096, fmt, dtype) is None
     g.compile_only(cfg, 1000, 4096, fmt, dtype)
+
+
+def test_cluster_split_k_needs_room_for_the_partial_sums():
+    # the K slices sum through the x stage buffers: stages x tile_k >= 2 x tile_n
+    short = g.Sm90GemmConfig(tile_n=256, tile_m=64, tile_k=64, stages=4, split_k=2)
+    assert "stage buffers" in g.validate(short, 4096, 4096, "nvfp4", "bfloat16")
+    assert g.validate(g.Sm90GemmConfig(tile_n=256, tile_m=64, tile_k=64, stages=8, split_k=2),
+                      4096, 4096, "nvfp4", "bfloat16") is None
+    # with cluster_n = 2 the slices add with atomics and need no such room
+    assert g.validate(g.Sm90GemmConfig(tile_n=256, tile_m=64, tile_k=64, stages=4, split_k=2, cluster_n=2),
+                      4096, 4096, "nvfp4", "bfloat16") is None
+    assert g.Sm90GemmConfig(split_k=2).cluster_reduce and not g.Sm90GemmConfig(split_k=2, cluster_n=2).cluster_reduce
 
 
 def test_cluster_needs_even_tile_count():

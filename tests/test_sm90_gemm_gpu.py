@@ -68,6 +68,9 @@ CASES = [
     (256, 4096, g.Sm90GemmConfig(tile_n=128, tile_m=128, tile_k=64, stages=6, split_k=4)),
     (512, 1024, g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, cluster_n=2)),
     (1024, 512, g.Sm90GemmConfig(tile_n=256, tile_m=128, tile_k=64, stages=4, split_k=2, cluster_n=2)),
+    # split-K summed in the cluster: deep tile, ragged N, 4 slices of 2 K tiles
+    (576, 1536, g.Sm90GemmConfig(tile_n=256, tile_m=64, tile_k=64, stages=8, split_k=2)),
+    (320, 2048, g.Sm90GemmConfig(tile_n=64, tile_m=64, tile_k=256, stages=4, split_k=4)),
 ]
 
 

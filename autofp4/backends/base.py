@@ -171,9 +171,11 @@ class Backend(ABC):
     # -- provenance -----------------------------------------------------------------
     def source_hash(self) -> str:
         """Hash of the source that defines this backend's kernels (part of a row's provenance)."""
+        from ..kernel_cache import kernel_source
+
         h = hashlib.sha256()
         for mod in self.source_modules():
-            h.update(inspect.getsource(mod).encode())
+            h.update(kernel_source(mod.__name__).encode())
         return h.hexdigest()[:16]
 
     def source_modules(self) -> list[Any]:

@@ -19,8 +19,14 @@ Data path of one CTA (``tile_n`` weight rows x ``tile_m`` tokens):
   tile t+1 is decoded while tile t's wgmmas run (``wait_group(1)``);
 * the epilogue multiplies by ``alpha`` (a device fp32 scalar: the NVFP4 global scale times the
   power of two folded out of the decode, see below), adds the bias, and stores ``out[m, n]``
-  predicated on ``m < M`` and ``n < N``. With ``split_k > 1`` every K slice adds its fp32 partial
-  into a zeroed fp32 buffer with atomics and ``run`` converts it.
+  predicated on ``m < M`` and ``n < N``. With ``split_k > 1`` the K slices of a tile run as one
+  thread-block cluster (``(1, 1, split_k)``): after the main loop each CTA writes its fp32
+  accumulators, in register order, into its own (now idle) ``x`` stage buffers; after a cluster
+  barrier CTA ``z`` sums every ``split_k``-th accumulator over the cluster's CTAs through
+  distributed shared memory (``mapa`` + ``ld.shared::cluster``) and stores it, so one launch
+  writes the output with no workspace. With ``cluster_n = 2`` (the cluster already multicasts
+  ``x`` across weight tiles) the slices instead add into a zeroed fp32 buffer with atomics and
+  ``run`` converts it.
 
 Exactness of the decode
 -----------------------
@@ -48,6 +54,8 @@ try:  # CuTeDSL is an optional dependency; annotations of the jit functions reso
 except ImportError:  # pragma: no cover - exercised only without nvidia-cutlass-dsl
     cuda = cutlass = cute = None  # type: ignore[assignment]
 
+#: helper modules whose source is part of this kernel's (kernel cache key, DB provenance)
+KERNEL_SOURCES = ("autofp4.kernels._ptx",)
 FORMATS = ("nvfp4", "mxfp4")
 DTYPES = ("bfloat16", "float16")
 SMEM_BUDGET = 227 * 1024          # bytes of shared memory one CTA may use on sm_90
@@ -87,6 +95,11 @@ class Sm90GemmConfig:
     @property
     def warpgroups(self) -> int:
         return min(self.tile_n // CHUNK_N, 2)
+
+    @property
+    def cluster_reduce(self) -> bool:
+        """split-K partials summed through distributed shared memory (else fp32 atomics)."""
+        return self.split_k > 1 and self.cluster_n == 1
 
     @property
     def reps(self) -> int:
@@ -164,6 +177,12 @@ def validate(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> str |
         return (
             f"accumulators + 2 decoded weight fragments need {acc_regs + 2 * frag_regs} registers per "
             "thread; the limit is 192"
+        )
+    if cfg.cluster_reduce and cfg.stages * cfg.tile_k < 2 * cfg.tile_n:
+        return (
+            f"split_k={cfg.split_k} sums the K slices through shared memory in the x stage buffers, "
+            f"which hold {cfg.stages} x {cfg.tile_k} K per token and need 2 x tile_n = {2 * cfg.tile_n}; "
+            "use more stages or a deeper tile_k"
         )
     smem = cfg.smem_bytes(fmt)
     if smem > SMEM_BUDGET:
@@ -427,7 +446,10 @@ class _Sm90W4A16Kernel:
         n_tiles = np_ // tile_n
         x_bytes = tile_m * tile_k * 2
         tx_bytes = x_bytes + w_stage_bytes
-        out_is_f32 = split_k > 1
+        cluster_red = cfg.cluster_reduce
+        out_is_f32 = split_k > 1 and not cluster_red
+        if cluster_red:
+            from ._ptx import ld_dsmem_f32
 
         @cute.kernel
         def kernel(
@@ -496,7 +518,8 @@ class _Sm90W4A16Kernel:
                 producer_group=prod_group,
                 consumer_group=cons_group,
                 tx_count=tx_bytes,
-                cta_layout_vmnk=cute.make_layout((1, cl, 1, 1)),
+                # the split-K cluster is (1, 1, split_k): its CTAs share no stage, each signals itself
+                cta_layout_vmnk=cute.make_layout((1, cl, 1, split_k if cluster_red else 1)),
             )
 
             k_tile0 = bidz * k_tiles_split
@@ -685,7 +708,35 @@ class _Sm90W4A16Kernel:
             col0 = pid_m * tile_m
             cid = cute.make_identity_tensor((CHUNK_N * reps, tile_m))
             tcid = thr_mma.partition_C(cid)
-            for i in cutlass.range_constexpr(cute.size(acc)):
+            n_acc = cute.size(acc)
+            if cutlass.const_expr(cluster_red):
+                # split-K in the cluster: accumulators [i][thread] into the idle x buffers (every
+                # warpgroup's wgmmas must be done reading them), then CTA bidz sums accumulator
+                # i of every thread where i % split_k == bidz over the cluster and stores it
+                cute.arch.barrier()
+                red_base = cutlass.Int32(storage.sX.data_ptr().toint())
+                sRed = cute.make_tensor(
+                    cute.recast_ptr(storage.sX.data_ptr(), dtype=cutlass.Float32),
+                    cute.make_layout((n_acc, threads), stride=(threads, 1)),
+                )
+                for i in cutlass.range_constexpr(n_acc):
+                    sRed[i, tidx] = acc[i]
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+                for i in cutlass.range_constexpr(n_acc):
+                    rr, cc = tcid[i]
+                    nn = row0 + rr
+                    mm = col0 + cc
+                    if (bidz == i % split_k) & (nn < n_real) & (mm < m_size):
+                        tot = cutlass.Float32(0.0)
+                        for z in cutlass.range_constexpr(split_k):
+                            tot = tot + ld_dsmem_f32(red_base + (i * threads + tidx) * 4, z)
+                        val = tot * alpha + mBias[nn].to(cutlass.Float32)
+                        mOut[mm, nn] = val.to(dt)
+                # every CTA's shared memory stays alive until its peers have read it
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+            for i in cutlass.range_constexpr(n_acc if not cluster_red else 0):
                 rr, cc = tcid[i]
                 nn = row0 + rr
                 mm = col0 + cc
@@ -739,7 +790,8 @@ class _Sm90W4A16Kernel:
             kernel(
                 tma_atom_x, tma_x, mW, mAlpha, mBias, mOut, sbias, m_size, tiled_mma,
                 x_smem_layout_staged,
-            ).launch(grid=grid, block=[threads, 1, 1], cluster=(cl, 1, 1), stream=stream)
+            ).launch(grid=grid, block=[threads, 1, 1],
+                     cluster=(1, 1, split_k) if cluster_red else (cl, 1, 1), stream=stream)
 
         return host
 
@@ -757,7 +809,7 @@ class _Sm90W4A16Kernel:
         )
         alpha = make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4)
         bias = make_fake_compact_tensor(dt, (self.n,), assumed_align=2)
-        out_dt = cutlass.Float32 if self.cfg.split_k > 1 else dt
+        out_dt = cutlass.Float32 if self.cfg.split_k > 1 and not self.cfg.cluster_reduce else dt
         out = make_fake_compact_tensor(out_dt, (m, self.n), stride_order=(1, 0), assumed_align=4)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         return x, w, alpha, bias, out, cutlass.Int32(0), stream
@@ -796,7 +848,7 @@ def compile_kernel(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) ->
     fn = _compile(cfg, n, k, fmt, dtype)
     tdt = getattr(torch, dtype)
     zeros: dict[torch.device, torch.Tensor] = {}
-    split = cfg.split_k > 1
+    split = cfg.split_k > 1 and not cfg.cluster_reduce  # fp32 atomics into a zeroed buffer
     mx_base = 126 if dtype == "bfloat16" else -98
 
     def run(x: torch.Tensor, packed: PackedSm90Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,126 @@
+"""A/B sweep of the Hopper W4A16 GEMM at medium M (64..512) on the benchmark shapes.
+
+For every (shape, M): the default config, then a small grid around it (weight tile 64/128 rows,
+token tiles that fit M, split-K 1/2/4, the deepest pipeline that fits), all checked against a
+bf16 matmul of the dequantized weight and timed in CUDA graphs that rotate weight copies past
+the L2, next to cuBLAS bf16 in the same run. Every config is compiled first, in parallel
+processes, into the kernel cache. Prints a table last; JSON rows go to $OUT/gemm_sweep.json.
+
+    python scripts/gpu_sweep_gemm.py [--fmt nvfp4] [--ms 64,128,512] [--shapes "8B o,8B down"]
+"""
+import argparse
+import concurrent.futures as cf
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import autofp4  # noqa: E402
+from autofp4.kernels import sm90_w4a16_gemm as G  # noqa: E402
+from bench_linear import SHAPES  # noqa: E402
+from gpu_check_decode import L2_BYTES, fp4_bytes, graph_time  # noqa: E402
+
+
+def sweep_configs(n, k, fmt, m):
+    base = G.default_config(n, k, fmt, "bfloat16", m)
+    out = [base]
+    tms = [t for t in (64, 128, 256) if t <= max(64, 1 << (m - 1).bit_length())][-2:]
+    for tn in (64, 128):
+        for tm in tms:
+            for sk in (1, 2, 4):
+                for tk, st in ((256, 4), (128, 6), (128, 5), (128, 4), (64, 6), (64, 4)):
+                    c = G.Sm90GemmConfig(tile_n=tn, tile_m=tm, tile_k=tk, stages=st, split_k=sk)
+                    if G.validate(c, n, k, fmt, "bfloat16") is None:
+                        if c not in out:
+                            out.append(c)
+                        break
+    return out
+
+
+def _compile_one(job):
+    cfg, n, k, fmt = job
+    try:
+        G._compile(cfg, n, k, fmt, "bfloat16")
+        return None
+    except Exception as e:  # reported again when timed
+        return repr(e)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fmt", default="nvfp4")
+    ap.add_argument("--ms", default="64,128,512")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args()
+    ms = [int(v) for v in args.ms.split(",")]
+    shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
+    fmt = args.fmt
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+
+    from autofp4.kernel_cache import target_arch
+    from autofp4.tuner import _pool_init
+
+    jobs = sorted({(c, n, k, fmt) for n, k in shapes.values() for m in ms for c in sweep_configs(n, k, fmt, m)},
+                  key=str)
+    t0 = time.time()
+    with cf.ProcessPoolExecutor(max(1, (os.cpu_count() or 2) - 2), mp_context=mp.get_context("spawn"),
+                                initializer=_pool_init, initargs=(target_arch(),)) as ex:
+        errors = [e for e in ex.map(_compile_one, jobs) if e]
+    print(f"precompiled {len(jobs)} configs in {time.time() - t0:.0f}s ({len(errors)} errors)", flush=True)
+
+    rows = []
+    for name, (n, k) in shapes.items():
+        torch.cuda.empty_cache()
+        w = autofp4.quantize(torch.randn(n, k, device="cuda") * 0.05, fmt)
+        p0 = G.pack_weight(w)
+        copies = max(2, math.ceil(3 * L2_BYTES / fp4_bytes(n, k, fmt)))
+        packs = [p0] + [G.PackedSm90Weight(p0.data.clone(), p0.alpha.clone(), p0.fmt, p0.n, p0.k,
+                                           p0.scale_shift, p0.fp16_ok) for _ in range(copies - 1)]
+        wd = w.dequantize(torch.bfloat16)
+        dense_copies = max(2, math.ceil(3 * L2_BYTES / (n * k * 2)))
+        dense = [wd] + [wd.clone() for _ in range(dense_copies - 1)]
+        calls = 2 * max(copies, dense_copies)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x.float(), wd.float())
+            t_blas = graph_time([(lambda i=i: F.linear(x, dense[i % dense_copies])) for i in range(calls)])[0]
+            for j, cfg in enumerate(sweep_configs(n, k, fmt, m)):
+                try:
+                    run = G.compile_kernel(cfg, n, k, fmt, "bfloat16")
+                    rel = float((run(x, p0, None).float() - ref).norm() / ref.norm())
+                    t = graph_time([(lambda i=i: run(x, packs[i % copies], None)) for i in range(calls)])[0]
+                except Exception as e:
+                    rows.append(dict(shape=name, m=m, cfg=str(cfg), error=repr(e)))
+                    print(f"  {name} M={m} {cfg}: ERROR {e!r}", flush=True)
+                    continue
+                rows.append(dict(shape=name, n=n, k=k, m=m, fmt=fmt, cfg=str(cfg), default=j == 0, us=t,
+                                 cublas_us=t_blas, rel_err=rel, tflops=2 * m * n * k / t / 1e6))
+                print(f"  {name:12s} M={m:4d} {t:8.2f} us cublas {t_blas:8.2f} x{t_blas / t:.2f} "
+                      f"rel={rel:.1e} {'DEFAULT ' if j == 0 else ''}{cfg}", flush=True)
+        del packs, dense, w, wd, p0
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "gemm_sweep.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    print(f"\n{'shape':12s} {'M':>4s} {'cuBLAS':>8s} {'default':>8s} {'best':>8s} {'x best':>7s} {'rel':>8s}  best config")
+    for name in shapes:
+        for m in ms:
+            pts = [r for r in rows if r["shape"] == name and r["m"] == m and "us" in r]
+            if not pts:
+                continue
+            d = next((r for r in pts if r["default"]), None)
+            b = min(pts, key=lambda r: r["us"])
+            worst = max(r["rel_err"] for r in pts)
+            print(f"{name:12s} {m:4d} {b['cublas_us']:8.2f} {d['us'] if d else float('nan'):8.2f} {b['us']:8.2f} "
+                  f"{b['cublas_us'] / b['us']:6.2f}x {worst:8.1e}  {b['cfg'][15:]}")
+
+
+if __name__ == "__main__":
+    main()
