@@ -190,20 +190,68 @@ def validate(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> str |
     return None
 
 
-def default_config(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> Sm90GemmConfig:
-    """Heuristic from H200 sweeps on the Llama-3.1-8B shapes (see scripts/gpu_check_gemm.py).
+# Medium-M tiles (tile_n, tile_m, tile_k, stage cap) and their relative per-CTA efficiency,
+# fitted to an H200 sweep of the benchmark shapes at M = 64, 128, 512 (scripts/gpu_sweep_gemm.py)
+_MEDIUM_TILES = (
+    ((128, 256, 64, 6), 1.0),
+    ((256, 64, 128, 4), 0.85),
+    ((128, 128, 128, 5), 0.8),
+    ((128, 64, 256, 4), 0.7),
+    ((64, 128, 128, 6), 0.6),
+    ((64, 64, 256, 4), 0.5),
+)
 
-    The FP4 decode bounds what one CTA does per cycle, so first give every multiprocessor a CTA,
-    then amortize the decode over as many tokens as possible:
-    * M <= 64: 256-row weight tiles (K tile 128) when N alone nearly fills the GPU with them,
-      else 64-row tiles with a 256-deep K tile (measured best at M = 64);
-    * 64 < M <= 128 with few weight tiles: the same 64-row tiles, two token tiles;
-    * otherwise 128-row weight tiles and the widest token tile (<= M rounded up to a power of
-      two) that still gives one CTA per multiprocessor; 128 x 256 x 64 (measured at parity with
-      cuBLAS bf16 from M = 2048) when M is large.
+
+def _deepest(tile_n: int, tile_m: int, tile_k: int, cap: int, split: int, raster: str,
+             n: int, k: int, fmt: str, dtype: str) -> Sm90GemmConfig | None:
+    for stages in range(cap, 1, -1):
+        cfg = Sm90GemmConfig(tile_n=tile_n, tile_m=tile_m, tile_k=tile_k, stages=stages,
+                             split_k=split, raster=raster)
+        if validate(cfg, n, k, fmt, dtype) is None:
+            return cfg
+    return None
+
+
+def _medium_config(n: int, k: int, fmt: str, dtype: str, m: int) -> Sm90GemmConfig | None:
+    """The tile and split-K with the least modelled time: waves of CTAs over the
+    multiprocessors x work per CTA / tile efficiency, x 1.25 when K is split (the cluster
+    reduction, more x loads, a shorter pipeline per CTA)."""
+    sms = _SM_COUNT_HINT
+    np_ = _pad(n)
+    m_pow2 = 1 << (max(m, 64) - 1).bit_length()
+    best = None
+    for (tn, tm, tk, cap), eff in _MEDIUM_TILES:
+        if tm > m_pow2:
+            continue
+        if tn == 256 and m > 64:  # 256-row tiles were measured at M = 64 only
+            continue
+        for split in ((1,) if tn == 256 else (1, 2)):  # split 4 and split 256-row tiles never won
+            cfg = _deepest(tn, tm, tk, cap, split, "n", n, k, fmt, dtype)
+            if cfg is None:
+                continue
+            ctas = -(-np_ // tn) * -(-m // tm) * split
+            cost = -(-ctas // sms) * tn * tm * (k / split) / eff * (1.25 if split > 1 else 1.0)
+            if best is None or cost < best[0]:
+                best = (cost, cfg)
+    return best[1] if best else None
+
+
+def default_config(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> Sm90GemmConfig:
+    """Heuristic from H200 sweeps (``scripts/gpu_check_gemm.py``, ``scripts/gpu_sweep_gemm.py``).
+
+    * M <= 32 (normally served by the decode kernel): 16/32-token tiles, 256-row weight tiles when
+      N alone nearly fills the GPU with them, else 64-row tiles with a 256-deep K tile;
+    * 32 < M <= 1024: the tile (``_MEDIUM_TILES``) and split-K (summed in a cluster) with the
+      least modelled time, waves of CTAs x work per CTA / tile efficiency; on the sweep's 18
+      points it picks the measured best or one within 10% of it;
+    * larger M: 128 x 256 x 64 (measured at parity with cuBLAS bf16 from M = 2048).
     The deepest pipeline that fits shared memory."""
     if m is None:
         m = 1024
+    if 32 < m <= 1024:
+        cfg = _medium_config(n, k, fmt, dtype, m)
+        if cfg is not None:
+            return cfg
     sms = _SM_COUNT_HINT
     np_ = _pad(n)
     raster = "n"
@@ -214,25 +262,12 @@ def default_config(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -
             tile_n, tile_k, stages_cap = 256, 128, 4
         else:
             tile_n, tile_k, stages_cap = 64, 256, 4
-    elif m <= 128 and (np_ // 128) * 2 < sms:
-        tile_n, tile_m, tile_k, stages_cap = 64, 64, 256, 4
     else:
-        m_pow2 = 1 << (max(m, 64) - 1).bit_length()
-        tile_n, tile_m = 128, 64
-        for tm in (256, 128):
-            if tm <= m_pow2 and -(-np_ // 128) * -(-m // tm) >= sms:
-                tile_m = tm
-                break
-        tile_k = 64 if tile_m == 256 else 128
+        tile_n, tile_m, tile_k = 128, 256, 64
         if n >= 16384:
             raster = "m"
-    for stages in range(stages_cap, 1, -1):
-        cfg = Sm90GemmConfig(
-            tile_n=tile_n, tile_m=tile_m, tile_k=tile_k, stages=stages, raster=raster
-        )
-        if validate(cfg, n, k, fmt, dtype) is None:
-            return cfg
-    return Sm90GemmConfig(tile_n=64, tile_m=min(tile_m, 64), tile_k=64, stages=2)
+    cfg = _deepest(tile_n, tile_m, tile_k, stages_cap, 1, raster, n, k, fmt, dtype)
+    return cfg or Sm90GemmConfig(tile_n=64, tile_m=min(tile_m, 64), tile_k=64, stages=2)
 
 
 # --------------------------------------------------------------------------------------------
