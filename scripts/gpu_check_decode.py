@@ -8,6 +8,7 @@ Prints a table last; writes JSON details to $OUT/decode_check.json when $OUT is 
     python scripts/gpu_check_decode.py [--quick] [--sweep]
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -33,6 +34,20 @@ _RUNS = {}
 
 def fp4_bytes(n, k, fmt):
     return n * k // 2 + n * k // (16 if fmt == "nvfp4" else 32)
+
+
+def rotation(packed, dense, fp4_nbytes):
+    """Copies of a packed weight (a dataclass of tensors) and of its dense bf16 twin, enough of
+    each to exceed three L2s, and the number of calls a timing graph makes to cycle them twice."""
+    def clone(p):
+        return dataclasses.replace(p, **{f.name: getattr(p, f.name).clone() for f in dataclasses.fields(p)
+                                         if isinstance(getattr(p, f.name), torch.Tensor)})
+
+    copies = max(2, math.ceil(3 * L2_BYTES / fp4_nbytes))
+    dense_copies = max(2, math.ceil(3 * L2_BYTES / (dense.numel() * dense.element_size())))
+    packs = [packed] + [clone(packed) for _ in range(copies - 1)]
+    denses = [dense] + [dense.clone() for _ in range(dense_copies - 1)]
+    return packs, denses, 2 * max(copies, dense_copies)
 
 
 def check(run, w, packed, x, bias, dtype):
@@ -167,14 +182,9 @@ def timing(fmt, shapes, ms, sweep):
         w = autofp4.quantize(torch.randn(n, k, device="cuda") * 0.05, fmt)
         p0 = D.pack_weight(w)
         nbytes = fp4_bytes(n, k, fmt)
-        copies = max(2, math.ceil(3 * L2_BYTES / nbytes))
-        packs = [p0] + [D.DecodePacked(p0.fmt, p0.n, p0.k, p0.data.clone(), p0.scales.clone(),
-                                       p0.alpha.clone(), p0.scale_add, p0.unsupported)
-                        for _ in range(copies - 1)]
         wd = w.dequantize(torch.bfloat16)
-        dense_copies = max(2, math.ceil(3 * L2_BYTES / (n * k * 2)))
-        dense = [wd] + [wd.clone() for _ in range(dense_copies - 1)]
-        calls = 2 * max(copies, dense_copies)
+        packs, dense, calls = rotation(p0, wd, nbytes)
+        copies, dense_copies = len(packs), len(dense)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cfgs = sweep_configs(n, k, fmt, m) if sweep else [D.default_config(n, k, fmt, "bfloat16", m)]

@@ -11,7 +11,6 @@ processes, into the kernel cache. Prints a table last; JSON rows go to $OUT/gemm
 import argparse
 import concurrent.futures as cf
 import json
-import math
 import multiprocessing as mp
 import os
 import sys
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import autofp4  # noqa: E402
 from autofp4.kernels import sm90_w4a16_gemm as G  # noqa: E402
 from bench_linear import SHAPES  # noqa: E402
-from gpu_check_decode import L2_BYTES, fp4_bytes, graph_time  # noqa: E402
+from gpu_check_decode import fp4_bytes, graph_time, rotation  # noqa: E402
 
 
 def sweep_configs(n, k, fmt, m):
@@ -80,13 +79,9 @@ def main():
         torch.cuda.empty_cache()
         w = autofp4.quantize(torch.randn(n, k, device="cuda") * 0.05, fmt)
         p0 = G.pack_weight(w)
-        copies = max(2, math.ceil(3 * L2_BYTES / fp4_bytes(n, k, fmt)))
-        packs = [p0] + [G.PackedSm90Weight(p0.data.clone(), p0.alpha.clone(), p0.fmt, p0.n, p0.k,
-                                           p0.scale_shift, p0.fp16_ok) for _ in range(copies - 1)]
         wd = w.dequantize(torch.bfloat16)
-        dense_copies = max(2, math.ceil(3 * L2_BYTES / (n * k * 2)))
-        dense = [wd] + [wd.clone() for _ in range(dense_copies - 1)]
-        calls = 2 * max(copies, dense_copies)
+        packs, dense, calls = rotation(p0, wd, fp4_bytes(n, k, fmt))
+        copies, dense_copies = len(packs), len(dense)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x.float(), wd.float())
