@@ -274,6 +274,15 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         except Exception as e:  # an optional package missing, a broken import
             why = f"cannot be imported: {type(e).__name__}: {e}"
         print(f"  {name:20} {'applies' if why is None else 'does not apply: ' + why}", file=out)
+    def stale(records) -> str:
+        n = 0
+        for r in records:
+            try:
+                n += dispatch.is_stale(r, get_backend(r.backend))
+            except Exception:  # an unknown or broken backend: not ours to judge here
+                pass
+        return f", {n} measured with an older kernel source (not used; tune again)" if n else ""
+
     print("tuning DB layers (rows for this environment / all rows):", file=out)
     user = dispatch.user_db_path()
     if user.is_file():
@@ -281,7 +290,8 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             with TuningDB(user, readonly=True) as db:
                 mine = len(db.results(key))
                 total = db.counts()["results"]
-            print(f"  user     {user}: {mine} / {total}", file=out)
+                old = stale(db.results())
+            print(f"  user     {user}: {mine} / {total}{old}", file=out)
         except (TuningDBError, OSError) as e:
             print(f"  user     {user}: unreadable ({e})", file=out)
     else:
@@ -294,7 +304,7 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         try:
             doc = read_export(f)
             mine = sum(1 for r in doc.records if r.env_key == key)
-            print(f"  shipped  {f}: {mine} / {len(doc.records)}", file=out)
+            print(f"  shipped  {f}: {mine} / {len(doc.records)}{stale(doc.records)}", file=out)
         except Exception as e:  # report, never fail `info`
             print(f"  shipped  {f}: unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})", file=out)
     misses = dispatch.misses_path()

@@ -64,6 +64,29 @@ def bucket_for(m: int, buckets: Sequence[int] = DEFAULT_M_BUCKETS) -> int:
     return buckets[i] if i < len(buckets) else buckets[-1]
 
 
+_SOURCE_HASHES: dict[str, str] = {}
+
+
+def backend_source_hash(backend: Backend) -> str:
+    """The backend's kernel source hash (cached per backend name; "" when the source cannot be
+    read, e.g. in a frozen install, and then rows are not checked against it)."""
+    h = _SOURCE_HASHES.get(backend.name)
+    if h is None:
+        try:
+            h = backend.source_hash()
+        except (OSError, TypeError, ImportError):
+            h = ""
+        _SOURCE_HASHES[backend.name] = h
+    return h
+
+
+def is_stale(rec: Any, backend: Backend) -> bool:
+    """True when ``rec`` was measured with another version of ``backend``'s kernel source."""
+    src = getattr(rec, "backend_source", None) or ""
+    cur = backend_source_hash(backend)
+    return bool(src and cur and src != cur)
+
+
 def _norm_device(device: torch.device | str | int) -> torch.device:
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     if dev.type == "cuda" and dev.index is None:
@@ -81,8 +104,10 @@ class Dispatcher:
     ``records`` are :class:`~autofp4.schema.TuningRecord` s in priority order. Several rows
     can answer one ``(key, bucket)`` (one per backend); the fastest measured one wins, the
     earlier one on ties (the user DB comes before the shipped files). Rows measured in another environment than ``env`` (default:
-    the current environment of ``device``), rows whose backend does not run on ``device`` and
-    rows whose config its backend rejects are ignored (one warning for the latter two).
+    the current environment of ``device``), rows measured with another version of their
+    backend's kernel source (``backend_source``; counted in ``stale_rows``: run the tuner again),
+    rows whose backend does not run on ``device`` and rows whose config its backend rejects are
+    ignored (one warning for the latter two).
     """
 
     def __init__(
@@ -110,6 +135,7 @@ class Dispatcher:
         self._applies: dict[str, bool] = {}
         self.ignored: list[str] = []
         self.other_env_rows = 0
+        self.stale_rows = 0
         self._load(records)
 
     # -- loading ---------------------------------------------------------------------
@@ -149,6 +175,9 @@ class Dispatcher:
             b = self._backend_applies(rec.backend)
             if b is None:
                 self.ignored.append(f"{rec.backend} row for {key} M<={rec.m_bucket}: backend does not run on {self.device}")
+                continue
+            if is_stale(rec, b):
+                self.stale_rows += 1
                 continue
             try:
                 cfg = b.parse_config(rec.config)

@@ -717,12 +717,16 @@ def _study_name(ctx: _Ctx, job: Job, cands: Sequence[_Cand]) -> str:
     return f"autofp4-{ctx.env_key}-{k.op}-{k.fmt}-{k.dtype}-n{k.n}-k{k.k}-e{k.experts}-t{k.topk}-m{job.m}-{h}"
 
 
-def _already_tuned(db: Any, ctx: _Ctx, key: ProblemKey, m: int, names: list[str]) -> bool:
+def _already_tuned(db: Any, ctx: _Ctx, key: ProblemKey, m: int, backends: list[Backend]) -> bool:
+    """A result for this environment measured with the backends' current kernel source (a
+    result from an older source is stale: the job runs again)."""
+    current = {b.name: _source_hash(b) for b in backends}
     recs = db.results(
-        ctx.env_key, op=key.op, fmt=key.fmt, dtype=key.dtype, backend=names, m_bucket=m,
+        ctx.env_key, op=key.op, fmt=key.fmt, dtype=key.dtype, backend=list(current), m_bucket=m,
         n=key.n, k=key.k, experts=key.experts, topk=key.topk,
     )
-    return bool(recs)
+    return any(not (r.backend_source and current[r.backend] and r.backend_source != current[r.backend])
+               for r in recs)
 
 
 def _record_trial(db: Any, ctx: _Ctx, job: Job, cand: _Cand, res: dict[str, Any]) -> None:
@@ -954,8 +958,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
     if not backends:
         why = "; ".join(f"{b.name}: {b.supports(key)}" for b in ctx.backends)
         return JobResult(job, "no_valid_config", note=f"no selected backend supports it ({why})")
-    names = [b.name for b in backends]
-    if not ctx.force and _already_tuned(db, ctx, key, job.m, names):
+    if not ctx.force and _already_tuned(db, ctx, key, job.m, backends):
         return JobResult(job, "skipped", note="already tuned for this environment")
     cands = _candidates(key, job.m, backends)
     if not cands:

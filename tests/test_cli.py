@@ -3,6 +3,7 @@ import io
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -138,6 +139,17 @@ def test_tune_end_to_end_export_import(tiny, tmp_path):
     rc, out, err = run(["info", "--db", db, "--device", "cpu"])
     assert rc == 0, err
     assert env.key() in out and "reference" in out and f"{N_JOBS} / {N_JOBS}" in out
+    assert "older kernel source" not in out
+    # rows from an older kernel source are counted, and the dispatcher does not use them
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE results SET backend_source = 'fedcba9876543210' WHERE m_bucket = 1")
+    stale = sum(r.m_bucket == 1 for r in recs)
+    assert stale > 0
+    rc, out, err = run(["info", "--db", db, "--device", "cpu"])
+    assert rc == 0, err
+    assert f"{N_JOBS} / {N_JOBS}, {stale} measured with an older kernel source" in out
+    d3 = Dispatcher(CPU, load_layers(env, user_path=db), env=env)
+    assert d3.stale_rows == stale and len(d3) == N_JOBS - stale
 
 
 def test_resume_skips_and_force_retunes(tiny, tmp_path):

@@ -26,11 +26,14 @@ def _fresh_dispatchers():
     dispatch.set_db(None)
 
 
-def _rec(key, m_bucket, chunk_n, backend="reference", env=None, median=10.0):
+def _rec(key, m_bucket, chunk_n, backend="reference", env=None, median=10.0, source=None):
+    """A row measured with ``source`` (default: the backend's current kernel source)."""
+    if source is None:
+        source = dispatch.backend_source_hash(registry.get_backend(backend))
     return TuningRecord(
         op=key.op, fmt=key.fmt, dtype=key.dtype, backend=backend, m_bucket=m_bucket, n=key.n, k=key.k,
         experts=key.experts, topk=key.topk, config={"chunk_n": chunk_n}, median_us=median,
-        spread_us=0.5, samples=10, default_median_us=12.0, backend_source="abc",
+        spread_us=0.5, samples=10, default_median_us=12.0, backend_source=source,
         env=env or current_environment(CPU),
     )
 
@@ -104,6 +107,22 @@ def test_rows_of_other_environments_are_ignored():
     d = Dispatcher(CPU, [_rec(KEY, 16, 128, env=other)])
     assert d.other_env_rows == 1 and len(d) == 0
     assert d.pick(KEY, 16)[1] == ReferenceConfig()
+
+
+def test_rows_from_an_older_kernel_source_are_not_used():
+    ref = registry.get_backend("reference")
+    current = ref.source_hash()
+    assert current and dispatch.backend_source_hash(ref) == current
+    stale = _rec(KEY, 16, 128, source="0123456789abcdef")
+    d = Dispatcher(CPU, [stale, _rec(KEY, 128, 256)])
+    assert d.stale_rows == 1 and d.tuned(KEY).keys() == {128}
+    assert d.pick(KEY, 16) == (ref, ReferenceConfig(chunk_n=256))  # the 128 bucket answers M <= 16 now
+    # a faster stale row does not beat a current one in the same bucket
+    d = Dispatcher(CPU, [_rec(KEY, 16, 64, source="0123456789abcdef", median=1.0), _rec(KEY, 16, 128)])
+    assert d.stale_rows == 1 and d.pick(KEY, 16)[1] == ReferenceConfig(chunk_n=128)
+    # a row without a recorded source cannot be checked and is used
+    d = Dispatcher(CPU, [_rec(KEY, 16, 64, source="")])
+    assert d.stale_rows == 0 and d.pick(KEY, 16)[1] == ReferenceConfig(chunk_n=64)
 
 
 def test_rows_that_cannot_run_are_ignored_with_one_warning(monkeypatch):

@@ -1,6 +1,7 @@
 """The tuner on the CPU: real tuning runs into real SQLite files, with test backends that are
 deliberately wrong, faulty or crashing (fixtures registered like any backend)."""
 import os
+import sqlite3
 import time
 
 import pytest
@@ -187,6 +188,19 @@ def test_budget_smaller_than_space_uses_tpe(monkeypatch, tmp_path):
         assert res.default_median_us == trials[0].median_us
         ok = {config_json(t.config): t.median_us for t in trials}
         assert config_json(res.config) in ok and res.median_us == ok[config_json(res.config)]
+
+
+def test_a_result_from_an_older_kernel_source_is_tuned_again(tmp_path):
+    path = tmp_path / "t.db"
+    assert tune([KEY], m_buckets=[1], db=path, device="cpu", progress=False).results[0].status == "tuned"
+    with sqlite3.connect(path) as conn:  # as if the kernels changed since that run
+        conn.execute("UPDATE results SET backend_source = 'fedcba9876543210'")
+    rep = tune([KEY], m_buckets=[1], db=path, device="cpu", progress=False)
+    assert rep.results[0].status == "tuned"
+    with TuningDB(path) as db:
+        (res,) = db.results(_env_key())
+        assert res.backend_source == registry.get_backend("reference").source_hash()
+    assert tune([KEY], m_buckets=[1], db=path, device="cpu", progress=False).results[0].status == "skipped"
 
 
 def test_skip_resume_and_force(tmp_path):
