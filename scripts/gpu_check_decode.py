@@ -133,17 +133,21 @@ def graph_time(fn_list, reps=20):
 
 
 def sweep_configs(n, k, fmt, m):
-    """The default, then A/B variants of it: split-K reduction (its own kernel / last warp /
-    cluster), x staged in shared memory or not, 4 or 8 warps, the default split or twice it."""
+    """The default, then A/B variants of it: registers capped for 6 or 8 CTAs per SM or not,
+    2, 4 or 8 warps, half / the same / twice the default split with the kernel or cluster
+    reduction, one or two tiles per warp; x staged in shared memory (the default since the
+    last sweep, where it won 11 of 12 points)."""
     base = D.default_config(n, k, fmt, "bfloat16", m)
     cfgs = [base]
-    for wp in (4, 8):
-        for ks in sorted({base.k_split, 2 * base.k_split, 4 if base.k_split == 1 else base.k_split}):
-            for red in ("kernel", "last_warp", "cluster"):
-                for xs in (False, True):
-                    c = D.DecodeConfig(wp, ks, base.m_max, False, red if ks > 1 else "kernel", 1, xs)
-                    if c not in cfgs and D.validate(c, n, k, fmt, "bfloat16") is None:
-                        cfgs.append(c)
+    for occ in (0, 6, 8):
+        for wp in (2, 4, 8):
+            for ks in sorted({max(1, base.k_split // 2), base.k_split, 2 * base.k_split}):
+                for red in ("kernel", "cluster"):
+                    for tpw in (1, 2):
+                        c = D.DecodeConfig(wp, ks, base.m_max, False, red if ks > 1 else "kernel", tpw,
+                                           True, occ)
+                        if c not in cfgs and D.validate(c, n, k, fmt, "bfloat16") is None:
+                            cfgs.append(c)
     return cfgs
 
 

@@ -16,7 +16,7 @@ if [ "${STAGE:-1}" = 1 ]; then
   for f in ta tb tc td; do echo "$f: $(tail -1 "$OUT/$f.txt")"; done
   grep -h -E "^(FAILED|ERROR)" "$OUT"/t?.txt | head -20
   if [ "${SWEEP:-decode}" = decode ]; then
-    timeout ${SWEEP_TIMEOUT:-200} python3 scripts/gpu_check_decode.py --sweep --skip-correct --ms 1,16 \
+    timeout ${SWEEP_TIMEOUT:-300} python3 scripts/gpu_check_decode.py --sweep --skip-correct --ms 1,16 \
       > "$OUT/decode_sweep.txt" 2>&1
     tail -14 "$OUT/decode_sweep.txt"
   else

@@ -139,6 +139,10 @@ def test_pack_rejects_stacked_experts(gen):
         (D.DecodeConfig(x_smem=1), 64, 1024, "nvfp4", "bfloat16", "x_smem must be a bool"),
         (D.DecodeConfig(16, 2, 64, split_reduce="cluster", tiles_per_warp=2), 64, 8192, "nvfp4", "bfloat16",
          "shared memory"),
+        (D.DecodeConfig(4, 1, 16, ctas_per_sm=6), 64, 512, "nvfp4", "bfloat16", None),
+        (D.DecodeConfig(4, 1, 16, ctas_per_sm=-1), 64, 512, "nvfp4", "bfloat16", "ctas_per_sm must"),
+        (D.DecodeConfig(16, 1, 16, ctas_per_sm=5), 64, 512, "nvfp4", "bfloat16", "2048"),
+        (D.DecodeConfig(8, 1, 16, ctas_per_sm=6), 64, 512, "nvfp4", "bfloat16", "caps registers at 40"),
     ],
 )
 def test_validate_rules(cfg, n, k, fmt, dtype, needle):
@@ -224,3 +228,35 @@ def test_decode_terms_cover_every_bit():
             assert bin(reg_mask).count("1") == 8
             seen += 1
         assert seen == 4
+
+
+@needs_cute
+def test_ctas_per_sm_reaches_the_compiler(tmp_path, monkeypatch):
+    """ctas_per_sm=6 becomes ``.minnctapersm 6`` on the main kernel; with ptxas at hand, the
+    cubin of the m_max = 16 kernel fits 6 CTAs of 128 threads (<= 85 registers) without spills."""
+    import re
+    import shutil
+    import subprocess
+
+    cfg = D.DecodeConfig(4, 4, 16, x_smem=True, ctas_per_sm=6)
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("AUTOFP4_CUTE_DSL_OPTIONS", f"--keep-ptx --dump-dir={tmp_path}")
+    D._compile(cfg, 6144, 4096, "nvfp4", "bfloat16", False)
+    (ptx,) = tmp_path.glob("*.ptx")
+    text = ptx.read_text()
+    main = text[text.index("main_kernel"):]
+    assert re.search(r"\.reqntid 128, 1, 1\s+\.minnctapersm 6", main)
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return
+    # the local ptxas may be older than the PTX the DSL emits; the directives used are not
+    src = tmp_path / "k.ptx"
+    src.write_text(re.sub(r"^\.version \d+\.\d+", ".version 8.0", text, flags=re.M))
+    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        return
+    info = res.stderr[res.stderr.index("main_kernel"):]
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    spill = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+    assert regs <= 65536 // (6 * 128) and spill == 0, info[:400]

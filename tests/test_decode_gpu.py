@@ -33,6 +33,10 @@ CASES = [  # fmt, dtype, n, k, config, Ms, bias
     ("nvfp4", "float16", 1000, 2048, D.DecodeConfig(8, 4, 16, split_reduce="cluster", tiles_per_warp=2,
                                                     x_smem=True), (16, 9), True),
     ("nvfp4", "bfloat16", 520, 3072, D.DecodeConfig(4, 2, 64, split_reduce="last_warp", x_smem=True), (64, 33), True),
+    # registers capped for 6 / 8 CTAs per SM
+    ("nvfp4", "bfloat16", 4096, 4096, D.DecodeConfig(4, 4, 16, x_smem=True, ctas_per_sm=6), (16, 5), True),
+    ("mxfp4", "float16", 1000, 2048, D.DecodeConfig(4, 4, 8, split_reduce="cluster", x_smem=True, ctas_per_sm=8),
+     (1, 8), False),
 ]
 
 

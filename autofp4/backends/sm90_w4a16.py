@@ -29,7 +29,8 @@ from .reference import reference_linear
 #: largest M the default heuristic sends to the decode kernel
 DECODE_MAX_M = 32
 _DECODE_FIELDS = ("warps", "k_split", "m_max", "prefetch", "split_reduce", "tiles_per_warp")
-_DECODE_OPTIONAL = {"x_smem": False}  # omitted when it has this value (configs stored before it existed)
+# omitted when they have these values (configs stored before they existed)
+_DECODE_OPTIONAL = {"x_smem": False, "ctas_per_sm": 0}
 _GEMM_FIELDS = ("tile_n", "tile_m", "tile_k", "stages", "split_k", "cluster_n", "raster")
 
 
@@ -43,6 +44,7 @@ class SM90Config(BackendConfig):
     split_reduce: Optional[Literal["kernel", "last_warp", "cluster"]] = None
     tiles_per_warp: Optional[int] = Field(None, ge=1, le=16)
     x_smem: Optional[bool] = None
+    ctas_per_sm: Optional[int] = Field(None, ge=0, le=64)
     # gemm kernel
     tile_n: Optional[int] = Field(None, ge=1, le=1024)
     tile_m: Optional[int] = Field(None, ge=1, le=1024)
