@@ -242,8 +242,9 @@ def default_config(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -
     * M <= 32 (normally served by the decode kernel): 16/32-token tiles, 256-row weight tiles when
       N alone nearly fills the GPU with them, else 64-row tiles with a 256-deep K tile;
     * 32 < M <= 1024: the tile (``_MEDIUM_TILES``) and split-K (summed in a cluster) with the
-      least modelled time, waves of CTAs x work per CTA / tile efficiency; on the sweep's 18
-      points it picks the measured best or one within 10% of it;
+      least modelled time, waves of CTAs x work per CTA / tile efficiency; on the 18 points of
+      the sweep it was fitted to, its picks average 2.7% slower than the measured best (worst:
+      70B down at M = 128, 34%);
     * larger M: 128 x 256 x 64 (measured at parity with cuBLAS bf16 from M = 2048).
     The deepest pipeline that fits shared memory."""
     if m is None:
