@@ -42,24 +42,23 @@ def _gpu_list(text: str) -> list[int]:
     return _int_list(text, "--gpus")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+def _int_at_least(lo: int, what: str):
+    """An argparse type: an int >= ``lo``; ``what`` names it in the error."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
+        return v
+
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
+_positive_int = _int_at_least(1, "a positive integer")
+_nonneg_int = _int_at_least(0, "an integer >= 0")
 
 
 def _positive_float(text: str) -> float:

@@ -44,9 +44,10 @@ def _device_gen(gen):
     return torch.Generator("cuda").manual_seed(gen.initial_seed())
 
 
-def _check(out, x, w, bias, dtype):
-    """|out - ref| <= 2u|ref| + 1e-5 sum|x||w| (u: unit roundoff of the output dtype; the second
-    term covers fp32 accumulation). A misplaced nibble or block scale gives errors of order
+def err_over_bound(out, x, w, bias, dtype):
+    """The worst |out - ref| / (2u|ref| + 1e-5 sum|x||w|) against a float64 reference (u: unit
+    roundoff of the output dtype; the second term covers fp32 accumulation), and the largest
+    error relative to max |ref|. A misplaced nibble or block scale gives errors of order
     sum|x||w| / K or more, i.e. >= 20x this bound for K <= 4096."""
     wd = w.dequantize(torch.float64)
     ref = x.double() @ wd.T
@@ -57,7 +58,11 @@ def _check(out, x, w, bias, dtype):
     err = (out.double() - ref).abs()
     bound = 2 * u * ref.abs() + 1e-5 * absdot
     assert out.shape == ref.shape and out.dtype == dtype
-    worst = (err / bound).max().item()
+    return (err / bound).max().item(), (err.max() / ref.abs().max()).item()
+
+
+def _check(out, x, w, bias, dtype):
+    worst, _ = err_over_bound(out, x, w, bias, dtype)
     assert worst <= 1.0, f"max err/bound = {worst:.3f}"
 
 
