@@ -143,6 +143,11 @@ def test_pack_rejects_stacked_experts(gen):
         (D.DecodeConfig(4, 1, 16, ctas_per_sm=-1), 64, 512, "nvfp4", "bfloat16", "ctas_per_sm must"),
         (D.DecodeConfig(16, 1, 16, ctas_per_sm=5), 64, 512, "nvfp4", "bfloat16", "2048"),
         (D.DecodeConfig(8, 1, 16, ctas_per_sm=6), 64, 512, "nvfp4", "bfloat16", "caps registers at 40"),
+        (D.DecodeConfig(4, 1, 16, x_smem=True, smem_stages=3), 64, 512, "nvfp4", "bfloat16", None),
+        (D.DecodeConfig(4, 1, 16, smem_stages=3), 64, 512, "nvfp4", "bfloat16", "x_smem=True"),
+        (D.DecodeConfig(4, 1, 16, x_smem=True, smem_stages=1), 64, 512, "nvfp4", "bfloat16", "smem_stages must"),
+        (D.DecodeConfig(16, 1, 16, x_smem=True, smem_stages=4), 64, 512, "nvfp4", "bfloat16", "bytes of shared"),
+        (D.DecodeConfig(4, 1, 64, x_smem=True, smem_stages=4), 64, 512, "nvfp4", "bfloat16", "bytes of shared"),
     ],
 )
 def test_validate_rules(cfg, n, k, fmt, dtype, needle):
@@ -210,6 +215,11 @@ needs_cute = pytest.mark.skipif(not HAVE_CUTE, reason="needs nvidia-cutlass-dsl"
         (D.DecodeConfig(8, 4, 16, split_reduce="cluster", tiles_per_warp=2, x_smem=True), 1000, 2048, "mxfp4", "float16"),
         (D.DecodeConfig(2, 3, 32, split_reduce="cluster", tiles_per_warp=2), 520, 3072, "mxfp4", "float16"),
         (D.DecodeConfig(2, 1, 8, tiles_per_warp=2), 24, 512, "nvfp4", "float16"),
+        (D.DecodeConfig(4, 2, 16, x_smem=True, smem_stages=3), 4096, 4096, "nvfp4", "bfloat16"),
+        (D.DecodeConfig(8, 4, 16, split_reduce="cluster", tiles_per_warp=2, x_smem=True, smem_stages=2),
+         1000, 2048, "mxfp4", "float16"),
+        (D.DecodeConfig(4, 3, 8, split_reduce="last_warp", x_smem=True, smem_stages=4), 200, 1056, "mxfp4",
+         "bfloat16"),
     ],
 )
 def test_compiles_for_sm90a(cfg, n, k, fmt, dtype):
@@ -235,8 +245,6 @@ def test_ctas_per_sm_reaches_the_compiler(tmp_path, monkeypatch):
     """ctas_per_sm=6 becomes ``.minnctapersm 6`` on the main kernel; with ptxas at hand, the
     cubin of the m_max = 16 kernel fits 6 CTAs of 128 threads (<= 85 registers) without spills."""
     import re
-    import shutil
-    import subprocess
 
     cfg = D.DecodeConfig(4, 4, 16, x_smem=True, ctas_per_sm=6)
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
@@ -246,17 +254,55 @@ def test_ctas_per_sm_reaches_the_compiler(tmp_path, monkeypatch):
     text = ptx.read_text()
     main = text[text.index("main_kernel"):]
     assert re.search(r"\.reqntid 128, 1, 1\s+\.minnctapersm 6", main)
+    info = _ptxas_info(text, tmp_path)
+    if info is None:
+        return
+    regs, spill = _regs_spill(info)
+    assert regs <= 65536 // (6 * 128) and spill == 0, info[:400]
+
+
+def _ptxas_info(text: str, tmp_path) -> str | None:
+    """``ptxas -v`` output for the main kernel of ``text``, or None without a usable ptxas (the
+    local one may be older than the PTX the DSL emits; the directives used are not)."""
+    import re
+    import shutil
+    import subprocess
+
     ptxas = shutil.which("ptxas")
     if ptxas is None:
-        return
-    # the local ptxas may be older than the PTX the DSL emits; the directives used are not
+        return None
     src = tmp_path / "k.ptx"
     src.write_text(re.sub(r"^\.version \d+\.\d+", ".version 8.0", text, flags=re.M))
     res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
                          capture_output=True, text=True)
     if res.returncode != 0:
-        return
-    info = res.stderr[res.stderr.index("main_kernel"):]
-    regs = int(re.search(r"Used (\d+) registers", info).group(1))
-    spill = int(re.search(r"(\d+) bytes spill stores", info).group(1))
-    assert regs <= 65536 // (6 * 128) and spill == 0, info[:400]
+        return None
+    return res.stderr[res.stderr.index("main_kernel"):]
+
+
+def _regs_spill(info: str) -> tuple[int, int]:
+    import re
+
+    return (int(re.search(r"Used (\d+) registers", info).group(1)),
+            int(re.search(r"(\d+) bytes spill stores", info).group(1)))
+
+
+@needs_cute
+def test_smem_stages_pipeline_in_ptx(tmp_path, monkeypatch):
+    """smem_stages=3 copies with cp.async, waits until one group (the newest) is in flight, and
+    holds no weight buffer in registers: with ptxas at hand, the m_max = 16 kernel needs far
+    fewer than the 107 registers of the register-buffered one, without spills."""
+    cfg = D.DecodeConfig(4, 2, 16, x_smem=True, smem_stages=3)
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("AUTOFP4_CUTE_DSL_OPTIONS", f"--keep-ptx --dump-dir={tmp_path}")
+    D._compile(cfg, 6144, 4096, "nvfp4", "bfloat16", False)
+    (ptx,) = tmp_path.glob("*.ptx")
+    text = ptx.read_text()
+    main = text[text.index("main_kernel"):]
+    assert main.count("cp.async.cg.shared.global") >= 9  # 8 weight chunks + scales per group
+    assert "cp.async.wait_group 1;" in main and "cp.async.commit_group;" in main
+    info = _ptxas_info(text, tmp_path)
+    if info is not None:
+        regs, spill = _regs_spill(info)
+        assert regs <= 72 and spill == 0, info[:400]
+

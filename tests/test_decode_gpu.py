@@ -37,6 +37,17 @@ CASES = [  # fmt, dtype, n, k, config, Ms, bias
     ("nvfp4", "bfloat16", 4096, 4096, D.DecodeConfig(4, 4, 16, x_smem=True, ctas_per_sm=6), (16, 5), True),
     ("mxfp4", "float16", 1000, 2048, D.DecodeConfig(4, 4, 8, split_reduce="cluster", x_smem=True, ctas_per_sm=8),
      (1, 8), False),
+    # weights, scales and x streamed through a ring of K groups in shared memory (cp.async):
+    # more groups than stages, fewer (K tail zero-filled), every reduction, tiles past N
+    ("nvfp4", "bfloat16", 4096, 4096, D.DecodeConfig(4, 2, 16, x_smem=True, smem_stages=3), (16, 1, 7), True),
+    ("mxfp4", "float16", 200, 1056, D.DecodeConfig(4, 1, 32, x_smem=True, smem_stages=4), (32, 17), False),
+    ("nvfp4", "float16", 1000, 2048, D.DecodeConfig(8, 4, 16, split_reduce="cluster", tiles_per_warp=2,
+                                                    x_smem=True, smem_stages=2), (16, 9), True),
+    ("nvfp4", "bfloat16", 520, 3072, D.DecodeConfig(4, 2, 64, split_reduce="last_warp", x_smem=True,
+                                                    smem_stages=2), (64, 33), True),
+    ("mxfp4", "bfloat16", 4096, 14336, D.DecodeConfig(4, 7, 8, x_smem=True, smem_stages=3), (1, 8), False),
+    ("nvfp4", "bfloat16", 1000, 4096, D.DecodeConfig(4, 1, 8, tiles_per_warp=2, x_smem=True, smem_stages=4),
+     (1, 5), True),
 ]
 
 

@@ -113,6 +113,9 @@ def test_x_smem_is_optional_in_stored_configs():
     assert staged.ctas_per_sm is None  # omitted at its default, like x_smem=False
     capped = _from_kernel_config("decode", D.DecodeConfig(4, 8, 16, x_smem=True, ctas_per_sm=6))
     assert capped.ctas_per_sm == 6 and _to_kernel_config(capped) == D.DecodeConfig(4, 8, 16, x_smem=True, ctas_per_sm=6)
+    staged3 = _from_kernel_config("decode", D.DecodeConfig(4, 8, 16, x_smem=True, smem_stages=3))
+    assert staged3.smem_stages == 3 and capped.smem_stages is None
+    assert _to_kernel_config(staged3) == D.DecodeConfig(4, 8, 16, x_smem=True, smem_stages=3)
     with pytest.raises(ValueError, match="takes no ctas_per_sm"):
         SM90Config(kernel="gemm", tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=1, cluster_n=1,
                    raster="n", ctas_per_sm=6)

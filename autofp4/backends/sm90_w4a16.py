@@ -30,7 +30,7 @@ from .reference import reference_linear
 DECODE_MAX_M = 32
 _DECODE_FIELDS = ("warps", "k_split", "m_max", "prefetch", "split_reduce", "tiles_per_warp")
 # omitted when they have these values (configs stored before they existed)
-_DECODE_OPTIONAL = {"x_smem": False, "ctas_per_sm": 0}
+_DECODE_OPTIONAL = {"x_smem": False, "ctas_per_sm": 0, "smem_stages": 0}
 _GEMM_FIELDS = ("tile_n", "tile_m", "tile_k", "stages", "split_k", "cluster_n", "raster")
 
 
@@ -45,6 +45,7 @@ class SM90Config(BackendConfig):
     tiles_per_warp: Optional[int] = Field(None, ge=1, le=16)
     x_smem: Optional[bool] = None
     ctas_per_sm: Optional[int] = Field(None, ge=0, le=64)
+    smem_stages: Optional[int] = Field(None, ge=0, le=16)
     # gemm kernel
     tile_n: Optional[int] = Field(None, ge=1, le=1024)
     tile_m: Optional[int] = Field(None, ge=1, le=1024)

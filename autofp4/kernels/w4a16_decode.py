@@ -67,6 +67,8 @@ CLUSTER_SMEM_MAX = 96 * 1024  # shared memory for the partial sums of one CTA
 TILES_PER_WARP_CHOICES = (1, 2)
 MAX_CTAS_PER_SM = 32
 MIN_REGS_CAP = 64  # ptxas -v: m_max = 8 needs 62 registers (48 spill 64 bytes); m_max = 16 fits 78
+SMEM_STAGES_CHOICES = (0, 2, 3, 4)
+SMEM_MAX = 227 * 1024  # shared memory one CTA may use on sm_90
 
 # fp32 epilogue factors that undo the power of two folded into the decode (nvfp4)
 _NV_SHIFT = {"bfloat16": 8, "float16": 7}
@@ -100,6 +102,11 @@ class DecodeConfig:
              per SM (``.minnctapersm``: at most 65536 / (n x threads) registers per thread).
              At m_max = 16 the compiler takes 107 registers, 4 CTAs of 4 warps per SM (25%
              occupancy, measured with Nsight Compute on an H200); 6 CTAs fit in 78 without spills.
+    smem_stages: 0 loads each K group's weights into registers right before computing it. n >= 2
+             streams weights, scales and x through an n-deep ring of K groups in shared memory
+             with ``cp.async``: while group i is computed, groups i+1 .. i+n-1 are in flight, one
+             CTA barrier per group, and each lane reads back its own 16-byte chunks (needs
+             x_smem=True).
     """
 
     warps: int = 4
@@ -110,6 +117,7 @@ class DecodeConfig:
     tiles_per_warp: int = 1
     x_smem: bool = False
     ctas_per_sm: int = 0
+    smem_stages: int = 0
 
     @property
     def rows_per_cta(self) -> int:
@@ -131,7 +139,7 @@ def config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
     return {"warps": [2, 4, 8, 16], "k_split": splits, "m_max": list(M_MAX_CHOICES),
             "prefetch": [False, True], "split_reduce": list(SPLIT_REDUCE),
             "tiles_per_warp": list(TILES_PER_WARP_CHOICES), "x_smem": [False, True],
-            "ctas_per_sm": [0, 6, 8]}
+            "ctas_per_sm": [0, 6, 8], "smem_stages": list(SMEM_STAGES_CHOICES)}
 
 
 def validate(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | None:
@@ -193,6 +201,15 @@ def validate(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | N
         if cap < MIN_REGS_CAP:
             return (f"ctas_per_sm={cfg.ctas_per_sm} with {cfg.warps} warps caps registers at {cap} per thread; "
                     f"below {MIN_REGS_CAP} the decode spills")
+    if cfg.smem_stages not in SMEM_STAGES_CHOICES:
+        return f"smem_stages must be one of {SMEM_STAGES_CHOICES}, got {cfg.smem_stages!r}"
+    if cfg.smem_stages:
+        if not cfg.x_smem:
+            return "smem_stages > 0 stages x in shared memory with the weights; it needs x_smem=True"
+        need = _smem_bytes(cfg)
+        if need > SMEM_MAX:
+            return (f"smem_stages={cfg.smem_stages} needs {need} bytes of shared memory per CTA "
+                    f"(limit {SMEM_MAX}); use fewer stages, warps or tiles per warp, or a smaller m_max")
     regs = _register_estimate(cfg)
     if regs > 255:
         return (f"about {regs} registers per thread needed (m_max={cfg.m_max}, tiles_per_warp="
@@ -211,10 +228,24 @@ def _cluster_smem_bytes(cfg: DecodeConfig) -> int:
     return cfg.warps * cfg.tiles_per_warp * (cfg.m_max // 8) * 4 * 32 * 4
 
 
+W_STAGE_BYTES = (CHUNKS + 1) * 32 * 16  # one warp's K group of one tile: 8 weight chunks + scales
+
+
+def _smem_bytes(cfg: DecodeConfig) -> int:
+    """Shared memory per CTA: the cluster partial sums, and the staged x (and weight) groups."""
+    total = _cluster_smem_bytes(cfg) if cfg.split_reduce == "cluster" and cfg.k_split > 1 else 0
+    x_group = cfg.m_max * X_ROW_BYTES
+    if cfg.smem_stages:
+        return total + cfg.smem_stages * (x_group + cfg.warps * cfg.tiles_per_warp * W_STAGE_BYTES)
+    return total + (x_group if cfg.x_smem else 0)
+
+
 def _register_estimate(cfg: DecodeConfig) -> int:
     """Rough registers per thread: weight/scale buffers, x fragments, accumulators, temporaries."""
     nt = cfg.m_max // 8
     buffers = (4 + CHUNKS * 4) * cfg.tiles_per_warp * (2 if cfg.prefetch else 1)
+    if cfg.smem_stages:  # a chunk and the scales of each tile at a time
+        buffers = 8 * cfg.tiles_per_warp
     return 32 + buffers + 8 * nt + 4 * nt * cfg.tiles_per_warp
 
 
@@ -449,6 +480,7 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
     PREFETCH, LAST_WARP = cfg.prefetch, cfg.split_reduce == "last_warp"
     CLUSTER = cfg.split_reduce == "cluster" and cfg.k_split > 1
     XS = cfg.x_smem
+    STAGES = cfg.smem_stages  # 0: weights through registers; else cp.async ring depth
     THREADS = 32 * cfg.warps
     J = cfg.tiles_per_warp * (cfg.m_max // 8) * 4  # accumulators per lane
     TPW = cfg.tiles_per_warp
@@ -558,6 +590,25 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
                             asm_dialect=llvm.AsmDialect.AD_ATT)
         return [Uint32(llvm.extractvalue(T.i32(), r, [i])) for i in range(4)]
 
+    def cp_async16(dst, src, pred, nbytes):
+        """``@pred`` copy 16 bytes global -> shared without registers (``cp.async.cg``: L2 only);
+        the ``16 - nbytes`` bytes past ``nbytes`` (0 or 16) are zero-filled."""
+        llvm.inline_asm(None, [Int32(dst).ir_value(), Int64(src).ir_value(), Int32(pred).ir_value(),
+                               Int32(nbytes).ir_value()],
+                        "{ .reg .pred p; setp.ne.b32 p, $2, 0;\n"
+                        "@p cp.async.cg.shared.global [$0], [$1], 16, $3; }",
+                        "r,l,r,r", has_side_effects=True, is_align_stack=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT)
+
+    def cp_commit():
+        llvm.inline_asm(None, [], "cp.async.commit_group;", "", has_side_effects=True,
+                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+    def cp_wait(pending: int):
+        """Until at most ``pending`` of this thread's newest copy groups are in flight."""
+        llvm.inline_asm(None, [], f"cp.async.wait_group {pending};", "", has_side_effects=True,
+                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
     def st_shared16(addr, v):
         llvm.inline_asm(None, [Int32(addr).ir_value()] + [Uint32(e).ir_value() for e in v],
                         "st.shared.v4.u32 [$0], {$1,$2,$3,$4};", "r,r,r,r,r", has_side_effects=True,
@@ -592,10 +643,43 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
             load_group(buf, tw * NBUF, w_bases[tw], s_bases[tw], gi, Int32(valid[tw] & pred))
 
     @cute.jit
-    def compute_group(buf: cute.Tensor, acc, xv, x_base, gi, g, t, sadd_u, m_rows):
+    def copy_tile(dst, w_base, s_base, gi, ok):
+        """One lane's weight chunks and scale record of K group ``gi`` -> its slots at ``dst``."""
+        cp_async16(dst + CHUNKS * 512, s_base + Int64(gi) * (SLOTS * 16), ok, 16)
+        for c in cutlass.range_constexpr(CHUNKS):
+            cp_async16(dst + c * 512, w_base + (Int64(gi) * CHUNKS + c) * 512, ok, 16)
+
+    @cute.jit
+    def copy_x(x_addr, xs_stage, gi, live, tidx, m_rows):
+        """The CTA's threads copy K group ``gi`` of x (M rows) into one stage; past K, zeros."""
+        for q in cutlass.range(tidx, m_rows * (GROUP_K // 8), THREADS):
+            row = q // (GROUP_K // 8)
+            col = q % (GROUP_K // 8)
+            kk = gi * GROUP_K + col * 8
+            src = x_addr + (Int64(row) * k + Int64(cutlass.min(kk, k - 8))) * 2  # a valid address
+            cp_async16(xs_stage + row * X_ROW_BYTES + col * 16, src, live, Int32(kk < k) * 16)
+
+    def copy_stage(w_stage, w_bases, s_bases, valid, have_tile, gi, g1, x_addr, xs_stage, tidx, m_rows):
+        """Issue (not wait for) every copy of K group ``gi`` into one stage; none past ``g1``."""
+        live = gi < g1
+        for tw in range(TPW):
+            copy_tile(w_stage + tw * W_STAGE_BYTES, w_bases[tw], s_bases[tw], gi,
+                      Int32(valid[tw] & live & have_tile))
+        copy_x(x_addr, xs_stage, gi, Int32(live), tidx, m_rows)
+
+    @cute.jit
+    def compute_group(buf: cute.Tensor, acc, xv, x_base, gi, g, t, sadd_u, m_rows, w_smem):
         """One K group. ``x_base``: this lane's x address in global memory, or (x_smem) in the
         staged group in shared memory (rows >= M hold stale values: they only feed MMA columns
-        that are never stored)."""
+        that are never stored). With shared-memory stages, ``w_smem`` is this lane's slot of
+        the staged group (chunk c of tile tw at ``tw * W_STAGE_BYTES + c * 512``, the scales
+        after the chunks); the lane reads back only what it copied, and ``buf`` holds one
+        chunk and the scales of each tile at a time."""
+        if cutlass.const_expr(STAGES):
+            for tw in cutlass.range_constexpr(TPW):
+                v = ld_shared16(w_smem + tw * W_STAGE_BYTES + CHUNKS * 512)
+                for i in cutlass.range_constexpr(4):
+                    buf[tw * 8 + i] = v[i]
         for c in cutlass.range_constexpr(CHUNKS):
             kin = gi * GROUP_K + c * CHUNK_K + t * 16 < k
             for nt in cutlass.range_constexpr(NT):
@@ -615,9 +699,15 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
                         xv[nt * 8 + 4 + i] = v1[i]
             for tw in cutlass.range_constexpr(TPW):  # the x fragments serve every tile
                 b = tw * NBUF
+                wo = b + 4 + 4 * c  # this chunk's 4 words in buf
+                if cutlass.const_expr(STAGES):
+                    b, wo = tw * 8, tw * 8 + 4
+                    v = ld_shared16(w_smem + tw * W_STAGE_BYTES + c * 512)
+                    for i in cutlass.range_constexpr(4):
+                        buf[wo + i] = v[i]
                 s_g, s_g8 = scale_pairs(buf[b + c // 2] >> Uint32(16 * (c % 2)), sadd_u)
                 for j in cutlass.range_constexpr(4):
-                    wd = buf[b + 4 + 4 * c + j]
+                    wd = buf[wo + j]
                     a = [hmul2(decode(wd, 0), s_g), hmul2(decode(wd, 1), s_g8),
                          hmul2(decode(wd, 2), s_g), hmul2(decode(wd, 3), s_g8)]
                     for nt in cutlass.range_constexpr(NT):
@@ -653,7 +743,34 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
         if cutlass.const_expr(CLUSTER):
             # every lane's partial sums, [warp][accumulator][lane], read by the cluster's CTAs
             sred = smem.allocate_tensor(Float32, cute.make_layout(WARPS * J * 32), byte_alignment=16)
-        if cutlass.const_expr(XS):
+        if cutlass.const_expr(STAGES):
+            # a ring of STAGES K groups: x (m_max padded rows) and every lane's weight chunks
+            # and scales; group i + STAGES - 1 is copied while group i is computed
+            X_STAGE = cfg.m_max * X_ROW_BYTES
+            W_STAGE = WARPS * TPW * W_STAGE_BYTES
+            xs = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(STAGES * X_STAGE), byte_alignment=16)
+            wsm = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(STAGES * W_STAGE), byte_alignment=16)
+            xs_base = Int32(xs.iterator.toint())
+            w_lane = Int32(wsm.iterator.toint()) + warp * (TPW * W_STAGE_BYTES) + lane * 16
+            x_addr = x.iterator.toint()
+            for s0 in cutlass.range_constexpr(STAGES - 1):
+                copy_stage(w_lane + s0 * W_STAGE, w_bases, s_bases, valid, tile0 < TILES, g0 + s0, g1,
+                           x_addr, xs_base + s0 * X_STAGE, tidx, m_rows)
+                cp_commit()
+            for gi in cutlass.range(g0, g1, 1):
+                it = gi - g0
+                cp_wait(STAGES - 2)  # this thread's copies of group gi have landed
+                cute.arch.barrier()  # ... and every thread's; group gi - 1 is no longer read
+                nxt = (it + STAGES - 1) % STAGES
+                copy_stage(w_lane + nxt * W_STAGE, w_bases, s_bases, valid, tile0 < TILES, gi + STAGES - 1,
+                           g1, x_addr, xs_base + nxt * X_STAGE, tidx, m_rows)
+                cp_commit()
+                if tile0 < TILES:
+                    stage = it % STAGES
+                    compute_group(buf_a, acc, xv, xs_base + stage * X_STAGE + t * 32, gi, g, t, sadd_u,
+                                  m_rows, w_lane + stage * W_STAGE)
+            cp_wait(0)
+        elif cutlass.const_expr(XS):
             # one K group of x: m_max rows of 512 values (padded rows)
             xs = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(cfg.m_max * X_ROW_BYTES), byte_alignment=16)
             xs_base = Int32(xs.iterator.toint())
@@ -669,26 +786,26 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
                     st_shared16(xs_base + row * X_ROW_BYTES + col * 16, v)
                 cute.arch.barrier()
                 if tile0 < TILES:
-                    compute_group(buf_a, acc, xv, xs_base + t * 32, gi, g, t, sadd_u, m_rows)
+                    compute_group(buf_a, acc, xv, xs_base + t * 32, gi, g, t, sadd_u, m_rows, Int32(0))
                 cute.arch.barrier()
         if tile0 < TILES:
             x_base = x.iterator.toint() + Int64(t * 32)
-            if cutlass.const_expr(XS):
+            if cutlass.const_expr(XS or STAGES):
                 pass  # computed above, between the barriers
             elif cutlass.const_expr(PREFETCH):
                 # two-deep register pipeline over K groups: load group i+1 while computing i
                 load_tiles(buf_a, w_bases, s_bases, g0, valid, g0 < g1)
                 for gi in cutlass.range(g0, g1, 2):
                     load_tiles(buf_b, w_bases, s_bases, gi + 1, valid, gi + 1 < g1)
-                    compute_group(buf_a, acc, xv, x_base, gi, g, t, sadd_u, m_rows)
+                    compute_group(buf_a, acc, xv, x_base, gi, g, t, sadd_u, m_rows, Int32(0))
                     load_tiles(buf_a, w_bases, s_bases, gi + 2, valid, gi + 2 < g1)
                     if gi + 1 < g1:
-                        compute_group(buf_b, acc, xv, x_base, gi + 1, g, t, sadd_u, m_rows)
+                        compute_group(buf_b, acc, xv, x_base, gi + 1, g, t, sadd_u, m_rows, Int32(0))
             else:
                 # all loads of a group issued at once; other warps hide the latency
                 for gi in cutlass.range(g0, g1, 1):
                     load_tiles(buf_a, w_bases, s_bases, gi, valid, gi < g1)
-                    compute_group(buf_a, acc, xv, x_base, gi, g, t, sadd_u, m_rows)
+                    compute_group(buf_a, acc, xv, x_base, gi, g, t, sadd_u, m_rows, Int32(0))
             # accumulator c0,c1 -> row g, tokens 2t, 2t+1; c2,c3 -> row g+8
             last = Int32(1)
             if cutlass.const_expr(CLUSTER):
