@@ -487,6 +487,24 @@ class _Sm90W4A16Kernel:
         if cluster_red:
             from ._ptx import ld_dsmem_f32
 
+        def load_stage(pipe, state, k_tile0, n_row0, tma_atom_x, tXgX, tXsX, bulk_atom, mW, sW):
+            """Warp 0: acquire the stage at ``state``, issue its x tile (TMA, multicast across the
+            cluster) and weight tiles (bulk copies) on its barrier, and commit. The caller advances
+            ``state`` (in the kernel body, so the DSL carries it through its loops)."""
+            pipe.producer_acquire(state)
+            bar = pipe.producer_get_barrier(state)
+            kt = k_tile0 + state.count
+            cute.copy(tma_atom_x, tXgX[(None, kt)], tXsX[(None, state.index)], tma_bar_ptr=bar, **x_mcast_kw)
+            with cute.arch.elect_one():
+                for b in range(nb_per_cta):  # (traced as plain Python: unrolled)
+                    goff = ((n_row0 + b) * nkc_total + kt * kc_per_tile) * chunk
+                    src = cute.make_tensor(mW.iterator + goff, cute.make_layout((w_copy_bytes,)))
+                    dst = cute.make_tensor(
+                        sW[(None, state.index)].iterator + b * w_copy_bytes, cute.make_layout((w_copy_bytes,))
+                    )
+                    cute.copy(bulk_atom, src, dst, mbar_ptr=bar)
+            pipe.producer_commit(state)
+
         @cute.kernel
         def kernel(
             tma_atom_x: cute.CopyAtom,
@@ -609,23 +627,7 @@ class _Sm90W4A16Kernel:
             n_pre = cutlass.min(stages, k_tiles_split)
             if warp_idx == 0:
                 for i in cutlass.range(n_pre, unroll=1):
-                    pipe.producer_acquire(prod_state)
-                    bar = pipe.producer_get_barrier(prod_state)
-                    kt = k_tile0 + prod_state.count
-                    cute.copy(
-                        tma_atom_x, tXgX[(None, kt)], tXsX[(None, prod_state.index)], tma_bar_ptr=bar,
-                        **x_mcast_kw,
-                    )
-                    with cute.arch.elect_one():
-                        for b in cutlass.range_constexpr(nb_per_cta):
-                            goff = ((n_row0 + b) * nkc_total + kt * kc_per_tile) * chunk
-                            src = cute.make_tensor(mW.iterator + goff, cute.make_layout((w_copy_bytes,)))
-                            dst = cute.make_tensor(
-                                sW[(None, prod_state.index)].iterator + b * w_copy_bytes,
-                                cute.make_layout((w_copy_bytes,)),
-                            )
-                            cute.copy(bulk_atom, src, dst, mbar_ptr=bar)
-                    pipe.producer_commit(prod_state)
+                    load_stage(pipe, prod_state, k_tile0, n_row0, tma_atom_x, tXgX, tXsX, bulk_atom, mW, sW)
                     prod_state.advance()
 
             # ---- mainloop, unrolled by two for the double-buffered A fragment: decode K tile t
@@ -713,23 +715,8 @@ class _Sm90W4A16Kernel:
                             rel_state.advance()
                             if warp_idx == 0:
                                 if prod_state.count < k_tiles_split:
-                                    pipe.producer_acquire(prod_state)
-                                    bar = pipe.producer_get_barrier(prod_state)
-                                    kt = k_tile0 + prod_state.count
-                                    cute.copy(
-                                        tma_atom_x, tXgX[(None, kt)], tXsX[(None, prod_state.index)], tma_bar_ptr=bar,
-                                        **x_mcast_kw,
-                                    )
-                                    with cute.arch.elect_one():
-                                        for b in cutlass.range_constexpr(nb_per_cta):
-                                            goff = ((n_row0 + b) * nkc_total + kt * kc_per_tile) * chunk
-                                            src = cute.make_tensor(mW.iterator + goff, cute.make_layout((w_copy_bytes,)))
-                                            dst = cute.make_tensor(
-                                                sW[(None, prod_state.index)].iterator + b * w_copy_bytes,
-                                                cute.make_layout((w_copy_bytes,)),
-                                            )
-                                            cute.copy(bulk_atom, src, dst, mbar_ptr=bar)
-                                    pipe.producer_commit(prod_state)
+                                    load_stage(pipe, prod_state, k_tile0, n_row0, tma_atom_x, tXgX, tXsX,
+                                               bulk_atom, mW, sW)
                                     prod_state.advance()
 
             cute.nvgpu.warpgroup.wait_group(0)

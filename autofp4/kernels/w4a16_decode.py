@@ -256,30 +256,38 @@ def _sm_count() -> int:
 
 
 def default_config(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> DecodeConfig:
-    """Heuristic from an H200 sweep (``scripts/gpu_check_decode.py --sweep``, the Llama shapes at
+    """Heuristic from H200 sweeps (``scripts/gpu_check_decode.py --sweep``, the Llama shapes at
     M = 1 and 16): the smallest m_max that covers ``m``; x staged in shared memory (faster in 11
     of the 12 cases); split K until about 32 (m_max = 8) or 16 (larger m_max) warps per SM have
     work, keeping every split non-empty, and at m_max = 8 at least two ways when K has four or
     more groups; at m_max = 8 and K <= 8192 the split CTAs sum through a cluster where it fits
     (one launch, the fastest reduction there; at K = 28672 the reduction kernel was 5% faster),
-    otherwise in the reduction kernel."""
+    otherwise in the reduction kernel. At m_max = 16 and K >= 8192 (16 or more K groups):
+    8 warps per CTA, at least two splits, and the weights streamed through a 2-deep ring in
+    shared memory (``smem_stages=2``: 50.7 vs 60.3 us on 70B down, 100.0 vs 104.7 on 70B
+    gate_up, 18.3 vs 20.5 on 8B down at M = 16; at K = 4096 it was 0-15% slower)."""
     m = 16 if m is None else m
     m_max = next((c for c in M_MAX_CHOICES if c >= m), M_MAX_CHOICES[-1])
-    warps = 4
     tiles = _tiles(n)
     g = _groups(k)
+    streamed = m_max == 16 and g >= 16  # (unmeasured at larger m_max: more shared memory)
+    warps, stages = (8, 2) if streamed else (4, 0)
     target_warps = _sm_count() * (32 if m_max == 8 else 16)
     split = max(1, min(g, round(target_warps / max(tiles, 1))))
-    if m_max == 8 and g >= 4:
+    if (m_max == 8 and g >= 4) or streamed:
         split = max(split, 2)
     # snap to a split that leaves no empty CTA
     while split > 1:
-        for red in (("cluster", "kernel") if m_max == 8 and g <= 16 else ("kernel",)):
-            cfg = DecodeConfig(warps=warps, k_split=split, m_max=m_max, split_reduce=red, x_smem=True)
+        for red in (("cluster", "kernel") if (m_max == 8 or streamed) and g <= 16 else ("kernel",)):
+            cfg = DecodeConfig(warps=warps, k_split=split, m_max=m_max, split_reduce=red, x_smem=True,
+                               smem_stages=stages)
             if validate(cfg, n, k, fmt, dtype) is None:
                 return cfg
         split -= 1
-    return DecodeConfig(warps=warps, k_split=1, m_max=m_max, x_smem=True)
+    cfg = DecodeConfig(warps=warps, k_split=1, m_max=m_max, x_smem=True, smem_stages=stages)
+    if validate(cfg, n, k, fmt, dtype) is None:
+        return cfg
+    return DecodeConfig(warps=4, k_split=1, m_max=m_max, x_smem=True)
 
 
 # ----------------------------------------------------------------------------- layout
