@@ -101,6 +101,9 @@ def main() -> int:
         rows.append((f"runner(x, w) direct [{backend.name}]", direct))
         rows.append(("autofp4.linear(x, w) eager", full))
         rows.append(("  overhead of autofp4.linear", full - direct))
+        bare = next((us for name, us in rows if name.startswith("bare decode launch")), None)
+        if bare is not None:  # the same config launched bare: the "added per eager call"
+            rows.append(("  autofp4.linear over the bare launch (same config)", full - bare))
 
     width = max(len(r[0]) for r in rows)
     print(f"device={dev}  N={args.n} K={args.k} M={args.m}  torch {torch.__version__}")

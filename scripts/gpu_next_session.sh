@@ -3,7 +3,9 @@
 # a fresh tuning DB and the side-by-side benchmark. Every stage is time-boxed and writes under
 # $OUT; run it in two calls (STAGE=1, then STAGE=2) to stay inside a 10-minute call limit.
 #   STAGE=1: GPU tests (4 parallel pytest processes) + decode sweep at M = 1, 16 (~5 min)
-#   STAGE=2: tune Llama-3.1-8B (fair 330 s budget), export, benchmark (~9 min)
+#   (SWEEP=none: tests only)
+#   STAGE=2: tune each TUNES entry (model:fmt:seconds, default Llama-3.1-8B NVFP4 for 330 s)
+#            into $DB, export it; with BENCH=1 (default) the benchmark and host overhead
 OUT=${OUT:-out}; mkdir -p "$OUT"
 DB=${DB:-/tmp/autofp4-h200.db}
 if [ "${STAGE:-1}" = 1 ]; then
@@ -19,16 +21,24 @@ if [ "${STAGE:-1}" = 1 ]; then
     timeout ${SWEEP_TIMEOUT:-300} python3 scripts/gpu_check_decode.py --sweep --skip-correct --ms 1,16 \
       > "$OUT/decode_sweep.txt" 2>&1
     tail -14 "$OUT/decode_sweep.txt"
-  else
+  elif [ "$SWEEP" = gemm ]; then
     timeout ${SWEEP_TIMEOUT:-200} python3 scripts/gpu_sweep_gemm.py --ms 64,128,512 > "$OUT/gemm_sweep.txt" 2>&1
     tail -19 "$OUT/gemm_sweep.txt"
   fi
 else
-  python3 -m autofp4 tune --model examples/llama-3.1-8b.json --db "$DB" --m 1,16,64,128,512,2048,8192 \
-    --time-budget "${TUNE_SECONDS:-330}" --no-progress > "$OUT/tune.txt" 2>&1
-  tail -4 "$OUT/tune.txt" | cut -c1-200
+  # TUNES: model:fmt:seconds entries, tuned in order into $DB; then export; BENCH=1 benchmarks
+  for t in ${TUNES:-llama-3.1-8b:nvfp4:330}; do
+    model=${t%%:*}; rest=${t#*:}; fmt=${rest%%:*}; secs=${rest#*:}
+    python3 -m autofp4 tune --model "examples/$model.json" --fmt "$fmt" --db "$DB" \
+      --m 1,16,64,128,512,2048,8192 --time-budget "$secs" --no-progress > "$OUT/tune-$model-$fmt.txt" 2>&1
+    echo "$model $fmt: $(tail -3 "$OUT/tune-$model-$fmt.txt" | head -1 | cut -c1-160)"
+  done
   python3 -m autofp4 db export --db "$DB" --env current --out "$OUT/nvidia-h200.json"
-  AUTOFP4_DB="$DB" timeout ${BENCH_TIMEOUT:-200} python3 scripts/bench_linear.py --out "$OUT" \
-    --partial "$OUT/bench_linear.json" --fmt nvfp4,mxfp4 --reps 10 > "$OUT/bench_linear.txt" 2>&1
-  tail -8 "$OUT/bench_linear.txt"
+  if [ "${BENCH:-1}" = 1 ]; then
+    AUTOFP4_DB="$DB" timeout ${BENCH_TIMEOUT:-200} python3 scripts/bench_linear.py --out "$OUT" \
+      --partial "$OUT/bench_linear.json" --fmt nvfp4,mxfp4 --reps 10 > "$OUT/bench_linear.txt" 2>&1
+    tail -8 "$OUT/bench_linear.txt"
+    AUTOFP4_DB="$DB" timeout 60 python3 scripts/bench_dispatch.py > "$OUT/host-overhead.txt" 2>&1
+    tail -4 "$OUT/host-overhead.txt"
+  fi
 fi
