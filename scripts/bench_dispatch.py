@@ -54,7 +54,8 @@ def _decode_layers(w, cfg, x, calls, sync) -> list[tuple[str, float]]:
     p = D.pack_weight(w)
     m = x.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    ws = torch.empty(max(1, kcfg.k_split), m, -(-n // 16) * 16, dtype=torch.float32, device=x.device)
+    ws = (torch.empty(kcfg.k_split, m, -(-n // 16) * 16, dtype=torch.float32, device=x.device)
+          if D._needs_workspace(kcfg) else torch.empty(1, dtype=torch.float32, device=x.device))
     cnt = torch.zeros(-(-n // 16), dtype=torch.int32, device=x.device)
     dummy = torch.zeros(1, dtype=x.dtype, device=x.device)
     run = D.compile_kernel(kcfg, n, k, w.fmt, "bfloat16")
