@@ -246,19 +246,24 @@ def test_ctas_per_sm_reaches_the_compiler(tmp_path, monkeypatch):
     cubin of the m_max = 16 kernel fits 6 CTAs of 128 threads (<= 85 registers) without spills."""
     import re
 
-    cfg = D.DecodeConfig(4, 4, 16, x_smem=True, ctas_per_sm=6)
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    monkeypatch.setenv("AUTOFP4_CUTE_DSL_OPTIONS", f"--keep-ptx --dump-dir={tmp_path}")
-    D._compile(cfg, 6144, 4096, "nvfp4", "bfloat16", False)
-    (ptx,) = tmp_path.glob("*.ptx")
-    text = ptx.read_text()
-    main = text[text.index("main_kernel"):]
+    text, main = _compiled_ptx(D.DecodeConfig(4, 4, 16, x_smem=True, ctas_per_sm=6), tmp_path, monkeypatch)
     assert re.search(r"\.reqntid 128, 1, 1\s+\.minnctapersm 6", main)
     info = _ptxas_info(text, tmp_path)
     if info is None:
         return
     regs, spill = _regs_spill(info)
     assert regs <= 65536 // (6 * 128) and spill == 0, info[:400]
+
+
+def _compiled_ptx(cfg, tmp_path, monkeypatch) -> tuple[str, str]:
+    """The PTX of ``cfg`` for a 6144 x 4096 NVFP4 bf16 problem (compiled for sm_90a, bypassing
+    the kernel cache), and its text from the main kernel on."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("AUTOFP4_CUTE_DSL_OPTIONS", f"--keep-ptx --dump-dir={tmp_path}")
+    D._compile(cfg, 6144, 4096, "nvfp4", "bfloat16", False)
+    (ptx,) = tmp_path.glob("*.ptx")
+    text = ptx.read_text()
+    return text, text[text.index("main_kernel"):]
 
 
 def _ptxas_info(text: str, tmp_path) -> str | None:
@@ -292,13 +297,7 @@ def test_smem_stages_pipeline_in_ptx(tmp_path, monkeypatch):
     """smem_stages=3 copies with cp.async, waits until one group (the newest) is in flight, and
     holds no weight buffer in registers: with ptxas at hand, the m_max = 16 kernel needs far
     fewer than the 107 registers of the register-buffered one, without spills."""
-    cfg = D.DecodeConfig(4, 2, 16, x_smem=True, smem_stages=3)
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    monkeypatch.setenv("AUTOFP4_CUTE_DSL_OPTIONS", f"--keep-ptx --dump-dir={tmp_path}")
-    D._compile(cfg, 6144, 4096, "nvfp4", "bfloat16", False)
-    (ptx,) = tmp_path.glob("*.ptx")
-    text = ptx.read_text()
-    main = text[text.index("main_kernel"):]
+    text, main = _compiled_ptx(D.DecodeConfig(4, 2, 16, x_smem=True, smem_stages=3), tmp_path, monkeypatch)
     assert main.count("cp.async.cg.shared.global") >= 9  # 8 weight chunks + scales per group
     assert "cp.async.wait_group 1;" in main and "cp.async.commit_group;" in main
     info = _ptxas_info(text, tmp_path)
