@@ -7,8 +7,8 @@ later calls, in this process or any other (a tuner's compile workers, the next s
 inference server), load the file instead of compiling.
 
 The file name hashes everything the binary depends on: the kernel's name and parameters (config,
-shape, format, dtype, ...), the source of the module that builds it, the CuTeDSL version and the
-target architecture. Files are written to a temporary name and renamed, so a crash or two
+shape, format, dtype, ...), the code of the module that builds it (without its comments and
+docstrings, see :func:`code_only`), the CuTeDSL version and the target architecture. Files are written to a temporary name and renamed, so a crash or two
 processes compiling the same kernel never leave a partial file; a file that fails to load is
 deleted and the kernel compiled again.
 
@@ -17,10 +17,13 @@ deleted and the kernel compiled again.
 """
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import inspect
+import io
 import os
+import tokenize
 import tempfile
 import warnings
 from pathlib import Path
@@ -40,19 +43,47 @@ def cache_dir() -> Path | None:
     return Path(base) / "autofp4" / "kernels"
 
 
+def code_only(source: str) -> str:
+    """``source`` without its comments, docstrings, blank lines and trailing spaces: the part of a
+    kernel's source that its hashes cover, so that editing prose neither retires tuned rows nor
+    recompiles cached kernels. Docstring lines come from ``ast``, comment columns from
+    ``tokenize``; both agree across Python versions, and the kept text is the file's own."""
+    docs: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) or not body:
+            continue
+        first = body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            shares_line = len(body) > 1 and body[1].lineno == first.end_lineno
+            if not shares_line:
+                docs.update(range(first.lineno, first.end_lineno + 1))
+    cut = {tok.start[0]: tok.start[1] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+           if tok.type == tokenize.COMMENT}
+    lines = []
+    for i, line in enumerate(source.splitlines(), 1):
+        if i in docs:
+            continue
+        line = line[:cut.get(i, len(line))].rstrip()
+        if line:
+            lines.append(line)
+    return "\n".join(lines)
+
+
 def kernel_source(module_name: str) -> str:
-    """The source of a kernel module followed by the sources of the helper modules it names in
-    ``KERNEL_SOURCES`` (read from their files, so helpers that need CuTeDSL are not imported)."""
+    """The code (:func:`code_only`) of a kernel module followed by that of the helper modules it
+    names in ``KERNEL_SOURCES`` (read from their files, so helpers that need CuTeDSL are not
+    imported)."""
     import importlib
     import importlib.util
 
     mod = importlib.import_module(module_name)
-    parts = [inspect.getsource(mod)]
+    parts = [code_only(inspect.getsource(mod))]
     for dep in getattr(mod, "KERNEL_SOURCES", ()):
         spec = importlib.util.find_spec(dep)
         if spec is None or spec.origin is None:
             raise ImportError(f"{module_name} names a kernel source {dep!r} that cannot be found")
-        parts.append(Path(spec.origin).read_text())
+        parts.append(code_only(Path(spec.origin).read_text()))
     return "\n".join(parts)
 
 

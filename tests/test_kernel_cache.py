@@ -148,3 +148,38 @@ def test_cli_reports_and_clears_the_cache(cache, capsys):
     text = capsys.readouterr().out
     assert "removed 1 compiled kernels" in text and "0 compiled kernels" in text
     assert not list(cache.glob("*.o"))
+
+
+def test_code_only_drops_prose_and_keeps_code():
+    """The source hashes (tuning rows, kernel cache) cover code, not comments or docstrings."""
+    src = (
+        '"""Module doc."""\n'
+        "import os  # why\n"
+        "\n"
+        'X = "# not a comment"\n'
+        "\n"
+        "\n"
+        "class C:\n"
+        '    """Class doc."""\n'
+        "    y = 1\n"
+        "\n"
+        "\n"
+        "def f(a):\n"
+        '    """Doc\n'
+        '    on two lines."""\n'
+        "    # a comment line\n"
+        "    return a + 1  # trailing\n"
+    )
+    code = kernel_cache.code_only(src)
+    assert code.splitlines() == ["import os", 'X = "# not a comment"', "class C:", "    y = 1",
+                                 "def f(a):", "    return a + 1"]
+    reworded = (src.replace("Module doc.", "Other words.").replace("# why", "# because, at length")
+                .replace("on two lines.", "on three\n    lines.").replace("# a comment line", "# another"))
+    assert kernel_cache.code_only(reworded) == code
+    assert kernel_cache.code_only(src.replace("a + 1", "a + 2")) != code
+    assert kernel_cache.code_only(src.replace('"# not a comment"', '"# changed"')) != code
+    # on a real kernel module: a docstring edit keeps its hash, a constant does not
+    text = open(D.__file__).read()
+    assert kernel_cache.code_only(text) == kernel_cache.code_only(text.replace("How it works", "How it runs"))
+    assert kernel_cache.code_only(text) != kernel_cache.code_only(text.replace("GROUP_K = CHUNK_K * CHUNKS",
+                                                                                "GROUP_K = CHUNK_K * 4"))

@@ -9,7 +9,8 @@ How it works
   accumulate). The decoded *weights* are the A operand (16 rows of N per MMA), the tokens the
   N=8 operand (``m_max / 8`` n8 tiles), so M = 1..8 wastes no weight bandwidth.
 * Each warp owns ``tiles_per_warp`` 16-row tiles of W (sharing its x fragments) and a range of
-  K (``k_split`` CTAs share a tile's K); no shared memory, no CTA barriers.
+  K (``k_split`` CTAs share a tile's K). Without ``x_smem`` the warps share nothing: no shared
+  memory, no CTA barriers.
   K is walked in groups of 512 = 8 chunks of 64. Per chunk, each lane issues ONE 16-byte load
   that holds exactly its A fragments for 4 MMAs (rows ``g`` and ``g + 8``, 16 consecutive K).
   The reduction over K is order-free, so lane ``t`` of a quad takes the physical K range
@@ -32,6 +33,18 @@ How it works
   bypassing L1, one scale record) before decoding; with ``prefetch`` the next group's loads are
   issued into a second register buffer before the current group is computed. x is read with
   L1-cached 16-byte loads (only rows < M; other lanes' loads are predicated off).
+* ``x_smem``: the CTA copies each K group of x (M rows of 512) into shared memory between two
+  CTA barriers, and every warp reads its B fragments there; the group's weight loads are issued
+  before the copy, so both are in flight together.
+* ``smem_stages = n``: weights, scales and x of K groups go through an n-deep ring in shared
+  memory with ``cp.async`` (``.cg``: L2 only); while group i is computed, the copies of groups
+  i+1 .. i+n-1 are in flight. One ``cp.async.wait_group n-2`` and one CTA barrier per group;
+  each lane reads back only the 16-byte chunks it copied, one chunk at a time, so the weight
+  buffer leaves the registers (56 instead of 107 at m_max = 16). Past K, x is zero-filled.
+* ``ctas_per_sm = n``: ``.minnctapersm n``, the compiler caps registers so n CTAs fit per SM.
+* ``split_reduce="cluster"``: the ``k_split`` CTAs of a tile form a thread-block cluster; each
+  leaves its partial sums in shared memory and, after a cluster barrier, sums its share of the
+  outputs over the cluster (``mapa`` + ``ld.shared::cluster``) and stores them.
 * ``k_split > 1``: each CTA writes fp32 partial sums to a workspace ``[k_split, M, N16]``
   (``torch.empty`` per call). ``split_reduce="kernel"``: a second small kernel sums them and
   applies the epilogue and bias. ``"last_warp"``: one launch; each warp counts itself in on a
