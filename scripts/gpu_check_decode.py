@@ -40,15 +40,18 @@ def fp4_bytes(n, k, fmt):
 
 
 def rotation(packed, dense, fp4_nbytes):
-    """Copies of a packed weight (a dataclass of tensors) and of its dense bf16 twin, enough of
-    each to exceed three L2s, and the number of calls a timing graph makes to cycle them twice."""
+    """Copies of a packed weight (a dataclass of tensors) and of its dense bf16 twin (none when
+    ``dense`` is None), enough of each to exceed three L2s, and the number of calls a timing
+    graph makes to cycle them twice."""
     def clone(p):
         return dataclasses.replace(p, **{f.name: getattr(p, f.name).clone() for f in dataclasses.fields(p)
                                          if isinstance(getattr(p, f.name), torch.Tensor)})
 
     copies = max(2, math.ceil(3 * L2_BYTES / fp4_nbytes))
-    dense_copies = max(2, math.ceil(3 * L2_BYTES / (dense.numel() * dense.element_size())))
     packs = [packed] + [clone(packed) for _ in range(copies - 1)]
+    if dense is None:
+        return packs, [], 2 * copies
+    dense_copies = max(2, math.ceil(3 * L2_BYTES / (dense.numel() * dense.element_size())))
     denses = [dense] + [dense.clone() for _ in range(dense_copies - 1)]
     return packs, denses, 2 * max(copies, dense_copies)
 

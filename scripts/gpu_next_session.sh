@@ -2,7 +2,8 @@
 # One GPU lease for a kernel change: correctness first, then where the new configs stand, then
 # a fresh tuning DB and the side-by-side benchmark. Every stage is time-boxed and writes under
 # $OUT; run it in two calls (STAGE=1, then STAGE=2) to stay inside a 10-minute call limit.
-#   STAGE=1: GPU tests (4 parallel pytest processes) + decode sweep at M = 1, 16 (~5 min)
+#   STAGE=1: GPU tests (4 parallel pytest processes) + decode sweep at M = 1, 16 (~5 min);
+#   SWEEP=gemm: the GEMM sweep at M = 16, 64, 128, 512 instead (with the decode default at 16)
 #   (SWEEP=none: tests only)
 #   STAGE=2: tune each TUNES entry (model:fmt:seconds, default Llama-3.1-8B NVFP4 for 330 s)
 #            into $DB, export it; with BENCH=1 (default) the benchmark and host overhead
@@ -22,8 +23,8 @@ if [ "${STAGE:-1}" = 1 ]; then
       > "$OUT/decode_sweep.txt" 2>&1
     tail -14 "$OUT/decode_sweep.txt"
   elif [ "$SWEEP" = gemm ]; then
-    timeout ${SWEEP_TIMEOUT:-200} python3 scripts/gpu_sweep_gemm.py --ms 64,128,512 > "$OUT/gemm_sweep.txt" 2>&1
-    tail -19 "$OUT/gemm_sweep.txt"
+    timeout ${SWEEP_TIMEOUT:-200} python3 scripts/gpu_sweep_gemm.py --ms 16,64,128,512 > "$OUT/gemm_sweep.txt" 2>&1
+    tail -26 "$OUT/gemm_sweep.txt"
   fi
 else
   # TUNES: model:fmt:seconds entries, tuned in order into $DB; then export; BENCH=1 benchmarks

@@ -1,12 +1,14 @@
-"""A/B sweep of the Hopper W4A16 GEMM at medium M (64..512) on the benchmark shapes.
+"""A/B sweep of the Hopper W4A16 GEMM at small and medium M (16..512) on the benchmark shapes.
 
-For every (shape, M): the default config, then a small grid around it (weight tile 64/128 rows,
-token tiles that fit M, split-K 1/2/4, the deepest pipeline that fits), all checked against a
-bf16 matmul of the dequantized weight and timed in CUDA graphs that rotate weight copies past
-the L2, next to cuBLAS bf16 in the same run. Every config is compiled first, in parallel
-processes, into the kernel cache. Prints a table last; JSON rows go to $OUT/gemm_sweep.json.
+For every (shape, M): the GEMM's default config, then a small grid around it (weight tile
+64/128 rows, the two largest token tiles of 16..256 that fit M, split-K 1/2/4 (and 8 at
+M <= 32), the deepest pipeline that fits), all checked against a bf16 matmul of the dequantized
+weight and timed in CUDA graphs that rotate weight copies past the L2, next to cuBLAS bf16 and,
+where M fits it, the decode kernel's default config (what the dispatcher runs untuned at
+M <= 32) in the same run. Every config is compiled first, in parallel processes, into the
+kernel cache. Prints a table last; JSON rows go to $OUT/gemm_sweep.json.
 
-    python scripts/gpu_sweep_gemm.py [--fmt nvfp4] [--ms 64,128,512] [--shapes "8B o,8B down"]
+    python scripts/gpu_sweep_gemm.py [--fmt nvfp4] [--ms 16,64,128,512] [--shapes "8B o,8B down"]
 """
 import argparse
 import concurrent.futures as cf
@@ -23,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import autofp4  # noqa: E402
 from autofp4.kernels import sm90_w4a16_gemm as G  # noqa: E402
+from autofp4.kernels import w4a16_decode as D  # noqa: E402
 from bench_linear import SHAPES  # noqa: E402
 from gpu_check_decode import fp4_bytes, graph_time, rotation  # noqa: E402
 
@@ -30,11 +33,12 @@ from gpu_check_decode import fp4_bytes, graph_time, rotation  # noqa: E402
 def sweep_configs(n, k, fmt, m):
     base = G.default_config(n, k, fmt, "bfloat16", m)
     out = [base]
-    tms = [t for t in (64, 128, 256) if t <= max(64, 1 << (m - 1).bit_length())][-2:]
+    tms = [t for t in (16, 32, 64, 128, 256) if t <= max(16, 1 << (m - 1).bit_length())][-2:]
     for tn in (64, 128):
         for tm in tms:
-            for sk in (1, 2, 4):
-                for tk, st in ((256, 4), (128, 6), (128, 5), (128, 4), (64, 6), (64, 4)):
+            for sk in ((1, 2, 4, 8) if m <= 32 else (1, 2, 4)):
+                deep = ((256, 8), (256, 6)) if m <= 32 else ()  # small x tiles leave room for stages
+                for tk, st in (*deep, (256, 4), (128, 6), (128, 5), (128, 4), (64, 6), (64, 4)):
                     c = G.Sm90GemmConfig(tile_n=tn, tile_m=tm, tile_k=tk, stages=st, split_k=sk)
                     if G.validate(c, n, k, fmt, "bfloat16") is None:
                         if c not in out:
@@ -55,7 +59,7 @@ def _compile_one(job):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fmt", default="nvfp4")
-    ap.add_argument("--ms", default="64,128,512")
+    ap.add_argument("--ms", default="16,64,128,512")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
@@ -82,10 +86,18 @@ def main():
         wd = w.dequantize(torch.bfloat16)
         packs, dense, calls = rotation(p0, wd, fp4_bytes(n, k, fmt))
         copies, dense_copies = len(packs), len(dense)
+        dpacks = None
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x.float(), wd.float())
             t_blas = graph_time([(lambda i=i: F.linear(x, dense[i % dense_copies])) for i in range(calls)])[0]
+            t_dec = None
+            if m <= max(D.M_MAX_CHOICES):  # the decode kernel's default, the GEMM's rival here
+                if dpacks is None:
+                    dpacks = rotation(D.pack_weight(w), None, fp4_bytes(n, k, fmt))[0]
+                drun = D.compile_kernel(D.default_config(n, k, fmt, "bfloat16", m), n, k, fmt, "bfloat16")
+                t_dec = graph_time([(lambda i=i: drun(x, dpacks[i % len(dpacks)], None)) for i in range(calls)])[0]
+                print(f"  {name:12s} M={m:4d} decode default {t_dec:8.2f} us", flush=True)
             for j, cfg in enumerate(sweep_configs(n, k, fmt, m)):
                 try:
                     run = G.compile_kernel(cfg, n, k, fmt, "bfloat16")
@@ -96,15 +108,17 @@ def main():
                     print(f"  {name} M={m} {cfg}: ERROR {e!r}", flush=True)
                     continue
                 rows.append(dict(shape=name, n=n, k=k, m=m, fmt=fmt, cfg=str(cfg), default=j == 0, us=t,
-                                 cublas_us=t_blas, rel_err=rel, tflops=2 * m * n * k / t / 1e6))
+                                 cublas_us=t_blas, decode_default_us=t_dec, rel_err=rel,
+                                 tflops=2 * m * n * k / t / 1e6))
                 print(f"  {name:12s} M={m:4d} {t:8.2f} us cublas {t_blas:8.2f} x{t_blas / t:.2f} "
                       f"rel={rel:.1e} {'DEFAULT ' if j == 0 else ''}{cfg}", flush=True)
-        del packs, dense, w, wd, p0
+        del packs, dense, dpacks, w, wd, p0
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "gemm_sweep.json"), "w") as f:
             json.dump(rows, f, indent=1)
-    print(f"\n{'shape':12s} {'M':>4s} {'cuBLAS':>8s} {'default':>8s} {'best':>8s} {'x best':>7s} {'rel':>8s}  best config")
+    print(f"\n{'shape':12s} {'M':>4s} {'cuBLAS':>8s} {'decode':>8s} {'default':>8s} {'best':>8s} {'x best':>7s} "
+          f"{'rel':>8s}  best config")
     for name in shapes:
         for m in ms:
             pts = [r for r in rows if r["shape"] == name and r["m"] == m and "us" in r]
@@ -113,7 +127,8 @@ def main():
             d = next((r for r in pts if r["default"]), None)
             b = min(pts, key=lambda r: r["us"])
             worst = max(r["rel_err"] for r in pts)
-            print(f"{name:12s} {m:4d} {b['cublas_us']:8.2f} {d['us'] if d else float('nan'):8.2f} {b['us']:8.2f} "
+            dec = b["decode_default_us"] if b["decode_default_us"] is not None else float("nan")
+            print(f"{name:12s} {m:4d} {b['cublas_us']:8.2f} {dec:8.2f} {d['us'] if d else float('nan'):8.2f} {b['us']:8.2f} "
                   f"{b['cublas_us'] / b['us']:6.2f}x {worst:8.1e}  {b['cfg'][15:]}")
 
 
