@@ -8,9 +8,9 @@ inference server), load the file instead of compiling.
 
 The file name hashes everything the binary depends on: the kernel's name and parameters (config,
 shape, format, dtype, ...), the code of the module that builds it (without its comments and
-docstrings, see :func:`code_only`), the CuTeDSL version and the target architecture. Files are written to a temporary name and renamed, so a crash or two
-processes compiling the same kernel never leave a partial file; a file that fails to load is
-deleted and the kernel compiled again.
+docstrings, see :func:`code_only`), the CuTeDSL version and the target architecture. Files are
+written to a temporary name and renamed, so a crash or two processes compiling the same kernel
+never leave a partial file; a file that fails to load is deleted and the kernel compiled again.
 
 ``$AUTOFP4_KERNEL_CACHE`` names the directory (default ``$XDG_CACHE_HOME/autofp4/kernels``);
 ``off`` (or ``0``) disables the cache: every call compiles.
@@ -23,8 +23,8 @@ import hashlib
 import inspect
 import io
 import os
-import tokenize
 import tempfile
+import tokenize
 import warnings
 from pathlib import Path
 from typing import Any, Callable
