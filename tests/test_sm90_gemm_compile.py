@@ -43,17 +43,20 @@ def _half_bits_to_float(bits: int, dtype: str) -> float:
 
 
 def _emulate(packed: g.PackedSm90Weight, dtype: str) -> torch.Tensor:
-    """Dense [N, K] float64 weight from the packed bytes, reading them the way the kernel does:
+    """Dense [N, K] float64 weight from the packed bytes, computed the way the kernel does:
     thread t of a warpgroup loads bytes [16t, 16t+16) of a 64x64 chunk, word i = k16 step i, and
-    decodes pair j of its wgmma A fragment with the shift/mask terms; scales at 2048 + q * s."""
+    decodes pair j of its wgmma A fragment with the shift/mask terms into ``dtype`` bits; row
+    group q's scale word of the step (NVFP4) or 32-block (MXFP4) at 2048 + 4 (q * words + i)
+    holds bf16 patterns (turned into fp16 ones with the kernel's multiply-add); the product of
+    the two is rounded to ``dtype`` and the epilogue multiplies by alpha."""
     data = packed.data.cpu()
     nbk, nkc, _ = data.shape
     n, k = packed.n, packed.k
     out = torch.zeros(nbk * 64, nkc * 64, dtype=torch.float64)
     terms = g._decode_terms(dtype)
-    raw_exp = -126 if dtype == "bfloat16" else -14
     is_nv = packed.fmt == "nvfp4"
-    sper = 8 if is_nv else 4
+    nw = 4 if is_nv else 2
+    rnd = torch.bfloat16 if dtype == "bfloat16" else torch.float16
     for nb in range(nbk):
         for kc in range(nkc):
             ch = data[nb, kc].tolist()
@@ -62,10 +65,14 @@ def _emulate(packed: g.PackedSm90Weight, dtype: str) -> torch.Tensor:
                 r0 = 16 * warp + lane // 4
                 c = lane % 4
                 q = t // 4
-                sb = ch[2048 + q * sper: 2048 + (q + 1) * sper]
                 for step in range(4):
                     wb = ch[16 * t + 4 * step: 16 * t + 4 * step + 4]
                     word = wb[0] | wb[1] << 8 | wb[2] << 16 | wb[3] << 24
+                    so = 2048 + 4 * (q * nw + (step if is_nv else step // 2))
+                    sw = ch[so] | ch[so + 1] << 8 | ch[so + 2] << 16 | ch[so + 3] << 24
+                    if dtype == "float16":
+                        sw = (sw * 8 + g.FP16_FROM_BF16) & 0xFFFFFFFF
+                    scale = [_half_bits_to_float((sw >> (16 * h)) & 0xFFFF, dtype) for h in range(2)]
                     coords = [(r0, 2 * c), (r0, 2 * c + 1), (r0 + 8, 2 * c), (r0 + 8, 2 * c + 1),
                               (r0, 2 * c + 8), (r0, 2 * c + 9), (r0 + 8, 2 * c + 8),
                               (r0 + 8, 2 * c + 9)]
@@ -75,18 +82,12 @@ def _emulate(packed: g.PackedSm90Weight, dtype: str) -> torch.Tensor:
                             reg |= ((word << sh) if sh >= 0 else (word >> -sh)) & mask
                         reg &= 0xFFFFFFFF
                         for h in range(2):
-                            v = _half_bits_to_float((reg >> (16 * h)) & 0xFFFF, dtype) * 2.0**-raw_exp
+                            v = _half_bits_to_float((reg >> (16 * h)) & 0xFFFF, dtype)
                             row, col = coords[2 * j + h]
-                            half = 0 if row == r0 else 1
-                            if is_nv:
-                                s = _e4m3_to_float(sb[2 * step + half])
-                            else:
-                                s = 2.0 ** (sb[2 * (step // 2) + half] - 127)
-                            out[nb * 64 + row, kc * 64 + step * 16 + col] = v * s
-    dense = out[:n, :k].float()  # v * s is exact in fp32
-    if is_nv:  # the global scale, applied in fp32 like the kernel's epilogue
-        dense = dense * (packed.alpha.cpu().float() / 128.0)
-    return dense
+                            prod = v * scale[0 if row == r0 else 1]
+                            assert float(torch.tensor(prod, dtype=torch.float64).to(rnd)) == prod, prod
+                            out[nb * 64 + row, kc * 64 + step * 16 + col] = prod
+    return out[:n, :k].float() * float(packed.alpha)  # products are exact; fp32 epilogue
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -123,17 +124,39 @@ def test_pack_decode_terms_cover_each_bit_once():
     assert seen == set(range(32))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_mxfp4_folded_exponents_in_range_including_padding(dtype, gen):
-    """The kernel builds the scale's bits as (E + base - shift) << mantissa_bits: every scale byte
-    of the packed weight, padding included, must give a finite normal exponent field."""
+def test_nvfp4_negative_and_zero_block_scales(gen):
+    """A negative block scale is folded into the values' signs, a zero one zeroes the block; both
+    give the weight's exact values (and only positive, nonzero scales reach the kernel)."""
+    w = torch.randn(64, 64, generator=gen)
+    fw = quantize(w, "nvfp4")
+    raw = fw.scale.view(torch.uint8)
+    raw[0, 0] |= 0x80  # -s
+    raw[5, 2] = 0x00   # +0
+    raw[9, 3] = 0x80   # -0
+    want = fw.dequantize(torch.float32)
+    assert want[0, :16].abs().sum() > 0 and want[5, 32:48].abs().sum() == 0
+    packed = g.pack_weight(fw)
+    s = packed.data[..., g.VALUE_BYTES:].reshape(-1, 2).view(torch.int16)  # bf16 patterns
+    assert int(s.min()) > 0
+    for dtype in ("bfloat16", "float16"):
+        torch.testing.assert_close(_emulate(packed, dtype), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_stored_scales_convert_to_fp16_including_padding(fmt, gen):
+    """Every stored scale pattern, padding included, is a positive normal bf16 whose exponent
+    field the kernel's fp16 conversion maps into 1..30 (a finite normal fp16)."""
     w = torch.randn(80, 96, generator=gen) * torch.rand(80, 1, generator=gen).add(0.1)
-    p = g.pack_weight(quantize(w, "mxfp4"))
-    e = p.data[..., g.VALUE_BYTES:].reshape(-1).to(torch.int32)
-    base, top = (126, 254) if dtype == "bfloat16" else (-98, 30)
-    f = e + base - p.scale_shift
-    assert p.fp16_ok
-    assert int(f.min()) >= 1 and int(f.max()) <= top
+    p = g.pack_weight(quantize(w, fmt))
+    assert p.data.shape[-1] == g.VALUE_BYTES + 32 * 4 * (4 if fmt == "nvfp4" else 2)
+    halves = p.data[..., g.VALUE_BYTES:].reshape(-1, 2).view(torch.int16).to(torch.int32)
+    field = halves >> 7
+    assert int(halves.min()) > 0 and int(field.max()) <= 254 and int(field.min()) - 224 >= 1
+    words = p.data[..., g.VALUE_BYTES:].reshape(-1, 4).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    f16 = (words * 8 + g.FP16_FROM_BF16) & 0xFFFFFFFF
+    for h in (0, 16):
+        e5 = (f16 >> (h + 10)) & 0x1F
+        assert int(e5.min()) >= 1 and int(e5.max()) <= 30
 
 
 def test_mxfp4_scale_shift_and_fp16_range(gen):

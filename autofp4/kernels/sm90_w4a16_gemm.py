@@ -66,9 +66,15 @@ VALUE_BYTES = CHUNK_N * CHUNK_K // 2   # 2048 bytes of FP4 values per chunk
 _SM_COUNT_HINT = 132              # H100/H200 SXM multiprocessors (only steers default_config)
 
 
+def _scale_words(fmt: str) -> int:
+    """32-bit block-scale words per row group (4 threads) and chunk: one per k16 step (NVFP4) or
+    per 32-value block (MXFP4), each holding the scales of rows r (low half) and r + 8."""
+    return 4 if fmt == "nvfp4" else 2
+
+
 def _scale_bytes(fmt: str) -> int:
-    """Block-scale bytes per 64x64 chunk: one byte per 16 (NVFP4) or 32 (MXFP4) values."""
-    return CHUNK_N * CHUNK_K // (16 if fmt == "nvfp4" else 32)
+    """Block-scale bytes per 64x64 chunk: 32 row groups x their words."""
+    return 32 * 4 * _scale_words(fmt)
 
 
 def chunk_bytes(fmt: str) -> int:
@@ -338,15 +344,83 @@ def _fragment_coords() -> tuple[torch.Tensor, torch.Tensor]:
     return rows, ks
 
 
+
+# A bf16 pattern (per half) of a value v >= 0 -> the fp16 pattern of v * 2**-112 (exponent field
+# - (254 - 30), mantissa << 3), on both halves of a word at once with one IMAD:
+# ``word * 8 + FP16_FROM_BF16`` (mod 2**32); exact for 2**-98 <= v < 2**128
+FP16_FROM_BF16 = (-(((254 - 30) << 7) * 0x10001) * 8) % (1 << 32)
+
+
+def _pack_scales(w: Any, q: torch.Tensor, np_: int, kp: int):
+    """Block scales as 16-bit bf16 patterns, the value the kernel multiplies the decoded weight
+    by, arranged [nb, kc, row group, step or block, (row r, row r + 8)]; and the epilogue factor.
+
+    The decoded bf16 weight is ``v * 2**-126``: NVFP4 stores ``s * 2**112`` (exact: E4M3 has 4
+    significant bits), so products are ``v * s * 2**-14``; the epilogue multiplies by the global
+    scale times 2**14. MXFP4 stores ``2**(e - e_max + 127)``, so products are ``v * 2**(e - e_max
+    + 1)`` (always normal: spans up to 126 binades), times ``2**(e_max - 128)`` in the epilogue.
+    With fp16 activations the kernel turns the pattern into the fp16 one of the value times
+    2**-112 with one integer multiply-add (``FP16_FROM_BF16``), against a decoded weight of
+    ``v * 2**-14``: the same products, exact (multiples of 2**-24 with at most 6 significant
+    bits) for NVFP4 and for MXFP4 exponents spanning at most 14 binades (``fp16_ok``).
+
+    NVFP4 blocks with a negative scale get their values' signs flipped instead (exact), and
+    all-zero-scale blocks zero values with a scale of 1, so every stored scale is positive,
+    nonzero and in the range where the fp16 conversion holds. Rewrites ``q`` (codes) in place.
+    """
+    n, k = int(w.shape[-2]), int(w.shape[-1])
+    dev = q.device
+    fmt = w.fmt
+    bs = 16 if fmt == "nvfp4" else 32
+    nb = k // bs
+    raw = w.scale if w.scale.dtype == torch.uint8 else w.scale.view(torch.uint8)
+    raw = raw.reshape(n, nb)
+    shift = 0
+    fp16_ok = True
+    if fmt == "nvfp4":
+        sval = raw.view(torch.float8_e4m3fn).float()
+        blocks = q[:n, :k].reshape(n, nb, bs)
+        blocks = (blocks ^ ((sval < 0).to(torch.uint8) * 8).unsqueeze(-1)) * (sval != 0).to(
+            torch.uint8).unsqueeze(-1)
+        q[:n, :k] = blocks.reshape(n, k)
+        sval = torch.where(sval == 0, torch.ones_like(sval), sval.abs())
+        full = torch.ones(np_, kp // bs, dtype=torch.float32, device=dev)
+        full[:n, :nb] = sval
+        bits = (full * 2.0**112).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+        alpha = w.global_scale.reshape(1).to(device=dev, dtype=torch.float32) * 2.0**14
+    else:
+        e = raw.to(torch.int32)
+        emax, emin = int(e.max()), int(e.min())
+        if emax == 255:
+            raise ValueError("mxfp4 scales contain the E8M0 NaN (255)")
+        shift = emax - 128
+        if emin - shift < 2:
+            raise ValueError(
+                f"mxfp4 scale exponents span {emax - emin} binades (min {emin}, max {emax}); "
+                "the sm90 decode supports at most 126"
+            )
+        fp16_ok = emax - emin <= 14
+        full = torch.full((np_, kp // bs), emax, dtype=torch.int32, device=dev)  # padding: in range
+        full[:n, :nb] = e
+        bits = (full - emax + 254) << 7
+        alpha = torch.full((1,), 2.0**shift, dtype=torch.float32, device=dev)
+    per_chunk = _scale_words(fmt)
+    # rows = 64 nb + 16 warp + 8 half + g -> [nb, kc, warp, g, step, half]
+    sv = bits.view(np_ // CHUNK_N, 4, 2, 8, kp // CHUNK_K, per_chunk).permute(0, 4, 1, 3, 5, 2)
+    words = (sv[..., 0] | (sv[..., 1] << 16)).contiguous()
+    sbytes = torch.stack([(words >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
+    return sbytes, alpha, shift, fp16_ok
+
+
 def pack_weight(w: Any) -> PackedSm90Weight:
     """Reorder an FP4Weight (2-D) into the chunked layout the kernel reads. Pure torch.
 
     Layout: chunk (nb, kc) covers rows [64 nb, 64 nb + 64) and K [64 kc, 64 kc + 64). Bytes
     [0, 2048): thread t (of the 128 of a warpgroup) owns bytes [16 t, 16 t + 16) = 4 words, word
     i holding its 8 wgmma-A-fragment values of k16 step i (bit positions: ``_LO_POS``). Bytes
-    [2048, ...): block scales, per row group q = 8 warp + lane // 4 (rows r = 16 warp + lane%4..,
-    r and r + 8): NVFP4 8 bytes [s(r,b0), s(r+8,b0), ..., s(r,b3), s(r+8,b3)] (b = k16 step),
-    MXFP4 4 bytes [s(r,b0), s(r+8,b0), s(r,b1), s(r+8,b1)] (b = 32-block).
+    [2048, ...): block scales (see ``_pack_scales``), per row group q = 8 warp + lane // 4 (rows
+    r = 16 warp + lane // 4 and r + 8): one 32-bit word per k16 step (NVFP4, 4 words) or 32-value
+    block (MXFP4, 2 words), the scale of row r in its low and of row r + 8 in its high 16 bits.
     """
     if w.fmt not in FORMATS:
         raise ValueError(f"expected fmt in {FORMATS}, got {w.fmt!r}")
@@ -360,6 +434,7 @@ def pack_weight(w: Any) -> PackedSm90Weight:
     q = torch.zeros(np_, kp, dtype=torch.uint8, device=dev)
     q[:n, 0:k:2] = data & 0xF
     q[:n, 1:k:2] = data >> 4
+    scales, alpha, shift, fp16_ok = _pack_scales(w, q, np_, kp)
     nbk, nkc = np_ // CHUNK_N, kp // CHUNK_K
     # [nbk, 64, nkc, 4 steps, 16] -> values per (nb, kc, step, t, e)
     qv = q.view(nbk, CHUNK_N, nkc, 4, 16)
@@ -382,42 +457,7 @@ def pack_weight(w: Any) -> PackedSm90Weight:
     wbytes = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], dim=-1)
     wbytes = wbytes.to(torch.uint8).reshape(nbk, nkc, VALUE_BYTES)
 
-    # scales
-    if fmt == "nvfp4":
-        sraw = w.scale.view(torch.uint8) if w.scale.dtype != torch.uint8 else w.scale
-        per_chunk = 4
-        bs = 16
-    else:
-        sraw = w.scale.to(torch.uint8)
-        per_chunk = 2
-        bs = 32
-    # padding blocks hold zero values; give them a scale the decode keeps finite (MXFP4: the
-    # largest exponent of the weight, always in range after the shift; NVFP4: 0)
-    if fmt == "mxfp4":
-        e_all = sraw.reshape(-1).to(torch.int32)
-        emax, emin = int(e_all.max()), int(e_all.min())
-    fill = emax if fmt == "mxfp4" else 0
-    s = torch.full((np_, kp // bs), fill, dtype=torch.uint8, device=dev)
-    s[:n, : k // bs] = sraw.reshape(n, k // bs)
-    sv = s.view(nbk, 4, 2, 8, nkc, per_chunk)  # rows = 16 warp + 8 half + g
-    # -> [nbk, nkc, warp, g, blk, half]
-    sv = sv.permute(0, 4, 1, 3, 5, 2).contiguous()
-    sbytes = sv.reshape(nbk, nkc, _scale_bytes(fmt))
-    packed = torch.cat([wbytes, sbytes], dim=-1).contiguous()
-
-    shift = 0
-    fp16_ok = True
-    if fmt == "nvfp4":
-        alpha = w.global_scale.reshape(1).to(device=dev, dtype=torch.float32) * 128.0
-    else:
-        shift = emax - 128
-        if emin - shift < 2:
-            raise ValueError(
-                f"mxfp4 scale exponents span {emax - emin} binades (min {emin}, max {emax}); "
-                "the sm90 decode supports at most 126"
-            )
-        fp16_ok = emin - shift >= 114
-        alpha = torch.full((1,), 2.0**shift, dtype=torch.float32, device=dev)
+    packed = torch.cat([wbytes, scales.reshape(nbk, nkc, _scale_bytes(fmt))], dim=-1).contiguous()
     return PackedSm90Weight(
         data=packed, alpha=alpha.contiguous(), fmt=fmt, n=n, k=k, scale_shift=shift,
         fp16_ok=fp16_ok,
@@ -464,7 +504,7 @@ class _Sm90W4A16Kernel:
         kc_per_tile = self.kc_per_tile
         chunk = self.chunk
         sbytes = self.sbytes
-        s_per_q = sbytes // 32  # scale bytes each row group (4 threads) reads per chunk
+        s_words = _scale_words(self.fmt)  # scale words each row group (4 threads) reads per chunk
         n_real = self.n
         np_ = self.np_
         nkc_total = self.kp // CHUNK_K
@@ -477,13 +517,13 @@ class _Sm90W4A16Kernel:
         cl = cfg.cluster_n
         x_mcast_kw = {"mcast_mask": cutlass.Int16((1 << cl) - 1)} if cl > 1 else {}
         terms = self.terms
-        scale_mul = float(2.0**119) if dt is cutlass.BFloat16 else 128.0
-        ebits_shift = 7 if dt is cutlass.BFloat16 else 10
+        is_bf16 = dt is cutlass.BFloat16
         n_tiles = np_ // tile_n
         x_bytes = tile_m * tile_k * 2
         tx_bytes = x_bytes + w_stage_bytes
         cluster_red = cfg.cluster_reduce
         out_is_f32 = split_k > 1 and not cluster_red
+        from ._ptx import mul_x2, prmt
         if cluster_red:
             from ._ptx import ld_dsmem_f32
 
@@ -513,7 +553,6 @@ class _Sm90W4A16Kernel:
             mAlpha: cute.Tensor,
             mBias: cute.Tensor,
             mOut: cute.Tensor,
-            sbias: cutlass.Int32,
             m_size: cutlass.Int32,
             tiled_mma: cute.TiledMma,
             x_smem_layout_staged: cute.ComposedLayout,
@@ -556,10 +595,10 @@ class _Sm90W4A16Kernel:
                 ),
             )
             sSv = cute.make_tensor(
-                storage.sW.data_ptr() + VALUE_BYTES,
+                cute.recast_ptr(storage.sW.data_ptr(), dtype=cutlass.Uint32) + VALUE_BYTES // 4,
                 cute.make_layout(
-                    (s_per_q, 32, n_chunks_stage, stages),
-                    stride=(1, s_per_q, chunk, w_stage_bytes),
+                    (s_words, 32, n_chunks_stage, stages),
+                    stride=(1, s_words, chunk // 4, w_stage_bytes // 4),
                 ),
             )
 
@@ -608,13 +647,7 @@ class _Sm90W4A16Kernel:
             a_shape = thr_mma.partition_shape_A((CHUNK_N * reps, tile_k))
             rAs = [tiled_mma.make_fragment_A(a_shape), tiled_mma.make_fragment_A(a_shape)]
             wregs = cute.make_rmem_tensor(cute.make_layout((4, reps)), cutlass.Uint32)
-            sc_u32 = cute.make_rmem_tensor(cute.make_layout((4,)), cutlass.Uint32)
-            sc_dt = cute.make_tensor(cute.recast_ptr(sc_u32.iterator, dtype=dt), cute.make_layout((8,)))
-            sraw = cute.make_rmem_tensor(cute.make_layout((s_per_q, reps)), cutlass.Uint8)
-            sconv = cute.make_rmem_tensor(cute.make_layout((8, reps)), dt)
-            sconv16 = cute.make_tensor(
-                cute.recast_ptr(sconv.iterator, dtype=cutlass.Uint16), cute.make_layout((8, reps))
-            )
+            swords = cute.make_rmem_tensor(cute.make_layout((s_words, reps)), cutlass.Uint32)
 
             prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
             cons_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -638,7 +671,6 @@ class _Sm90W4A16Kernel:
                     t_cur = kt2 * 2 + buf
                     if t_cur < k_tiles_split:
                         rA = rAs[buf]
-                        rA8 = cute.make_tensor(rA.iterator, cute.make_layout((8, reps, tile_k // 16)))
                         rA32 = cute.make_tensor(
                             cute.recast_ptr(rA.iterator, dtype=cutlass.Uint32),
                             cute.make_layout((4, reps, tile_k // 16)),
@@ -651,35 +683,16 @@ class _Sm90W4A16Kernel:
                                     sWv[(None, wtid, cidx, cons_state.index)], wregs[(None, r)]
                                 )
                                 cute.autovec_copy(
-                                    sSv[(None, lane_q, cidx, cons_state.index)], sraw[(None, r)]
+                                    sSv[(None, lane_q, cidx, cons_state.index)], swords[(None, r)]
                                 )
-                                if cutlass.const_expr(is_nv):
-                                    f8 = cute.make_tensor(
-                                        cute.recast_ptr(
-                                            sraw[(None, r)].iterator, dtype=cutlass.Float8E4M3FN
-                                        ),
-                                        cute.make_layout((8,)),
-                                    )
-                                    sf = f8.load().to(cutlass.Float32) * scale_mul
-                                    sconv[(None, r)].store(sf.to(dt))
                             for st in cutlass.range_constexpr(4):
                                 kb = kc * 4 + st
                                 for r in cutlass.range_constexpr(reps):
-                                    # scale words [a a | b b | a a | b b]
-                                    if cutlass.const_expr(is_nv):
-                                        ua = cutlass.Uint32(sconv16[2 * st, r])
-                                        ub = cutlass.Uint32(sconv16[2 * st + 1, r])
-                                    else:
-                                        ea = cutlass.Int32(sraw[2 * (st // 2), r]) + sbias
-                                        eb = cutlass.Int32(sraw[2 * (st // 2) + 1, r]) + sbias
-                                        ua = cutlass.Uint32(ea) << ebits_shift
-                                        ub = cutlass.Uint32(eb) << ebits_shift
-                                    wa = ua | (ua << 16)
-                                    wb = ub | (ub << 16)
-                                    sc_u32[0] = wa
-                                    sc_u32[1] = wb
-                                    sc_u32[2] = wa
-                                    sc_u32[3] = wb
+                                    # the (row r, row r + 8) scales -> (r, r) and (r + 8, r + 8)
+                                    sw = swords[st if is_nv else st // 2, r]
+                                    if cutlass.const_expr(not is_bf16):
+                                        sw = sw * cutlass.Uint32(8) + cutlass.Uint32(FP16_FROM_BF16)
+                                    s_pair = (prmt(sw, 0x1010), prmt(sw, 0x3232))
                                     word = wregs[st, r]
                                     for j in cutlass.range_constexpr(4):
                                         v = cutlass.Uint32(0)
@@ -692,9 +705,8 @@ class _Sm90W4A16Kernel:
                                                 v = piece
                                             else:
                                                 v = v | piece
-                                        rA32[j, r, kb] = v
-                                    seg = rA8[(None, r, kb)]
-                                    seg.store(seg.load() * sc_dt.load())
+                                        # pairs 0, 2: row r; 1, 3: row r + 8
+                                        rA32[j, r, kb] = mul_x2(v, s_pair[j % 2], is_bf16)
                             # one fence per 64-K chunk: the 4 k16 steps decode independently
                             # (ILP), then their wgmmas are issued back to back
                             cute.nvgpu.warpgroup.fence()
@@ -782,7 +794,6 @@ class _Sm90W4A16Kernel:
             mAlpha: cute.Tensor,
             mBias: cute.Tensor,
             mOut: cute.Tensor,
-            sbias: cutlass.Int32,
             stream: cuda.CUstream,
         ):
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -811,7 +822,7 @@ class _Sm90W4A16Kernel:
             else:
                 grid = (m_tiles, n_tiles, split_k)
             kernel(
-                tma_atom_x, tma_x, mW, mAlpha, mBias, mOut, sbias, m_size, tiled_mma,
+                tma_atom_x, tma_x, mW, mAlpha, mBias, mOut, m_size, tiled_mma,
                 x_smem_layout_staged,
             ).launch(grid=grid, block=[threads, 1, 1],
                      cluster=(1, 1, split_k) if cluster_red else (cl, 1, 1), stream=stream)
@@ -835,7 +846,7 @@ class _Sm90W4A16Kernel:
         out_dt = cutlass.Float32 if self.cfg.split_k > 1 and not self.cfg.cluster_reduce else dt
         out = make_fake_compact_tensor(out_dt, (m, self.n), stride_order=(1, 0), assumed_align=4)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        return x, w, alpha, bias, out, cutlass.Int32(0), stream
+        return x, w, alpha, bias, out, stream
 
 
 def _check(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> None:
@@ -872,7 +883,6 @@ def compile_kernel(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) ->
     tdt = getattr(torch, dtype)
     zeros: dict[torch.device, torch.Tensor] = {}
     split = cfg.split_k > 1 and not cfg.cluster_reduce  # fp32 atomics into a zeroed buffer
-    mx_base = 126 if dtype == "bfloat16" else -98
 
     def run(x: torch.Tensor, packed: PackedSm90Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if packed.n != n or packed.k != k or packed.fmt != fmt:
@@ -896,14 +906,13 @@ def compile_kernel(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) ->
                 b = zeros[x.device] = torch.zeros(n, dtype=tdt, device=x.device)
         else:
             b = bias
-        sbias = mx_base - packed.scale_shift if fmt == "mxfp4" else 0
         if split:
             out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
         else:
             out = torch.empty(m, n, dtype=tdt, device=x.device)
         if m == 0:
             return out.to(tdt)
-        fn(x, packed.data.view(-1), packed.alpha, b, out, sbias)
+        fn(x, packed.data.view(-1), packed.alpha, b, out)
         return out.to(tdt) if split else out
 
     return run
