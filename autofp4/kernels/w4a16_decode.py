@@ -670,23 +670,46 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
         for c in cutlass.range_constexpr(CHUNKS):
             cp_async16(dst + c * 512, w_base + (Int64(gi) * CHUNKS + c) * 512, ok, 16)
 
-    @cute.jit
-    def copy_x(x_addr, xs_stage, gi, live, tidx, m_rows):
-        """The CTA's threads copy K group ``gi`` of x (M rows) into one stage; past K, zeros."""
-        for q in cutlass.range(tidx, m_rows * (GROUP_K // 8), THREADS):
-            row = q // (GROUP_K // 8)
-            col = q % (GROUP_K // 8)
-            kk = gi * GROUP_K + col * 8
-            src = x_addr + (Int64(row) * k + Int64(cutlass.min(kk, k - 8))) * 2  # a valid address
-            cp_async16(xs_stage + row * X_ROW_BYTES + col * 16, src, live, Int32(kk < k) * 16)
+    XPR = GROUP_K // 8  # 16-byte x chunks per row and K group
+    XPT = -(-cfg.m_max * XPR // THREADS)  # x chunks per thread and K group
 
-    def copy_stage(w_stage, w_bases, s_bases, valid, have_tile, gi, g1, x_addr, xs_stage, tidx, m_rows):
+    def x_slots(tidx):
+        """This thread's x chunks of every K group: (row, column) with the byte offsets of the
+        chunk in x (of group 0) and in a staged group; loop-invariant, computed once."""
+        slots = []
+        for i in range(XPT):
+            if THREADS % XPR == 0 and i > 0:  # the same column, rows a constant step further
+                r0, col, src0, dst0 = slots[0]
+                step = i * (THREADS // XPR)
+                slots.append((r0 + step, col, src0 + step * k * 2, dst0 + step * X_ROW_BYTES))
+                continue
+            q = tidx + i * THREADS
+            row, col = q // XPR, q % XPR
+            slots.append((row, col, Int64(row) * (k * 2) + col * 16, row * X_ROW_BYTES + col * 16))
+        return slots
+
+    def x_chunk(x_addr, slot, gi):
+        """Address of a slot's chunk of K group ``gi`` (always a valid one) and whether it is
+        inside K."""
+        row, col, src, _ = slot
+        kk = gi * GROUP_K + col * 8
+        if cutlass.const_expr(k % GROUP_K == 0):
+            return x_addr + src + Int64(gi) * (GROUP_K * 2), kk < k
+        return x_addr + (Int64(row) * k + Int64(cutlass.min(kk, k - 8))) * 2, kk < k
+
+    def copy_x(x_addr, xs_stage, gi, live, slots, m_rows):
+        """The CTA's threads copy K group ``gi`` of x (M rows) into one stage; past K, zeros."""
+        for slot in slots:
+            src, kin = x_chunk(x_addr, slot, gi)
+            cp_async16(xs_stage + slot[3], src, Int32(live & (slot[0] < m_rows)), Int32(kin) * 16)
+
+    def copy_stage(w_stage, w_bases, s_bases, valid, have_tile, gi, g1, x_addr, xs_stage, slots, m_rows):
         """Issue (not wait for) every copy of K group ``gi`` into one stage; none past ``g1``."""
         live = gi < g1
         for tw in range(TPW):
             copy_tile(w_stage + tw * W_STAGE_BYTES, w_bases[tw], s_bases[tw], gi,
                       Int32(valid[tw] & live & have_tile))
-        copy_x(x_addr, xs_stage, gi, Int32(live), tidx, m_rows)
+        copy_x(x_addr, xs_stage, gi, live, slots, m_rows)
 
     @cute.jit
     def compute_group(buf: cute.Tensor, acc, xv, x_base, gi, g, t, sadd_u, m_rows, w_smem):
@@ -774,9 +797,10 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
             xs_base = Int32(xs.iterator.toint())
             w_lane = Int32(wsm.iterator.toint()) + warp * (TPW * W_STAGE_BYTES) + lane * 16
             x_addr = x.iterator.toint()
+            slots = x_slots(tidx)
             for s0 in cutlass.range_constexpr(STAGES - 1):
                 copy_stage(w_lane + s0 * W_STAGE, w_bases, s_bases, valid, tile0 < TILES, g0 + s0, g1,
-                           x_addr, xs_base + s0 * X_STAGE, tidx, m_rows)
+                           x_addr, xs_base + s0 * X_STAGE, slots, m_rows)
                 cp_commit()
             for gi in cutlass.range(g0, g1, 1):
                 it = gi - g0
@@ -784,7 +808,7 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
                 cute.arch.barrier()  # ... and every thread's; group gi - 1 is no longer read
                 nxt = (it + STAGES - 1) % STAGES
                 copy_stage(w_lane + nxt * W_STAGE, w_bases, s_bases, valid, tile0 < TILES, gi + STAGES - 1,
-                           g1, x_addr, xs_base + nxt * X_STAGE, tidx, m_rows)
+                           g1, x_addr, xs_base + nxt * X_STAGE, slots, m_rows)
                 cp_commit()
                 if tile0 < TILES:
                     stage = it % STAGES
@@ -797,14 +821,13 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
             xs_base = Int32(xs.iterator.toint())
             # every warp (also those past the last tile) takes part in staging x and in the
             # barriers; the weight loads of a group are in flight while x is staged
+            slots = x_slots(tidx)
             for gi in cutlass.range(g0, g1, 1):
                 load_tiles(buf_a, w_bases, s_bases, gi, valid, tile0 < TILES)
-                for q in cutlass.range(tidx, m_rows * (GROUP_K // 8), THREADS):
-                    row = q // (GROUP_K // 8)
-                    col = q % (GROUP_K // 8)
-                    kk = gi * GROUP_K + col * 8
-                    v = ld16(x.iterator.toint() + (Int64(row) * k + Int64(kk)) * 2, Int32(kk < k), False)
-                    st_shared16(xs_base + row * X_ROW_BYTES + col * 16, v)
+                for slot in slots:
+                    if slot[0] < m_rows:
+                        src, kin = x_chunk(x.iterator.toint(), slot, gi)
+                        st_shared16(xs_base + slot[3], ld16(src, Int32(kin), False))
                 cute.arch.barrier()
                 if tile0 < TILES:
                     compute_group(buf_a, acc, xv, xs_base + t * 32, gi, g, t, sadd_u, m_rows, Int32(0))
