@@ -1,14 +1,26 @@
 #!/bin/sh
 # Nsight Compute profiles of the default kernels (scripts/profile_kernels.py): speed of light,
 # occupancy, launch statistics and warp stall reasons, one text report per case under $OUT.
+# FULL=1: the full section set instead, saved as a report, plus the per-instruction SASS view
+# (executed instructions, stall samples per SASS line) as CSV and the opcode mix.
 OUT=${OUT:-out}; mkdir -p "$OUT"
 for case in ${CASES:-decode-m1 decode-m16 gemm-m128}; do
   for shape in ${SHAPES:-small large}; do
-    timeout ${CASE_TIMEOUT:-90} ncu --nvtx --nvtx-include "profile/" --section SpeedOfLight --section Occupancy \
-      --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
-      python3 scripts/profile_kernels.py --case "$case" --shape "$shape" > "$OUT/ncu-$case-$shape.txt" 2>&1
-    echo "$case $shape rc=$? $(grep -m1 -E 'rel_err|ERR_' "$OUT/ncu-$case-$shape.txt" | cut -c1-60)"
-    grep -E "^\s+(Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers Per Thread|Theoretical Occupancy|Compute \(SM\) Throughput)" \
-      "$OUT/ncu-$case-$shape.txt" | tr -s ' ' | head -14
+    name="$case-$shape"
+    if [ "${FULL:-0}" = 1 ]; then
+      timeout ${CASE_TIMEOUT:-150} ncu --nvtx --nvtx-include "profile/" --set full --import-source no \
+        -f -o "$OUT/ncu-$name" python3 scripts/profile_kernels.py --case "$case" --shape "$shape" \
+        > "$OUT/ncu-$name.log" 2>&1
+      echo "$name rc=$? $(grep -m1 -E 'rel_err|ERR_' "$OUT/ncu-$name.log" | cut -c1-60)"
+      ncu -i "$OUT/ncu-$name.ncu-rep" --page details > "$OUT/ncu-$name.txt" 2>&1
+      ncu -i "$OUT/ncu-$name.ncu-rep" --page source --print-source sass --csv > "$OUT/sass-$name.csv" 2>&1
+    else
+      timeout ${CASE_TIMEOUT:-90} ncu --nvtx --nvtx-include "profile/" --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+        python3 scripts/profile_kernels.py --case "$case" --shape "$shape" > "$OUT/ncu-$name.txt" 2>&1
+      echo "$name rc=$? $(grep -m1 -E 'rel_err|ERR_' "$OUT/ncu-$name.txt" | cut -c1-60)"
+    fi
+    grep -E "^\s+(Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers Per Thread|Theoretical Occupancy|Compute \(SM\) Throughput|Executed Ipc Active|Issue Slots Busy)" \
+      "$OUT/ncu-$name.txt" | tr -s ' ' | head -16
   done
 done

@@ -4,7 +4,7 @@
         --section LaunchStats --section WarpStateStats python3 scripts/profile_kernels.py --case decode-m16
 
 or ``sh scripts/gpu_profile.sh`` for every case. Cases: the default config of the decode kernel
-at M = 1 and 16 and of the GEMM at M = 128, on a small (8B qkv) and a large (70B gate_up) shape,
+at M = 1 and 16 and of the GEMM at M = 64 and 128, on a small (8B qkv) and a large (70B gate_up) shape,
 with fresh random weights; the output is checked against a bf16 matmul before profiling.
 """
 import argparse
@@ -24,6 +24,7 @@ SHAPES = {"small": (6144, 4096), "large": (57344, 8192)}
 CASES = {  # name: (kernel module, M)
     "decode-m1": (D, 1),
     "decode-m16": (D, 16),
+    "gemm-m64": (G, 64),
     "gemm-m128": (G, 128),
 }
 
