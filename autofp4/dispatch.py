@@ -8,7 +8,9 @@ M buckets
 ---------
 A row is tuned for an M bucket ``b`` and serves every ``M <= b`` down to the next smaller
 tuned bucket: :func:`bucket_for` picks the nearest tuned bucket at or above ``M`` (the
-largest when ``M`` is beyond all of them).
+largest when ``M`` is beyond all of them). A config that declares the largest M it serves
+(an ``m_max`` field, like the Hopper decode kernel's) is not stretched past it: such a call
+runs its backend's default config for M (and counts as a miss).
 
 Misses
 ------
@@ -224,6 +226,9 @@ class Dispatcher:
             buckets, by_bucket = entry
             b = bucket_for(m, buckets)
             backend, cfg = by_bucket[b]
+            m_max = getattr(cfg, "m_max", None)
+            if m_max is not None and m > m_max:  # tuned for fewer tokens than this call
+                return backend, backend.default(key, m), True
             return backend, cfg, not (min(m, std) <= b <= std)
         backend, cfg = self._fallback(key, m)
         return backend, cfg, True

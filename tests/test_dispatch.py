@@ -1,5 +1,6 @@
 import json
 import os
+from typing import Optional
 
 import pytest
 import torch
@@ -151,6 +152,36 @@ def test_runner_compiled_once_for_every_m(monkeypatch, gen):
     ref = x.double() @ w.dequantize().double().T
     err = (out.double() - ref).norm() / ref.norm()
     assert out.shape == (5, KEY.n) and err < 1e-2
+
+
+class SmallMConfig(ReferenceConfig):
+    m_max: Optional[int] = None  # the largest M this config serves (None: any)
+
+
+class SmallMBackend(ReferenceBackend):
+    """A backend whose configs may declare the largest M they serve; its default never does."""
+
+    name = "test_small_m"
+    config_model = SmallMConfig
+
+    def default(self, key, m=None):
+        return SmallMConfig(chunk_n=32)
+
+
+def test_configs_are_not_stretched_past_their_m_max(monkeypatch):
+    """The largest tuned bucket serves larger M, unless its config declares a smaller m_max:
+    then the backend's default runs (a miss); configs without m_max stretch as before."""
+    inst = _register(monkeypatch, SmallMBackend)
+    rec = _rec(KEY, 1, 64, backend="test_small_m")
+    rec = rec.model_copy(update={"config": {"chunk_n": 64, "m_max": 8}})
+    d = Dispatcher(CPU, [rec, _rec(KEY2, 1, 64, backend="test_small_m")])
+    assert d.pick(KEY, 1) == (inst, SmallMConfig(chunk_n=64, m_max=8))
+    assert d.pick(KEY, 8)[1] == SmallMConfig(chunk_n=64, m_max=8)  # coarser bucket, within m_max
+    for m in (9, 16, 200):
+        assert d.pick(KEY, m) == (inst, SmallMConfig(chunk_n=32))
+    d.resolve(KEY, 16)
+    assert d.misses() == [(KEY, 16, 1)]
+    assert d.pick(KEY2, 200)[1] == SmallMConfig(chunk_n=64)  # no m_max: stretched
 
 
 def test_misses_counted_flushed_and_merged(tmp_path):

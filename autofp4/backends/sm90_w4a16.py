@@ -7,8 +7,9 @@ Two CuTeDSL kernels share one config model, told apart by ``kernel``:
 * ``"gemm"`` (:mod:`autofp4.kernels.sm90_w4a16_gemm`): TMA + multi-stage pipeline + wgmma with
   the weights as the register operand (``out^T = W x^T``); serves any M.
 
-A decode config asked to run ``M > m_max`` (the dispatcher hands the largest tuned bucket to
-larger M) runs the default GEMM config for that call instead, so every config answers every M.
+A decode config asked to run ``M > m_max`` runs the default GEMM config (its M = 1024 pick)
+for that call instead, so every config answers every M; the dispatcher does not send such
+calls to a decode config (it runs this backend's default for M there).
 Each kernel reads its own repacked copy of the weight, built on first use and cached on the
 :class:`~autofp4.weights.FP4Weight`.
 """
