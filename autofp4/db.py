@@ -19,6 +19,7 @@ import json
 import math
 import os
 import sqlite3
+import time
 import tempfile
 import warnings
 from contextlib import contextmanager
@@ -412,18 +413,35 @@ class TuningDB:
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             self._db = sqlite_utils.Database(conn)
-            # Reading the schema fails here on a file that is not an SQLite database.
-            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-            if not readonly:
-                self._db.enable_wal()
-                conn.execute("PRAGMA synchronous = NORMAL")
-            self._migrate()
+            self._setup(readonly)
         except sqlite3.Error as e:
             conn.close()
             raise TuningDBError(f"{self.path} is not a readable tuning database: {e}") from None
         except BaseException:
             conn.close()
             raise
+
+    def _setup(self, readonly: bool) -> None:
+        """Check the file, switch it to WAL, migrate. Two processes opening a new file at the
+        same moment can get "database is locked" here without the busy handler being consulted
+        (switching the journal mode, initialising the WAL index): retried until the timeout."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        delay = 0.005
+        while True:
+            try:
+                # Reading the schema fails here on a file that is not an SQLite database.
+                self._conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+                if not readonly:
+                    self._db.enable_wal()
+                    self._conn.execute("PRAGMA synchronous = NORMAL")
+                self._migrate()
+                return
+            except sqlite3.OperationalError as e:
+                msg = str(e).lower()
+                if ("locked" not in msg and "busy" not in msg) or time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(2 * delay, 0.2)
 
     # -- lifecycle ------------------------------------------------------------------
     def close(self) -> None:
