@@ -42,6 +42,11 @@ def _half_bits_to_float(bits: int, dtype: str) -> float:
     return sign * (1 + m / 2**mb) * 2.0 ** (e - bias)
 
 
+def _u32(b: list[int], off: int) -> int:
+    """The little-endian 32-bit word at byte ``off`` of ``b``."""
+    return b[off] | b[off + 1] << 8 | b[off + 2] << 16 | b[off + 3] << 24
+
+
 def _emulate(packed: g.PackedSm90Weight, dtype: str) -> torch.Tensor:
     """Dense [N, K] float64 weight from the packed bytes, computed the way the kernel does:
     thread t of a warpgroup loads bytes [16t, 16t+16) of a 64x64 chunk, word i = k16 step i, and
@@ -66,10 +71,8 @@ def _emulate(packed: g.PackedSm90Weight, dtype: str) -> torch.Tensor:
                 c = lane % 4
                 q = t // 4
                 for step in range(4):
-                    wb = ch[16 * t + 4 * step: 16 * t + 4 * step + 4]
-                    word = wb[0] | wb[1] << 8 | wb[2] << 16 | wb[3] << 24
-                    so = 2048 + 4 * (q * nw + (step if is_nv else step // 2))
-                    sw = ch[so] | ch[so + 1] << 8 | ch[so + 2] << 16 | ch[so + 3] << 24
+                    word = _u32(ch, 16 * t + 4 * step)
+                    sw = _u32(ch, 2048 + 4 * (q * nw + (step if is_nv else step // 2)))
                     if dtype == "float16":
                         sw = (sw * 8 + g.FP16_FROM_BF16) & 0xFFFFFFFF
                     scale = [_half_bits_to_float((sw >> (16 * h)) & 0xFFFF, dtype) for h in range(2)]
