@@ -221,7 +221,10 @@ def test_ctrl_c_keeps_what_was_measured(tmp_path):
     db = tmp_path / "t.db"
     cmd = [sys.executable, "-m", "autofp4", "tune", "--model", str(cfg), "--db", str(db), "--no-progress", "--device", "cpu"]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # a test run started in the background of a non-interactive shell ignores SIGINT, and so would
+    # the child: give it the default disposition, so Python turns SIGINT into KeyboardInterrupt
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     stored = 0
     while time.monotonic() < deadline and p.poll() is None and stored < 2:
