@@ -5,12 +5,14 @@ Pipeline of one job ``(ProblemKey, M bucket)``
 1. **Candidates**: the union over the applicable backends (registry order) of
    ``backend.candidates(key)`` (``candidates(key, m)`` where a backend narrows its grid by
    M); the job's *default* (what the dispatcher runs untuned: the
-   first applicable backend's ``default(key, M)``) comes first. Configs already recorded as
+   first applicable backend's ``default(key, M)``) comes first, then each backend's ``seeds``
+   (configs that won measurements near this shape). Configs already recorded as
    failed for this environment and kernel source are skipped without running.
 2. **Search**: an optuna study. When the candidate list fits in the trial budget it is a
    grid: every candidate is enqueued in order (default first) and the storage hands each
    queued trial to exactly one process. Otherwise ``TPESampler`` (constant liar, the default
-   enqueued first) samples one categorical parameter per config field (so it learns which
+   and the seeds enqueued first, at most half the budget) samples one categorical parameter
+   per config field (so it learns which
    tile sizes, stages, ... are fast); a sampled combination that is not a valid candidate
    runs its nearest candidate. The study may live in an RDB storage
    (``storage="sqlite:///study.db"``, a PostgreSQL URL, ...) shared by several processes or
@@ -630,6 +632,7 @@ class _Cand:
     backend: Backend
     config: BackendConfig
     config_json: str
+    first: bool = False  # the job's default or a backend's seed: tried before sampling
 
     @property
     def ident(self) -> str:
@@ -646,7 +649,8 @@ def _valid_defaults(key: ProblemKey, m: int, backends: Sequence[Backend]) -> Ite
 
 
 def _candidates(key: ProblemKey, m: int, backends: Sequence[Backend]) -> list[_Cand]:
-    """Default of the first applicable backend first, then every backend's candidates."""
+    """Default of the first applicable backend first, then every backend's default and seeds
+    (marked ``first``: tried before the search samples), then every backend's candidates."""
     out: list[_Cand] = []
     seen: set[str] = set()
 
@@ -656,7 +660,11 @@ def _candidates(key: ProblemKey, m: int, backends: Sequence[Backend]) -> list[_C
             out.append(c)
 
     for c in _valid_defaults(key, m, backends):
-        add(c)
+        add(_Cand(c.backend, c.config, c.config_json, first=True))
+    for b in backends:
+        for cfg in b.seeds(key, m):
+            if b.is_valid(cfg, key) is None:
+                add(_Cand(b, cfg, _cfg_json(cfg), first=True))
     for b in backends:
         for cfg in _backend_candidates(b, key, m):
             if b.is_valid(cfg, key) is None:
@@ -897,9 +905,11 @@ def _make_study(ctx: _Ctx, job: Job, cands: Sequence[_Cand]) -> tuple[Any, _Fiel
             if ctx.storage is None or attempt == 4:
                 raise
             time.sleep(0.2 * (attempt + 1))
-    if not grid:  # TPE: the default goes first (peers skip it if it is already queued)
+    if not grid:  # TPE: the default and the seeds go first (peers skip those already queued)
         space = _FieldSpace(cands)
-        study.enqueue_trial(space.params_of(0), skip_if_exists=True)
+        firsts = [i for i, c in enumerate(cands) if c.first][: max(1, ctx.budget // 2)]
+        for i in firsts:
+            study.enqueue_trial(space.params_of(i), skip_if_exists=True)
         return study, space
     want = list(range(n))
     if not created:

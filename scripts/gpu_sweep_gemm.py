@@ -30,9 +30,21 @@ from bench_linear import SHAPES  # noqa: E402
 from gpu_check_decode import fp4_bytes, graph_time, rotation  # noqa: E402
 
 
-def sweep_configs(n, k, fmt, m):
+def sweep_configs(n, k, fmt, m, wide=False):
     base = G.default_config(n, k, fmt, "bfloat16", m)
     out = [base]
+    if wide:  # two CTAs per SM (ctas_per_sm=2) next to one, 64..256-row weight tiles
+        for tn in (64, 128, 256):
+            for tm in (64, 128):
+                for sk in (1, 2, 4):
+                    for co in (0, 2):
+                        for tk, st in ((256, 4), (128, 6), (128, 5), (128, 4), (128, 3), (64, 6), (64, 4)):
+                            c = G.Sm90GemmConfig(tile_n=tn, tile_m=tm, tile_k=tk, stages=st, split_k=sk, ctas_per_sm=co)
+                            if tm <= max(64, m) and G.validate(c, n, k, fmt, "bfloat16") is None:
+                                if c not in out:
+                                    out.append(c)
+                                break
+        return out
     tms = [t for t in (16, 32, 64, 128, 256) if t <= max(16, 1 << (m - 1).bit_length())][-2:]
     for tn in (64, 128):
         for tm in tms:
@@ -61,6 +73,8 @@ def main():
     ap.add_argument("--fmt", default="nvfp4")
     ap.add_argument("--ms", default="16,64,128,512")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--wide", action="store_true",
+                    help="two CTAs per SM next to one, 64..256-row tiles, instead of the grid around the default")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
@@ -70,7 +84,7 @@ def main():
     from autofp4.kernel_cache import target_arch
     from autofp4.tuner import _pool_init
 
-    jobs = sorted({(c, n, k, fmt) for n, k in shapes.values() for m in ms for c in sweep_configs(n, k, fmt, m)},
+    jobs = sorted({(c, n, k, fmt) for n, k in shapes.values() for m in ms for c in sweep_configs(n, k, fmt, m, args.wide)},
                   key=str)
     t0 = time.time()
     with cf.ProcessPoolExecutor(max(1, (os.cpu_count() or 2) - 2), mp_context=mp.get_context("spawn"),
@@ -98,7 +112,7 @@ def main():
                 drun = D.compile_kernel(D.default_config(n, k, fmt, "bfloat16", m), n, k, fmt, "bfloat16")
                 t_dec = graph_time([(lambda i=i: drun(x, dpacks[i % len(dpacks)], None)) for i in range(calls)])[0]
                 print(f"  {name:12s} M={m:4d} decode default {t_dec:8.2f} us", flush=True)
-            for j, cfg in enumerate(sweep_configs(n, k, fmt, m)):
+            for j, cfg in enumerate(sweep_configs(n, k, fmt, m, args.wide)):
                 try:
                     run = G.compile_kernel(cfg, n, k, fmt, "bfloat16")
                     rel = float((run(x, p0, None).float() - ref).norm() / ref.norm())

@@ -116,9 +116,38 @@ def test_x_smem_is_optional_in_stored_configs():
     staged3 = _from_kernel_config("decode", D.DecodeConfig(4, 8, 16, x_smem=True, smem_stages=3))
     assert staged3.smem_stages == 3 and capped.smem_stages is None
     assert _to_kernel_config(staged3) == D.DecodeConfig(4, 8, 16, x_smem=True, smem_stages=3)
-    with pytest.raises(ValueError, match="takes no ctas_per_sm"):
-        SM90Config(kernel="gemm", tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=1, cluster_n=1,
-                   raster="n", ctas_per_sm=6)
+    # GEMM configs share ctas_per_sm: stored ones without it parse as 0 and serialize as before
+    from autofp4.kernels import sm90_w4a16_gemm as G
+
+    gold = {"kernel": "gemm", "tile_n": 128, "tile_m": 64, "tile_k": 128, "stages": 4, "split_k": 1,
+            "cluster_n": 1, "raster": "n"}
+    assert _to_kernel_config(SM90Config(**gold)) == G.Sm90GemmConfig(128, 64, 128, 4)
+    assert _from_kernel_config("gemm", G.Sm90GemmConfig(128, 64, 128, 4)).model_dump(exclude_none=True) == gold
+    two = _from_kernel_config("gemm", G.Sm90GemmConfig(128, 64, 128, 4, ctas_per_sm=2))
+    assert two.ctas_per_sm == 2 and _to_kernel_config(two).ctas_per_sm == 2
     with pytest.raises(ValueError, match="takes no x_smem"):
         SM90Config(kernel="gemm", tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=1, cluster_n=1,
                    raster="n", x_smem=True)
+
+
+def test_seeds_follow_the_default_and_are_valid():
+    """The tuner's first trials after the default: valid configs for the bucket, the measured
+    winners among them (two CTAs per SM at M = 64 and 128, 16-token GEMM tiles at M = 16)."""
+    b = get_backend("sm90_w4a16")
+    for n, k in [(6144, 4096), (4096, 14336), (57344, 8192)]:
+        for fmt in ("nvfp4", "mxfp4"):
+            key = ProblemKey("linear", fmt, "bfloat16", n, k)
+            for m in (1, 16, 64, 128, 512, 8192):
+                seeds = b.seeds(key, m)
+                assert seeds and len(set(seeds)) == len(seeds)
+                default = b.default(key, m)
+                assert default not in seeds
+                for cfg in seeds:
+                    assert b.is_valid(cfg, key) is None, (m, cfg)
+                    assert cfg.kernel == "gemm" or cfg.m_max >= m
+                cands = b.candidates(key, m)
+                assert cands[0] == default and cands[1:1 + len(seeds)] == seeds
+                if m in (64, 128):
+                    assert any(c.kernel == "gemm" and c.ctas_per_sm == 2 for c in seeds[:3])
+                if m == 16:
+                    assert any(c.kernel == "gemm" and c.tile_m == 16 for c in seeds[:2])

@@ -187,10 +187,21 @@ def test_validate_rules():
         "raster value": g.Sm90GemmConfig(raster="x"),
         "shared memory": g.Sm90GemmConfig(tile_m=128, tile_n=64, tile_k=256, stages=8),
         "registers": g.Sm90GemmConfig(tile_n=256, tile_m=256),
+        "ctas_per_sm value": g.Sm90GemmConfig(ctas_per_sm=3),
+        "ctas_per_sm smem": g.Sm90GemmConfig(tile_n=128, tile_m=128, tile_k=128, stages=4, ctas_per_sm=2),
+        "ctas_per_sm regs": g.Sm90GemmConfig(tile_n=256, tile_m=64, tile_k=64, stages=4, ctas_per_sm=2),
     }
     for word, cfg in bad.items():
         reason = g.validate(cfg, 4096, 4096, "nvfp4", "bfloat16")
         assert reason is not None and word.split()[0] in reason, (word, reason)
+    assert "shared memory" in g.validate(bad["ctas_per_sm smem"], 4096, 4096, "nvfp4", "bfloat16")
+    assert "registers" in g.validate(bad["ctas_per_sm regs"], 4096, 4096, "nvfp4", "bfloat16")
+    # two CTAs per SM: both fit (the 64-row, one-warpgroup tile keeps its registers)
+    for cfg in (g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, ctas_per_sm=2),
+                g.Sm90GemmConfig(tile_n=128, tile_m=128, tile_k=64, stages=4, ctas_per_sm=2),
+                g.Sm90GemmConfig(tile_n=64, tile_m=128, tile_k=64, stages=4, ctas_per_sm=2)):
+        assert g.validate(cfg, 4096, 4096, "nvfp4", "bfloat16") is None, cfg
+        assert 2 * (cfg.smem_bytes("nvfp4") + 1024) <= 228 * 1024
     assert "block size" in g.validate(ok, 4096, 4104, "mxfp4", "bfloat16")
     assert "divisible" in g.validate(g.Sm90GemmConfig(tile_k=256, split_k=4), 64, 256, "nvfp4", "bfloat16")
     assert g.validate(ok, 4096, 4096, "int4", "bfloat16") is not None
@@ -229,6 +240,8 @@ def test_invalid_config_rejected_before_compiling():
         (g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=2, cluster_n=2), "nvfp4", "bfloat16"),
         (g.Sm90GemmConfig(tile_n=128, tile_m=16, tile_k=256, stages=3), "mxfp4", "bfloat16"),
         (g.Sm90GemmConfig(tile_n=256, tile_m=64, tile_k=128, stages=4, cluster_n=2), "nvfp4", "bfloat16"),
+        (g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=2, ctas_per_sm=2), "nvfp4", "bfloat16"),
+        (g.Sm90GemmConfig(tile_n=128, tile_m=128, tile_k=64, stages=4, ctas_per_sm=2), "mxfp4", "float16"),
     ],
 )
 def test_compiles_for_sm90a(cfg, fmt, dtype):

@@ -190,6 +190,29 @@ def test_budget_smaller_than_space_uses_tpe(monkeypatch, tmp_path):
         assert config_json(res.config) in ok and res.median_us == ok[config_json(res.config)]
 
 
+class SeededBackend(WideBackend):
+    """The wide backend with two seeds: configs deep in its grid that random sampling rarely
+    reaches first."""
+
+    name = "test_seeded"
+
+    def seeds(self, key, m=None):
+        return [self.config_model(chunk_n=240), self.config_model(chunk_n=208)]
+
+
+def test_seeds_run_right_after_the_default(monkeypatch, tmp_path):
+    _register(monkeypatch, SeededBackend)
+    path = tmp_path / "t.db"
+    rep = tune([KEY], m_buckets=[2], backends=["test_seeded"], db=path, device="cpu", progress=False,
+               budget_per_shape=6)  # seeds: at most half the budget
+    assert rep.results[0].status == "tuned"
+    with TuningDB(path) as db:
+        trials = db.trials(_env_key())  # oldest first
+    assert trials[0].config == {"chunk_n": 0}  # the default first, then the seeds
+    assert {t.config["chunk_n"] for t in trials[1:3]} == {240, 208}
+    assert len(trials) == 6
+
+
 def test_a_result_from_an_older_kernel_source_is_tuned_again(tmp_path):
     path = tmp_path / "t.db"
     assert tune([KEY], m_buckets=[1], db=path, device="cpu", progress=False).results[0].status == "tuned"

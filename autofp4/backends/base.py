@@ -137,6 +137,12 @@ class Backend(ABC):
             return data
         return self.config_model.model_validate(dict(data))
 
+    def seeds(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
+        """Valid configs worth trying right after the default for ``m`` (what won measurements
+        near this shape), most promising first. The tuner runs them before it samples the rest
+        of the grid, so a short run still reaches them. None by default."""
+        return []
+
     def candidates(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
         """Every valid point of the config space (the grid), the default for ``m`` first.
 

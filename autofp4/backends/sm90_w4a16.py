@@ -7,9 +7,9 @@ Two CuTeDSL kernels share one config model, told apart by ``kernel``:
 * ``"gemm"`` (:mod:`autofp4.kernels.sm90_w4a16_gemm`): TMA + multi-stage pipeline + wgmma with
   the weights as the register operand (``out^T = W x^T``); serves any M.
 
-A decode config asked to run ``M > m_max`` runs the default GEMM config (its M = 1024 pick)
-for that call instead, so every config answers every M; the dispatcher does not send such
-calls to a decode config (it runs this backend's default for M there).
+A decode config asked to run ``M > m_max`` runs the GEMM's default config for that M instead,
+so every config answers every M; the dispatcher does not send such calls to a decode config
+(it runs this backend's default for M there).
 Each kernel reads its own repacked copy of the weight, built on first use and cached on the
 :class:`~autofp4.weights.FP4Weight`.
 """
@@ -24,14 +24,14 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 import torch
 from pydantic import Field, model_validator
 
+from . import sm90_heuristics
 from .base import Backend, BackendConfig, ProblemKey, Runner, grid
 from .reference import reference_linear
-
-#: largest M the default heuristic sends to the decode kernel
-DECODE_MAX_M = 32
+from .sm90_heuristics import DECODE_MAX_M  # noqa: F401  (largest M the default runs on the decode kernel)
 _DECODE_FIELDS = ("warps", "k_split", "m_max", "prefetch", "split_reduce", "tiles_per_warp")
 # omitted when they have these values (configs stored before they existed)
-_DECODE_OPTIONAL = {"x_smem": False, "ctas_per_sm": 0, "smem_stages": 0}
+_DECODE_OPTIONAL = {"x_smem": False, "smem_stages": 0}
+_SHARED_OPTIONAL = {"ctas_per_sm": 0}  # both kernels: CTAs per SM asked of the compiler
 _GEMM_FIELDS = ("tile_n", "tile_m", "tile_k", "stages", "split_k", "cluster_n", "raster")
 
 
@@ -45,8 +45,9 @@ class SM90Config(BackendConfig):
     split_reduce: Optional[Literal["kernel", "last_warp", "cluster"]] = None
     tiles_per_warp: Optional[int] = Field(None, ge=1, le=16)
     x_smem: Optional[bool] = None
-    ctas_per_sm: Optional[int] = Field(None, ge=0, le=64)
     smem_stages: Optional[int] = Field(None, ge=0, le=16)
+    # both kernels: CTAs per SM the compiler must fit (0 or absent: as resources allow)
+    ctas_per_sm: Optional[int] = Field(None, ge=0, le=64)
     # gemm kernel
     tile_n: Optional[int] = Field(None, ge=1, le=1024)
     tile_m: Optional[int] = Field(None, ge=1, le=1024)
@@ -80,16 +81,18 @@ def _kernels():
 
 def _to_kernel_config(cfg: SM90Config):
     decode, gemm = _kernels()
+    optional = {**_DECODE_OPTIONAL, **_SHARED_OPTIONAL} if cfg.kernel == "decode" else _SHARED_OPTIONAL
+    opt = {f: v if getattr(cfg, f) is None else getattr(cfg, f) for f, v in optional.items()}
     if cfg.kernel == "decode":
-        opt = {f: v if getattr(cfg, f) is None else getattr(cfg, f) for f, v in _DECODE_OPTIONAL.items()}
         return decode.DecodeConfig(**{f: getattr(cfg, f) for f in _DECODE_FIELDS}, **opt)
-    return gemm.Sm90GemmConfig(**{f: getattr(cfg, f) for f in _GEMM_FIELDS})
+    return gemm.Sm90GemmConfig(**{f: getattr(cfg, f) for f in _GEMM_FIELDS}, **opt)
 
 
 def _from_kernel_config(kernel: str, kcfg: Any) -> SM90Config:
     fields = _DECODE_FIELDS if kernel == "decode" else _GEMM_FIELDS
+    optional = {**_DECODE_OPTIONAL, **_SHARED_OPTIONAL} if kernel == "decode" else _SHARED_OPTIONAL
     d = asdict(kcfg)
-    opt = {f: d[f] for f, v in _DECODE_OPTIONAL.items() if d[f] != v} if kernel == "decode" else {}
+    opt = {f: d[f] for f, v in optional.items() if d[f] != v}
     return SM90Config(kernel=kernel, **{f: d[f] for f in fields}, **opt)
 
 
@@ -154,8 +157,9 @@ class SM90W4A16Backend(Backend):
     def config_space(self, key: ProblemKey) -> Mapping[str, Sequence[Any]]:
         decode, gemm = _kernels()
         space: dict[str, list] = {"kernel": ["decode", "gemm"]}
-        space.update(decode.config_space(key.n, key.k, key.fmt, key.dtype))
-        space.update(gemm.config_space(key.n, key.k, key.fmt, key.dtype))
+        for mod in (decode, gemm):
+            for name, values in mod.config_space(key.n, key.k, key.fmt, key.dtype).items():
+                space[name] = list(dict.fromkeys(space.get(name, []) + list(values)))  # shared: union
         return space
 
     def is_valid(self, config: BackendConfig, key: ProblemKey) -> str | None:
@@ -168,21 +172,32 @@ class SM90W4A16Backend(Backend):
         return mod.validate(_to_kernel_config(config), key.n, key.k, key.fmt, key.dtype)
 
     def default(self, key: ProblemKey, m: int | None = None) -> SM90Config:
+        return _from_kernel_config(*sm90_heuristics.default(key.n, key.k, key.fmt, key.dtype, m))
+
+    def seeds(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
+        """Valid configs worth trying right after the default (``sm90_heuristics.seeds``)."""
         decode, gemm = _kernels()
-        # decode wins up to M = 32 on an H200 (measured: 1.1x over cuBLAS at 32, 0.5x at 64)
-        if m is not None and m <= DECODE_MAX_M:
-            kcfg = decode.default_config(key.n, key.k, key.fmt, key.dtype, m)
-            if decode.validate(kcfg, key.n, key.k, key.fmt, key.dtype) is None:
-                return _from_kernel_config("decode", kcfg)
-        return _from_kernel_config("gemm", gemm.default_config(key.n, key.k, key.fmt, key.dtype, m))
+        out: list[BackendConfig] = []
+        default = self.default(key, m)
+        for kernel, kcfg in sm90_heuristics.seeds(key.n, key.k, key.fmt, key.dtype, m):
+            mod = decode if kernel == "decode" else gemm
+            if kernel == "decode" and m is not None and kcfg.m_max < m:
+                continue
+            if mod.validate(kcfg, key.n, key.k, key.fmt, key.dtype) is None:
+                cfg = _from_kernel_config(kernel, kcfg)
+                if cfg != default and cfg not in out:
+                    out.append(cfg)
+        return out
 
     def candidates(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
-        """Both kernels' grids (decode only where ``m <= m_max``), the default first.
+        """Both kernels' grids (decode only where ``m <= m_max``): the default first, then the
+        seeds, then the rest.
 
         The GEMM grid is large; the tuner samples it (optuna TPE) when it exceeds its budget.
         """
         decode, gemm = _kernels()
         out: list[BackendConfig] = [self.default(key, m)]
+        out += [c for c in self.seeds(key, m) if c not in out]
         seen = set(out)
         for kernel, mod in (("decode", decode), ("gemm", gemm)):
             space = mod.config_space(key.n, key.k, key.fmt, key.dtype)
@@ -213,9 +228,6 @@ class SM90W4A16Backend(Backend):
         run = _compiled(config.kernel, kcfg, n, k, fmt, dtype)
         check_fp16 = fmt == "mxfp4" and dtype == "float16"
 
-        def gemm_fallback():
-            big = _kernels()[1].default_config(n, k, fmt, dtype)
-            return _compiled("gemm", big, n, k, fmt, dtype)
 
         if config.kernel == "gemm":
 
@@ -232,7 +244,7 @@ class SM90W4A16Backend(Backend):
             if x.shape[0] > m_max:
                 if check_fp16 and (why := _fp16_range_problem(prep, "gemm")):
                     return _reference_fallback(x, prep, bias, why)
-                return gemm_fallback()(x, prep.gemm, bias)
+                return _gemm_default(n, k, fmt, dtype, _bucket(x.shape[0]))(x, prep.gemm, bias)
             if check_fp16 and (why := _fp16_range_problem(prep, "decode")):
                 return _reference_fallback(x, prep, bias, why)
             return run(x, prep.decode, bias)
@@ -253,6 +265,17 @@ class SM90W4A16Backend(Backend):
 
         decode, gemm = _kernels()
         return [sys.modules[__name__], decode, gemm]
+
+
+def _bucket(m: int) -> int:
+    """The power of two at or above ``m``: the M the GEMM default is chosen for."""
+    return 1 << max(m - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm_default(n: int, k: int, fmt: str, dtype: str, m: int):
+    """The GEMM's default config for ``(n, k, fmt, dtype)`` at M = ``m``, compiled."""
+    return _compiled("gemm", _kernels()[1].default_config(n, k, fmt, dtype, m), n, k, fmt, dtype)
 
 
 _WARNED: set[str] = set()

@@ -59,11 +59,13 @@ KERNEL_SOURCES = ("autofp4.kernels._ptx",)
 FORMATS = ("nvfp4", "mxfp4")
 DTYPES = ("bfloat16", "float16")
 SMEM_BUDGET = 227 * 1024          # bytes of shared memory one CTA may use on sm_90
+SMEM_PER_SM = 228 * 1024          # shared memory of one SM, shared by its resident CTAs
+SMEM_PER_CTA_RESERVED = 1024      # the driver's reservation per resident CTA
+CO_RESIDENT_REGS = 96             # accumulator + fragment registers that fit a 128-register cap
 CHUNK_N = 64                      # weight rows per wgmma atom / pack chunk
 CHUNK_K = 64                      # K per pack chunk (4 k16 steps)
 PAD = 256                         # pack pads N and K to multiples of this (largest tiles)
 VALUE_BYTES = CHUNK_N * CHUNK_K // 2   # 2048 bytes of FP4 values per chunk
-_SM_COUNT_HINT = 132              # H100/H200 SXM multiprocessors (only steers default_config)
 
 
 def _scale_words(fmt: str) -> int:
@@ -97,6 +99,7 @@ class Sm90GemmConfig:
     split_k: int = 1       # K slices reduced with fp32 atomics
     cluster_n: int = 1     # CTAs (consecutive weight tiles) per cluster sharing x by TMA multicast
     raster: str = "n"      # "n": consecutive CTAs walk weight tiles; "m": walk token tiles
+    ctas_per_sm: int = 0   # 0: as registers and shared memory allow; 2: ask for two (.minnctapersm)
 
     @property
     def warpgroups(self) -> int:
@@ -120,15 +123,10 @@ class Sm90GemmConfig:
 
 
 def config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
-    return {
-        "tile_n": [64, 128, 256],
-        "tile_m": [16, 32, 64, 128, 256],
-        "tile_k": [64, 128, 256],
-        "stages": [2, 3, 4, 5, 6, 8],
-        "split_k": [1, 2, 4],
-        "cluster_n": [1, 2],
-        "raster": ["n", "m"],
-    }
+    """Values worth sweeping (kept in :mod:`autofp4.backends.sm90_heuristics`)."""
+    from ..backends import sm90_heuristics
+
+    return sm90_heuristics.gemm_config_space(n, k, fmt, dtype)
 
 
 def validate(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> str | None:
@@ -193,88 +191,25 @@ def validate(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> str |
     smem = cfg.smem_bytes(fmt)
     if smem > SMEM_BUDGET:
         return f"needs {smem} bytes of shared memory, more than the {SMEM_BUDGET} available"
+    if cfg.ctas_per_sm not in (0, 2):
+        return f"ctas_per_sm must be 0 (as resources allow) or 2, got {cfg.ctas_per_sm!r}"
+    if cfg.ctas_per_sm == 2:
+        if 2 * (smem + SMEM_PER_CTA_RESERVED) > SMEM_PER_SM:
+            return (f"ctas_per_sm=2 needs two CTAs' shared memory ({smem} bytes each + "
+                    f"{SMEM_PER_CTA_RESERVED} reserved) within the SM's {SMEM_PER_SM}; use fewer stages "
+                    "or a smaller tile_k")
+        if cfg.warpgroups == 2 and acc_regs + 2 * frag_regs > CO_RESIDENT_REGS:
+            return (f"ctas_per_sm=2 caps registers at 128 per thread; accumulators + 2 decoded weight "
+                    f"fragments need {acc_regs + 2 * frag_regs} (at most {CO_RESIDENT_REGS} leave room for "
+                    "the decode without spills)")
     return None
-
-
-# Medium-M tiles (tile_n, tile_m, tile_k, stage cap) and their relative per-CTA efficiency,
-# fitted to an H200 sweep of the benchmark shapes at M = 64, 128, 512 (scripts/gpu_sweep_gemm.py)
-_MEDIUM_TILES = (
-    ((128, 256, 64, 6), 1.0),
-    ((256, 64, 128, 4), 0.85),
-    ((128, 128, 128, 5), 0.8),
-    ((128, 64, 256, 4), 0.7),
-    ((64, 128, 128, 6), 0.6),
-    ((64, 64, 256, 4), 0.5),
-)
-
-
-def _deepest(tile_n: int, tile_m: int, tile_k: int, cap: int, split: int, raster: str,
-             n: int, k: int, fmt: str, dtype: str) -> Sm90GemmConfig | None:
-    for stages in range(cap, 1, -1):
-        cfg = Sm90GemmConfig(tile_n=tile_n, tile_m=tile_m, tile_k=tile_k, stages=stages,
-                             split_k=split, raster=raster)
-        if validate(cfg, n, k, fmt, dtype) is None:
-            return cfg
-    return None
-
-
-def _medium_config(n: int, k: int, fmt: str, dtype: str, m: int) -> Sm90GemmConfig | None:
-    """The tile and split-K with the least modelled time: waves of CTAs over the
-    multiprocessors x work per CTA / tile efficiency, x 1.25 when K is split (the cluster
-    reduction, more x loads, a shorter pipeline per CTA)."""
-    sms = _SM_COUNT_HINT
-    np_ = _pad(n)
-    m_pow2 = 1 << (max(m, 64) - 1).bit_length()
-    best = None
-    for (tn, tm, tk, cap), eff in _MEDIUM_TILES:
-        if tm > m_pow2:
-            continue
-        if tn == 256 and m > 64:  # 256-row tiles were measured at M = 64 only
-            continue
-        for split in ((1,) if tn == 256 else (1, 2)):  # split 4 and split 256-row tiles never won
-            cfg = _deepest(tn, tm, tk, cap, split, "n", n, k, fmt, dtype)
-            if cfg is None:
-                continue
-            ctas = -(-np_ // tn) * -(-m // tm) * split
-            cost = -(-ctas // sms) * tn * tm * (k / split) / eff * (1.25 if split > 1 else 1.0)
-            if best is None or cost < best[0]:
-                best = (cost, cfg)
-    return best[1] if best else None
 
 
 def default_config(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> Sm90GemmConfig:
-    """Heuristic from H200 sweeps (``scripts/gpu_check_gemm.py``, ``scripts/gpu_sweep_gemm.py``).
+    """The default config for ``(n, k)`` at ``m`` tokens (:mod:`autofp4.backends.sm90_heuristics`)."""
+    from ..backends import sm90_heuristics
 
-    * M <= 32 (normally served by the decode kernel): 16/32-token tiles, 256-row weight tiles when
-      N alone nearly fills the GPU with them, else 64-row tiles with a 256-deep K tile;
-    * 32 < M <= 1024: the tile (``_MEDIUM_TILES``) and split-K (summed in a cluster) with the
-      least modelled time, waves of CTAs x work per CTA / tile efficiency; on the 18 points of
-      the sweep it was fitted to, its picks average 2.7% slower than the measured best (worst:
-      70B down at M = 128, 34%);
-    * larger M: 128 x 256 x 64 (measured at parity with cuBLAS bf16 from M = 2048).
-    The deepest pipeline that fits shared memory."""
-    if m is None:
-        m = 1024
-    if 32 < m <= 1024:
-        cfg = _medium_config(n, k, fmt, dtype, m)
-        if cfg is not None:
-            return cfg
-    sms = _SM_COUNT_HINT
-    np_ = _pad(n)
-    raster = "n"
-    stages_cap = 8
-    if m <= 64:
-        tile_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        if np_ // 256 >= (3 * sms) // 4:
-            tile_n, tile_k, stages_cap = 256, 128, 4
-        else:
-            tile_n, tile_k, stages_cap = 64, 256, 4
-    else:
-        tile_n, tile_m, tile_k = 128, 256, 64
-        if n >= 16384:
-            raster = "m"
-    cfg = _deepest(tile_n, tile_m, tile_k, stages_cap, 1, raster, n, k, fmt, dtype)
-    return cfg or Sm90GemmConfig(tile_n=64, tile_m=min(tile_m, 64), tile_k=64, stages=2)
+    return sm90_heuristics.gemm_default(n, k, fmt, dtype, m)
 
 
 # --------------------------------------------------------------------------------------------
@@ -407,9 +342,15 @@ def _pack_scales(w: Any, q: torch.Tensor, np_: int, kp: int):
     per_chunk = _scale_words(fmt)
     # rows = 64 nb + 16 warp + 8 half + g -> [nb, kc, warp, g, step, half]
     sv = bits.view(np_ // CHUNK_N, 4, 2, 8, kp // CHUNK_K, per_chunk).permute(0, 4, 1, 3, 5, 2)
-    words = (sv[..., 0] | (sv[..., 1] << 16)).contiguous()
-    sbytes = torch.stack([(words >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
-    return sbytes, alpha, shift, fp16_ok
+    return _le_bytes(sv[..., 0] | (sv[..., 1] << 16)), alpha, shift, fp16_ok
+
+
+def _le_bytes(words: torch.Tensor) -> torch.Tensor:
+    """32-bit words (any integer dtype, values in [0, 2**32)) as their little-endian bytes:
+    uint8 ``[*words.shape, 4]``."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    w = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32).contiguous()
+    return w.view(torch.uint8).reshape(*words.shape, 4)
 
 
 def pack_weight(w: Any) -> PackedSm90Weight:
@@ -453,9 +394,7 @@ def pack_weight(w: Any) -> PackedSm90Weight:
         word |= ((m >> 2) & 1) << p2
         word |= sign[..., e] << ps
     # [nbk, nkc, 128 t, 4 steps] words, little-endian bytes
-    word = word.permute(0, 1, 3, 2).contiguous()
-    wbytes = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], dim=-1)
-    wbytes = wbytes.to(torch.uint8).reshape(nbk, nkc, VALUE_BYTES)
+    wbytes = _le_bytes(word.permute(0, 1, 3, 2)).reshape(nbk, nkc, VALUE_BYTES)
 
     packed = torch.cat([wbytes, scales.reshape(nbk, nkc, _scale_bytes(fmt))], dim=-1).contiguous()
     return PackedSm90Weight(
@@ -475,7 +414,6 @@ class _Sm90W4A16Kernel:
         self.n, self.k, self.fmt, self.dtype = n, k, fmt, dtype
         self.np_, self.kp = _pad(n), _pad(k)
         self.chunk = chunk_bytes(fmt)
-        self.sbytes = _scale_bytes(fmt)
         self.num_wg = cfg.warpgroups
         self.reps = cfg.reps
         self.threads = 128 * self.num_wg
@@ -503,7 +441,6 @@ class _Sm90W4A16Kernel:
         threads = self.threads
         kc_per_tile = self.kc_per_tile
         chunk = self.chunk
-        sbytes = self.sbytes
         s_words = _scale_words(self.fmt)  # scale words each row group (4 threads) reads per chunk
         n_real = self.n
         np_ = self.np_
@@ -522,6 +459,9 @@ class _Sm90W4A16Kernel:
         x_bytes = tile_m * tile_k * 2
         tx_bytes = x_bytes + w_stage_bytes
         cluster_red = cfg.cluster_reduce
+        # the carveout is given so that the compiler needs no device query (CPU-only compiles)
+        occupancy = ({"min_blocks_per_mp": cfg.ctas_per_sm, "preferred_smem_carveout": -1}
+                     if cfg.ctas_per_sm else {})
         out_is_f32 = split_k > 1 and not cluster_red
         from ._ptx import mul_x2, prmt
         if cluster_red:
@@ -825,7 +765,7 @@ class _Sm90W4A16Kernel:
                 tma_atom_x, tma_x, mW, mAlpha, mBias, mOut, m_size, tiled_mma,
                 x_smem_layout_staged,
             ).launch(grid=grid, block=[threads, 1, 1],
-                     cluster=(1, 1, split_k) if cluster_red else (cl, 1, 1), stream=stream)
+                     cluster=(1, 1, split_k) if cluster_red else (cl, 1, 1), stream=stream, **occupancy)
 
         return host
 

@@ -146,13 +146,10 @@ def _tiles(n: int) -> int:
 
 
 def config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
-    """Values worth sweeping for ``(n, k)``."""
-    g = _groups(k)
-    splits = sorted({s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if s <= g})
-    return {"warps": [2, 4, 8, 16], "k_split": splits, "m_max": list(M_MAX_CHOICES),
-            "prefetch": [False, True], "split_reduce": list(SPLIT_REDUCE),
-            "tiles_per_warp": list(TILES_PER_WARP_CHOICES), "x_smem": [False, True],
-            "ctas_per_sm": [0, 6, 8], "smem_stages": list(SMEM_STAGES_CHOICES)}
+    """Values worth sweeping for ``(n, k)`` (kept in :mod:`autofp4.backends.sm90_heuristics`)."""
+    from ..backends import sm90_heuristics
+
+    return sm90_heuristics.decode_config_space(n, k, fmt, dtype)
 
 
 def validate(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | None:
@@ -262,45 +259,11 @@ def _register_estimate(cfg: DecodeConfig) -> int:
     return 32 + buffers + 8 * nt + 4 * nt * cfg.tiles_per_warp
 
 
-def _sm_count() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return 132
-
-
 def default_config(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> DecodeConfig:
-    """Heuristic from H200 sweeps (``scripts/gpu_check_decode.py --sweep``, the Llama shapes at
-    M = 1 and 16): the smallest m_max that covers ``m``; x staged in shared memory (faster in 11
-    of the 12 cases); split K until about 32 (m_max = 8) or 16 (larger m_max) warps per SM have
-    work, keeping every split non-empty, and at m_max = 8 at least two ways when K has four or
-    more groups; at m_max = 8 and K <= 8192 the split CTAs sum through a cluster where it fits
-    (one launch, the fastest reduction there; at K = 28672 the reduction kernel was 5% faster),
-    otherwise in the reduction kernel. At m_max = 16 and K >= 8192 (16 or more K groups):
-    8 warps per CTA, at least two splits, and the weights streamed through a 2-deep ring in
-    shared memory (``smem_stages=2``: 50.7 vs 60.3 us on 70B down, 100.0 vs 104.7 on 70B
-    gate_up, 18.3 vs 20.5 on 8B down at M = 16; at K = 4096 it was 0-15% slower)."""
-    m = 16 if m is None else m
-    m_max = next((c for c in M_MAX_CHOICES if c >= m), M_MAX_CHOICES[-1])
-    tiles = _tiles(n)
-    g = _groups(k)
-    streamed = m_max == 16 and g >= 16  # (unmeasured at larger m_max: more shared memory)
-    warps, stages = (8, 2) if streamed else (4, 0)
-    target_warps = _sm_count() * (32 if m_max == 8 else 16)
-    split = max(1, min(g, round(target_warps / max(tiles, 1))))
-    if (m_max == 8 and g >= 4) or streamed:
-        split = max(split, 2)
-    # snap to a split that leaves no empty CTA
-    while split > 1:
-        for red in (("cluster", "kernel") if (m_max == 8 or streamed) and g <= 16 else ("kernel",)):
-            cfg = DecodeConfig(warps=warps, k_split=split, m_max=m_max, split_reduce=red, x_smem=True,
-                               smem_stages=stages)
-            if validate(cfg, n, k, fmt, dtype) is None:
-                return cfg
-        split -= 1
-    cfg = DecodeConfig(warps=warps, k_split=1, m_max=m_max, x_smem=True, smem_stages=stages)
-    if validate(cfg, n, k, fmt, dtype) is None:
-        return cfg
-    return DecodeConfig(warps=4, k_split=1, m_max=m_max, x_smem=True)
+    """The default config for ``(n, k)`` at ``m`` tokens (:mod:`autofp4.backends.sm90_heuristics`)."""
+    from ..backends import sm90_heuristics
+
+    return sm90_heuristics.decode_default(n, k, fmt, dtype, m)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -495,7 +458,7 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
     cutlass, cute, llvm, T = _dsl()
     from cutlass import Float32, Int32, Int64, Uint32
 
-    from ._ptx import ld_dsmem_f32
+    from ._ptx import ld_dsmem_f32, mul_x2
 
     WARPS, KS, NT = cfg.warps, cfg.k_split, cfg.m_max // 8
     PREFETCH, LAST_WARP = cfg.prefetch, cfg.split_reduce == "last_warp"
@@ -513,7 +476,6 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
     BF16 = dtype == "bfloat16"
     ALPHA_IDX = 0 if BF16 else 1
     MX_MUL = _MX_MUL[dtype]
-    HMUL = "mul.rn.bf16x2 $0, $1, $2;" if BF16 else "mul.rn.f16x2 $0, $1, $2;"
     MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, "
            "{{$8,$9}}, {{$10,$11,$12,$13}};").format(t="bf16" if BF16 else "f16")
     if BF16:  # two E4M3 (low 16 bits) -> (s_lo * 2^118, s_lo * 2^118), (s_hi.., s_hi..) bf16x2
@@ -550,9 +512,6 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
                 f"@p ld.global.nc{hint}.v4.u32 {{$0,$1,$2,$3}}, [$4]; }}",
                 "=r,=r,=r,=r,l,r")
         return [Uint32(llvm.extractvalue(T.i32(), r, [i])) for i in range(4)]
-
-    def hmul2(a, b):
-        return Uint32(asm(T.i32(), [Uint32(a), Uint32(b)], HMUL, "=r,r,r"))
 
     def mma(a, b0, b1, c):
         r = asm(llvm.StructType.get_literal([T.f32()] * 4),
@@ -752,8 +711,8 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
                 s_g, s_g8 = scale_pairs(buf[b + c // 2] >> Uint32(16 * (c % 2)), sadd_u)
                 for j in cutlass.range_constexpr(4):
                     wd = buf[wo + j]
-                    a = [hmul2(decode(wd, 0), s_g), hmul2(decode(wd, 1), s_g8),
-                         hmul2(decode(wd, 2), s_g), hmul2(decode(wd, 3), s_g8)]
+                    a = [mul_x2(decode(wd, 0), s_g, BF16), mul_x2(decode(wd, 1), s_g8, BF16),
+                         mul_x2(decode(wd, 2), s_g, BF16), mul_x2(decode(wd, 3), s_g8, BF16)]
                     for nt in cutlass.range_constexpr(NT):
                         if nt * 8 < m_rows:
                             q = (tw * NT + nt) * 4

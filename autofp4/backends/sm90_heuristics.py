@@ -1,0 +1,251 @@
+"""Choices for the Hopper W4A16 backend that do not change what a kernel computes or how fast
+one config runs: the default config per shape, the tuner's search space and the configs it
+tries first.
+
+They live apart from the kernel modules on purpose: the source hash that stamps tuning
+results (provenance) covers the kernels and the backend's runner, so a better default or a
+wider search space here leaves every stored measurement valid.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: largest M the default sends to the decode kernel (measured on an H200: the decode kernel was
+#: 1.1x over cuBLAS at M = 32, 0.5x at 64)
+DECODE_MAX_M = 32
+_SM_COUNT_HINT = 132  # H100/H200 SXM multiprocessors (only steers the GEMM defaults)
+
+
+def _decode():
+    from ..kernels import w4a16_decode
+
+    return w4a16_decode
+
+
+def _gemm():
+    from ..kernels import sm90_w4a16_gemm
+
+    return sm90_w4a16_gemm
+
+
+# ----------------------------------------------------------------------------- decode kernel
+def decode_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
+    """Values of the decode kernel worth sweeping for ``(n, k)``."""
+    D = _decode()
+    g = D._groups(k)
+    splits = sorted({s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if s <= g})
+    return {"warps": [2, 4, 8, 16], "k_split": splits, "m_max": list(D.M_MAX_CHOICES),
+            "prefetch": [False, True], "split_reduce": list(D.SPLIT_REDUCE),
+            "tiles_per_warp": list(D.TILES_PER_WARP_CHOICES), "x_smem": [False, True],
+            "ctas_per_sm": [0, 6, 8], "smem_stages": list(D.SMEM_STAGES_CHOICES)}
+
+
+def _sm_count() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 132
+
+
+def decode_default(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
+    """Heuristic from H200 sweeps (``scripts/gpu_check_decode.py --sweep``, the Llama shapes at
+    M = 1 and 16): the smallest m_max that covers ``m``; x staged in shared memory (faster in 11
+    of the 12 cases); split K until about 32 (m_max = 8) or 16 (larger m_max) warps per SM have
+    work, keeping every split non-empty, and at m_max = 8 at least two ways when K has four or
+    more groups; at m_max = 8 and K <= 8192 the split CTAs sum through a cluster where it fits
+    (one launch, the fastest reduction there; at K = 28672 the reduction kernel was 5% faster),
+    otherwise in the reduction kernel. At m_max = 16 and K >= 8192 (16 or more K groups):
+    8 warps per CTA, at least two splits, and the weights streamed through a 2-deep ring in
+    shared memory (``smem_stages=2``: 50.7 vs 60.3 us on 70B down, 100.0 vs 104.7 on 70B
+    gate_up, 18.3 vs 20.5 on 8B down at M = 16; at K = 4096 it was 0-15% slower)."""
+    D = _decode()
+    m = 16 if m is None else m
+    m_max = next((c for c in D.M_MAX_CHOICES if c >= m), D.M_MAX_CHOICES[-1])
+    tiles = D._tiles(n)
+    g = D._groups(k)
+    streamed = m_max == 16 and g >= 16  # (unmeasured at larger m_max: more shared memory)
+    warps, stages = (8, 2) if streamed else (4, 0)
+    target_warps = _sm_count() * (32 if m_max == 8 else 16)
+    split = max(1, min(g, round(target_warps / max(tiles, 1))))
+    if (m_max == 8 and g >= 4) or streamed:
+        split = max(split, 2)
+    # snap to a split that leaves no empty CTA
+    while split > 1:
+        for red in (("cluster", "kernel") if (m_max == 8 or streamed) and g <= 16 else ("kernel",)):
+            cfg = D.DecodeConfig(warps=warps, k_split=split, m_max=m_max, split_reduce=red, x_smem=True,
+                                 smem_stages=stages)
+            if D.validate(cfg, n, k, fmt, dtype) is None:
+                return cfg
+        split -= 1
+    cfg = D.DecodeConfig(warps=warps, k_split=1, m_max=m_max, x_smem=True, smem_stages=stages)
+    if D.validate(cfg, n, k, fmt, dtype) is None:
+        return cfg
+    return D.DecodeConfig(warps=4, k_split=1, m_max=m_max, x_smem=True)
+
+
+# ----------------------------------------------------------------------------- GEMM kernel
+def gemm_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
+    """Values of the wgmma GEMM worth sweeping."""
+    return {
+        "tile_n": [64, 128, 256],
+        "tile_m": [16, 32, 64, 128, 256],
+        "tile_k": [64, 128, 256],
+        "stages": [2, 3, 4, 5, 6, 8],
+        "split_k": [1, 2, 4],
+        "cluster_n": [1, 2],
+        "raster": ["n", "m"],
+        "ctas_per_sm": [0, 2],
+    }
+
+
+# Medium-M tiles (tile_n, tile_m, tile_k, stage cap) and their relative per-CTA efficiency,
+# fitted to an H200 sweep of the benchmark shapes at M = 64, 128, 512 (scripts/gpu_sweep_gemm.py)
+_MEDIUM_TILES = (
+    ((128, 256, 64, 6), 1.0),
+    ((256, 64, 128, 4), 0.85),
+    ((128, 128, 128, 5), 0.8),
+    ((128, 64, 256, 4), 0.7),
+    ((64, 128, 128, 6), 0.6),
+    ((64, 64, 256, 4), 0.5),
+)
+
+
+def _deepest(tile_n: int, tile_m: int, tile_k: int, cap: int, split: int, raster: str,
+             n: int, k: int, fmt: str, dtype: str, ctas_per_sm: int = 0):
+    """The config with the most pipeline stages (at most ``cap``) that is valid, or None."""
+    G = _gemm()
+    for stages in range(cap, 1, -1):
+        cfg = G.Sm90GemmConfig(tile_n=tile_n, tile_m=tile_m, tile_k=tile_k, stages=stages,
+                               split_k=split, raster=raster, ctas_per_sm=ctas_per_sm)
+        if G.validate(cfg, n, k, fmt, dtype) is None:
+            return cfg
+    return None
+
+
+def _medium_ranking(n: int, k: int, fmt: str, dtype: str, m: int) -> list:
+    """Tiles and split-K by modelled time, least first: waves of CTAs over the multiprocessors
+    x work per CTA / tile efficiency, x 1.25 when K is split (the cluster reduction, more x
+    loads, a shorter pipeline per CTA)."""
+    sms = _SM_COUNT_HINT
+    np_ = _gemm()._pad(n)
+    m_pow2 = 1 << (max(m, 64) - 1).bit_length()
+    ranked = []
+    for (tn, tm, tk, cap), eff in _MEDIUM_TILES:
+        if tm > m_pow2:
+            continue
+        if tn == 256 and m > 64:  # 256-row tiles were measured at M = 64 only
+            continue
+        for split in ((1,) if tn == 256 else (1, 2)):  # split 4 and split 256-row tiles never won
+            cfg = _deepest(tn, tm, tk, cap, split, "n", n, k, fmt, dtype)
+            if cfg is None:
+                continue
+            ctas = -(-np_ // tn) * -(-m // tm) * split
+            cost = -(-ctas // sms) * tn * tm * (k / split) / eff * (1.25 if split > 1 else 1.0)
+            ranked.append((cost, len(ranked), cfg))
+    return [cfg for _, _, cfg in sorted(ranked, key=lambda t: t[:2])]
+
+
+def gemm_default(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
+    """Heuristic from H200 sweeps (``scripts/gpu_check_gemm.py``, ``scripts/gpu_sweep_gemm.py``).
+
+    * M <= 32 (normally served by the decode kernel): 16/32-token tiles, 256-row weight tiles when
+      N alone nearly fills the GPU with them, else 64-row tiles with a 256-deep K tile;
+    * 32 < M <= 1024: the tile (``_MEDIUM_TILES``) and split-K (summed in a cluster) with the
+      least modelled time, waves of CTAs x work per CTA / tile efficiency; on the 18 points of
+      the sweep it was fitted to, its picks average 2.7% slower than the measured best (worst:
+      70B down at M = 128, 34%);
+    * larger M: 128 x 256 x 64 (measured at parity with cuBLAS bf16 from M = 2048).
+    The deepest pipeline that fits shared memory."""
+    G = _gemm()
+    if m is None:
+        m = 1024
+    if 32 < m <= 1024:
+        ranked = _medium_ranking(n, k, fmt, dtype, m)
+        if ranked:
+            return ranked[0]
+    sms = _SM_COUNT_HINT
+    np_ = G._pad(n)
+    raster = "n"
+    stages_cap = 8
+    if m <= 64:
+        tile_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        if np_ // 256 >= (3 * sms) // 4:
+            tile_n, tile_k, stages_cap = 256, 128, 4
+        else:
+            tile_n, tile_k, stages_cap = 64, 256, 4
+    else:
+        tile_n, tile_m, tile_k = 128, 256, 64
+        if n >= 16384:
+            raster = "m"
+    cfg = _deepest(tile_n, tile_m, tile_k, stages_cap, 1, raster, n, k, fmt, dtype)
+    return cfg or G.Sm90GemmConfig(tile_n=64, tile_m=min(tile_m, 64), tile_k=64, stages=2)
+
+
+# ----------------------------------------------------------------------------- the backend
+def default(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> tuple[str, Any]:
+    """``(kernel, kernel config)`` the backend runs untuned: the decode kernel up to
+    ``DECODE_MAX_M`` tokens, the GEMM above (and when M is unknown)."""
+    D = _decode()
+    if m is not None and m <= DECODE_MAX_M:
+        kcfg = decode_default(n, k, fmt, dtype, m)
+        if D.validate(kcfg, n, k, fmt, dtype) is None:
+            return "decode", kcfg
+    return "gemm", gemm_default(n, k, fmt, dtype, m)
+
+
+def seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[tuple[str, Any]]:
+    """Configs the tuner tries right after the default, most promising first: the points that
+    won H200 sweeps (``scripts/gpu_sweep_gemm.py``, ``--wide``) near this shape and M, so a
+    short tuning run (a few trials per job) still reaches them. Invalid ones are dropped by the
+    caller. Measured winners they stand for (M = 64 / 128, NVFP4, H200):
+
+    * two CTAs per SM (``ctas_per_sm=2``) with 128-row tiles: 8B gate_up 36.3 / 53.2 us against
+      the default's 38.4 / 58.5, 70B gate_up 127.3 / 201.3 against 137.0 / 215.4, 8B qkv at 64
+      13.9 against 14.8;
+    * 128 x 128 x 128 split 2: 70B down at 128, 99.5 against the default's 117.6;
+    * at M = 512, 128 x 128 x 128 without split: 8B o 29.0 against 35.7;
+    * at M <= 32, 16-token GEMM tiles split in 2: 8B qkv 10.6 against the decode kernel's 11.2.
+    """
+    D, G = _decode(), _gemm()
+    out: list[tuple[str, Any]] = []
+    gm = G.Sm90GemmConfig
+    m_ = 1024 if m is None else m
+    if m_ <= DECODE_MAX_M:
+        dflt = decode_default(n, k, fmt, dtype, m_)
+        tm = 16 if m_ <= 16 else 32
+        gemms = [("gemm", c) for c in (gm(128, tm, 256, 6, split_k=2), gm(64, tm, 256, 8, split_k=2),
+                                         gm(256, tm, 128, 4), gm(64, tm, 256, 8), gm(128, tm, 256, 6))]
+        if m_ > 8:  # past one n8 tile the GEMM's 16-token tiles can win (8B qkv at 16)
+            out += gemms[:2]
+        for ks in (dflt.k_split * 2, max(1, dflt.k_split // 2)):
+            for red in (dflt.split_reduce, "kernel", "cluster"):
+                out.append(("decode", D.DecodeConfig(**{**_fields(dflt), "k_split": ks, "split_reduce": red})))
+        out.append(("decode", D.DecodeConfig(**{**_fields(dflt), "ctas_per_sm": 6})))
+        return out + gemms
+    if m_ <= 64:
+        pts = [gm(128, 64, 128, 4, split_k=s, ctas_per_sm=2) for s in (1, 2, 4)]
+        pts += [gm(256, 64, 128, 4), gm(128, 64, 256, 4, split_k=2), gm(64, 64, 256, 4, split_k=2),
+                gm(64, 32, 256, 4, split_k=2)]
+    elif m_ <= 128:
+        pts = [gm(128, 128, 64, 4, split_k=s, ctas_per_sm=2) for s in (1, 2)]
+        pts += [gm(128, 128, 128, 5, split_k=s) for s in (1, 2)]
+        pts += [gm(128, 64, 128, 4, split_k=s, ctas_per_sm=2) for s in (1, 2, 4)]
+        pts += [gm(128, 64, 256, 4, split_k=s) for s in (1, 2)]
+    elif m_ <= 1024:
+        pts = [gm(128, 128, 128, 5, split_k=s) for s in (1, 2)]
+        pts += [gm(128, 256, 64, 6, split_k=s, raster=r) for s in (1, 2) for r in ("n", "m")]
+        pts += [gm(128, 128, 64, 4, split_k=s, ctas_per_sm=2) for s in (1, 2)]
+    else:
+        pts = [gm(128, 256, 64, 6, raster=r) for r in ("n", "m")]
+        pts += [gm(128, 128, 128, 5), gm(128, 128, 64, 4, ctas_per_sm=2), gm(256, 128, 64, 4)]
+    ranked = _medium_ranking(n, k, fmt, dtype, m_) if 32 < m_ <= 1024 else []
+    for cfg in pts + ranked[1:4]:
+        out.append(("gemm", cfg))
+    return out
+
+
+def _fields(cfg: Any) -> dict:
+    from dataclasses import asdict
+
+    return asdict(cfg)
