@@ -71,6 +71,9 @@ CASES = [
     # split-K summed in the cluster: deep tile, ragged N, 4 slices of 2 K tiles
     (576, 1536, g.Sm90GemmConfig(tile_n=256, tile_m=64, tile_k=64, stages=8, split_k=2)),
     (320, 2048, g.Sm90GemmConfig(tile_n=64, tile_m=64, tile_k=256, stages=4, split_k=4)),
+    # two CTAs per SM (registers capped at 128): ragged N, with and without split-K
+    (448, 1024, g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=2, ctas_per_sm=2)),
+    (384, 768, g.Sm90GemmConfig(tile_n=128, tile_m=128, tile_k=64, stages=4, ctas_per_sm=2)),
 ]
 
 
