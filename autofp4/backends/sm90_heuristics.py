@@ -111,6 +111,12 @@ _MEDIUM_TILES = (
 )
 
 
+# Modelled cost of splitting K in two. Against the 18 (shape, M) points of the H200 sweeps in
+# docs/bench (M = 64, 128, 512, every pick measured): 1.3 makes the default 4.5% slower than the
+# best measured config on average (worst 18%), 1.25 5.5% (worst 23%, 8B o at M = 512), 1.5 6.9%.
+_SPLIT_COST = 1.3
+
+
 def _deepest(tile_n: int, tile_m: int, tile_k: int, cap: int, split: int, raster: str,
              n: int, k: int, fmt: str, dtype: str, ctas_per_sm: int = 0):
     """The config with the most pipeline stages (at most ``cap``) that is valid, or None."""
@@ -125,8 +131,8 @@ def _deepest(tile_n: int, tile_m: int, tile_k: int, cap: int, split: int, raster
 
 def _medium_ranking(n: int, k: int, fmt: str, dtype: str, m: int) -> list:
     """Tiles and split-K by modelled time, least first: waves of CTAs over the multiprocessors
-    x work per CTA / tile efficiency, x 1.25 when K is split (the cluster reduction, more x
-    loads, a shorter pipeline per CTA)."""
+    x work per CTA / tile efficiency, x ``_SPLIT_COST`` when K is split (the cluster reduction,
+    more x loads, a shorter pipeline per CTA)."""
     sms = _SM_COUNT_HINT
     np_ = _gemm()._pad(n)
     m_pow2 = 1 << (max(m, 64) - 1).bit_length()
@@ -141,7 +147,7 @@ def _medium_ranking(n: int, k: int, fmt: str, dtype: str, m: int) -> list:
             if cfg is None:
                 continue
             ctas = -(-np_ // tn) * -(-m // tm) * split
-            cost = -(-ctas // sms) * tn * tm * (k / split) / eff * (1.25 if split > 1 else 1.0)
+            cost = -(-ctas // sms) * tn * tm * (k / split) / eff * (_SPLIT_COST if split > 1 else 1.0)
             ranked.append((cost, len(ranked), cfg))
     return [cfg for _, _, cfg in sorted(ranked, key=lambda t: t[:2])]
 
@@ -152,9 +158,7 @@ def gemm_default(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
     * M <= 32 (normally served by the decode kernel): 16/32-token tiles, 256-row weight tiles when
       N alone nearly fills the GPU with them, else 64-row tiles with a 256-deep K tile;
     * 32 < M <= 1024: the tile (``_MEDIUM_TILES``) and split-K (summed in a cluster) with the
-      least modelled time, waves of CTAs x work per CTA / tile efficiency; on the 18 points of
-      the sweep it was fitted to, its picks average 2.7% slower than the measured best (worst:
-      70B down at M = 128, 34%);
+      least modelled time, waves of CTAs x work per CTA / tile efficiency (``_medium_ranking``);
     * larger M: 128 x 256 x 64 (measured at parity with cuBLAS bf16 from M = 2048).
     The deepest pipeline that fits shared memory."""
     G = _gemm()
