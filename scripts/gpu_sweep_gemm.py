@@ -30,32 +30,37 @@ from bench_linear import SHAPES  # noqa: E402
 from gpu_check_decode import fp4_bytes, graph_time, rotation  # noqa: E402
 
 
+def _deepest(n, k, fmt, depths, **tile):
+    """The first valid config over (tile_k, stages) pairs, deepest first, or None."""
+    for tk, st in depths:
+        c = G.Sm90GemmConfig(tile_k=tk, stages=st, **tile)
+        if G.validate(c, n, k, fmt, "bfloat16") is None:
+            return c
+    return None
+
+
 def sweep_configs(n, k, fmt, m, wide=False):
     base = G.default_config(n, k, fmt, "bfloat16", m)
-    out = [base]
+    points = []
     if wide:  # two CTAs per SM (ctas_per_sm=2) next to one, 64..256-row weight tiles
+        depths = ((256, 4), (128, 6), (128, 5), (128, 4), (128, 3), (64, 6), (64, 4))
         for tn in (64, 128, 256):
-            for tm in (64, 128):
+            for tm in (t for t in (64, 128) if t <= max(64, m)):
                 for sk in (1, 2, 4):
                     for co in (0, 2):
-                        for tk, st in ((256, 4), (128, 6), (128, 5), (128, 4), (128, 3), (64, 6), (64, 4)):
-                            c = G.Sm90GemmConfig(tile_n=tn, tile_m=tm, tile_k=tk, stages=st, split_k=sk, ctas_per_sm=co)
-                            if tm <= max(64, m) and G.validate(c, n, k, fmt, "bfloat16") is None:
-                                if c not in out:
-                                    out.append(c)
-                                break
-        return out
-    tms = [t for t in (16, 32, 64, 128, 256) if t <= max(16, 1 << (m - 1).bit_length())][-2:]
-    for tn in (64, 128):
-        for tm in tms:
-            for sk in ((1, 2, 4, 8) if m <= 32 else (1, 2, 4)):
-                deep = ((256, 8), (256, 6)) if m <= 32 else ()  # small x tiles leave room for stages
-                for tk, st in (*deep, (256, 4), (128, 6), (128, 5), (128, 4), (64, 6), (64, 4)):
-                    c = G.Sm90GemmConfig(tile_n=tn, tile_m=tm, tile_k=tk, stages=st, split_k=sk)
-                    if G.validate(c, n, k, fmt, "bfloat16") is None:
-                        if c not in out:
-                            out.append(c)
-                        break
+                        points.append(_deepest(n, k, fmt, depths, tile_n=tn, tile_m=tm, split_k=sk, ctas_per_sm=co))
+    else:
+        tms = [t for t in (16, 32, 64, 128, 256) if t <= max(16, 1 << (m - 1).bit_length())][-2:]
+        deep = ((256, 8), (256, 6)) if m <= 32 else ()  # small x tiles leave room for stages
+        depths = (*deep, (256, 4), (128, 6), (128, 5), (128, 4), (64, 6), (64, 4))
+        for tn in (64, 128):
+            for tm in tms:
+                for sk in ((1, 2, 4, 8) if m <= 32 else (1, 2, 4)):
+                    points.append(_deepest(n, k, fmt, depths, tile_n=tn, tile_m=tm, split_k=sk))
+    out = [base]
+    for c in points:
+        if c is not None and c not in out:
+            out.append(c)
     return out
 
 

@@ -8,6 +8,7 @@ wider search space here leaves every stored measurement valid.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -224,8 +225,8 @@ def seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[tuple[str
             out += gemms[:2]
         for ks in (dflt.k_split * 2, max(1, dflt.k_split // 2)):
             for red in (dflt.split_reduce, "kernel", "cluster"):
-                out.append(("decode", D.DecodeConfig(**{**_fields(dflt), "k_split": ks, "split_reduce": red})))
-        out.append(("decode", D.DecodeConfig(**{**_fields(dflt), "ctas_per_sm": 6})))
+                out.append(("decode", replace(dflt, k_split=ks, split_reduce=red)))
+        out.append(("decode", replace(dflt, ctas_per_sm=6)))
         return out + gemms
     if m_ <= 64:
         pts = [gm(128, 64, 128, 4, split_k=s, ctas_per_sm=2) for s in (1, 2, 4)]
@@ -247,9 +248,3 @@ def seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[tuple[str
     for cfg in pts + ranked[1:4]:
         out.append(("gemm", cfg))
     return out
-
-
-def _fields(cfg: Any) -> dict:
-    from dataclasses import asdict
-
-    return asdict(cfg)

@@ -279,7 +279,6 @@ def _fragment_coords() -> tuple[torch.Tensor, torch.Tensor]:
     return rows, ks
 
 
-
 # A bf16 pattern (per half) of a value v >= 0 -> the fp16 pattern of v * 2**-112 (exponent field
 # - (254 - 30), mantissa << 3), on both halves of a word at once with one IMAD:
 # ``word * 8 + FP16_FROM_BF16`` (mod 2**32); exact for 2**-98 <= v < 2**128
