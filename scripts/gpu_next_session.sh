@@ -4,6 +4,7 @@
 # $OUT; run it in two calls (STAGE=1, then STAGE=2) to stay inside a 10-minute call limit.
 #   STAGE=1: GPU tests (4 parallel pytest processes) + decode sweep at M = 1, 16 (~5 min);
 #   SWEEP=gemm: the GEMM sweep at M = 16, 64, 128, 512 instead (with the decode default at 16)
+#   SWEEP=swizzle: the GEMM's CTA order at M = 512, 2048, 8192 (SWEEP_MS, SWEEP_SHAPES)
 #   (SWEEP=none: tests only)
 #   STAGE=2: tune each TUNES entry (model:fmt:seconds, default Llama-3.1-8B NVFP4 for 330 s)
 #            into $DB, export it; with BENCH=1 (default) the benchmark and host overhead
@@ -22,6 +23,10 @@ if [ "${STAGE:-1}" = 1 ]; then
     timeout ${SWEEP_TIMEOUT:-300} python3 scripts/gpu_check_decode.py --sweep --skip-correct --ms 1,16 \
       > "$OUT/decode_sweep.txt" 2>&1
     tail -14 "$OUT/decode_sweep.txt"
+  elif [ "$SWEEP" = swizzle ]; then
+    timeout ${SWEEP_TIMEOUT:-300} python3 scripts/gpu_sweep_gemm.py --swizzle --ms ${SWEEP_MS:-512,2048,8192} \
+      --shapes "${SWEEP_SHAPES:-8B gate_up,70B gate_up,8B qkv,70B down}" > "$OUT/gemm_sweep_swizzle.txt" 2>&1
+    tail -14 "$OUT/gemm_sweep_swizzle.txt"
   elif [ "$SWEEP" = gemm ]; then
     timeout ${SWEEP_TIMEOUT:-200} python3 scripts/gpu_sweep_gemm.py --ms 16,64,128,512 > "$OUT/gemm_sweep.txt" 2>&1
     tail -26 "$OUT/gemm_sweep.txt"

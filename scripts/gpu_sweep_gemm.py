@@ -1,4 +1,5 @@
-"""A/B sweep of the Hopper W4A16 GEMM at small and medium M (16..512) on the benchmark shapes.
+"""A/B sweep of the Hopper W4A16 GEMM at small and medium M (16..512) on the benchmark shapes
+(``--swizzle``: the CTA order at large M).
 
 For every (shape, M): the GEMM's default config, then a small grid around it (weight tile
 64/128 rows, the two largest token tiles of 16..256 that fit M, split-K 1/2/4 (and 8 at
@@ -39,10 +40,15 @@ def _deepest(n, k, fmt, depths, **tile):
     return None
 
 
-def sweep_configs(n, k, fmt, m, wide=False):
+def sweep_configs(n, k, fmt, m, wide=False, swizzle=False):
     base = G.default_config(n, k, fmt, "bfloat16", m)
     points = []
-    if wide:  # two CTAs per SM (ctas_per_sm=2) next to one, 64..256-row weight tiles
+    if swizzle:  # the CTA order: both rasters, bands of 1..16 tiles, on the large-M tiles
+        for tile in (dict(tile_n=128, tile_m=256, tile_k=64, stages=6), dict(tile_n=128, tile_m=128, tile_k=128, stages=5)):
+            for r in ("n", "m"):
+                for sw in G.SWIZZLES:
+                    points.append(G.Sm90GemmConfig(raster=r, swizzle=sw, **tile))
+    elif wide:  # two CTAs per SM (ctas_per_sm=2) next to one, 64..256-row weight tiles
         depths = ((256, 4), (128, 6), (128, 5), (128, 4), (128, 3), (64, 6), (64, 4))
         for tn in (64, 128, 256):
             for tm in (t for t in (64, 128) if t <= max(64, m)):
@@ -80,6 +86,8 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--wide", action="store_true",
                     help="two CTAs per SM next to one, 64..256-row tiles, instead of the grid around the default")
+    ap.add_argument("--swizzle", action="store_true",
+                    help="the CTA order (raster x band width) of the large-M tiles instead")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
@@ -89,7 +97,7 @@ def main():
     from autofp4.kernel_cache import target_arch
     from autofp4.tuner import _pool_init
 
-    jobs = sorted({(c, n, k, fmt) for n, k in shapes.values() for m in ms for c in sweep_configs(n, k, fmt, m, args.wide)},
+    jobs = sorted({(c, n, k, fmt) for n, k in shapes.values() for m in ms for c in sweep_configs(n, k, fmt, m, args.wide, args.swizzle)},
                   key=str)
     t0 = time.time()
     with cf.ProcessPoolExecutor(max(1, (os.cpu_count() or 2) - 2), mp_context=mp.get_context("spawn"),
@@ -117,7 +125,7 @@ def main():
                 drun = D.compile_kernel(D.default_config(n, k, fmt, "bfloat16", m), n, k, fmt, "bfloat16")
                 t_dec = graph_time([(lambda i=i: drun(x, dpacks[i % len(dpacks)], None)) for i in range(calls)])[0]
                 print(f"  {name:12s} M={m:4d} decode default {t_dec:8.2f} us", flush=True)
-            for j, cfg in enumerate(sweep_configs(n, k, fmt, m, args.wide)):
+            for j, cfg in enumerate(sweep_configs(n, k, fmt, m, args.wide, args.swizzle)):
                 try:
                     run = G.compile_kernel(cfg, n, k, fmt, "bfloat16")
                     rel = float((run(x, p0, None).float() - ref).norm() / ref.norm())

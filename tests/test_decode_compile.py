@@ -8,6 +8,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import autofp4  # noqa: E402
 from autofp4.kernels import w4a16_decode as D  # noqa: E402
+from autofp4.kernels import _fp4_bits as fp4_bits  # noqa: E402
 from autofp4.weights import FP4Weight  # noqa: E402
 
 LLAMA = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]
@@ -50,7 +51,7 @@ def _lane_position(n, k, tiles_groups):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_single_value_lands_in_documented_word(fmt, gen):
-    """A weight with one non-zero code: exactly the bits of _word_bit in the documented word."""
+    """A weight with one non-zero code: exactly the bits of word_bit in the documented word."""
     n, k = 40, 1536
     for _ in range(20):
         i = int(torch.randint(n, (1,), generator=gen))
@@ -67,7 +68,7 @@ def test_single_value_lands_in_documented_word(fmt, gen):
         p = D.pack_weight(w)
         words = p.data.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         off, reg, e = _lane_position(i, kk, D._groups(k))
-        expect = sum(((code >> b) & 1) << D._word_bit(reg, e, b) for b in range(4))
+        expect = sum(((code >> b) & 1) << fp4_bits.word_bit(reg, e, b) for b in range(4))
         assert int(words[off // 4]) == expect
         nz = torch.nonzero(words).flatten().tolist()
         assert nz == [off // 4]
@@ -230,7 +231,7 @@ def test_compiles_for_sm90a(cfg, n, k, fmt, dtype):
 def test_decode_terms_cover_every_bit():
     for dtype in ("bfloat16", "float16"):
         seen = 0
-        for terms in D._decode_terms(dtype):
+        for terms in fp4_bits.decode_terms(dtype):
             reg_mask = 0
             for _, mask in terms:
                 assert reg_mask & mask == 0
@@ -305,3 +306,26 @@ def test_smem_stages_pipeline_in_ptx(tmp_path, monkeypatch):
         regs, spill = _regs_spill(info)
         assert regs <= 72 and spill == 0, info[:400]
 
+
+
+def test_fp4_word_layout_and_term_ops(gen):
+    """The shared word layout: every bit used once; bf16 pairs decode in 5 terms (in place, one
+    shift, one rotate, two shifts); each term's cheap op equals the rotate-and-mask on random
+    words."""
+    bits = sorted(fp4_bits.word_bit(j, h, b) for j in range(4) for h in range(2) for b in range(4))
+    assert bits == list(range(32))
+    terms = fp4_bits.decode_terms("bfloat16")
+    assert [len(t) for t in terms] == [1, 1, 1, 2]
+    ops = [fp4_bits.term_op(rot, mask)[0] for t in terms for rot, mask in t]
+    assert ops == ["and", "shl", "rot", "shl", "shr"]
+    assert sum(len(t) for t in fp4_bits.decode_terms("float16")) == 9
+    words = torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64).tolist()
+    for dtype in ("bfloat16", "float16"):
+        for t in fp4_bits.decode_terms(dtype):
+            for rot, mask in t:
+                op, amount = fp4_bits.term_op(rot, mask)
+                for w in words:
+                    want = fp4_bits.rotl(w, rot) & mask
+                    got = {"and": w, "shl": (w << amount) & 0xFFFFFFFF, "shr": w >> amount,
+                           "rot": fp4_bits.rotl(w, amount)}[op] & mask
+                    assert got == want, (dtype, rot, hex(mask), op)

@@ -125,6 +125,13 @@ def test_x_smem_is_optional_in_stored_configs():
     assert _from_kernel_config("gemm", G.Sm90GemmConfig(128, 64, 128, 4)).model_dump(exclude_none=True) == gold
     two = _from_kernel_config("gemm", G.Sm90GemmConfig(128, 64, 128, 4, ctas_per_sm=2))
     assert two.ctas_per_sm == 2 and _to_kernel_config(two).ctas_per_sm == 2
+    # swizzle, GEMM only: stored configs without it mean 1
+    assert _to_kernel_config(SM90Config(**gold)).swizzle == 1
+    band = _from_kernel_config("gemm", G.Sm90GemmConfig(128, 64, 128, 4, swizzle=8))
+    assert band.swizzle == 8 and _to_kernel_config(band) == G.Sm90GemmConfig(128, 64, 128, 4, swizzle=8)
+    with pytest.raises(ValueError, match="takes no swizzle"):
+        SM90Config(kernel="decode", warps=4, k_split=8, m_max=16, prefetch=False, split_reduce="kernel",
+                   tiles_per_warp=1, swizzle=4)
     with pytest.raises(ValueError, match="takes no x_smem"):
         SM90Config(kernel="gemm", tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=1, cluster_n=1,
                    raster="n", x_smem=True)

@@ -10,6 +10,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from autofp4.formats import quantize  # noqa: E402
 from autofp4.kernels import sm90_w4a16_gemm as g  # noqa: E402
+from autofp4.kernels import _fp4_bits as fp4_bits  # noqa: E402
 
 cute_available = True
 try:  # the compile tests need nvidia-cutlass-dsl
@@ -58,7 +59,7 @@ def _emulate(packed: g.PackedSm90Weight, dtype: str) -> torch.Tensor:
     nbk, nkc, _ = data.shape
     n, k = packed.n, packed.k
     out = torch.zeros(nbk * 64, nkc * 64, dtype=torch.float64)
-    terms = g._decode_terms(dtype)
+    terms = fp4_bits.decode_terms(dtype)
     is_nv = packed.fmt == "nvfp4"
     nw = 4 if is_nv else 2
     rnd = torch.bfloat16 if dtype == "bfloat16" else torch.float16
@@ -81,8 +82,8 @@ def _emulate(packed: g.PackedSm90Weight, dtype: str) -> torch.Tensor:
                               (r0 + 8, 2 * c + 9)]
                     for j in range(4):
                         reg = 0
-                        for sh, mask in terms[j]:
-                            reg |= ((word << sh) if sh >= 0 else (word >> -sh)) & mask
+                        for rot, mask in terms[j]:
+                            reg |= fp4_bits.rotl(word, rot) & mask
                         reg &= 0xFFFFFFFF
                         for h in range(2):
                             v = _half_bits_to_float((reg >> (16 * h)) & 0xFFFF, dtype)
@@ -111,7 +112,7 @@ def test_pack_layout_matches_dequantize(fmt, dtype, gen):
 
 def test_pack_decode_terms_cover_each_bit_once():
     for dtype in ("bfloat16", "float16"):
-        for j, terms in enumerate(g._decode_terms(dtype)):
+        for j, terms in enumerate(fp4_bits.decode_terms(dtype)):
             masks = [m for _, m in terms]
             union = 0
             for m in masks:
@@ -185,6 +186,8 @@ def test_validate_rules():
         "cluster_n": g.Sm90GemmConfig(cluster_n=4),
         "raster": g.Sm90GemmConfig(cluster_n=2, raster="m"),
         "raster value": g.Sm90GemmConfig(raster="x"),
+        "swizzle must": g.Sm90GemmConfig(swizzle=3),
+        "swizzle > 1": g.Sm90GemmConfig(swizzle=4, cluster_n=2),
         "shared memory": g.Sm90GemmConfig(tile_m=128, tile_n=64, tile_k=256, stages=8),
         "registers": g.Sm90GemmConfig(tile_n=256, tile_m=256),
         "ctas_per_sm value": g.Sm90GemmConfig(ctas_per_sm=3),
@@ -242,6 +245,9 @@ def test_invalid_config_rejected_before_compiling():
         (g.Sm90GemmConfig(tile_n=256, tile_m=64, tile_k=128, stages=4, cluster_n=2), "nvfp4", "bfloat16"),
         (g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=2, ctas_per_sm=2), "nvfp4", "bfloat16"),
         (g.Sm90GemmConfig(tile_n=128, tile_m=128, tile_k=64, stages=4, ctas_per_sm=2), "mxfp4", "float16"),
+        (g.Sm90GemmConfig(tile_n=128, tile_m=256, tile_k=64, stages=6, swizzle=8), "nvfp4", "bfloat16"),
+        (g.Sm90GemmConfig(tile_n=64, tile_m=128, tile_k=128, stages=4, split_k=2, raster="m", swizzle=4),
+         "mxfp4", "float16"),
     ],
 )
 def test_compiles_for_sm90a(cfg, fmt, dtype):

@@ -74,6 +74,11 @@ CASES = [
     # two CTAs per SM (registers capped at 128): ragged N, with and without split-K
     (448, 1024, g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=2, ctas_per_sm=2)),
     (384, 768, g.Sm90GemmConfig(tile_n=128, tile_m=128, tile_k=64, stages=4, ctas_per_sm=2)),
+    # grouped CTA order: bands of 4 token tiles (the last one narrower at M = 100 and 4097) and
+    # of 8 weight tiles out of 12 (a band of 4 last), the second with split-K in the cluster
+    (640, 512, g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=64, stages=4, swizzle=4)),
+    (704, 1024, g.Sm90GemmConfig(tile_n=64, tile_m=128, tile_k=128, stages=4, split_k=2, raster="m",
+                                 swizzle=8)),
 ]
 
 

@@ -32,6 +32,7 @@ _DECODE_FIELDS = ("warps", "k_split", "m_max", "prefetch", "split_reduce", "tile
 # omitted when they have these values (configs stored before they existed)
 _DECODE_OPTIONAL = {"x_smem": False, "smem_stages": 0}
 _SHARED_OPTIONAL = {"ctas_per_sm": 0}  # both kernels: CTAs per SM asked of the compiler
+_GEMM_OPTIONAL = {"swizzle": 1}
 _GEMM_FIELDS = ("tile_n", "tile_m", "tile_k", "stages", "split_k", "cluster_n", "raster")
 
 
@@ -56,14 +57,15 @@ class SM90Config(BackendConfig):
     split_k: Optional[int] = Field(None, ge=1, le=64)
     cluster_n: Optional[int] = Field(None, ge=1, le=16)
     raster: Optional[Literal["n", "m"]] = None
+    swizzle: Optional[int] = Field(None, ge=1, le=64)
 
     @model_validator(mode="after")
     def _fields_match_kernel(self) -> "SM90Config":
         mine, other = (_DECODE_FIELDS, _GEMM_FIELDS) if self.kernel == "decode" else (_GEMM_FIELDS, _DECODE_FIELDS)
         missing = [f for f in mine if getattr(self, f) is None]
         stray = [f for f in other if getattr(self, f) is not None]
-        if self.kernel == "gemm":
-            stray += [f for f in _DECODE_OPTIONAL if getattr(self, f) is not None]
+        stray += [f for f in (_DECODE_OPTIONAL if self.kernel == "gemm" else _GEMM_OPTIONAL)
+                  if getattr(self, f) is not None]
         if missing:
             raise ValueError(f"a {self.kernel} config needs {', '.join(missing)}")
         if stray:
@@ -79,9 +81,14 @@ def _kernels():
     return decode, gemm
 
 
+def _optional(kernel: str) -> dict[str, Any]:
+    """Fields of ``kernel``'s config that stored configs may omit, with the value that means."""
+    return {**(_DECODE_OPTIONAL if kernel == "decode" else _GEMM_OPTIONAL), **_SHARED_OPTIONAL}
+
+
 def _to_kernel_config(cfg: SM90Config):
     decode, gemm = _kernels()
-    optional = {**_DECODE_OPTIONAL, **_SHARED_OPTIONAL} if cfg.kernel == "decode" else _SHARED_OPTIONAL
+    optional = _optional(cfg.kernel)
     opt = {f: v if getattr(cfg, f) is None else getattr(cfg, f) for f, v in optional.items()}
     if cfg.kernel == "decode":
         return decode.DecodeConfig(**{f: getattr(cfg, f) for f in _DECODE_FIELDS}, **opt)
@@ -90,7 +97,7 @@ def _to_kernel_config(cfg: SM90Config):
 
 def _from_kernel_config(kernel: str, kcfg: Any) -> SM90Config:
     fields = _DECODE_FIELDS if kernel == "decode" else _GEMM_FIELDS
-    optional = {**_DECODE_OPTIONAL, **_SHARED_OPTIONAL} if kernel == "decode" else _SHARED_OPTIONAL
+    optional = _optional(kernel)
     d = asdict(kcfg)
     opt = {f: d[f] for f, v in optional.items() if d[f] != v}
     return SM90Config(kernel=kernel, **{f: d[f] for f in fields}, **opt)
@@ -206,6 +213,9 @@ class SM90W4A16Backend(Backend):
                 kcfg = cls(**combo)
                 if kernel == "decode" and m is not None and kcfg.m_max < m:
                     continue
+                if kernel == "gemm" and m is not None and kcfg.swizzle > 1 and (
+                        kcfg.raster == "n" and m <= kcfg.tile_m):
+                    continue  # one token tile: the grouped order is the plain one
                 if mod.validate(kcfg, key.n, key.k, key.fmt, key.dtype) is not None:
                     continue
                 cfg = _from_kernel_config(kernel, kcfg)

@@ -5,21 +5,34 @@ from cutlass import Float32, Int32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
+from ._fp4_bits import term_op
+
 
 def ld_dsmem_f32(addr, rank):
     """fp32 at 32-bit shared-memory address ``addr`` of the CTA of cluster rank ``rank``
     (``mapa`` + ``ld.shared::cluster``; valid between cluster barriers)."""
-    return Float32(llvm.inline_asm(
-        T.f32(), [Int32(addr).ir_value(), Int32(rank).ir_value()],
+    return Float32(asm(
+        T.f32(), [Int32(addr), Int32(rank)],
         "{ .reg .u32 r; mapa.shared::cluster.u32 r, $1, $2; ld.shared::cluster.f32 $0, [r]; }",
-        "=f,r,r", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT))
+        "=f,r,r", side_effects=True))
+
+
+def asm(ret, args, text, cons, side_effects=False):
+    """Inline PTX ``text`` (AT&T operand syntax, LLVM constraints ``cons``) on the DSL values
+    ``args``; returns the raw LLVM value of type ``ret`` (``None``: no result). With
+    ``side_effects`` the compiler keeps it, in program order, even when nothing reads a result."""
+    return llvm.inline_asm(ret, [a.ir_value() for a in args], text, cons,
+                           has_side_effects=side_effects, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def asm_void(text, cons="", *args):
+    """Inline PTX without a result, kept in program order (stores, fences, async-copy control)."""
+    asm(None, args, text, cons, side_effects=True)
 
 
 def _asm_u32(text, cons, *args):
-    return Uint32(llvm.inline_asm(T.i32(), [a.ir_value() for a in args], text, cons,
-                                  has_side_effects=False, is_align_stack=False,
-                                  asm_dialect=llvm.AsmDialect.AD_ATT))
+    return Uint32(asm(T.i32(), args, text, cons))
 
 
 def prmt(a, sel: int):
@@ -32,3 +45,22 @@ def mul_x2(a, b, bf16: bool):
     """Lane-wise product of two packed bf16x2 (``bf16``) or f16x2 registers, round to nearest."""
     op = "mul.rn.bf16x2" if bf16 else "mul.rn.f16x2"
     return _asm_u32(f"{op} $0, $1, $2;", "=r,r,r", Uint32(a), Uint32(b))
+
+
+def decode_pair(word, terms):
+    """``OR(rotl(word, rot) & mask)`` over ``terms`` (:func:`._fp4_bits.decode_terms`), each term
+    with its cheapest op: an AND, a shift and an AND, or a funnel shift and an AND."""
+    out = None
+    for rot, mask in terms:
+        op, amount = term_op(rot, mask)
+        if op == "and":
+            v = word
+        elif op == "shl":
+            v = word << Uint32(amount)
+        elif op == "shr":
+            v = word >> Uint32(amount)
+        else:
+            v = _asm_u32(f"shf.l.wrap.b32 $0, $1, $1, {amount};", "=r,r", Uint32(word))
+        v = v & Uint32(mask)
+        out = v if out is None else out | v
+    return out

@@ -47,6 +47,8 @@ from typing import Any, Callable
 
 import torch
 
+from ._fp4_bits import decode_terms, word_bit
+
 try:  # CuTeDSL is an optional dependency; annotations of the jit functions resolve here
     import cuda.bindings.driver as cuda
     import cutlass
@@ -55,7 +57,7 @@ except ImportError:  # pragma: no cover - exercised only without nvidia-cutlass-
     cuda = cutlass = cute = None  # type: ignore[assignment]
 
 #: helper modules whose source is part of this kernel's (kernel cache key, DB provenance)
-KERNEL_SOURCES = ("autofp4.kernels._ptx",)
+KERNEL_SOURCES = ("autofp4.kernels._ptx", "autofp4.kernels._fp4_bits")
 FORMATS = ("nvfp4", "mxfp4")
 DTYPES = ("bfloat16", "float16")
 SMEM_BUDGET = 227 * 1024          # bytes of shared memory one CTA may use on sm_90
@@ -65,6 +67,7 @@ CO_RESIDENT_REGS = 96             # accumulator + fragment registers that fit a 
 CHUNK_N = 64                      # weight rows per wgmma atom / pack chunk
 CHUNK_K = 64                      # K per pack chunk (4 k16 steps)
 PAD = 256                         # pack pads N and K to multiples of this (largest tiles)
+SWIZZLES = (1, 2, 4, 8, 16)       # band widths of the grouped CTA order
 VALUE_BYTES = CHUNK_N * CHUNK_K // 2   # 2048 bytes of FP4 values per chunk
 
 
@@ -99,6 +102,7 @@ class Sm90GemmConfig:
     split_k: int = 1       # K slices reduced with fp32 atomics
     cluster_n: int = 1     # CTAs (consecutive weight tiles) per cluster sharing x by TMA multicast
     raster: str = "n"      # "n": consecutive CTAs walk weight tiles; "m": walk token tiles
+    swizzle: int = 1       # > 1: the walk goes over bands this many tiles wide on the other axis
     ctas_per_sm: int = 0   # 0: as registers and shared memory allow; 2: ask for two (.minnctapersm)
 
     @property
@@ -158,6 +162,10 @@ def validate(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> str |
         return f"raster must be 'n' or 'm', got {cfg.raster!r}"
     if cfg.cluster_n > 1 and cfg.raster != "n":
         return "cluster_n > 1 (x multicast across weight tiles) needs raster='n'"
+    if cfg.swizzle not in SWIZZLES:
+        return f"swizzle must be one of {SWIZZLES}, got {cfg.swizzle!r}"
+    if cfg.swizzle > 1 and cfg.cluster_n > 1:
+        return "swizzle > 1 needs cluster_n=1 (a cluster's CTAs share one token tile)"
     if cfg.cluster_n > 1 and (_pad(n) // cfg.tile_n) % cfg.cluster_n:
         return (
             f"cluster_n={cfg.cluster_n} must divide the number of weight tiles "
@@ -215,40 +223,10 @@ def default_config(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -
 # --------------------------------------------------------------------------------------------
 # Weight packing (pure torch)
 # --------------------------------------------------------------------------------------------
-# Bit position, inside the 32-bit word of one thread and one k16 step, of each of the 8 values
-# of the wgmma A fragment (fragment order e0..e7), as (mag_bit0, mag_bit1, mag_bit2, sign).
-# Pair j = (e_2j, e_2j+1) decodes into one 32-bit register (low half e_2j). See _decode_terms.
-_LO_POS = (
-    (6, 7, 8, 15),     # pair 0: already in place (bf16)
-    (3, 4, 5, 12),     # pair 1: << 3
-    (0, 1, 2, 9),      # pair 2: << 6
-    (10, 11, 13, 14),  # pair 3: mixed shifts
-)
-
-
 def _nibble_bit_positions() -> list[tuple[int, int, int, int]]:
-    """For each fragment value e0..e7, the word bit of (mag0, mag1, mag2, sign)."""
-    out = []
-    for e in range(8):
-        lo = _LO_POS[e // 2]
-        off = 16 * (e % 2)
-        out.append(tuple(p + off for p in lo))
-    return out
-
-
-def _decode_terms(dtype: str) -> list[list[tuple[int, int]]]:
-    """Per pair: [(shift, mask)] with ``reg = OR((word << shift) & mask)`` (negative = right)."""
-    mag0 = 6 if dtype == "bfloat16" else 9
-    targets = (mag0, mag0 + 1, mag0 + 2, 15)
-    terms = []
-    for j in range(4):
-        by_shift: dict[int, int] = {}
-        for half in (0, 16):
-            for src, dst in zip(_LO_POS[j], targets):
-                sh = dst - src
-                by_shift[sh] = by_shift.get(sh, 0) | (1 << (dst + half))
-        terms.append(sorted(by_shift.items()))
-    return terms
+    """For each wgmma A fragment value e0..e7 of one thread and k16 step, the bits of its word
+    holding (magnitude 0, 1, 2, sign): pair ``e // 2``, half ``e % 2`` (:mod:`._fp4_bits`)."""
+    return [tuple(word_bit(e // 2, e % 2, b) for b in range(4)) for e in range(8)]
 
 
 @dataclass(frozen=True)
@@ -357,7 +335,7 @@ def pack_weight(w: Any) -> PackedSm90Weight:
 
     Layout: chunk (nb, kc) covers rows [64 nb, 64 nb + 64) and K [64 kc, 64 kc + 64). Bytes
     [0, 2048): thread t (of the 128 of a warpgroup) owns bytes [16 t, 16 t + 16) = 4 words, word
-    i holding its 8 wgmma-A-fragment values of k16 step i (bit positions: ``_LO_POS``). Bytes
+    i holding its 8 wgmma-A-fragment values of k16 step i (bit positions: ``_nibble_bit_positions``). Bytes
     [2048, ...): block scales (see ``_pack_scales``), per row group q = 8 warp + lane // 4 (rows
     r = 16 warp + lane // 4 and r + 8): one 32-bit word per k16 step (NVFP4, 4 words) or 32-value
     block (MXFP4, 2 words), the scale of row r in its low and of row r + 8 in its high 16 bits.
@@ -420,7 +398,7 @@ class _Sm90W4A16Kernel:
         self.w_stage_bytes = (cfg.tile_n // CHUNK_N) * self.kc_per_tile * self.chunk
         self.k_tiles = self.kp // cfg.tile_k
         self.k_tiles_per_split = self.k_tiles // cfg.split_k
-        self.terms = _decode_terms(dtype)
+        self.terms = decode_terms(dtype)
 
     def build(self):
         import cutlass
@@ -450,6 +428,7 @@ class _Sm90W4A16Kernel:
         k_tiles_split = self.k_tiles_per_split
         split_k = cfg.split_k
         raster_n = cfg.raster == "n"
+        swz = cfg.swizzle
         cl = cfg.cluster_n
         x_mcast_kw = {"mcast_mask": cutlass.Int16((1 << cl) - 1)} if cl > 1 else {}
         terms = self.terms
@@ -462,7 +441,7 @@ class _Sm90W4A16Kernel:
         occupancy = ({"min_blocks_per_mp": cfg.ctas_per_sm, "preferred_smem_carveout": -1}
                      if cfg.ctas_per_sm else {})
         out_is_f32 = split_k > 1 and not cluster_red
-        from ._ptx import mul_x2, prmt
+        from ._ptx import decode_pair, mul_x2, prmt
         if cluster_red:
             from ._ptx import ld_dsmem_f32
 
@@ -499,7 +478,28 @@ class _Sm90W4A16Kernel:
             tidx, _, _ = cute.arch.thread_idx()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             bidx, bidy, bidz = cute.arch.block_idx()
-            if cutlass.const_expr(raster_n):
+            if cutlass.const_expr(swz > 1):
+                # grouped order: the CTAs walk the long axis in bands of ``swz`` tiles of the
+                # other one (the last band may be narrower), so the CTAs resident at one time
+                # share a few tiles of both operands in L2
+                m_tiles = (m_size + tile_m - 1) // tile_m
+                if cutlass.const_expr(raster_n):
+                    lin = bidx + bidy * n_tiles
+                    per_band = swz * n_tiles
+                    band = lin // per_band
+                    width = cutlass.min(m_tiles - band * swz, swz)
+                    local = lin - band * per_band
+                    pid_m = band * swz + local % width
+                    pid_n = local // width
+                else:
+                    lin = bidx + bidy * m_tiles
+                    per_band = swz * m_tiles
+                    band = lin // per_band
+                    width = cutlass.min(n_tiles - band * swz, swz)
+                    local = lin - band * per_band
+                    pid_n = band * swz + local % width
+                    pid_m = local // width
+            elif cutlass.const_expr(raster_n):
                 pid_n = bidx
                 pid_m = bidy
             else:
@@ -634,16 +634,7 @@ class _Sm90W4A16Kernel:
                                     s_pair = (prmt(sw, 0x1010), prmt(sw, 0x3232))
                                     word = wregs[st, r]
                                     for j in cutlass.range_constexpr(4):
-                                        v = cutlass.Uint32(0)
-                                        for t_i, (sh, mask) in enumerate(terms[j]):
-                                            if cutlass.const_expr(sh >= 0):
-                                                piece = (word << sh) & cutlass.Uint32(mask)
-                                            else:
-                                                piece = (word >> (-sh)) & cutlass.Uint32(mask)
-                                            if cutlass.const_expr(t_i == 0):
-                                                v = piece
-                                            else:
-                                                v = v | piece
+                                        v = decode_pair(word, terms[j])
                                         # pairs 0, 2: row r; 1, 3: row r + 8
                                         rA32[j, r, kb] = mul_x2(v, s_pair[j % 2], is_bf16)
                             # one fence per 64-K chunk: the 4 k16 steps decode independently

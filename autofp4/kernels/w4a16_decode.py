@@ -17,7 +17,7 @@ How it works
   ``16 t .. 16 t + 15`` of the chunk and MMA step ``j`` uses ``16 t + 4 j .. + 3``; the same map
   is applied to x, whose B fragments then come from two 16-byte loads per lane and n8 tile.
 * :func:`pack_weight` reorders the nibbles of each 32-bit word so that the decode is a few
-  shift/and/or ops (``_DECODE_TERMS``): the 3 magnitude bits of an E2M1 value land on the low
+  shift/rotate/and/or ops (:mod:`autofp4.kernels._fp4_bits`): the 3 magnitude bits of an E2M1 value land on the low
   exponent/mantissa bits of a bf16 (fp16) lane and its sign on bit 15, which is the value
   times 2**-126 (2**-14 for fp16; code 1 is a subnormal). The power of two is folded into the
   block scale multiply (``mul.rn.bf16x2``) and the fp32 epilogue, so every product is exact:
@@ -61,8 +61,10 @@ from typing import Any, Callable
 
 import torch
 
+from ._fp4_bits import decode_terms, rotl, word_bit
+
 #: helper modules whose source is part of this kernel's (kernel cache key, DB provenance)
-KERNEL_SOURCES = ("autofp4.kernels._ptx",)
+KERNEL_SOURCES = ("autofp4.kernels._ptx", "autofp4.kernels._fp4_bits")
 FORMATS = ("nvfp4", "mxfp4")
 DTYPES = ("bfloat16", "float16")
 BLOCK = {"nvfp4": 16, "mxfp4": 32}
@@ -267,45 +269,9 @@ def default_config(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -
 
 
 # ----------------------------------------------------------------------------- layout
-# For one 32-bit word (8 E2M1 values = the A fragments of one MMA k-step of one lane), the
-# bit of the word that holds nibble bit ``b`` (0 = mantissa, 1-2 = exponent, 3 = sign) of
-# element ``e`` (0 = low half, 1 = high half) of A register ``r``. Register r holds rows
-# g (r even) / g + 8 (r odd) and physical K offsets 0,1 (r < 2) / 2,3 (r >= 2) of the step.
-def _bf16_out_bit(b: int, e: int) -> int:
-    return (6, 7, 8, 15)[b] + 16 * e
-
-
-def _fp16_out_bit(b: int, e: int) -> int:
-    return (9, 10, 11, 15)[b] + 16 * e
-
-
-def _word_bit(r: int, e: int, b: int) -> int:
-    if r < 3:
-        return _bf16_out_bit(b, e) - 3 * r
-    return (10, 13, 14, 11)[b] + 16 * e
-
-
-def _decode_terms(dtype: str) -> list[list[tuple[int, int]]]:
-    """Per A register: [(shift, mask)] with reg = OR((word << shift) & mask), shift < 0 = right."""
-    out_bit = _bf16_out_bit if dtype == "bfloat16" else _fp16_out_bit
-    regs = []
-    for r in range(4):
-        terms: dict[int, int] = {}
-        for e in range(2):
-            for b in range(4):
-                o = out_bit(b, e)
-                s = o - _word_bit(r, e, b)
-                terms[s] = terms.get(s, 0) | (1 << o)
-        regs.append(sorted(terms.items()))
-    return regs
-
-
-def _check_layout() -> None:
-    bits = sorted(_word_bit(r, e, b) for r in range(4) for e in range(2) for b in range(4))
-    assert bits == list(range(32)), bits
-
-
-_check_layout()
+# Word ``j`` of a lane's 16 bytes holds the 8 values of A register pairs: register r holds rows
+# g (r even) / g + 8 (r odd) and physical K offsets 0,1 (r < 2) / 2,3 (r >= 2) of the step; its
+# bits are placed by :func:`autofp4.kernels._fp4_bits.word_bit` (pair r).
 
 
 @dataclass(frozen=True, eq=False)
@@ -336,7 +302,7 @@ def pack_weight(w: Any) -> DecodePacked:
 
     data: for tile (16 rows), K group (512), chunk (64), lane (g, t): 16 bytes = 4 words, word
     ``j`` holding rows ``g``/``g + 8`` x K ``16 t + 4 j .. + 3`` of the chunk, bits placed by
-    :func:`_word_bit`. scales: per tile, group and lane slot, 16 bytes = for chunk ``c``, byte
+    :func:`_fp4_bits.word_bit`. scales: per tile, group and lane slot, 16 bytes = for chunk ``c``, byte
     ``2 c`` (row g) and ``2 c + 1`` (row g + 8). Rows and K are zero-padded to 16 / 512.
     Pure torch; runs on any device.
     """
@@ -362,7 +328,7 @@ def pack_weight(w: Any) -> DecodePacked:
         for e in range(2):
             code = q[..., h, k0 + e]
             for b in range(4):
-                word |= ((code >> b) & 1).to(torch.int32) << _word_bit(r, e, b)
+                word |= ((code >> b) & 1).to(torch.int32) << word_bit(r, e, b)
     data = word.contiguous().view(torch.uint8).reshape(-1)
 
     nb = k // BLOCK[fmt]
@@ -405,7 +371,7 @@ def pack_weight(w: Any) -> DecodePacked:
 
 def unpack_reference(p: DecodePacked, dtype: str = "bfloat16") -> torch.Tensor:
     """fp32 ``[N, K]`` weight decoded from the packed layout by emulating the kernel's decode
-    (``_DECODE_TERMS`` bit ops, scale encodings, epilogue factor) in torch. Used by tests to
+    (``decode_terms`` bit ops, scale encodings, epilogue factor) in torch. Used by tests to
     prove the packed layout and the decode formulas agree with ``FP4Weight.dequantize``."""
     tiles, groups = _tiles(p.n), _groups(p.k)
     words = p.data.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
@@ -425,11 +391,10 @@ def unpack_reference(p: DecodePacked, dtype: str = "bfloat16") -> torch.Tensor:
     scale = scale.permute(0, 1, 4, 2, 3, 5).float()  # tile, group, chunk, g, t, h
     vals = torch.zeros(tiles, groups, CHUNKS, 8, 4, 4, 2, 4, dtype=torch.float64,
                        device=words.device)  # ..., j, h, kk
-    for r, terms in enumerate(_decode_terms(dtype)):
+    for r, terms in enumerate(decode_terms(dtype)):
         reg = torch.zeros_like(words)
-        for s, mask in terms:
-            sh = (words << s) if s >= 0 else (words >> -s)
-            reg |= sh & mask
+        for rot, mask in terms:
+            reg |= rotl(words, rot) & mask
         h = r & 1
         for e in range(2):
             half = ((reg >> (16 * e)) & 0xFFFF).to(torch.int32).to(torch.int16)
@@ -458,7 +423,7 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
     cutlass, cute, llvm, T = _dsl()
     from cutlass import Float32, Int32, Int64, Uint32
 
-    from ._ptx import ld_dsmem_f32, mul_x2
+    from ._ptx import asm, asm_void, decode_pair, ld_dsmem_f32, mul_x2
 
     WARPS, KS, NT = cfg.warps, cfg.k_split, cfg.m_max // 8
     PREFETCH, LAST_WARP = cfg.prefetch, cfg.split_reduce == "last_warp"
@@ -472,7 +437,7 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
     GPS = -(-GROUPS // KS)  # K groups per split
     N_PAD = TILES * TILE_N
     SLOTS = 32 if fmt == "nvfp4" else 16
-    TERMS = _decode_terms(dtype)
+    TERMS = decode_terms(dtype)
     BF16 = dtype == "bfloat16"
     ALPHA_IDX = 0 if BF16 else 1
     MX_MUL = _MX_MUL[dtype]
@@ -498,11 +463,6 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
             "mul.rn.f16x2 p, p, c;\n"
             "prmt.b32 $0, p, p, 0x1010; prmt.b32 $1, p, p, 0x3232; }"
         )
-
-    def asm(ret, args, text, cons):
-        return llvm.inline_asm(ret, [a.ir_value() for a in args], text, cons,
-                               has_side_effects=False, is_align_stack=False,
-                               asm_dialect=llvm.AsmDialect.AD_ATT)
 
     def ld16(addr, pred, stream: bool):
         hint = ".L1::no_allocate" if stream else ""
@@ -531,68 +491,47 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
         return lo, hi
 
     def decode(word, r):
-        acc = None
-        for s, mask in TERMS[r]:
-            sh = word << Uint32(s) if s > 0 else (word >> Uint32(-s) if s < 0 else word)
-            v = sh & Uint32(mask)
-            acc = v if acc is None else acc | v
-        return acc
+        return decode_pair(Uint32(word), TERMS[r])
 
     def ld_cg_f32(addr):
         return Float32(asm(T.f32(), [Int64(addr)], "ld.global.cg.f32 $0, [$1];", "=f,l"))
 
     def arrive(addr):
         """Release this warp's partial sums and count it in; returns the previous count."""
-        return Int32(llvm.inline_asm(
-            T.i32(), [Int64(addr).ir_value()],
-            "fence.acq_rel.gpu;\natom.global.add.u32 $0, [$1], 1;", "=r,l",
-            has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+        return Int32(asm(T.i32(), [Int64(addr)], "fence.acq_rel.gpu;\natom.global.add.u32 $0, [$1], 1;",
+                         "=r,l", side_effects=True))
 
     def fence_gpu():
-        llvm.inline_asm(None, [], "fence.acq_rel.gpu;", "", has_side_effects=True,
-                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        asm_void("fence.acq_rel.gpu;")
 
     def store_u32(addr, v):
-        llvm.inline_asm(None, [Int64(addr).ir_value(), Int32(v).ir_value()],
-                        "st.global.u32 [$0], $1;", "l,r", has_side_effects=True,
-                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        asm_void("st.global.u32 [$0], $1;", "l,r", Int64(addr), Int32(v))
 
     def store_f32(addr, v):
-        llvm.inline_asm(None, [Int64(addr).ir_value(), Float32(v).ir_value()],
-                        "st.global.cg.f32 [$0], $1;", "l,f", has_side_effects=True,
-                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        asm_void("st.global.cg.f32 [$0], $1;", "l,f", Int64(addr), Float32(v))
 
     def ld_shared16(addr):
         """16 bytes of shared memory (volatile: it must stay between the CTA barriers)."""
-        r = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr).ir_value()],
-                            "ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r",
-                            has_side_effects=True, is_align_stack=False,
-                            asm_dialect=llvm.AsmDialect.AD_ATT)
+        r = asm(llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr)],
+                "ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r", side_effects=True)
         return [Uint32(llvm.extractvalue(T.i32(), r, [i])) for i in range(4)]
 
     def cp_async16(dst, src, pred, nbytes):
         """``@pred`` copy 16 bytes global -> shared without registers (``cp.async.cg``: L2 only);
         the ``16 - nbytes`` bytes past ``nbytes`` (0 or 16) are zero-filled."""
-        llvm.inline_asm(None, [Int32(dst).ir_value(), Int64(src).ir_value(), Int32(pred).ir_value(),
-                               Int32(nbytes).ir_value()],
-                        "{ .reg .pred p; setp.ne.b32 p, $2, 0;\n"
-                        "@p cp.async.cg.shared.global [$0], [$1], 16, $3; }",
-                        "r,l,r,r", has_side_effects=True, is_align_stack=False,
-                        asm_dialect=llvm.AsmDialect.AD_ATT)
+        asm_void("{ .reg .pred p; setp.ne.b32 p, $2, 0;\n"
+                 "@p cp.async.cg.shared.global [$0], [$1], 16, $3; }",
+                 "r,l,r,r", Int32(dst), Int64(src), Int32(pred), Int32(nbytes))
 
     def cp_commit():
-        llvm.inline_asm(None, [], "cp.async.commit_group;", "", has_side_effects=True,
-                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        asm_void("cp.async.commit_group;")
 
     def cp_wait(pending: int):
         """Until at most ``pending`` of this thread's newest copy groups are in flight."""
-        llvm.inline_asm(None, [], f"cp.async.wait_group {pending};", "", has_side_effects=True,
-                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        asm_void(f"cp.async.wait_group {pending};")
 
     def st_shared16(addr, v):
-        llvm.inline_asm(None, [Int32(addr).ir_value()] + [Uint32(e).ir_value() for e in v],
-                        "st.shared.v4.u32 [$0], {$1,$2,$3,$4};", "r,r,r,r,r", has_side_effects=True,
-                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        asm_void("st.shared.v4.u32 [$0], {$1,$2,$3,$4};", "r,r,r,r,r", Int32(addr), *(Uint32(e) for e in v))
 
     NBUF = 4 + CHUNKS * 4  # 16 B of scales + 8 x 16 B of weights per lane and K group
 
@@ -742,7 +681,7 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
         buf_b = cute.make_rmem_tensor((TPW * NBUF,), Uint32)
         sadd_u = Uint32(sadd)
         w_bases, s_bases, valid = tile_bases(wq, sc, tile0, lane, g, t)
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         if cutlass.const_expr(CLUSTER):
             # every lane's partial sums, [warp][accumulator][lane], read by the cluster's CTAs
             sred = smem.allocate_tensor(Float32, cute.make_layout(WARPS * J * 32), byte_alignment=16)
