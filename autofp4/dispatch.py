@@ -6,17 +6,21 @@ memory, ``(key, M)`` answers are memoized, runners are compiled once per
 
 M buckets
 ---------
-A row is tuned for an M bucket ``b`` and serves every ``M <= b`` down to the next smaller
-tuned bucket: :func:`bucket_for` picks the nearest tuned bucket at or above ``M`` (the
-largest when ``M`` is beyond all of them). A config that declares the largest M it serves
-(an ``m_max`` field, like the Hopper decode kernel's) is not stretched past it: such a call
-runs its backend's default config for M (and counts as a miss).
+A call with ``M`` tokens belongs to the standard bucket ``bucket_for(M, DEFAULT_M_BUCKETS)``
+(the power of two at or above ``M``, at most 8192). :func:`bucket_for` finds the nearest tuned
+bucket at or above ``M`` (the largest when ``M`` is beyond all of them); its row runs the call
+when it was tuned for the call's own bucket: at most the standard bucket and at least ``M``
+(a row tuned at M = 100 serves 65..100; the 8192 row serves every larger M). A config that
+declares the largest M it serves (an ``m_max`` field, like the Hopper decode kernel's) is not
+stretched past it. Every other call runs its backend's default config *for that M*: a config
+tuned for other token counts can be much slower there than the default heuristic (an H200
+GEMM config tuned at M = 128 took 115 us at M = 64 where the default took 66 us, and 25% longer
+than the default at M = 512..8192).
 
 Misses
 ------
-A call is a *miss* when its key has no tuned row, or when the tuned bucket that serves it is
-coarser than the standard bucket of M (``bucket_for(M, DEFAULT_M_BUCKETS)``) or smaller
-than M. Misses are counted per ``(key, standard bucket)`` and appended (counts merged) to a
+A call is a *miss* when it does not run a tuned row: its key has no tuned row, or none
+tuned for its bucket. Misses are counted per ``(key, standard bucket)`` and appended (counts merged) to a
 JSON file next to the user DB when the process exits, so ``autofp4 tune --from-misses``
 can tune exactly what a workload needed.
 """
@@ -227,9 +231,9 @@ class Dispatcher:
             b = bucket_for(m, buckets)
             backend, cfg = by_bucket[b]
             m_max = getattr(cfg, "m_max", None)
-            if m_max is not None and m > m_max:  # tuned for fewer tokens than this call
-                return backend, backend.default(key, m), True
-            return backend, cfg, not (min(m, std) <= b <= std)
+            if min(m, std) <= b <= std and (m_max is None or m <= m_max):
+                return backend, cfg, False
+            return backend, backend.default(key, m), True  # tuned for other token counts
         backend, cfg = self._fallback(key, m)
         return backend, cfg, True
 

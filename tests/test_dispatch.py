@@ -85,10 +85,13 @@ def test_pick_stored_rows_and_default():
     d = Dispatcher(CPU, [_rec(KEY, 16, 128), _rec(KEY, 128, 256)])
     assert len(d) == 2
     ref = registry.get_backend("reference")
-    assert d.pick(KEY, 1) == (ref, ReferenceConfig(chunk_n=128))
+    assert d.pick(KEY, 9) == (ref, ReferenceConfig(chunk_n=128))
     assert d.pick(KEY, 16) == (ref, ReferenceConfig(chunk_n=128))
-    assert d.pick(KEY, 17) == (ref, ReferenceConfig(chunk_n=256))
-    assert d.pick(KEY, 100000) == (ref, ReferenceConfig(chunk_n=256))
+    assert d.pick(KEY, 65) == (ref, ReferenceConfig(chunk_n=256))
+    assert d.pick(KEY, 128) == (ref, ReferenceConfig(chunk_n=256))
+    # M whose bucket was not tuned: the default for that M
+    for m in (1, 8, 17, 64, 129, 100000):
+        assert d.pick(KEY, m) == (ref, ref.default(KEY, m))
     # untuned key: the first available backend's default
     b, cfg = d.pick(KEY2, 3)
     assert b.name == "reference" and cfg == ref.default(KEY2, 3)
@@ -117,7 +120,8 @@ def test_rows_from_an_older_kernel_source_are_not_used():
     stale = _rec(KEY, 16, 128, source="0123456789abcdef")
     d = Dispatcher(CPU, [stale, _rec(KEY, 128, 256)])
     assert d.stale_rows == 1 and d.tuned(KEY).keys() == {128}
-    assert d.pick(KEY, 16) == (ref, ReferenceConfig(chunk_n=256))  # the 128 bucket answers M <= 16 now
+    assert d.pick(KEY, 128) == (ref, ReferenceConfig(chunk_n=256))
+    assert d.pick(KEY, 16) == (ref, ReferenceConfig())  # bucket 16 has no current row: the default
     # a faster stale row does not beat a current one in the same bucket
     d = Dispatcher(CPU, [_rec(KEY, 16, 64, source="0123456789abcdef", median=1.0), _rec(KEY, 16, 128)])
     assert d.stale_rows == 1 and d.pick(KEY, 16)[1] == ReferenceConfig(chunk_n=128)
@@ -140,18 +144,18 @@ def test_runner_compiled_once_for_every_m(monkeypatch, gen):
     inst = _register(monkeypatch, CountingBackend)
     CountingBackend.compiles = 0
     d = Dispatcher(CPU, [_rec(KEY, 16, 64, backend="test_counting"), _rec(KEY, 8192, 64, backend="test_counting")])
-    runners = {id(d.resolve(KEY, m)[2]) for m in (1, 2, 3, 15, 16, 17, 100, 4000, 9000)}
+    runners = {id(d.resolve(KEY, m)[2]) for m in (9, 15, 16, 4097, 8192, 9000)}  # the tuned buckets
     assert len(runners) == 1 and CountingBackend.compiles == 1
-    assert d.runner(inst, ReferenceConfig(chunk_n=64), KEY) is d.resolve(KEY, 5)[2]
+    assert d.runner(inst, ReferenceConfig(chunk_n=64), KEY) is d.resolve(KEY, 12)[2]
     assert CountingBackend.compiles == 1
     # the runner computes x @ W^T (checked against float64 math)
     w = autofp4.quantize(torch.randn(KEY.n, KEY.k, generator=gen), "nvfp4")
-    x = torch.randn(5, KEY.k, generator=gen).to(torch.bfloat16)
-    backend, cfg, runner = d.resolve(KEY, 5)
+    x = torch.randn(12, KEY.k, generator=gen).to(torch.bfloat16)
+    backend, cfg, runner = d.resolve(KEY, 12)
     out = runner(x, backend.prepare(w), None)
     ref = x.double() @ w.dequantize().double().T
     err = (out.double() - ref).norm() / ref.norm()
-    assert out.shape == (5, KEY.n) and err < 1e-2
+    assert out.shape == (12, KEY.n) and err < 1e-2
 
 
 class SmallMConfig(ReferenceConfig):
@@ -168,20 +172,23 @@ class SmallMBackend(ReferenceBackend):
         return SmallMConfig(chunk_n=32)
 
 
-def test_configs_are_not_stretched_past_their_m_max(monkeypatch):
-    """The largest tuned bucket serves larger M, unless its config declares a smaller m_max:
-    then the backend's default runs (a miss); configs without m_max stretch as before."""
+def test_rows_serve_their_own_bucket_only(monkeypatch):
+    """A tuned row runs the calls of its M bucket (the largest bucket also every larger M),
+    within its config's m_max; every other call runs the backend's default for that M (a miss)."""
     inst = _register(monkeypatch, SmallMBackend)
-    rec = _rec(KEY, 1, 64, backend="test_small_m")
-    rec = rec.model_copy(update={"config": {"chunk_n": 64, "m_max": 8}})
-    d = Dispatcher(CPU, [rec, _rec(KEY2, 1, 64, backend="test_small_m")])
-    assert d.pick(KEY, 1) == (inst, SmallMConfig(chunk_n=64, m_max=8))
-    assert d.pick(KEY, 8)[1] == SmallMConfig(chunk_n=64, m_max=8)  # coarser bucket, within m_max
-    for m in (9, 16, 200):
+    rec = _rec(KEY, 16, 64, backend="test_small_m")
+    rec = rec.model_copy(update={"config": {"chunk_n": 64, "m_max": 12}})
+    d = Dispatcher(CPU, [rec, _rec(KEY2, 100, 16, backend="test_small_m"), _rec(KEY2, 8192, 48, backend="test_small_m")])
+    for m in (9, 12):
+        assert d.pick(KEY, m) == (inst, SmallMConfig(chunk_n=64, m_max=12))
+    for m in (1, 8, 13, 16, 17, 200):  # other buckets, or past m_max
         assert d.pick(KEY, m) == (inst, SmallMConfig(chunk_n=32))
     d.resolve(KEY, 16)
+    d.resolve(KEY, 12)
     assert d.misses() == [(KEY, 16, 1)]
-    assert d.pick(KEY2, 200)[1] == SmallMConfig(chunk_n=64)  # no m_max: stretched
+    # a non-standard bucket (100) serves the M of its standard bucket (128) up to 100
+    assert [d.pick(KEY2, m)[1].chunk_n for m in (64, 65, 100, 101, 128)] == [32, 16, 16, 32, 32]
+    assert [d.pick(KEY2, m)[1].chunk_n for m in (4096, 4097, 8192, 10**6)] == [32, 48, 48, 48]
 
 
 def test_misses_counted_flushed_and_merged(tmp_path):
@@ -225,7 +232,7 @@ def test_get_dispatcher_reads_the_user_db(tmp_path):
     # rows added later are seen after reload()
     with TuningDB(path) as db:
         db.upsert_result(_rec(KEY, 64, 128))
-    assert dispatch.get_dispatcher("cpu").pick(KEY, 40)[1] == ReferenceConfig(chunk_n=64)
+    assert dispatch.get_dispatcher("cpu").pick(KEY, 40)[1] == ReferenceConfig()  # bucket 64: not yet
     dispatch.reload()
     d2 = dispatch.get_dispatcher("cpu")
     assert d2 is not d and d2.pick(KEY, 40)[1] == ReferenceConfig(chunk_n=128)
