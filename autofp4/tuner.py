@@ -802,6 +802,17 @@ def job_share_deadline(now: float, deadline: float | None, jobs_left: int, strea
     return now + left * max(1, streams) / max(1, jobs_left)
 
 
+def trial_estimate(run_s: Sequence[float], wait_s: Sequence[float], compiled: bool) -> float:
+    """Expected wall time of a job's next trial: the mean time of measuring one, plus the mean
+    wait for a compile worker when its kernel is not compiled yet. The workers compile a job's
+    first candidates together, so the first trial's wait (a cold compile) is usually the only
+    one; counting it in every estimate stopped jobs after one trial."""
+    est = sum(run_s) / len(run_s)
+    if not compiled and wait_s:
+        est += sum(wait_s) / len(wait_s)
+    return est
+
+
 def _out_of_time(ctx: _Ctx) -> bool:
     return ctx.stop.is_set() or (ctx.deadline is not None and _now() >= ctx.deadline)
 
@@ -993,14 +1004,16 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
     max_asks = 4 * ctx.budget + len(cands)
     measured_here: dict[str, dict[str, Any]] = {}
 
-    trial_s: list[float] = []  # wall time of each trial measured here
+    run_s: list[float] = []  # per trial measured here: the time spent measuring it
+    wait_s: list[float] = []  # and the time spent waiting for its compile worker
     stopped_by_share = False
 
-    def share_used() -> bool:
-        """With a result in hand, would one more trial end past this job's share of the time?"""
-        if ctx.job_deadline is None or not trial_s or not any(r["outcome"] == "ok" for r in measured_here.values()):
+    def share_used(compiled: bool = False) -> bool:
+        """With a result in hand, would one more trial (its kernel ``compiled`` already or not)
+        end past this job's share of the time?"""
+        if ctx.job_deadline is None or not run_s or not any(r["outcome"] == "ok" for r in measured_here.values()):
             return False
-        return _now() + sum(trial_s) / len(trial_s) > ctx.job_deadline
+        return _now() + trial_estimate(run_s, wait_s, compiled) > ctx.job_deadline
 
     def executed() -> int:
         return sum(1 for t in _finished(study) if t.user_attrs.get("executed"))
@@ -1050,7 +1063,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
             _prefetch_default(ctx, then)
         while inflight:
             trial, cand, fut = inflight.popleft()
-            if _out_of_time(ctx) or share_used():
+            if _out_of_time(ctx) or share_used(compiled=fut is None or fut.done()):
                 stopped_by_share = stopped_by_share or not _out_of_time(ctx)
                 if fut is not None:
                     fut.cancel()
@@ -1068,9 +1081,12 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
                     err = f"compile worker failed: {_short_error(e)}"
                 if err is not None:
                     res = {"outcome": "invalid" if err.startswith("invalid: ") else "compile_error", "error": err}
+            t_ready = _now()
+            if fut is not None:
+                wait_s.append(t_ready - t_trial)
             if res is None:
                 res = meas.run(_request(ctx, job, cand, seed))
-            trial_s.append(_now() - t_trial)
+            run_s.append(_now() - t_ready)
             measured_here[cand.ident] = res
             with ctx.lock:
                 _record_trial(db, ctx, job, cand, res)

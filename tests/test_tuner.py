@@ -352,6 +352,16 @@ def test_job_share_deadline_splits_the_time_left_fairly():
     assert job_share_deadline(100.0, 200.0, 0) == 200.0
 
 
+def test_trial_estimate_leaves_out_compiles_already_done():
+    """A job's first trial usually waits for a cold compile while the workers compile the next
+    candidates too: the estimate for a trial whose kernel is ready is the measuring time only."""
+    from autofp4.tuner import trial_estimate
+
+    assert trial_estimate([1.0, 0.5], [8.0, 0.0], compiled=True) == 0.75
+    assert trial_estimate([1.0, 0.5], [8.0, 0.0], compiled=False) == 4.75
+    assert trial_estimate([2.0], [], compiled=False) == 2.0  # compiled in-process: part of the measuring
+
+
 def test_time_budget_is_shared_by_every_job(tmp_path, monkeypatch):
     """With a budget below what the jobs would use, every job still gets a measured result: each
     stops asking for trials when one more would end past its share of the time. A fake clock
