@@ -11,9 +11,12 @@ Data path of one CTA (``tile_n`` weight rows x ``tile_m`` tokens):
   (out-of-bounds tokens / K read as zero; with ``cluster_n = 2`` the two CTAs of a cluster each
   load half of the shared ``x`` tile and multicast it) into shared memory, completing on an
   mbarrier (``stages``-deep ring); it refills a stage as soon as the consumers release it;
+* the grid walks the weight tiles (``raster="n"``) or the token tiles (``"m"``); with
+  ``swizzle > 1`` it walks them in bands that many tiles wide on the other axis, so the CTAs
+  resident at one time share a few tiles of both operands in L2;
 * each consumer warpgroup (1 or 2; 64 or 128 weight rows each) reads, per 64x64 weight chunk,
   one 16-byte vector (its 32 FP4 values of 4 ``k16`` steps) and one 8- or 4-byte vector of block
-  scales, decodes E2M1 to bf16/fp16 with shifts and masks, multiplies by the block scale
+  scales, decodes E2M1 to bf16/fp16 with shifts, rotates and masks (:mod:`._fp4_bits`), multiplies by the block scale
   (exact), fences once and issues the chunk's 4 ``wgmma`` with the decoded fragment as A and
   the ``x`` tile as B, accumulating in fp32. The A fragment is double-buffered across K tiles:
   tile t+1 is decoded while tile t's wgmmas run (``wait_group(1)``);
