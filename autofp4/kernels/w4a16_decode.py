@@ -269,9 +269,9 @@ def default_config(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -
 
 
 # ----------------------------------------------------------------------------- layout
-# Word ``j`` of a lane's 16 bytes holds the 8 values of A register pairs: register r holds rows
-# g (r even) / g + 8 (r odd) and physical K offsets 0,1 (r < 2) / 2,3 (r >= 2) of the step; its
-# bits are placed by :func:`autofp4.kernels._fp4_bits.word_bit` (pair r).
+# Each 32-bit word of a lane holds the 8 values of one MMA k-step, as the 4 pairs of its A
+# registers: register r holds rows g (r even) / g + 8 (r odd) and physical K offsets 0,1 (r < 2)
+# / 2,3 (r >= 2) of the step; its bits are placed by :func:`._fp4_bits.word_bit` (pair r).
 
 
 @dataclass(frozen=True, eq=False)
