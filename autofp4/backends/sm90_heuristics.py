@@ -120,12 +120,12 @@ _SPLIT_COST = 1.3
 
 
 def _deepest(tile_n: int, tile_m: int, tile_k: int, cap: int, split: int, raster: str,
-             n: int, k: int, fmt: str, dtype: str, ctas_per_sm: int = 0):
+             n: int, k: int, fmt: str, dtype: str, ctas_per_sm: int = 0, swizzle: int = 1):
     """The config with the most pipeline stages (at most ``cap``) that is valid, or None."""
     G = _gemm()
     for stages in range(cap, 1, -1):
         cfg = G.Sm90GemmConfig(tile_n=tile_n, tile_m=tile_m, tile_k=tile_k, stages=stages,
-                               split_k=split, raster=raster, ctas_per_sm=ctas_per_sm)
+                               split_k=split, raster=raster, ctas_per_sm=ctas_per_sm, swizzle=swizzle)
         if G.validate(cfg, n, k, fmt, dtype) is None:
             return cfg
     return None
@@ -177,7 +177,7 @@ def gemm_default(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
             return replace(cfg, swizzle=4) if cfg.tile_m == 256 and m >= 512 else cfg
     sms = _SM_COUNT_HINT
     np_ = G._pad(n)
-    raster = "n"
+    raster, swizzle = "n", 1
     stages_cap = 8
     if m <= 64:
         tile_m = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -194,9 +194,7 @@ def gemm_default(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
         swizzle = 4
         if n >= 16384 and m <= 2048:
             raster, swizzle = "m", 8
-        cfg = _deepest(tile_n, tile_m, tile_k, stages_cap, 1, raster, n, k, fmt, dtype)
-        return replace(cfg, swizzle=swizzle) if cfg else G.Sm90GemmConfig(tile_n=64, tile_m=64, tile_k=64, stages=2)
-    cfg = _deepest(tile_n, tile_m, tile_k, stages_cap, 1, raster, n, k, fmt, dtype)
+    cfg = _deepest(tile_n, tile_m, tile_k, stages_cap, 1, raster, n, k, fmt, dtype, swizzle=swizzle)
     return cfg or G.Sm90GemmConfig(tile_n=64, tile_m=min(tile_m, 64), tile_k=64, stages=2)
 
 
