@@ -13,6 +13,7 @@ from .weights import FP4Weight  # noqa: E402
 from .ops import linear, moe, route  # noqa: E402
 from .dispatch import get_dispatcher, set_db  # noqa: E402
 from .nn import FP4Linear, quantize_model  # noqa: E402
+from .pdl import pdl_enabled, set_pdl  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -26,6 +27,8 @@ __all__ = [
     "quantize_model",
     "set_db",
     "get_dispatcher",
+    "set_pdl",
+    "pdl_enabled",
     "tune",
 ]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
@@ -117,6 +118,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("cache", help="the compiled-kernel cache: where it is and what it holds")
     c.add_argument("--clear", action="store_true", help="delete every cached kernel")
+    c.add_argument("--warm", metavar="CONFIG",
+                   help="compile the default kernels of a model (a Hugging Face config.json) into the cache")
+    c.add_argument("--fmt", choices=("nvfp4", "mxfp4"), default="nvfp4")
+    c.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    c.add_argument("--m", type=_m_list, metavar="M1,M2,...", help="M buckets (default: the tuner's)")
+    c.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
+    c.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
+    c.add_argument("--seeds", type=_nonneg_int, default=0, metavar="N",
+                   help="also each job's first N tuner seeds (what a tuning run tries first)")
+    c.add_argument("--arch", metavar="SM", help="target GPU, e.g. sm_90a (default: this machine's GPU)")
+    c.add_argument("--backend", action="append", metavar="NAME",
+                   help="backend(s) to compile for (default: sm90_w4a16)")
+    c.add_argument("--workers", type=_positive_int, metavar="N", help="compile processes (default: cores - 1)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -327,8 +342,50 @@ def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     if args.clear:
         print(f"removed {clear()} compiled kernels", file=out)
+    if args.warm:
+        rc = _warm(args, out, err)
+        if rc:
+            return rc
     print(f"kernel cache: {_cache_line()}", file=out)
     return 0
+
+
+def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from . import dispatch, tuner
+    from .kernel_cache import cache_dir
+    from .models import load_config, model_shapes
+
+    if cache_dir() is None:
+        raise _UsageError("the kernel cache is disabled (AUTOFP4_KERNEL_CACHE=off): nothing to warm")
+    arch = args.arch or os.environ.get("CUTE_DSL_ARCH", "")
+    if not arch:
+        if not torch.cuda.is_available():
+            raise _UsageError("no CUDA GPU here: name the target with --arch (e.g. sm_90a)")
+        major, minor = torch.cuda.get_device_capability()
+        arch = f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+    if not re.fullmatch(r"sm_\d+[af]?", arch):
+        raise _UsageError(f"--arch must look like sm_90a, got {arch!r}")
+    try:
+        config = load_config(args.warm)
+        shapes = model_shapes(config, tp=args.tp, ep=args.ep)
+    except FileNotFoundError as e:
+        raise _UsageError(str(e)) from None
+    except (ValueError, TypeError, OSError, UnicodeDecodeError) as e:
+        raise _UsageError(f"cannot read {args.warm}: {e}") from None
+    backends = _backend_names(args) or ["sm90_w4a16"]
+    ms = sorted(set(args.m)) if args.m else list(dispatch.DEFAULT_M_BUCKETS)
+    jobs = tuner.jobs_for(shapes, ms, args.fmt, args.dtype)
+    workers = args.workers or max(1, (os.cpu_count() or 2) - 1)
+    try:
+        report = tuner.warm_kernel_cache(jobs, backends, seeds=args.seeds, workers=workers, arch=arch,
+                                         progress=not args.no_progress)
+    except KeyError as e:
+        raise _UsageError(f"unknown backend {e}") from None
+    print(f"compiled {report.compiled} kernel configs for {arch} ({len(jobs)} (shape, M) jobs, "
+          f"{args.fmt}, {args.dtype}) in {report.seconds:.0f} s", file=out)
+    for cfg, e in report.failed:
+        print(f"  failed: {cfg}: {e}", file=err)
+    return 1 if report.failed else 0
 
 
 # --------------------------------------------------------------------------------------------

@@ -1445,3 +1445,73 @@ def tune_from_misses(misses_path: str | os.PathLike | None = None, **kwargs: Any
         counts[(key, m)] = counts.get((key, m), 0) + c
     jobs = [Job(k, m, f"{c} calls") for (k, m), c in sorted(counts.items(), key=lambda kv: -kv[1])]
     return tune_jobs(jobs, **kwargs)
+
+
+# -----------------------------------------------------------------------------------------
+# compiling ahead of time
+# -----------------------------------------------------------------------------------------
+@dataclass
+class WarmReport:
+    """What :func:`warm_kernel_cache` compiled: ``compiled`` configs, ``failed`` (config, error)."""
+
+    compiled: int = 0
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def warm_kernel_cache(
+    jobs: Sequence[Job], backends: Sequence[str], seeds: int = 0, workers: int = 1, arch: str = "",
+    progress: bool = True,
+) -> WarmReport:
+    """Compile each job's default config (and its first ``seeds`` seeds) of the named backends
+    into the disk kernel cache, in ``workers`` processes, without a GPU when ``arch`` names the
+    target (``sm_90a``). An inference server or a tuning run on that GPU then loads the kernels
+    instead of compiling them. Configs shared by several jobs compile once."""
+    chosen = [get_backend(n) for n in backends]
+    reqs: dict[str, dict[str, Any]] = {}
+    for job in jobs:
+        for b in chosen:
+            if b.supports(job.key) is not None:
+                continue
+            cfgs = [b.default(job.key, job.m)] + list(b.seeds(job.key, job.m))[:seeds]
+            for cfg in cfgs:
+                if b.is_valid(cfg, job.key) is not None:
+                    continue
+                cj = _cfg_json(cfg)
+                ident = f"{b.name}:{cj}:{sorted(asdict(job.key).items())}"
+                reqs.setdefault(ident, {"backend": b.name, "spec": _spec(b), "config": cj, "key": asdict(job.key)})
+    report = WarmReport()
+    t0 = _now()
+    pbar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        pbar = tqdm(total=len(reqs), desc="compiling", unit="kernel", dynamic_ncols=True, file=sys.stderr)
+
+    def done(req: dict[str, Any], err: str | None) -> None:
+        if err is None:
+            report.compiled += 1
+        else:
+            report.failed.append((req["config"], err))
+        if pbar is not None:
+            pbar.update(1)
+
+    try:
+        if workers <= 1:
+            from .kernel_cache import target_arch
+
+            _pool_init(arch)
+            target_arch.cache_clear()  # the cache keys name the architecture just set
+            for req in reqs.values():
+                done(req, _compile_only(req))
+        else:
+            with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
+                                        initializer=_pool_init, initargs=(arch,)) as pool:
+                futs = {pool.submit(_compile_only, req): req for req in reqs.values()}
+                for fut in cf.as_completed(futs):
+                    done(futs[fut], fut.result())
+    finally:
+        if pbar is not None:
+            pbar.close()
+    report.seconds = _now() - t0
+    return report

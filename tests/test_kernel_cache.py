@@ -183,3 +183,59 @@ def test_code_only_drops_prose_and_keeps_code():
     assert kernel_cache.code_only(text) == kernel_cache.code_only(text.replace("How it works", "How it runs"))
     assert kernel_cache.code_only(text) != kernel_cache.code_only(text.replace("GROUP_K = CHUNK_K * CHUNKS",
                                                                                 "GROUP_K = CHUNK_K * 4"))
+
+
+TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256,
+              "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 1000}
+
+
+def _cli(*argv):
+    import io
+
+    from autofp4.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    return main([str(a) for a in argv], out=out, err=err), out.getvalue(), err.getvalue()
+
+
+def test_cli_warm_compiles_a_models_defaults_then_loads_them(cache, tmp_path, monkeypatch):
+    """``autofp4 cache --warm``: the default kernels of a model's shapes land in the cache (no
+    GPU: --arch), and the backend's compile of the same default then loads, not compiles."""
+    import json
+
+    from autofp4 import kernel_cache as kc
+    from autofp4.backends import ProblemKey, get_backend
+
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    rc, out, err = _cli("cache", "--warm", path, "--m", "1,64", "--arch", "sm_90a", "--workers", "1",
+                        "--no-progress")
+    assert rc == 0, err
+    # qkv, o, gate_up, down x (the decode default at M = 1, with and without bias; the GEMM's at 64)
+    assert "compiled 8 kernel configs for sm_90a" in out
+    files = sorted(cache.glob("*.o"))
+    assert len([f for f in files if f.name.startswith("w4a16_decode-")]) == 8
+    assert len([f for f in files if f.name.startswith("sm90_w4a16_gemm-")]) == 4
+    compiled = []
+    real = kc.compile_cached
+    monkeypatch.setattr(kc, "compile_cached",
+                        lambda name, mod, params, fn: real(name, mod, params, lambda: compiled.append(name) or fn()))
+    b = get_backend("sm90_w4a16")
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 1024, 256)  # gate_up
+    b.compile(b.default(key, 64), key)
+    b.compile(b.default(key, 1), key)
+    assert compiled == []  # both loaded from the warmed cache
+    assert sorted(cache.glob("*.o")) == files
+
+
+def test_cli_warm_bad_input(cache, tmp_path, monkeypatch):
+    import json
+
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    assert _cli("cache", "--warm", tmp_path / "missing.json", "--arch", "sm_90a")[0] == 2
+    assert _cli("cache", "--warm", path, "--arch", "sm90")[0] == 2
+    assert _cli("cache", "--warm", path, "--arch", "sm_90a", "--backend", "nope")[0] == 2
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", "off")
+    assert _cli("cache", "--warm", path, "--arch", "sm_90a")[0] == 2

@@ -1,7 +1,7 @@
 """Inline-PTX helpers shared by the CuTeDSL kernels (imported only where CuTeDSL is installed)."""
 from __future__ import annotations
 
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
@@ -64,3 +64,28 @@ def decode_pair(word, terms):
         v = v & Uint32(mask)
         out = v if out is None else out | v
     return out
+
+
+# ----------------------------------------------------------------------------- dependent launch
+# A kernel launched with programmatic dependent launch (PDL) may start while the kernel before it
+# in the stream is still running. Everything before ``griddep_wait`` must therefore neither read
+# memory that kernel writes nor write memory it reads; without PDL both instructions are no-ops.
+
+
+def griddep_launch_dependents():
+    """Let the next kernel of the stream launch once every CTA of this one has issued this (or
+    exited); only a scheduling hint, it orders no memory."""
+    asm_void("griddepcontrol.launch_dependents;", "~{memory}")
+
+
+def griddep_wait():
+    """Wait until the previous kernel of the stream has finished and its writes are visible."""
+    asm_void("griddepcontrol.wait;", "~{memory}")
+
+
+def prefetch_l2(addr, nbytes):
+    """Pull ``nbytes`` (a multiple of 16, 16-byte aligned ``addr``) of global memory into L2
+    (``cp.async.bulk.prefetch.L2``). L2 is where the GPU's global memory is kept coherent, so
+    this is safe before ``griddep_wait`` even over bytes the previous kernel is writing: the
+    loads after the wait still see those writes."""
+    asm_void("cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", Int64(addr), Int32(nbytes))

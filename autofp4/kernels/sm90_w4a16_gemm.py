@@ -20,6 +20,9 @@ Data path of one CTA (``tile_n`` weight rows x ``tile_m`` tokens):
   (exact), fences once and issues the chunk's 4 ``wgmma`` with the decoded fragment as A and
   the ``x`` tile as B, accumulating in fp32. The A fragment is double-buffered across K tiles:
   tile t+1 is decoded while tile t's wgmmas run (``wait_group(1)``);
+* dependent launch (:mod:`autofp4.pdl`): the kernel may start while the previous one of the
+  stream finishes; until ``griddepcontrol.wait`` returns it only sets up its barriers and pulls
+  the weight bytes of its first ``stages`` K tiles into L2 (``cp.async.bulk.prefetch``);
 * the epilogue multiplies by ``alpha`` (a device fp32 scalar: the NVFP4 global scale times the
   power of two folded out of the decode, see below), adds the bias, and stores ``out[m, n]``
   predicated on ``m < M`` and ``n < N``. With ``split_k > 1`` the K slices of a tile run as one
@@ -50,6 +53,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import pdl
 from ._fp4_bits import decode_terms, word_bit
 
 try:  # CuTeDSL is an optional dependency; annotations of the jit functions resolve here
@@ -444,7 +448,7 @@ class _Sm90W4A16Kernel:
         occupancy = ({"min_blocks_per_mp": cfg.ctas_per_sm, "preferred_smem_carveout": -1}
                      if cfg.ctas_per_sm else {})
         out_is_f32 = split_k > 1 and not cluster_red
-        from ._ptx import decode_pair, mul_x2, prmt
+        from ._ptx import decode_pair, griddep_launch_dependents, griddep_wait, mul_x2, prefetch_l2, prmt
         if cluster_red:
             from ._ptx import ld_dsmem_f32
 
@@ -465,6 +469,15 @@ class _Sm90W4A16Kernel:
                     )
                     cute.copy(bulk_atom, src, dst, mbar_ptr=bar)
             pipe.producer_commit(state)
+
+        def banded(lin, walked, across):
+            """(band-axis tile, walked-axis tile) of linear CTA index ``lin`` when the grid walks
+            ``walked`` tiles in bands ``swz`` wide of the ``across`` axis."""
+            per_band = swz * walked
+            band = lin // per_band
+            width = cutlass.min(across - band * swz, swz)
+            local = lin - band * per_band
+            return band * swz + local % width, local // width
 
         @cute.kernel
         def kernel(
@@ -487,21 +500,9 @@ class _Sm90W4A16Kernel:
                 # share a few tiles of both operands in L2
                 m_tiles = (m_size + tile_m - 1) // tile_m
                 if cutlass.const_expr(raster_n):
-                    lin = bidx + bidy * n_tiles
-                    per_band = swz * n_tiles
-                    band = lin // per_band
-                    width = cutlass.min(m_tiles - band * swz, swz)
-                    local = lin - band * per_band
-                    pid_m = band * swz + local % width
-                    pid_n = local // width
+                    pid_m, pid_n = banded(bidx + bidy * n_tiles, n_tiles, m_tiles)
                 else:
-                    lin = bidx + bidy * m_tiles
-                    per_band = swz * m_tiles
-                    band = lin // per_band
-                    width = cutlass.min(n_tiles - band * swz, swz)
-                    local = lin - band * per_band
-                    pid_n = band * swz + local % width
-                    pid_m = local // width
+                    pid_n, pid_m = banded(bidx + bidy * m_tiles, m_tiles, n_tiles)
             elif cutlass.const_expr(raster_n):
                 pid_n = bidx
                 pid_m = bidy
@@ -509,6 +510,8 @@ class _Sm90W4A16Kernel:
                 pid_n = bidy
                 pid_m = bidx
 
+            # dependent launch: the next kernel may start once every CTA got here
+            griddep_launch_dependents()
             if warp_idx == 0:
                 cpasync.prefetch_descriptor(tma_atom_x)
 
@@ -598,8 +601,14 @@ class _Sm90W4A16Kernel:
             n_row0 = pid_n * nb_per_cta  # first 64-row block of this CTA
             lane_q = wtid // 4  # row group 0..31 (scale bytes)
 
-            # ---- prologue: fill the pipeline
+            # ---- prologue: until the previous kernel has finished (dependent launch) only pull
+            # the weight bytes of the first stages into L2; then fill the pipeline
             n_pre = cutlass.min(stages, k_tiles_split)
+            if tidx == 0:
+                for b in range(nb_per_cta):
+                    goff = ((n_row0 + b) * nkc_total + k_tile0 * kc_per_tile) * chunk
+                    prefetch_l2(mW.iterator.toint() + cutlass.Int64(goff), n_pre * w_copy_bytes)
+            griddep_wait()
             if warp_idx == 0:
                 for i in cutlass.range(n_pre, unroll=1):
                     load_stage(pipe, prod_state, k_tile0, n_row0, tma_atom_x, tXgX, tXsX, bulk_atom, mW, sW)
@@ -727,6 +736,7 @@ class _Sm90W4A16Kernel:
             mAlpha: cute.Tensor,
             mBias: cute.Tensor,
             mOut: cute.Tensor,
+            use_pdl: cutlass.Int32,
             stream: cuda.CUstream,
         ):
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -758,7 +768,8 @@ class _Sm90W4A16Kernel:
                 tma_atom_x, tma_x, mW, mAlpha, mBias, mOut, m_size, tiled_mma,
                 x_smem_layout_staged,
             ).launch(grid=grid, block=[threads, 1, 1],
-                     cluster=(1, 1, split_k) if cluster_red else (cl, 1, 1), stream=stream, **occupancy)
+                     cluster=(1, 1, split_k) if cluster_red else (cl, 1, 1), stream=stream, use_pdl=use_pdl,
+                     **occupancy)
 
         return host
 
@@ -779,7 +790,7 @@ class _Sm90W4A16Kernel:
         out_dt = cutlass.Float32 if self.cfg.split_k > 1 and not self.cfg.cluster_reduce else dt
         out = make_fake_compact_tensor(out_dt, (m, self.n), stride_order=(1, 0), assumed_align=4)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        return x, w, alpha, bias, out, stream
+        return x, w, alpha, bias, out, 1, stream
 
 
 def _check(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> None:
@@ -845,7 +856,7 @@ def compile_kernel(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) ->
             out = torch.empty(m, n, dtype=tdt, device=x.device)
         if m == 0:
             return out.to(tdt)
-        fn(x, packed.data.view(-1), packed.alpha, b, out)
+        fn(x, packed.data.view(-1), packed.alpha, b, out, pdl.launch_flag())
         return out.to(tdt) if split else out
 
     return run

@@ -51,6 +51,11 @@ How it works
   per-tile int32 counter (``fence.acq_rel.gpu`` + ``atom.add``) and the last one sums the
   partials; it resets the counter, so the counters (zeroed once per device) stay zero between
   launches. No host sync, CUDA-graph capturable either way.
+* Dependent launch (:mod:`autofp4.pdl`): both kernels are launched so that they may start
+  while the previous kernel of the stream finishes. Before ``griddepcontrol.wait`` a warp only
+  pulls its first ``PF_GROUPS`` K groups of weights and scales into L2
+  (``cp.async.bulk.prefetch``; about 16 MB over the grid at most); x, the outputs, the workspace
+  and the counters are touched only after it.
 * One compile serves every ``1 <= M <= m_max`` (symbolic M); n8 tiles beyond M are skipped at
   run time. Larger M raises a ValueError (the wgmma kernel serves those).
 """
@@ -61,6 +66,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import pdl
 from ._fp4_bits import decode_terms, rotl, word_bit
 
 #: helper modules whose source is part of this kernel's (kernel cache key, DB provenance)
@@ -84,6 +90,7 @@ MAX_CTAS_PER_SM = 32
 MIN_REGS_CAP = 64  # ptxas -v: m_max = 8 needs 62 registers (48 spill 64 bytes); m_max = 16 fits 78
 SMEM_STAGES_CHOICES = (0, 2, 3, 4)
 SMEM_MAX = 227 * 1024  # shared memory one CTA may use on sm_90
+PDL_PREFETCH_BYTES = 16 << 20  # weight bytes a grid prefetches into L2 before its dependent wait
 
 # fp32 epilogue factors that undo the power of two folded into the decode (nvfp4)
 _NV_SHIFT = {"bfloat16": 8, "float16": 7}
@@ -423,7 +430,8 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
     cutlass, cute, llvm, T = _dsl()
     from cutlass import Float32, Int32, Int64, Uint32
 
-    from ._ptx import asm, asm_void, decode_pair, ld_dsmem_f32, mul_x2
+    from ._ptx import (asm, asm_void, decode_pair, griddep_launch_dependents, griddep_wait, ld_dsmem_f32,
+                       mul_x2, prefetch_l2)
 
     WARPS, KS, NT = cfg.warps, cfg.k_split, cfg.m_max // 8
     PREFETCH, LAST_WARP = cfg.prefetch, cfg.split_reduce == "last_warp"
@@ -437,6 +445,9 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
     GPS = -(-GROUPS // KS)  # K groups per split
     N_PAD = TILES * TILE_N
     SLOTS = 32 if fmt == "nvfp4" else 16
+    # K groups of its weights (and their scales) each warp pulls into L2 before it waits for the
+    # previous kernel (dependent launch): its first ones, about 16 MB over the whole grid at most
+    PF_GROUPS = max(1, min(GPS, PDL_PREFETCH_BYTES // (TILES * KS * (CHUNKS * 512 + SLOTS * 16))))
     TERMS = decode_terms(dtype)
     BF16 = dtype == "bfloat16"
     ALPHA_IDX = 0 if BF16 else 1
@@ -681,6 +692,18 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
         buf_b = cute.make_rmem_tensor((TPW * NBUF,), Uint32)
         sadd_u = Uint32(sadd)
         w_bases, s_bases, valid = tile_bases(wq, sc, tile0, lane, g, t)
+        # dependent launch: the next kernel may start once every CTA got here; until the
+        # previous one has finished, only pull this warp's first weight groups into L2
+        griddep_launch_dependents()
+        if lane == 0:
+            n_pf = cutlass.min(g1 - g0, PF_GROUPS)
+            for tw in range(TPW):
+                if (tile0 + tw < TILES) & (n_pf > 0):
+                    prefetch_l2(wq.iterator.toint() + Int64(((tile0 + tw) * GROUPS + g0) * (CHUNKS * 512)),
+                                n_pf * (CHUNKS * 512))
+                    prefetch_l2(sc.iterator.toint() + Int64(((tile0 + tw) * GROUPS + g0) * (SLOTS * 16)),
+                                n_pf * (SLOTS * 16))
+        griddep_wait()
         smem = cutlass.memory.SmemAllocator()
         if cutlass.const_expr(CLUSTER):
             # every lane's partial sums, [warp][accumulator][lane], read by the cluster's CTAs
@@ -835,6 +858,8 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
                       m_rows: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        griddep_launch_dependents()
+        griddep_wait()
         idx = bidx * 256 + tidx
         mm = idx // n
         nn = idx % n
@@ -852,17 +877,18 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
     @cute.jit
     def launch(x: cute.Tensor, wq: cute.Tensor, sc: cute.Tensor, alpha: cute.Tensor,
                out: cute.Tensor, bias: cute.Tensor, ws: cute.Tensor, cnt: cute.Tensor,
-               sadd: Int32, stream):
+               sadd: Int32, use_pdl: Int32, stream):
         m_rows = x.shape[0]
         cluster = {"cluster": [1, KS, 1]} if CLUSTER else {}
         # the carveout is given so that the compiler needs no device query (CPU-only compiles)
         occupancy = ({"min_blocks_per_mp": cfg.ctas_per_sm, "preferred_smem_carveout": -1}
                      if cfg.ctas_per_sm else {})
         main_kernel(x, wq, sc, alpha, out, bias, ws, cnt, sadd, m_rows).launch(
-            grid=[grid_x, KS, 1], block=[32 * WARPS, 1, 1], stream=stream, **cluster, **occupancy)
+            grid=[grid_x, KS, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=use_pdl, **cluster,
+            **occupancy)
         if cutlass.const_expr(KS > 1 and not LAST_WARP and not CLUSTER):
             reduce_kernel(ws, alpha, out, bias, m_rows).launch(
-                grid=[(m_rows * n + 255) // 256, 1, 1], block=[256, 1, 1], stream=stream)
+                grid=[(m_rows * n + 255) // 256, 1, 1], block=[256, 1, 1], stream=stream, use_pdl=use_pdl)
 
     return launch
 
@@ -908,7 +934,7 @@ def _compile_now(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bi
     fws = make_fake_compact_tensor(cutlass.Float32, ws_shape,
                                    stride_order=tuple(reversed(range(len(ws_shape)))), assumed_align=16)
     fc = make_fake_compact_tensor(cutlass.Int32, (tiles,), assumed_align=4)
-    return cute.compile(fn, fx, fw, fs, fa, fo, fb, fws, fc, 0, stream, options=opts)
+    return cute.compile(fn, fx, fw, fs, fa, fo, fb, fws, fc, 0, 1, stream, options=opts)
 
 
 def _needs_workspace(cfg: DecodeConfig) -> bool:
@@ -979,7 +1005,7 @@ def compile_kernel(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> C
             if fn is None:
                 fn = compiled[True] = _compile(cfg, n, k, fmt, dtype, True)
         ws = torch.empty(ks, m, n_pad, dtype=torch.float32, device=x.device) if use_ws else dummy_ws
-        fn(x, packed.data, packed.scales, packed.alpha, out, b, ws, cnt, packed.scale_add[di])
+        fn(x, packed.data, packed.scales, packed.alpha, out, b, ws, cnt, packed.scale_add[di], pdl.launch_flag())
         return out
 
     return run

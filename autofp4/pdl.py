@@ -1,0 +1,47 @@
+"""Programmatic dependent launch (PDL) for the FP4 kernels.
+
+With PDL on (the default on Hopper and later), every autofp4 kernel is launched so that it may
+start while the kernel before it in the stream is still finishing. Until it has waited for that
+kernel (``griddepcontrol.wait``) it only sets itself up and prefetches its first weight bytes
+into L2; it reads activations and writes outputs only after the wait. Back to back layers then
+overlap one kernel's tail and the next one's launch and first HBM reads, which is most of the
+cost of a small decode GEMM.
+
+It does not change any result. Off: ``AUTOFP4_PDL=0`` in the environment, or
+``autofp4.set_pdl(False)`` (which takes effect for the next launch; a CUDA graph keeps what was
+set when it was captured).
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+_enabled = os.environ.get("AUTOFP4_PDL", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def pdl_enabled() -> bool:
+    """Whether kernels are launched with programmatic dependent launch."""
+    return _enabled
+
+
+def set_pdl(enabled: bool) -> bool:
+    """Turn programmatic dependent launch on or off for later launches; returns the old value."""
+    global _enabled
+    old, _enabled = _enabled, bool(enabled)
+    return old
+
+
+@contextmanager
+def pdl(enabled: bool) -> Iterator[None]:
+    """``with autofp4.pdl.pdl(False): ...`` runs a block with PDL set, then restores it."""
+    old = set_pdl(enabled)
+    try:
+        yield
+    finally:
+        set_pdl(old)
+
+
+def launch_flag() -> int:
+    """The value the compiled launchers take for their ``use_pdl`` argument."""
+    return 1 if _enabled else 0

@@ -1,0 +1,100 @@
+"""Programmatic dependent launch: the switch (CPU) and, on a GPU, that a kernel started early
+still reads what the kernel before it wrote."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import autofp4
+from autofp4 import pdl
+
+
+def test_switch_and_context_restore():
+    old = autofp4.pdl_enabled()
+    try:
+        assert autofp4.set_pdl(False) == old
+        assert not autofp4.pdl_enabled() and pdl.launch_flag() == 0
+        with pdl.pdl(True):
+            assert autofp4.pdl_enabled() and pdl.launch_flag() == 1
+            with pdl.pdl(False):
+                assert pdl.launch_flag() == 0
+            assert pdl.launch_flag() == 1
+        assert not autofp4.pdl_enabled()
+    finally:
+        autofp4.set_pdl(old)
+
+
+@pytest.mark.parametrize("value, expected", [("0", False), ("off", False), ("1", True), ("", True)])
+def test_environment_variable(value, expected):
+    env = dict(os.environ, AUTOFP4_PDL=value)
+    out = subprocess.run([sys.executable, "-c", "import autofp4; print(autofp4.pdl_enabled())"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(expected)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _chain(x, ws):
+    for w in ws:
+        x = autofp4.linear(x, w)
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+def test_layer_chain_with_and_without_pdl(m, gen):
+    """Four layers that feed each other (every kernel reads the previous one's output), eager
+    and in a CUDA graph, with PDL on: the same results as with PDL off and as float64 math."""
+    dev = torch.device("cuda")
+    d = 2048
+    ws = [autofp4.quantize((torch.randn(d, d, generator=gen) / d ** 0.5).to(dev), fmt)
+          for fmt in ("nvfp4", "mxfp4", "nvfp4", "mxfp4")]
+    dq = [w.dequantize(torch.float32).double() for w in ws]
+    for _ in range(3):
+        x = torch.randn(m, d, generator=gen).to(dev, torch.bfloat16)
+        with pdl.pdl(False):
+            off = _chain(x, ws)
+        with pdl.pdl(True):
+            on = _chain(x, ws)
+        ref = x.double()
+        for w in dq:
+            ref = (ref @ w.T).to(torch.bfloat16).double()
+        assert _rel(on, off) < 1e-3
+        assert _rel(on, ref) < 3e-2
+    with pdl.pdl(True):
+        xg = torch.randn(m, d, generator=gen).to(dev, torch.bfloat16)
+        _chain(xg, ws)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            yg = _chain(xg, ws)
+    for _ in range(3):
+        xg.copy_(torch.randn(m, d, generator=gen).to(dev, torch.bfloat16))
+        g.replay()
+        with pdl.pdl(False):
+            want = _chain(xg, ws)
+        torch.cuda.synchronize()
+        assert _rel(yg, want) < 1e-3
+
+
+@pytest.mark.gpu
+def test_decode_kernel_waits_for_a_long_gemm(gen):
+    """A long GEMM writes y; the decode kernel right after it reads y's last rows (the ones
+    written last). Started early it must still see this iteration's y, not the last one's."""
+    dev = torch.device("cuda")
+    big = autofp4.quantize(torch.randn(8192, 4096, generator=gen).to(dev), "nvfp4")
+    small = autofp4.quantize((torch.randn(1024, 8192, generator=gen) / 90).to(dev), "nvfp4")
+    with pdl.pdl(True):
+        for _ in range(6):
+            x = torch.randn(4096, 4096, generator=gen).to(dev, torch.bfloat16)
+            y = autofp4.linear(x, big)
+            z = autofp4.linear(y[-8:], small)
+            torch.cuda.synchronize()
+            with pdl.pdl(False):
+                want = autofp4.linear(y[-8:].clone(), small)
+            torch.cuda.synchronize()
+            assert _rel(z, want) < 1e-3
