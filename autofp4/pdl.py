@@ -1,15 +1,16 @@
 """Programmatic dependent launch (PDL) for the FP4 kernels.
 
-With PDL on (the default on Hopper and later), every autofp4 kernel is launched so that it may
-start while the kernel before it in the stream is still finishing. Until it has waited for that
-kernel (``griddepcontrol.wait``) it only sets itself up and prefetches its first weight bytes
-into L2; it reads activations and writes outputs only after the wait. Back to back layers then
-overlap one kernel's tail and the next one's launch and first HBM reads, which is most of the
-cost of a small decode GEMM.
+A kernel launched with PDL may start while the kernel before it in the stream is still
+finishing. Until it has waited for that kernel (``griddepcontrol.wait``) it only sets itself up
+and prefetches its first weight bytes into L2; it reads activations and writes outputs only after
+the wait. Back to back layers then overlap one kernel's tail with the next one's launch and first
+HBM reads, which is a large part of the cost of a small GEMM.
 
-It does not change any result. Off: ``AUTOFP4_PDL=0`` in the environment, or
-``autofp4.set_pdl(False)`` (which takes effect for the next launch; a CUDA graph keeps what was
-set when it was captured).
+Whether a kernel config uses it is part of the config (``pdl``; the tuner measures both, the
+defaults use it where it measured faster, see ``backends/sm90_heuristics.with_pdl``). It does
+not change any result. This module is the global switch over all of them: ``AUTOFP4_PDL=0`` in
+the environment or ``autofp4.set_pdl(False)`` turns it off everywhere (for the next launch; a
+CUDA graph keeps what was set when it was captured).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ _enabled = os.environ.get("AUTOFP4_PDL", "1").strip().lower() not in ("0", "fals
 
 
 def pdl_enabled() -> bool:
-    """Whether kernels are launched with programmatic dependent launch."""
+    """Whether configs that ask for programmatic dependent launch get it."""
     return _enabled
 
 
@@ -43,5 +44,6 @@ def pdl(enabled: bool) -> Iterator[None]:
 
 
 def launch_flag() -> int:
-    """The value the compiled launchers take for their ``use_pdl`` argument."""
+    """The value the compiled launchers take for their ``use_pdl`` argument when their config
+    asks for programmatic dependent launch."""
     return 1 if _enabled else 0

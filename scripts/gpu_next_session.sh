@@ -7,8 +7,9 @@
 #   SWEEP=swizzle: the GEMM's CTA order at M = 512, 2048, 8192 (SWEEP_MS, SWEEP_SHAPES)
 #   SWEEP=pdl: the benchmark's default configs with and without dependent launch (SWEEP_MS)
 #   (SWEEP=none: tests only)
-#   STAGE=2: tune each TUNES entry (model:fmt:seconds, default Llama-3.1-8B NVFP4 for 330 s)
-#            into $DB, export it; with BENCH=1 (default) the benchmark and host overhead
+#   STAGE=2: tune each TUNES entry (model:fmt:seconds; none by default) into $DB (first imported
+#            from .devsite/db/nvidia-h200.json when carried), export it; with BENCH=1 (default)
+#            the benchmark and host overhead (TUNE_MS: the M buckets)
 OUT=${OUT:-out}; mkdir -p "$OUT"
 DB=${DB:-/tmp/autofp4-h200.db}
 # kernels compiled ahead of time on a CPU host (autofp4 cache --warm ... --arch sm_90a), carried along
@@ -40,8 +41,12 @@ if [ "${STAGE:-1}" = 1 ]; then
     tail -26 "$OUT/gemm_sweep.txt"
   fi
 else
-  # TUNES: model:fmt:seconds entries, tuned in order into $DB; then export; BENCH=1 benchmarks
-  for t in ${TUNES:-llama-3.1-8b:nvfp4:330}; do
+  # TUNES: model:fmt:seconds entries, tuned in order into $DB; then export; BENCH=1 benchmarks.
+  # A fresh machine starts from the export of an earlier call, carried in .devsite/db.
+  if [ ! -f "$DB" ] && [ -f .devsite/db/nvidia-h200.json ]; then
+    python3 -m autofp4 db import .devsite/db/nvidia-h200.json --db "$DB" | tail -1
+  fi
+  for t in ${TUNES:-}; do
     model=${t%%:*}; rest=${t#*:}; fmt=${rest%%:*}; secs=${rest#*:}
     python3 -m autofp4 tune --model "examples/$model.json" --fmt "$fmt" --db "$DB" \
       --m ${TUNE_MS:-1,16,32,64,128,512,2048,8192} --time-budget "$secs" --no-progress > "$OUT/tune-$model-$fmt.txt" 2>&1

@@ -127,7 +127,7 @@ def test_kernel_compiled_by_another_process_runs_correctly(tmp_path, monkeypatch
     ws = torch.empty(2, 7, N, dtype=torch.float32, device="cuda")
     cnt = torch.zeros(N // 16, dtype=torch.int32, device="cuda")
     dummy = torch.zeros(1, dtype=torch.bfloat16, device="cuda")
-    fn(x, p.data, p.scales, p.alpha, out, dummy, ws, cnt, p.scale_add[0])
+    fn(x, p.data, p.scales, p.alpha, out, dummy, ws, cnt, p.scale_add[0], 0)
     ref = x.double() @ w.dequantize(torch.float64).T
     torch.cuda.synchronize()
     # split_reduce="kernel": the main kernel writes partials and the reduce kernel the output
@@ -239,3 +239,20 @@ def test_cli_warm_bad_input(cache, tmp_path, monkeypatch):
     assert _cli("cache", "--warm", path, "--arch", "sm_90a", "--backend", "nope")[0] == 2
     monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", "off")
     assert _cli("cache", "--warm", path, "--arch", "sm_90a")[0] == 2
+
+
+def test_dependent_launch_is_a_launch_argument_not_a_second_binary(cache):
+    """Configs that differ only in ``pdl`` share one compiled kernel."""
+    from dataclasses import replace
+
+    from autofp4.kernels import sm90_w4a16_gemm as G
+
+    cfg = D.DecodeConfig(warps=4, k_split=2, m_max=16)
+    D.compile_only(cfg, N, K, "nvfp4", "bfloat16")
+    gcfg = G.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4)
+    G.compile_only(gcfg, N, K, "nvfp4", "bfloat16")
+    files = sorted(cache.glob("*.o"))
+    assert len(files) == 3
+    D.compile_only(replace(cfg, pdl=True), N, K, "nvfp4", "bfloat16")
+    G.compile_only(replace(gcfg, pdl=True), N, K, "nvfp4", "bfloat16")
+    assert sorted(cache.glob("*.o")) == files

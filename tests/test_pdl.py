@@ -38,9 +38,23 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def _chain(x, ws):
+def _layers(ws, m, pdl_on):
+    """Runner + prepared weight per layer: the backend's default config for M with dependent
+    launch forced on or off (both kernels: the decode kernel up to M = 32, the GEMM above)."""
+    from autofp4.backends import ProblemKey, get_backend
+
+    b = get_backend("sm90_w4a16")
+    out = []
     for w in ws:
-        x = autofp4.linear(x, w)
+        key = ProblemKey("linear", w.fmt, "bfloat16", w.shape[0], w.shape[1])
+        cfg = b.default(key, m).model_copy(update={"pdl": pdl_on})
+        out.append((b.compile(cfg, key), w.packed(b.name, b.prepare)))
+    return out
+
+
+def _chain(x, layers):
+    for run, prep in layers:
+        x = run(x, prep, None)
     return x
 
 
@@ -48,53 +62,53 @@ def _chain(x, ws):
 @pytest.mark.parametrize("m", [1, 16, 64, 300])
 def test_layer_chain_with_and_without_pdl(m, gen):
     """Four layers that feed each other (every kernel reads the previous one's output), eager
-    and in a CUDA graph, with PDL on: the same results as with PDL off and as float64 math."""
+    and in a CUDA graph, with dependent launch on: the same results as with it off and as
+    float64 math."""
     dev = torch.device("cuda")
     d = 2048
     ws = [autofp4.quantize((torch.randn(d, d, generator=gen) / d ** 0.5).to(dev), fmt)
           for fmt in ("nvfp4", "mxfp4", "nvfp4", "mxfp4")]
+    on, off = _layers(ws, m, True), _layers(ws, m, False)
     dq = [w.dequantize(torch.float32).double() for w in ws]
+    assert autofp4.pdl_enabled()
     for _ in range(3):
         x = torch.randn(m, d, generator=gen).to(dev, torch.bfloat16)
-        with pdl.pdl(False):
-            off = _chain(x, ws)
-        with pdl.pdl(True):
-            on = _chain(x, ws)
+        y_on, y_off = _chain(x, on), _chain(x, off)
         ref = x.double()
         for w in dq:
             ref = (ref @ w.T).to(torch.bfloat16).double()
-        assert _rel(on, off) < 1e-3
-        assert _rel(on, ref) < 3e-2
-    with pdl.pdl(True):
-        xg = torch.randn(m, d, generator=gen).to(dev, torch.bfloat16)
-        _chain(xg, ws)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            yg = _chain(xg, ws)
+        assert _rel(y_on, y_off) < 1e-3
+        assert _rel(y_on, ref) < 3e-2
+    xg = torch.randn(m, d, generator=gen).to(dev, torch.bfloat16)
+    _chain(xg, on)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = _chain(xg, on)
     for _ in range(3):
         xg.copy_(torch.randn(m, d, generator=gen).to(dev, torch.bfloat16))
         g.replay()
-        with pdl.pdl(False):
-            want = _chain(xg, ws)
+        want = _chain(xg, off)
         torch.cuda.synchronize()
         assert _rel(yg, want) < 1e-3
 
 
 @pytest.mark.gpu
-def test_decode_kernel_waits_for_a_long_gemm(gen):
+@pytest.mark.parametrize("rows", [8, 16])
+def test_decode_kernel_waits_for_a_long_gemm(rows, gen):
     """A long GEMM writes y; the decode kernel right after it reads y's last rows (the ones
     written last). Started early it must still see this iteration's y, not the last one's."""
     dev = torch.device("cuda")
     big = autofp4.quantize(torch.randn(8192, 4096, generator=gen).to(dev), "nvfp4")
     small = autofp4.quantize((torch.randn(1024, 8192, generator=gen) / 90).to(dev), "nvfp4")
-    with pdl.pdl(True):
-        for _ in range(6):
-            x = torch.randn(4096, 4096, generator=gen).to(dev, torch.bfloat16)
-            y = autofp4.linear(x, big)
-            z = autofp4.linear(y[-8:], small)
-            torch.cuda.synchronize()
-            with pdl.pdl(False):
-                want = autofp4.linear(y[-8:].clone(), small)
-            torch.cuda.synchronize()
-            assert _rel(z, want) < 1e-3
+    (gemm, pbig), = _layers([big], 4096, True)
+    (dec_on, psmall), = _layers([small], rows, True)
+    (dec_off, _), = _layers([small], rows, False)
+    for _ in range(6):
+        x = torch.randn(4096, 4096, generator=gen).to(dev, torch.bfloat16)
+        y = gemm(x, pbig, None)
+        z = dec_on(y[-rows:], psmall, None)
+        torch.cuda.synchronize()
+        want = dec_off(y[-rows:].clone(), psmall, None)
+        torch.cuda.synchronize()
+        assert _rel(z, want) < 1e-3

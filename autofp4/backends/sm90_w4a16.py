@@ -31,7 +31,8 @@ from .sm90_heuristics import DECODE_MAX_M  # noqa: F401  (largest M the default 
 _DECODE_FIELDS = ("warps", "k_split", "m_max", "prefetch", "split_reduce", "tiles_per_warp")
 # omitted when they have these values (configs stored before they existed)
 _DECODE_OPTIONAL = {"x_smem": False, "smem_stages": 0}
-_SHARED_OPTIONAL = {"ctas_per_sm": 0}  # both kernels: CTAs per SM asked of the compiler
+# both kernels: CTAs per SM asked of the compiler; programmatic dependent launch
+_SHARED_OPTIONAL = {"ctas_per_sm": 0, "pdl": False}
 _GEMM_OPTIONAL = {"swizzle": 1}
 _GEMM_FIELDS = ("tile_n", "tile_m", "tile_k", "stages", "split_k", "cluster_n", "raster")
 
@@ -49,6 +50,8 @@ class SM90Config(BackendConfig):
     smem_stages: Optional[int] = Field(None, ge=0, le=16)
     # both kernels: CTAs per SM the compiler must fit (0 or absent: as resources allow)
     ctas_per_sm: Optional[int] = Field(None, ge=0, le=64)
+    # both kernels: launched with programmatic dependent launch (absent: no)
+    pdl: Optional[bool] = None
     # gemm kernel
     tile_n: Optional[int] = Field(None, ge=1, le=1024)
     tile_m: Optional[int] = Field(None, ge=1, le=1024)

@@ -21,7 +21,8 @@ Data path of one CTA (``tile_n`` weight rows x ``tile_m`` tokens):
   the ``x`` tile as B, accumulating in fp32. The A fragment is double-buffered across K tiles:
   tile t+1 is decoded while tile t's wgmmas run (``wait_group(1)``);
 * dependent launch (:mod:`autofp4.pdl`): the kernel may start while the previous one of the
-  stream finishes; until ``griddepcontrol.wait`` returns it only sets up its barriers and pulls
+  stream finishes (a CTA lets the next one launch after its main loop); until
+  ``griddepcontrol.wait`` returns it only sets up its barriers and pulls
   the weight bytes of its first ``stages`` K tiles into L2 (``cp.async.bulk.prefetch``);
 * the epilogue multiplies by ``alpha`` (a device fp32 scalar: the NVFP4 global scale times the
   power of two folded out of the decode, see below), adds the bias, and stores ``out[m, n]``
@@ -48,7 +49,7 @@ host from pack-time statistics, no device sync); otherwise use bfloat16 activati
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable
 
 import torch
@@ -111,6 +112,7 @@ class Sm90GemmConfig:
     raster: str = "n"      # "n": consecutive CTAs walk weight tiles; "m": walk token tiles
     swizzle: int = 1       # > 1: the walk goes over bands this many tiles wide on the other axis
     ctas_per_sm: int = 0   # 0: as registers and shared memory allow; 2: ask for two (.minnctapersm)
+    pdl: bool = False      # launch with programmatic dependent launch (a launch flag, one binary)
 
     @property
     def warpgroups(self) -> int:
@@ -510,8 +512,6 @@ class _Sm90W4A16Kernel:
                 pid_n = bidy
                 pid_m = bidx
 
-            # dependent launch: the next kernel may start once every CTA got here
-            griddep_launch_dependents()
             if warp_idx == 0:
                 cpasync.prefetch_descriptor(tma_atom_x)
 
@@ -674,6 +674,9 @@ class _Sm90W4A16Kernel:
                                     prod_state.advance()
 
             cute.nvgpu.warpgroup.wait_group(0)
+            # the main loop is done: the next kernel may launch once every CTA got here (or
+            # exited) and prefetch its weights during this epilogue
+            griddep_launch_dependents()
             if cutlass.const_expr(cl > 1):
                 # keep this CTA's shared memory alive until the peer's multicasts into it are done
                 cute.arch.cluster_arrive_relaxed()
@@ -800,10 +803,12 @@ def _check(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> None:
 
 
 def _compile(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> Callable:
-    """The compiled launcher, from the disk kernel cache when it holds it (see kernel_cache)."""
+    """The compiled launcher, from the disk kernel cache when it holds it (see kernel_cache).
+    ``pdl`` is a launch argument: both values share one binary."""
     from ..kernel_cache import compile_cached
 
     _check(cfg, n, k, fmt, dtype)
+    cfg = replace(cfg, pdl=False)
 
     def build():
         import cutlass.cute as cute
@@ -827,6 +832,7 @@ def compile_kernel(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) ->
     tdt = getattr(torch, dtype)
     zeros: dict[torch.device, torch.Tensor] = {}
     split = cfg.split_k > 1 and not cfg.cluster_reduce  # fp32 atomics into a zeroed buffer
+    use_pdl = cfg.pdl
 
     def run(x: torch.Tensor, packed: PackedSm90Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if packed.n != n or packed.k != k or packed.fmt != fmt:
@@ -856,7 +862,7 @@ def compile_kernel(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) ->
             out = torch.empty(m, n, dtype=tdt, device=x.device)
         if m == 0:
             return out.to(tdt)
-        fn(x, packed.data.view(-1), packed.alpha, b, out, pdl.launch_flag())
+        fn(x, packed.data.view(-1), packed.alpha, b, out, pdl.launch_flag() if use_pdl else 0)
         return out.to(tdt) if split else out
 
     return run

@@ -52,7 +52,9 @@ How it works
   partials; it resets the counter, so the counters (zeroed once per device) stay zero between
   launches. No host sync, CUDA-graph capturable either way.
 * Dependent launch (:mod:`autofp4.pdl`): both kernels are launched so that they may start
-  while the previous kernel of the stream finishes. Before ``griddepcontrol.wait`` a warp only
+  while the previous kernel of the stream finishes; a warp lets the next kernel launch
+  (``griddepcontrol.launch_dependents``) once it has read all its weights, so the next kernel's
+  CTAs arrive for this one's tail, not its whole run. Before ``griddepcontrol.wait`` a warp only
   pulls its first ``PF_GROUPS`` K groups of weights and scales into L2
   (``cp.async.bulk.prefetch``; about 16 MB over the grid at most); x, the outputs, the workspace
   and the counters are touched only after it.
@@ -61,7 +63,7 @@ How it works
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -129,6 +131,8 @@ class DecodeConfig:
              with ``cp.async``: while group i is computed, groups i+1 .. i+n-1 are in flight, one
              CTA barrier per group, and each lane reads back its own 16-byte chunks (needs
              x_smem=True).
+    pdl:     launch with programmatic dependent launch (:mod:`autofp4.pdl`); a launch flag, so
+             both values share one compiled binary.
     """
 
     warps: int = 4
@@ -140,6 +144,7 @@ class DecodeConfig:
     x_smem: bool = False
     ctas_per_sm: int = 0
     smem_stages: int = 0
+    pdl: bool = False
 
     @property
     def rows_per_cta(self) -> int:
@@ -692,9 +697,8 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
         buf_b = cute.make_rmem_tensor((TPW * NBUF,), Uint32)
         sadd_u = Uint32(sadd)
         w_bases, s_bases, valid = tile_bases(wq, sc, tile0, lane, g, t)
-        # dependent launch: the next kernel may start once every CTA got here; until the
-        # previous one has finished, only pull this warp's first weight groups into L2
-        griddep_launch_dependents()
+        # dependent launch: until the previous kernel has finished, only pull this warp's first
+        # weight groups into L2
         if lane == 0:
             n_pf = cutlass.min(g1 - g0, PF_GROUPS)
             for tw in range(TPW):
@@ -771,6 +775,9 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
                 for gi in cutlass.range(g0, g1, 1):
                     load_tiles(buf_a, w_bases, s_bases, gi, valid, gi < g1)
                     compute_group(buf_a, acc, xv, x_base, gi, g, t, sadd_u, m_rows, Int32(0))
+            # the weights are read: the next kernel may launch once every CTA got here (or
+            # exited) and prefetch its own while this one sums and stores
+            griddep_launch_dependents()
             # accumulator c0,c1 -> row g, tokens 2t, 2t+1; c2,c3 -> row g+8
             last = Int32(1)
             if cutlass.const_expr(CLUSTER):
@@ -905,6 +912,7 @@ def _compile(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: 
     --keep-cubin --dump-dir=/tmp/d``) bypasses the cache."""
     from ..kernel_cache import compile_cached
 
+    cfg = replace(cfg, pdl=False)  # a launch argument: one binary serves both
     extra = os.environ.get("AUTOFP4_CUTE_DSL_OPTIONS", "").strip()
     if extra:
         return _compile_now(cfg, n, k, fmt, dtype, has_bias, extra)
@@ -963,6 +971,7 @@ def compile_kernel(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> C
     compiled: dict[bool, Any] = {False: _compile(cfg, n, k, fmt, dtype, False)}
     ks, m_max, tiles = cfg.k_split, cfg.m_max, _tiles(n)
     use_ws = _needs_workspace(cfg)
+    use_pdl = cfg.pdl
     n_pad = tiles * TILE_N
     # per-device helpers: a dummy bias / workspace, and the split-K arrival counters. The
     # counters start at zero and every launch leaves them at zero, so one set per device serves
@@ -1005,7 +1014,8 @@ def compile_kernel(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> C
             if fn is None:
                 fn = compiled[True] = _compile(cfg, n, k, fmt, dtype, True)
         ws = torch.empty(ks, m, n_pad, dtype=torch.float32, device=x.device) if use_ws else dummy_ws
-        fn(x, packed.data, packed.scales, packed.alpha, out, b, ws, cnt, packed.scale_add[di], pdl.launch_flag())
+        fn(x, packed.data, packed.scales, packed.alpha, out, b, ws, cnt, packed.scale_add[di],
+           pdl.launch_flag() if use_pdl else 0)
         return out
 
     return run
