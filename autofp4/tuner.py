@@ -432,9 +432,13 @@ def run_trial(req: dict[str, Any]) -> dict[str, Any]:
         return {**res, "outcome": "compile_error", "error": _short_error(e)}
     stage = "preparing data"
     try:
+        t_setup = time.perf_counter()
         d = _setup_data(key, m, int(req["seed"]), device, copies_hint=True)
         stage = "preparing the weight"
         prepared = [_prepare(b, w) for w in d.weights]
+        # one-off work (random weights for a new problem, a layout packed for a new kernel):
+        # the job's time share must not take it for the cost of every trial
+        res["setup_s"] = time.perf_counter() - t_setup
         stage = "running"
         out = _call(key, runner, prepared[0], d.acts[m][0])
         if device.type == "cuda":
@@ -516,6 +520,12 @@ def _worker_main(conn: Any, device: str, sys_path: list[str]) -> None:  # pragma
     from . import formats, weights  # noqa: F401  (imported before the first trial's clock starts)
     from .backends import reference  # noqa: F401
 
+    if dev.type == "cuda":
+        try:  # the GPU backends' compiler and runtime (seconds to import)
+            import cutlass.cute  # noqa: F401
+        except ImportError:
+            pass
+
     conn.send("ready")
     while True:
         try:
@@ -571,9 +581,12 @@ class _Measurer:
     def run(self, req: dict[str, Any]) -> dict[str, Any]:
         if not self.isolate:
             return run_trial(req)
+        start_s = 0.0
         if self.proc is None or not self.proc.is_alive():
             self._stop()
+            t0 = time.perf_counter()
             self._start()
+            start_s = time.perf_counter() - t0  # a one-off: the trial reports it as setup
         try:
             self.conn.send(req)
             if not self.conn.poll(self.timeout_s):
@@ -592,6 +605,8 @@ class _Measurer:
         if res.get("fatal"):
             self._stop()
             self.restarts += 1
+        if start_s:
+            res["setup_s"] = res.get("setup_s", 0.0) + start_s
         return res
 
     def close(self) -> None:
@@ -803,10 +818,13 @@ def job_share_deadline(now: float, deadline: float | None, jobs_left: int, strea
 
 
 def trial_estimate(run_s: Sequence[float], wait_s: Sequence[float], compiled: bool) -> float:
-    """Expected wall time of a job's next trial: the mean time of measuring one, plus the mean
-    wait for a compile worker when its kernel is not compiled yet. The workers compile a job's
-    first candidates together, so the first trial's wait (a cold compile) is usually the only
-    one; counting it in every estimate stopped jobs after one trial."""
+    """Expected wall time of a job's next trial: the mean time of measuring one (without the
+    one-off data setup a trial reports as ``setup_s``: the first job of every problem builds its
+    random weights, which ended every M = 1 job of the Llama shapes after one trial on the
+    H200; the job's share is extended by that time instead), plus the mean wait for a compile worker when its kernel is not compiled yet. The
+    workers compile a job's first candidates together, so the first trial's wait (a cold
+    compile) is usually the only one; counting it in every estimate stopped jobs after one
+    trial."""
     est = sum(run_s) / len(run_s)
     if not compiled and wait_s:
         est += sum(wait_s) / len(wait_s)
@@ -1086,7 +1104,12 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
                 wait_s.append(t_ready - t_trial)
             if res is None:
                 res = meas.run(_request(ctx, job, cand, seed))
-            run_s.append(_now() - t_ready)
+            setup = res.get("setup_s", 0.0)
+            run_s.append(max(0.0, _now() - t_ready - setup))
+            if ctx.job_deadline is not None and setup > 0:
+                # a problem's random weights serve all its M buckets: building them does not
+                # use up the share of the job that happens to come first
+                ctx.job_deadline += setup
             measured_here[cand.ident] = res
             with ctx.lock:
                 _record_trial(db, ctx, job, cand, res)

@@ -76,7 +76,7 @@ def _decode_layers(w, cfg, x, calls, sync) -> list[tuple[str, float]]:
     dummy = torch.zeros(1, dtype=x.dtype, device=x.device)
     run = D.compile_kernel(kcfg, n, k, w.fmt, "bfloat16")
     return [
-        (f"bare decode launch {kcfg}", per_call_us(lambda: fn(x, p.data, p.scales, p.alpha, out, dummy, ws, cnt, p.scale_add[0]), calls, sync=sync)),
+        (f"bare decode launch {kcfg}", per_call_us(lambda: fn(x, p.data, p.scales, p.alpha, out, dummy, ws, cnt, p.scale_add[0], 0), calls, sync=sync)),
         ("decode run(x, packed)", per_call_us(lambda: run(x, p, None), calls, sync=sync)),
     ]
 

@@ -3,12 +3,13 @@ deliberately wrong, faulty or crashing (fixtures registered like any backend).""
 import os
 import sqlite3
 import time
+from dataclasses import asdict
 
 import pytest
 import torch
 
 from autofp4 import backends as registry
-from autofp4.backends import ProblemKey
+from autofp4.backends import ProblemKey, get_backend
 from autofp4.backends.reference import ReferenceBackend
 from autofp4.db import TuningDB
 from autofp4.dispatch import Dispatcher
@@ -390,6 +391,65 @@ def test_time_budget_is_shared_by_every_job(tmp_path, monkeypatch):
     # without a budget every job measures both candidates
     rep = tune_jobs(jobs, db=tmp_path / "u.db", device="cpu", progress=False)
     assert [r.trials_run for r in rep.results] == [2] * len(jobs)
+
+
+def test_data_setup_does_not_use_up_the_first_jobs_share(tmp_path, monkeypatch):
+    """The first trial of a problem builds its random weights (``setup_s``), once for all its M
+    buckets. With a fake clock charging 20 s for that and 1 s per trial, the first job still
+    measures both candidates, and so does every later one when the budget allows it."""
+    from autofp4 import tuner
+
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 2048, 256)
+    clock = [1000.0]
+    calls = []
+    real_run_trial = tuner.run_trial
+
+    def trial(req):
+        res = real_run_trial(req)
+        assert res["outcome"] == "ok" and res["setup_s"] >= 0.0
+        setup = 20.0 if not calls else 0.0
+        calls.append(req["m"])
+        clock[0] += 1.0 + setup
+        return {**res, "setup_s": setup}
+
+    monkeypatch.setattr(tuner, "_now", lambda: clock[0])
+    monkeypatch.setattr(tuner, "run_trial", trial)
+    jobs = [Job(key, m) for m in (1, 2, 4)]
+    rep = tune_jobs(jobs, db=tmp_path / "t.db", device="cpu", progress=False, budget_total_s=27.0)
+    assert [r.trials_run for r in rep.results] == [2, 2, 2], [(r.trials_run, r.note) for r in rep.results]
+
+
+def test_run_trial_reports_its_one_off_setup():
+    from autofp4.tuner import _cfg_json, _spec, run_trial
+
+    b = get_backend("reference")
+    key = ProblemKey("linear", "mxfp4", "bfloat16", 1024, 512)
+    req = {"backend": b.name, "spec": _spec(b), "config": _cfg_json(b.default(key, 1)), "key": asdict(key),
+           "m": 1, "seed": int.from_bytes(os.urandom(3), "little"), "device": "cpu", "warmup": 1, "reps": 3}
+    first, again = run_trial(req), run_trial(req)
+    assert first["outcome"] == again["outcome"] == "ok"
+    assert first["setup_s"] > again["setup_s"]  # the weights are built once per problem
+
+
+def test_isolated_trials_count_the_worker_start_as_setup():
+    """Starting the timing process (imports, device context) is a one-off as well."""
+    from autofp4.tuner import _cfg_json, _Measurer, _spec
+
+    b = get_backend("reference")
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 512, 256)
+    req = {"backend": b.name, "spec": _spec(b), "config": _cfg_json(b.default(key, 1)), "key": asdict(key),
+           "m": 1, "seed": int.from_bytes(os.urandom(3), "little"), "device": "cpu", "warmup": 1, "reps": 3}
+    meas = _Measurer(torch.device("cpu"), isolate=True, timeout_s=120.0)
+    try:
+        t0 = time.perf_counter()
+        first = meas.run(req)
+        took = time.perf_counter() - t0
+        again = meas.run(req)
+    finally:
+        meas._stop()
+    assert first["outcome"] == again["outcome"] == "ok"
+    assert 0.5 * took < first["setup_s"] <= took  # a spawned interpreter's start dominates
+    assert again["setup_s"] < 0.5 * first["setup_s"]
 
 
 def test_unlimited_time_budget(tmp_path):
