@@ -325,6 +325,10 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if misses.is_file():
         print(f"misses file:   {misses}", file=out)
     print(f"kernel cache:  {_cache_line()}", file=out)
+    from .pdl import pdl_enabled
+
+    print("dependent launch: " + ("on where a config asks for it (AUTOFP4_PDL=0 turns it off)" if pdl_enabled()
+                                  else "off (AUTOFP4_PDL=0 or autofp4.set_pdl(False))"), file=out)
     return 0
 
 

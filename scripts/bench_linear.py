@@ -7,7 +7,9 @@ FP4 bytes (weight values + scales, at the copy bandwidth measured in the same ru
 
 Timing: CUDA events after warm-up, medians; weights and inputs rotated through enough copies to
 exceed twice the L2; every variant timed inside a CUDA graph and eagerly (eager autofp4 goes
-through the public ``autofp4.linear``, dispatcher included).
+through the public ``autofp4.linear``, dispatcher included). The CUDA-graph times of one row are
+taken in ``--rounds`` interleaved rounds (cuBLAS, default, pick, pick without programmatic
+dependent launch) and the median over the rounds kept, so drift during a row favours no variant.
 
     python scripts/bench_linear.py --out out/                       # on the GPU: JSON + table
     python scripts/bench_linear.py --plot out/bench_linear.json     # anywhere: PNG + markdown
@@ -19,6 +21,7 @@ import datetime
 import json
 import math
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -51,10 +54,11 @@ def bench(args) -> dict:
     import autofp4
     from autofp4.backends import ProblemKey, available_backends
     from autofp4.dispatch import get_dispatcher
-    from autofp4.pdl import pdl
+    from autofp4.pdl import pdl, pdl_enabled
     from autofp4.timing import copies_for_cold_l2, l2_cache_bytes, time_cuda
 
     dev = torch.device("cuda")
+    pdl_base = pdl_enabled()  # AUTOFP4_PDL=0 benchmarks everything without it
     l2 = l2_cache_bytes(dev)
     bw = measure_copy_bandwidth()
     backend = available_backends(dev)[0]
@@ -79,10 +83,7 @@ def bench(args) -> dict:
             for m in ms:
                 xs = [torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(max(nq, nd))]
                 r = {"shape": name, "n": n, "k": k, "m": m, "fmt": fmt, "backend": backend.name}
-                # bf16 cuBLAS
                 cargs = [(xs[i % len(xs)], dense[i % nd]) for i in range(nd)]
-                r["cublas_graph_us"] = time_cuda(F.linear, cargs, warmup=3, reps=args.reps, use_graph=True).median_us
-                r["cublas_eager_us"] = time_cuda(F.linear, cargs, warmup=3, reps=args.reps).median_us
                 # autofp4: default config, and the dispatcher's (tuned) pick
                 dcfg = backend.default(key, m)
                 tb, tcfg = disp.pick(key, m)
@@ -90,24 +91,37 @@ def bench(args) -> dict:
                 r["tuned_config"] = tcfg.model_dump(mode="json") if (tb is backend and tcfg != dcfg) else None
                 qargs = [(xs[i % len(xs)], ws[i].packed(backend.name, backend.prepare), None) for i in range(nq)]
                 ref = F.linear(xs[0].float(), ws[0].dequantize(torch.float32))
-                for label, b, cfg in (("default", backend, dcfg), ("tuned", tb, tcfg)):
-                    if label == "tuned" and r["tuned_config"] is None:
-                        for t in ("graph", "eager"):
-                            r[f"tuned_{t}_us"] = r[f"default_{t}_us"]
-                        break  # ``run`` is the default's runner, which is also the pick
-                    run = disp.runner(b, cfg, key)
+                runs = {"default": disp.runner(backend, dcfg, key)}
+                if r["tuned_config"] is not None:
+                    runs["tuned"] = disp.runner(tb, tcfg, key)
+                for label, run in runs.items():
                     out = run(*qargs[0]).float()
                     err = float((out - ref).norm() / ref.norm())
                     r[f"{label}_rel_err"] = err
                     if not err < 2e-2:  # recorded, and flagged in the table
                         print(f"WRONG RESULT {name} M={m} {fmt} {label}: relative error {err:.3g}", flush=True)
-                    r[f"{label}_graph_us"] = time_cuda(run, qargs, warmup=3, reps=args.reps, use_graph=True).median_us
+                pick = runs.get("tuned", runs["default"])
+                # CUDA-graph times in interleaved rounds (cuBLAS, default, pick, the pick with
+                # programmatic dependent launch off, as cuBLAS runs), medians over the rounds: a
+                # GPU that slows down as it heats under long GEMMs favours no variant
+                variants = [("cublas", F.linear, cargs, pdl_base), ("default", runs["default"], qargs, pdl_base)]
+                if "tuned" in runs:
+                    variants.append(("tuned", runs["tuned"], qargs, pdl_base))
+                variants.append(("tuned_nopdl", pick, qargs, False))
+                samples: dict[str, list[float]] = {v[0]: [] for v in variants}
+                for _ in range(args.rounds):
+                    for label, fn, fargs, on in variants:
+                        with pdl(on):
+                            samples[label].append(
+                                time_cuda(fn, fargs, warmup=3, reps=args.reps, use_graph=True).median_us)
+                for label, xs_us in samples.items():
+                    r[f"{label}_graph_us"] = statistics.median(xs_us)
+                r["cublas_eager_us"] = time_cuda(F.linear, cargs, warmup=3, reps=args.reps).median_us
+                for label, run in runs.items():
                     r[f"{label}_eager_us"] = time_cuda(run, qargs, warmup=3, reps=args.reps).median_us
-                # the pick again with programmatic dependent launch off: calls no longer overlap
-                # (cuBLAS runs without it)
-                with pdl(False):
-                    r["tuned_nopdl_graph_us"] = time_cuda(run, qargs, warmup=3, reps=args.reps,
-                                                          use_graph=True).median_us
+                if "tuned" not in runs:
+                    for t in ("graph", "eager"):
+                        r[f"tuned_{t}_us"] = r[f"default_{t}_us"]
                 # the public eager path (dispatcher + runner), for host overhead
                 pargs = [(xs[i % len(xs)], ws[i]) for i in range(nq)]
                 r["api_eager_us"] = time_cuda(autofp4.linear, pargs, warmup=3, reps=args.reps).median_us
@@ -217,6 +231,7 @@ def main() -> int:
     p.add_argument("--m", default=",".join(map(str, MS)))
     p.add_argument("--shapes", default="", help="comma-separated subset of: " + ", ".join(SHAPES))
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the CUDA-graph timings")
     p.add_argument("--partial", metavar="JSON", help="rewrite the rows measured so far here after each one")
     p.add_argument("--plot", metavar="JSON", help="only render the table and plot from a saved run")
     args = p.parse_args()

@@ -34,6 +34,24 @@ def test_environment_variable(value, expected):
     assert out == str(expected)
 
 
+def test_info_says_whether_dependent_launch_is_on():
+    import io
+
+    from autofp4.cli import main
+
+    old = autofp4.set_pdl(False)
+    try:
+        out = io.StringIO()
+        assert main(["info", "--device", "cpu"], out=out, err=io.StringIO()) == 0
+        assert "dependent launch: off" in out.getvalue()
+        autofp4.set_pdl(True)
+        out = io.StringIO()
+        assert main(["info", "--device", "cpu"], out=out, err=io.StringIO()) == 0
+        assert "dependent launch: on where a config asks for it" in out.getvalue()
+    finally:
+        autofp4.set_pdl(old)
+
+
 def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
