@@ -13,9 +13,15 @@ from typing import Any
 
 import torch
 
-#: largest M the default sends to the decode kernel (measured on an H200: the decode kernel was
-#: 1.1x over cuBLAS at M = 32, 0.5x at 64)
-DECODE_MAX_M = 32
+#: largest M the default sends to the decode kernel. Tuned on an H200 (session 8, the Llama-3.1
+#: 8B/70B shapes, both formats): at M = 32 the GEMM with 32-token tiles and K split in two beat
+#: the decode kernel's m_max = 32 default on 10 of 16 points, by up to 1.6x (70B o 19.7 against
+#: 30.9 us, 70B gate_up 124.4 against 180.2); the decode kernel's time doubles from M = 16 to 32
+#: on the large shapes (70B gate_up 91 -> 180 us), the GEMM's barely moves. At M = 16 the decode
+#: kernel won 12 of 16.
+DECODE_MAX_M = 16
+#: largest M whose tuner seeds still include decode configs
+DECODE_SEED_MAX_M = 32
 _SM_COUNT_HINT = 132  # H100/H200 SXM multiprocessors (only steers the GEMM defaults)
 
 
@@ -158,8 +164,10 @@ def _medium_ranking(n: int, k: int, fmt: str, dtype: str, m: int) -> list:
 def gemm_default(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
     """Heuristic from H200 sweeps (``scripts/gpu_check_gemm.py``, ``scripts/gpu_sweep_gemm.py``).
 
-    * M <= 32 (normally served by the decode kernel): 16/32-token tiles, 256-row weight tiles when
+    * M <= 16 (normally served by the decode kernel): 16-token tiles, 256-row weight tiles when
       N alone nearly fills the GPU with them, else 64-row tiles with a 256-deep K tile;
+    * 16 < M <= 32: the M = 32 tuning winners, 32-token tiles with a 256-deep K tile and K split
+      in two (see ``DECODE_MAX_M``);
     * 32 < M <= 1024: the tile (``_MEDIUM_TILES``) and split-K (summed in a cluster) with the
       least modelled time, waves of CTAs x work per CTA / tile efficiency (``_medium_ranking``);
     * larger M: 128 x 256 x 64 (measured at parity with cuBLAS bf16 from M = 2048), CTAs in
@@ -180,8 +188,14 @@ def gemm_default(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
     np_ = G._pad(n)
     raster, swizzle = "n", 1
     stages_cap = 8
-    if m <= 64:
-        tile_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    split = 1
+    if 16 < m <= 32:
+        # the M = 32 tuning winners (see DECODE_MAX_M): K split in two, summed in the cluster;
+        # 128-row tiles, 64-row ones on the smallest problem (8B o, MXFP4: 9.3 us)
+        tile_m, tile_k, split = 32, 256, 2
+        tile_n, stages_cap = (64, 8) if np_ * k <= 4096 * 4096 else (128, 6)
+    elif m <= 64:
+        tile_m = 16 if m <= 16 else 64
         if np_ // 256 >= (3 * sms) // 4:
             tile_n, tile_k, stages_cap = 256, 128, 4
         else:
@@ -195,7 +209,9 @@ def gemm_default(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
         swizzle = 4
         if n >= 16384 and m <= 2048:
             raster, swizzle = "m", 8
-    cfg = _deepest(tile_n, tile_m, tile_k, stages_cap, 1, raster, n, k, fmt, dtype, swizzle=swizzle)
+    cfg = _deepest(tile_n, tile_m, tile_k, stages_cap, split, raster, n, k, fmt, dtype, swizzle=swizzle)
+    if cfg is None and split > 1:
+        cfg = _deepest(tile_n, tile_m, tile_k, stages_cap, 1, raster, n, k, fmt, dtype, swizzle=swizzle)
     return cfg or G.Sm90GemmConfig(tile_n=64, tile_m=min(tile_m, 64), tile_k=64, stages=2)
 
 
@@ -253,13 +269,15 @@ def _sweep_seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[tu
     out: list[tuple[str, Any]] = []
     gm = G.Sm90GemmConfig
     m_ = 1024 if m is None else m
-    if m_ <= DECODE_MAX_M:
+    if m_ <= DECODE_SEED_MAX_M:
         dflt = decode_default(n, k, fmt, dtype, m_)
         tm = 16 if m_ <= 16 else 32
         gemms = [("gemm", c) for c in (gm(128, tm, 256, 6, split_k=2), gm(64, tm, 256, 8, split_k=2),
                                          gm(256, tm, 128, 4), gm(64, tm, 256, 8), gm(128, tm, 256, 6))]
         if m_ > 8:  # past one n8 tile the GEMM's 16-token tiles can win (8B qkv at 16)
             out += gemms[:2]
+        if m_ > DECODE_MAX_M:  # the GEMM is the default here; the decode kernel's own default
+            out.append(("decode", dflt))
         for ks in (dflt.k_split * 2, max(1, dflt.k_split // 2)):
             for red in (dflt.split_reduce, "kernel", "cluster"):
                 out.append(("decode", replace(dflt, k_split=ks, split_reduce=red)))
