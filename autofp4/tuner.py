@@ -818,13 +818,14 @@ def job_share_deadline(now: float, deadline: float | None, jobs_left: int, strea
 
 
 def trial_estimate(run_s: Sequence[float], wait_s: Sequence[float], compiled: bool) -> float:
-    """Expected wall time of a job's next trial: the mean time of measuring one (without the
-    one-off data setup a trial reports as ``setup_s``: the first job of every problem builds its
-    random weights, which ended every M = 1 job of the Llama shapes after one trial on the
-    H200; the job's share is extended by that time instead), plus the mean wait for a compile worker when its kernel is not compiled yet. The
-    workers compile a job's first candidates together, so the first trial's wait (a cold
-    compile) is usually the only one; counting it in every estimate stopped jobs after one
-    trial."""
+    """Expected wall time of a job's next trial: the mean time of measuring one, plus the mean
+    wait for a compile worker when its kernel is not compiled yet.
+
+    ``run_s`` leaves out the one-off setup a trial reports as ``setup_s`` (the first job of every
+    problem builds its random weights, which ended every M = 1 job of the Llama shapes after one
+    trial on the H200); the job's share is extended by that time instead. The workers compile a
+    job's first candidates together, so the first trial's wait (a cold compile) is usually the
+    only one; counting it in every estimate stopped jobs after one trial."""
     est = sum(run_s) / len(run_s)
     if not compiled and wait_s:
         est += sum(wait_s) / len(wait_s)
