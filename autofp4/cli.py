@@ -356,17 +356,14 @@ def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from . import dispatch, tuner
-    from .kernel_cache import cache_dir
+    from .kernel_cache import cache_dir, target_arch
     from .models import load_config, model_shapes
 
     if cache_dir() is None:
         raise _UsageError("the kernel cache is disabled (AUTOFP4_KERNEL_CACHE=off): nothing to warm")
-    arch = args.arch or os.environ.get("CUTE_DSL_ARCH", "")
-    if not arch:
-        if not torch.cuda.is_available():
-            raise _UsageError("no CUDA GPU here: name the target with --arch (e.g. sm_90a)")
-        major, minor = torch.cuda.get_device_capability()
-        arch = f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+    arch = args.arch or target_arch()  # $CUTE_DSL_ARCH, else this machine's GPU
+    if arch == "unknown":
+        raise _UsageError("no CUDA GPU here: name the target with --arch (e.g. sm_90a)")
     if not re.fullmatch(r"sm_\d+[af]?", arch):
         raise _UsageError(f"--arch must look like sm_90a, got {arch!r}")
     try:

@@ -3,6 +3,7 @@ import os
 import warnings
 
 import pytest
+import torch
 
 pytest.importorskip("cutlass")
 
@@ -237,6 +238,11 @@ def test_cli_warm_bad_input(cache, tmp_path, monkeypatch):
     assert _cli("cache", "--warm", tmp_path / "missing.json", "--arch", "sm_90a")[0] == 2
     assert _cli("cache", "--warm", path, "--arch", "sm90")[0] == 2
     assert _cli("cache", "--warm", path, "--arch", "sm_90a", "--backend", "nope")[0] == 2
+    if not torch.cuda.is_available():  # no target named and none to detect
+        monkeypatch.delenv("CUTE_DSL_ARCH")
+        kernel_cache.target_arch.cache_clear()
+        rc, _, err = _cli("cache", "--warm", path)
+        assert rc == 2 and "--arch" in err
     monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", "off")
     assert _cli("cache", "--warm", path, "--arch", "sm_90a")[0] == 2
 
