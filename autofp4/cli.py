@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dry-run", action="store_true", help="print the shapes and the job count, tune nothing")
     t.add_argument("--from-misses", nargs="?", const="", default=None, metavar="FILE",
                    help="tune what a workload missed (default file: next to the user DB)")
-    t.add_argument("--force", action="store_true", help="re-tune jobs that already have a result")
+    t.add_argument("--force", action="store_true", help="re-tune jobs that already have a result (the stored winner is tried second, after the default)")
     t.add_argument("--gpus", type=_gpu_list, metavar="0,1,...", help="CUDA devices, one job stream each")
     t.add_argument("--storage", metavar="URL", help="optuna storage shared by cooperating processes (sqlite:///study.db)")
     t.add_argument("--workers", type=_nonneg_int, metavar="N", help="compile worker processes (0: compile in-process)")
@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
     c.add_argument("--seeds", type=_nonneg_int, default=0, metavar="N",
                    help="also each job's first N tuner seeds (what a tuning run tries first)")
+    c.add_argument("--db", metavar="PATH", dest="warm_db",
+                   help="also the winners stored in this tuning DB or export (e.g. tuning_db/nvidia-h200.json) "
+                        "for the model's jobs: what the dispatcher runs, and what a forced re-tune tries first")
     c.add_argument("--arch", metavar="SM", help="target GPU, e.g. sm_90a (default: this machine's GPU)")
     c.add_argument("--backend", action="append", metavar="NAME",
                    help="backend(s) to compile for (default: sm90_w4a16)")
@@ -373,13 +376,21 @@ def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise _UsageError(str(e)) from None
     except (ValueError, TypeError, OSError, UnicodeDecodeError) as e:
         raise _UsageError(f"cannot read {args.warm}: {e}") from None
+    stored = []
+    if args.warm_db:
+        from .db import TuningDBError, read_records
+
+        try:
+            stored = read_records(args.warm_db)[1]
+        except (TuningDBError, OSError) as e:
+            raise _UsageError(f"cannot read the tuning DB {args.warm_db}: {e}") from None
     backends = _backend_names(args) or ["sm90_w4a16"]
     ms = sorted(set(args.m)) if args.m else list(dispatch.DEFAULT_M_BUCKETS)
     jobs = tuner.jobs_for(shapes, ms, args.fmt, args.dtype)
     workers = args.workers or max(1, (os.cpu_count() or 2) - 1)
     try:
         report = tuner.warm_kernel_cache(jobs, backends, seeds=args.seeds, workers=workers, arch=arch,
-                                         progress=not args.no_progress)
+                                         progress=not args.no_progress, stored=stored)
     except KeyError as e:
         raise _UsageError(f"unknown backend {e}") from None
     print(f"compiled {report.compiled} kernel configs for {arch} ({len(jobs)} (shape, M) jobs, "

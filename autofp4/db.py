@@ -75,6 +75,19 @@ _TRIAL_COLUMNS = (
 _UNIQUE = (*KEY_FIELDS, "env_key")
 
 
+def read_records(source: "TuningDB | str | Path") -> tuple[str, list[TuningRecord]]:
+    """``(name, every result row)`` of a tuning database, its file, or an export (``.json``)."""
+    if isinstance(source, TuningDB):
+        return str(source.path), source.results()
+    path = Path(source)
+    if path.suffix.lower() == ".json":
+        return str(path), read_export(path).tuning_records()
+    if not path.is_file():
+        raise TuningDBError(f"no tuning database at {path}")
+    with TuningDB(path, readonly=True) as o:
+        return str(path), o.results()
+
+
 class TuningDBError(Exception):
     """A database file that cannot be opened, read, migrated or written."""
 
@@ -769,25 +782,14 @@ class TuningDB:
         recs = doc.tuning_records()
         return self._merge_records(recs, ImportReport(source=str(path)), replace=replace)  # type: ignore[return-value]
 
-    def _records_of(self, other: "TuningDB | str | Path") -> tuple[str, list[TuningRecord]]:
-        if isinstance(other, TuningDB):
-            return str(other.path), other.results()
-        path = Path(other)
-        if path.suffix.lower() == ".json":
-            return str(path), read_export(path).tuning_records()
-        if not path.is_file():
-            raise TuningDBError(f"no tuning database at {path}")
-        with TuningDB(path, readonly=True) as o:
-            return str(path), o.results()
-
     def merge(self, other: "TuningDB | str | Path") -> MergeReport:
         """Merge another database (or export file) in; per key the better-evidenced row wins."""
-        source, recs = self._records_of(other)
+        source, recs = read_records(other)
         return self._merge_records(recs, MergeReport(source=source))
 
     def diff(self, other: "TuningDB | str | Path") -> list[Difference]:
         """Keys whose rows differ between this database (ours) and ``other`` (theirs)."""
-        _, theirs_list = self._records_of(other)
+        _, theirs_list = read_records(other)
         ours = {r.unique_key(): r for r in self.results()}
         theirs = {r.unique_key(): r for r in theirs_list}
         out = []

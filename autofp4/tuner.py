@@ -37,7 +37,9 @@ Pipeline of one job ``(ProblemKey, M bucket)``
 
 Runs are resumable (jobs that already have a result for this environment are skipped unless
 ``force``; every trial and result is written as soon as it is known, so Ctrl-C loses only
-the trial in flight) and scale out: ``gpus=[0, 1, ...]`` runs one job stream per GPU, and
+the trial in flight) and refine: a forced re-run tries the stored winner right after the
+default, so it keeps it unless another config measures faster in the same run. They scale
+out: ``gpus=[0, 1, ...]`` runs one job stream per GPU, and
 several hosts can run the same command against one optuna storage and one shared DB.
 """
 from __future__ import annotations
@@ -65,6 +67,7 @@ import torch
 
 from .backends import available_backends, get_backend
 from .backends.base import Backend, BackendConfig, ProblemKey
+from .schema import TuningRecord
 from .dispatch import DEFAULT_M_BUCKETS, load_misses
 from .timing import TimingStats, copies_for_cold_l2, faster_beyond_noise, l2_cache_bytes, time_cpu, time_cuda
 
@@ -484,6 +487,22 @@ def _pool_init(arch: str) -> None:
     """Compile workers target the tuned GPU without opening a CUDA context of their own."""
     if arch and arch != "unknown":
         os.environ.setdefault("CUTE_DSL_ARCH", arch)
+        try:  # the kernel compiler (seconds to import), before the worker's first request
+            import cutlass.cute  # noqa: F401
+        except ImportError:
+            pass
+
+
+def _pool_ready(_: int) -> int:
+    time.sleep(0.5)  # held a moment: the other requests go to the processes starting meanwhile
+    return os.getpid()
+
+
+def _start_pool(pool: cf.ProcessPoolExecutor, workers: int) -> int:
+    """Start every compile worker (spawn, imports) now, before the first job's clock starts:
+    otherwise the first job's share of the time budget pays for it (its first compile waited
+    for the pool, and it ended after one trial). Returns the number of worker processes."""
+    return len(set(pool.map(_pool_ready, range(workers))))
 
 
 def _compile_only(req: dict[str, Any]) -> str | None:
@@ -660,12 +679,33 @@ def _valid_defaults(key: ProblemKey, m: int, backends: Sequence[Backend]) -> Ite
     for b in backends:
         cfg = b.default(key, m)
         if b.is_valid(cfg, key) is None:
-            yield _Cand(b, cfg, _cfg_json(cfg))
+            yield _Cand(b, cfg, _cfg_json(cfg), first=True)
 
 
-def _candidates(key: ProblemKey, m: int, backends: Sequence[Backend]) -> list[_Cand]:
-    """Default of the first applicable backend first, then every backend's default and seeds
-    (marked ``first``: tried before the search samples), then every backend's candidates."""
+def _first_candidates(
+    key: ProblemKey, m: int, backends: Sequence[Backend], stored: Sequence[tuple[Backend, BackendConfig]] = (),
+    seeds: int | None = None,
+) -> Iterator[_Cand]:
+    """The configs a job tries before any search, in order, valid ones only (repeats possible):
+    the first backend's default, the ``stored`` winners of an earlier run (a re-tune starts from
+    them), the other backends' defaults, then each backend's seeds (its first ``seeds``)."""
+    defaults = list(_valid_defaults(key, m, backends))
+    yield from defaults[:1]
+    for b, cfg in stored:
+        if b.is_valid(cfg, key) is None:
+            yield _Cand(b, cfg, _cfg_json(cfg), first=True)
+    yield from defaults[1:]
+    for b in backends:
+        for cfg in list(b.seeds(key, m))[:seeds]:
+            if b.is_valid(cfg, key) is None:
+                yield _Cand(b, cfg, _cfg_json(cfg), first=True)
+
+
+def _candidates(
+    key: ProblemKey, m: int, backends: Sequence[Backend], stored: Sequence[tuple[Backend, BackendConfig]] = ()
+) -> list[_Cand]:
+    """:func:`_first_candidates` (marked ``first``: tried before the search samples), then
+    every backend's candidates."""
     out: list[_Cand] = []
     seen: set[str] = set()
 
@@ -674,12 +714,8 @@ def _candidates(key: ProblemKey, m: int, backends: Sequence[Backend]) -> list[_C
             seen.add(c.ident)
             out.append(c)
 
-    for c in _valid_defaults(key, m, backends):
-        add(_Cand(c.backend, c.config, c.config_json, first=True))
-    for b in backends:
-        for cfg in b.seeds(key, m):
-            if b.is_valid(cfg, key) is None:
-                add(_Cand(b, cfg, _cfg_json(cfg), first=True))
+    for c in _first_candidates(key, m, backends, stored):
+        add(c)
     for b in backends:
         for cfg in _backend_candidates(b, key, m):
             if b.is_valid(cfg, key) is None:
@@ -740,16 +776,34 @@ def _study_name(ctx: _Ctx, job: Job, cands: Sequence[_Cand]) -> str:
     return f"autofp4-{ctx.env_key}-{k.op}-{k.fmt}-{k.dtype}-n{k.n}-k{k.k}-e{k.experts}-t{k.topk}-m{job.m}-{h}"
 
 
-def _already_tuned(db: Any, ctx: _Ctx, key: ProblemKey, m: int, backends: list[Backend]) -> bool:
-    """A result for this environment measured with the backends' current kernel source (a
-    result from an older source is stale: the job runs again)."""
+def _current_results(db: Any, ctx: _Ctx, key: ProblemKey, m: int, backends: list[Backend]) -> list[TuningRecord]:
+    """This environment's results for the job measured with the backends' current kernel source
+    (a result from an older source is stale: the job runs again)."""
     current = {b.name: _source_hash(b) for b in backends}
     recs = db.results(
         ctx.env_key, op=key.op, fmt=key.fmt, dtype=key.dtype, backend=list(current), m_bucket=m,
         n=key.n, k=key.k, experts=key.experts, topk=key.topk,
     )
-    return any(not (r.backend_source and current[r.backend] and r.backend_source != current[r.backend])
-               for r in recs)
+    return [r for r in recs
+            if not (r.backend_source and current[r.backend] and r.backend_source != current[r.backend])]
+
+
+def _parsed(recs: Iterable[TuningRecord], backends: Sequence[Backend]) -> list[tuple[Backend, BackendConfig]]:
+    """The records' configs, parsed by their backends (among ``backends``; records of other
+    backends and configs that no longer parse are left out)."""
+    by_name = {b.name: b for b in backends}
+    out = []
+    for r in recs:
+        try:
+            out.append((by_name[r.backend], by_name[r.backend].parse_config(r.config)))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+def _stored_winners(db: Any, ctx: _Ctx, key: ProblemKey, m: int, backends: list[Backend]) -> list[tuple[Backend, BackendConfig]]:
+    """The configs of :func:`_current_results`."""
+    return _parsed(_current_results(db, ctx, key, m, backends), backends)
 
 
 def _record_trial(db: Any, ctx: _Ctx, job: Job, cand: _Cand, res: dict[str, Any]) -> None:
@@ -998,9 +1052,10 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
     if not backends:
         why = "; ".join(f"{b.name}: {b.supports(key)}" for b in ctx.backends)
         return JobResult(job, "no_valid_config", note=f"no selected backend supports it ({why})")
-    if not ctx.force and _already_tuned(db, ctx, key, job.m, backends):
+    stored = _stored_winners(db, ctx, key, job.m, backends)
+    if stored and not ctx.force:
         return JobResult(job, "skipped", note="already tuned for this environment")
-    cands = _candidates(key, job.m, backends)
+    cands = _candidates(key, job.m, backends, stored)
     if not cands:
         return JobResult(job, "no_valid_config", note="no valid candidate config")
     default = cands[0]
@@ -1182,8 +1237,6 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
     result.median_us = w_stats.median_us
     result.spread_us = w_stats.spread_us
     result.default_us = d_stats.median_us if d_stats is not None else None
-    from .schema import TuningRecord
-
     rec = TuningRecord(
         op=key.op, fmt=key.fmt, dtype=key.dtype, backend=winner.backend.name, m_bucket=job.m,
         n=key.n, k=key.k, experts=key.experts, topk=key.topk, config=result.config,
@@ -1328,6 +1381,7 @@ def tune_jobs(
         pool = cf.ProcessPoolExecutor(
             max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_pool_init, initargs=(arch,)
         )
+        _start_pool(pool, workers)
     pbar = None
     if progress:
         from tqdm.auto import tqdm
@@ -1436,7 +1490,7 @@ def tune(
     ``budget_total_s``: wall-clock budget of the whole run (default 900 s on the GPU, none on
     the CPU; ``math.inf``: none). Each job gets an equal share of the time left when it starts
     and stops asking for trials at the end of it once it has a measured result; jobs that
-    cannot start in time are reported as ``out_of_time``. ``force``: re-tune jobs that already have a result. ``workers``:
+    cannot start in time are reported as ``out_of_time``. ``force``: re-tune jobs that already have a result, starting from the stored winner. ``workers``:
     compile worker processes (default: CPU count based on the GPU, 0 on the CPU = compile
     in-process). ``gpus``: CUDA device indices, one job stream each (``devices``: the same
     with explicit devices, e.g. ``["cpu", "cpu"]``). ``storage``: an optuna
@@ -1485,25 +1539,29 @@ class WarmReport:
 
 def warm_kernel_cache(
     jobs: Sequence[Job], backends: Sequence[str], seeds: int = 0, workers: int = 1, arch: str = "",
-    progress: bool = True,
+    progress: bool = True, stored: Iterable[TuningRecord] = (),
 ) -> WarmReport:
-    """Compile each job's default config (and its first ``seeds`` seeds) of the named backends
-    into the disk kernel cache, in ``workers`` processes, without a GPU when ``arch`` names the
-    target (``sm_90a``). An inference server or a tuning run on that GPU then loads the kernels
-    instead of compiling them. Configs shared by several jobs compile once."""
+    """Compile each job's default config, the winners ``stored`` for it (rows of a tuning DB
+    measured with the current kernel source, from any machine) and its first ``seeds`` seeds
+    of the named backends into the disk kernel cache, in ``workers`` processes, without a GPU
+    when ``arch`` names the target (``sm_90a``): what a forced re-tune tries first, and with the
+    shipped DB, what the dispatcher runs. An inference server or a tuning run on that GPU then
+    loads the kernels instead of compiling them. Configs shared by several jobs compile once."""
     chosen = [get_backend(n) for n in backends]
+    current = {b.name: _source_hash(b) for b in chosen}
+    by_job: dict[tuple, list[TuningRecord]] = {}
+    for r in stored:
+        if r.backend in current and r.backend_source in ("", current[r.backend]):
+            by_job.setdefault((r.op, r.fmt, r.dtype, r.n, r.k, r.experts, r.topk, r.m_bucket), []).append(r)
     reqs: dict[str, dict[str, Any]] = {}
     for job in jobs:
-        for b in chosen:
-            if b.supports(job.key) is not None:
-                continue
-            cfgs = [b.default(job.key, job.m)] + list(b.seeds(job.key, job.m))[:seeds]
-            for cfg in cfgs:
-                if b.is_valid(cfg, job.key) is not None:
-                    continue
-                cj = _cfg_json(cfg)
-                ident = f"{b.name}:{cj}:{sorted(asdict(job.key).items())}"
-                reqs.setdefault(ident, {"backend": b.name, "spec": _spec(b), "config": cj, "key": asdict(job.key)})
+        k = job.key
+        usable = [b for b in chosen if b.supports(k) is None]
+        recs = by_job.get((k.op, k.fmt, k.dtype, k.n, k.k, k.experts, k.topk, job.m), [])
+        for c in _first_candidates(k, job.m, usable, _parsed(recs, usable), seeds):
+            ident = f"{c.ident}:{sorted(asdict(k).items())}"
+            reqs.setdefault(ident, {"backend": c.backend.name, "spec": _spec(c.backend), "config": c.config_json,
+                                    "key": asdict(k)})
     report = WarmReport()
     t0 = _now()
     pbar = None

@@ -214,6 +214,44 @@ def test_seeds_run_right_after_the_default(monkeypatch, tmp_path):
     assert len(trials) == 6
 
 
+def test_a_forced_retune_starts_from_the_stored_winner(monkeypatch, tmp_path):
+    """The stored winner runs right after the default (before the seeds), so a re-run can only
+    refine; a winner stored for an older kernel source is not tried."""
+    _register(monkeypatch, SeededBackend)
+    path = tmp_path / "t.db"
+    kw = dict(m_buckets=[2], backends=["test_seeded"], db=path, device="cpu", progress=False, budget_per_shape=6)
+    assert tune([KEY], **kw).results[0].status == "tuned"
+    with sqlite3.connect(path) as conn:  # a winner no seed and no default would find first
+        conn.execute("""UPDATE results SET config = '{"chunk_n": 176}'""")
+    rep = tune([KEY], force=True, **kw)
+    assert rep.results[0].status == "tuned"
+    with TuningDB(path) as db:
+        second_run = db.trials(_env_key())[6:]  # oldest first
+    # the default, the stored winner, then the seeds (the first ones: at most half the budget)
+    assert [t.config["chunk_n"] for t in second_run[:3]] == [0, 176, 240]
+    with sqlite3.connect(path) as conn:  # as if measured with other kernels
+        conn.execute("""UPDATE results SET config = '{"chunk_n": 144}', backend_source = 'fedcba9876543210'""")
+    tune([KEY], force=True, **kw)
+    with TuningDB(path) as db:
+        third_run = db.trials(_env_key())[12:]
+    assert third_run[0].config == {"chunk_n": 0}
+    assert {t.config["chunk_n"] for t in third_run[1:3]} == {240, 208}
+
+
+def test_compile_workers_start_before_the_first_job():
+    """All compile processes are spawned (and run their imports) before the first job's clock
+    starts, not on the first job's time."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    from autofp4.tuner import _pool_init, _start_pool
+
+    with cf.ProcessPoolExecutor(max_workers=2, mp_context=mp.get_context("spawn"), initializer=_pool_init,
+                                initargs=("",)) as pool:
+        assert 1 <= _start_pool(pool, 2) <= 2
+        assert len(pool._processes) == 2
+
+
 def test_a_result_from_an_older_kernel_source_is_tuned_again(tmp_path):
     path = tmp_path / "t.db"
     assert tune([KEY], m_buckets=[1], db=path, device="cpu", progress=False).results[0].status == "tuned"
