@@ -8,7 +8,8 @@
 #   SWEEP=pdl: the benchmark's default configs with and without dependent launch (SWEEP_MS)
 #   (SWEEP=none: tests only)
 #   STAGE=2: tune each TUNES entry (model:fmt:seconds; none by default) into $DB (first imported
-#            from .devsite/db/nvidia-h200.json when carried), export it; with BENCH=1 (default)
+#            from .devsite/db/nvidia-h200.json when carried; FORCE=1 re-tunes the buckets it
+#            already holds, starting from the stored winners), export it; with BENCH=1 (default)
 #            the benchmark and host overhead (TUNE_MS: the M buckets)
 OUT=${OUT:-out}; mkdir -p "$OUT"
 DB=${DB:-/tmp/autofp4-h200.db}
@@ -49,7 +50,7 @@ else
   for t in ${TUNES:-}; do
     model=${t%%:*}; rest=${t#*:}; fmt=${rest%%:*}; secs=${rest#*:}
     python3 -m autofp4 tune --model "examples/$model.json" --fmt "$fmt" --db "$DB" \
-      --m ${TUNE_MS:-1,16,32,64,128,512,2048,8192} --time-budget "$secs" --no-progress > "$OUT/tune-$model-$fmt.txt" 2>&1
+      --m ${TUNE_MS:-1,16,32,64,128,512,2048,8192} --time-budget "$secs" --no-progress $([ "${FORCE:-0}" = 1 ] && echo --force) > "$OUT/tune-$model-$fmt.txt" 2>&1
     echo "$model $fmt: $(tail -3 "$OUT/tune-$model-$fmt.txt" | head -1 | cut -c1-160)"
   done
   python3 -m autofp4 db export --db "$DB" --env current --out "$OUT/nvidia-h200.json"

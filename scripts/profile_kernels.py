@@ -8,6 +8,8 @@ at M = 1 and 16 and of the GEMM at M = 64 and 128, on a small (8B qkv) and a lar
 with fresh random weights; the output is checked against a bf16 matmul before profiling.
 """
 import argparse
+import dataclasses
+import json
 import os
 import sys
 
@@ -34,11 +36,15 @@ def main():
     ap.add_argument("--case", choices=sorted(CASES), required=True)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
     ap.add_argument("--fmt", default="nvfp4")
+    ap.add_argument("--config", default="", help="JSON fields over the default config, e.g. "
+                    '\'{"smem_stages": 2, "warps": 8}\'')
     args = ap.parse_args()
     mod, m = CASES[args.case]
     n, k = SHAPES[args.shape]
     w = autofp4.quantize(torch.randn(n, k, device="cuda") * 0.05, args.fmt)
     cfg = mod.default_config(n, k, args.fmt, "bfloat16", m)
+    if args.config:
+        cfg = dataclasses.replace(cfg, **json.loads(args.config))
     run = mod.compile_kernel(cfg, n, k, args.fmt, "bfloat16")
     packed = mod.pack_weight(w)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
