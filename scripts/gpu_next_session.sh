@@ -9,7 +9,8 @@
 #   (SWEEP=none: tests only)
 #   STAGE=2: tune each TUNES entry (model:fmt:seconds; none by default) into $DB (first imported
 #            from .devsite/db/nvidia-h200.json when carried; FORCE=1 re-tunes the buckets it
-#            already holds, starting from the stored winners), export it; with BENCH=1 (default)
+#            already holds, starting from the stored winners), export it (and copy the SQLite
+#            file with its trials); with BENCH=1 (default)
 #            the benchmark and host overhead (TUNE_MS: the M buckets)
 OUT=${OUT:-out}; mkdir -p "$OUT"
 DB=${DB:-/tmp/autofp4-h200.db}
@@ -54,6 +55,8 @@ else
     echo "$model $fmt: $(tail -3 "$OUT/tune-$model-$fmt.txt" | head -1 | cut -c1-160)"
   done
   python3 -m autofp4 db export --db "$DB" --env current --out "$OUT/nvidia-h200.json"
+  # the database itself too: its trial rows (every config measured) are what defaults are fitted to
+  if [ -n "${TUNES:-}" ]; then cp "$DB" "$OUT/tuning-with-trials.db"; fi
   if [ "${BENCH:-1}" = 1 ]; then
     AUTOFP4_DB="$DB" timeout ${BENCH_TIMEOUT:-200} python3 scripts/bench_linear.py --out "$OUT" \
       --partial "$OUT/bench_linear.json" --fmt nvfp4,mxfp4 --reps 10 > "$OUT/bench_linear.txt" 2>&1
