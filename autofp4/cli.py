@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dry-run", action="store_true", help="print the shapes and the job count, tune nothing")
     t.add_argument("--from-misses", nargs="?", const="", default=None, metavar="FILE",
                    help="tune what a workload missed (default file: next to the user DB)")
-    t.add_argument("--force", action="store_true", help="re-tune jobs that already have a result (the stored winner is tried second, after the default)")
+    t.add_argument("--force", action="store_true",
+                   help="re-tune jobs that already have a result (the stored winner is tried right after the default)")
     t.add_argument("--gpus", type=_gpu_list, metavar="0,1,...", help="CUDA devices, one job stream each")
     t.add_argument("--storage", metavar="URL", help="optuna storage shared by cooperating processes (sqlite:///study.db)")
     t.add_argument("--workers", type=_nonneg_int, metavar="N", help="compile worker processes (0: compile in-process)")
@@ -378,11 +379,11 @@ def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise _UsageError(f"cannot read {args.warm}: {e}") from None
     stored = []
     if args.warm_db:
-        from .db import TuningDBError, read_records
+        from .db import TuningDBError, TuningFileError, read_records
 
         try:
             stored = read_records(args.warm_db)[1]
-        except (TuningDBError, OSError) as e:
+        except (TuningDBError, TuningFileError, OSError) as e:
             raise _UsageError(f"cannot read the tuning DB {args.warm_db}: {e}") from None
     backends = _backend_names(args) or ["sm90_w4a16"]
     ms = sorted(set(args.m)) if args.m else list(dispatch.DEFAULT_M_BUCKETS)

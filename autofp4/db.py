@@ -75,19 +75,6 @@ _TRIAL_COLUMNS = (
 _UNIQUE = (*KEY_FIELDS, "env_key")
 
 
-def read_records(source: "TuningDB | str | Path") -> tuple[str, list[TuningRecord]]:
-    """``(name, every result row)`` of a tuning database, its file, or an export (``.json``)."""
-    if isinstance(source, TuningDB):
-        return str(source.path), source.results()
-    path = Path(source)
-    if path.suffix.lower() == ".json":
-        return str(path), read_export(path).tuning_records()
-    if not path.is_file():
-        raise TuningDBError(f"no tuning database at {path}")
-    with TuningDB(path, readonly=True) as o:
-        return str(path), o.results()
-
-
 class TuningDBError(Exception):
     """A database file that cannot be opened, read, migrated or written."""
 
@@ -329,6 +316,19 @@ def read_export(path: str | Path) -> ExportDoc:
         return ExportDoc.model_validate(raw)
     except ValidationError as e:
         raise TuningFileError(_format_validation_error(path, raw, e)) from None
+
+
+def read_records(source: "TuningDB | str | Path") -> tuple[str, list[TuningRecord]]:
+    """``(name, every result row)`` of a tuning database, its file, or an export (``.json``)."""
+    if isinstance(source, TuningDB):
+        return str(source.path), source.results()
+    path = Path(source)
+    if path.suffix.lower() == ".json":
+        return str(path), read_export(path).tuning_records()
+    if not path.is_file():
+        raise TuningDBError(f"no tuning database at {path}")
+    with TuningDB(path, readonly=True) as o:
+        return str(path), o.results()
 
 
 def _read_export_for_env(path: Path, env_key: str) -> list[TuningRecord]:

@@ -67,8 +67,8 @@ import torch
 
 from .backends import available_backends, get_backend
 from .backends.base import Backend, BackendConfig, ProblemKey
-from .schema import TuningRecord
 from .dispatch import DEFAULT_M_BUCKETS, load_misses
+from .schema import TuningRecord
 from .timing import TimingStats, copies_for_cold_l2, faster_beyond_noise, l2_cache_bytes, time_cpu, time_cuda
 
 __all__ = [
@@ -1490,11 +1490,11 @@ def tune(
     ``budget_total_s``: wall-clock budget of the whole run (default 900 s on the GPU, none on
     the CPU; ``math.inf``: none). Each job gets an equal share of the time left when it starts
     and stops asking for trials at the end of it once it has a measured result; jobs that
-    cannot start in time are reported as ``out_of_time``. ``force``: re-tune jobs that already have a result, starting from the stored winner. ``workers``:
-    compile worker processes (default: CPU count based on the GPU, 0 on the CPU = compile
-    in-process). ``gpus``: CUDA device indices, one job stream each (``devices``: the same
-    with explicit devices, e.g. ``["cpu", "cpu"]``). ``storage``: an optuna
-    RDB URL shared by cooperating processes. ``isolate``: run trials in a restartable child
+    cannot start in time are reported as ``out_of_time``. ``force``: re-tune jobs that already
+    have a result, starting from the stored winner. ``workers``: compile worker processes
+    (default: CPU count based on the GPU, 0 on the CPU = compile in-process). ``gpus``: CUDA
+    device indices, one job stream each (``devices``: the same with explicit devices, e.g.
+    ``["cpu", "cpu"]``). ``storage``: an optuna RDB URL shared by cooperating processes. ``isolate``: run trials in a restartable child
     process (default: on the GPU). ``trial_timeout_s``: per-trial limit in the child.
     """
     first = devices[0] if devices else (device or ("cuda" if torch.cuda.is_available() else "cpu"))

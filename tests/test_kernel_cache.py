@@ -273,6 +273,9 @@ def test_cli_warm_with_a_db_adds_its_current_winners(cache, tmp_path, monkeypatc
     b.compile(b.parse_config(stale), key)
     assert compiled == ["w4a16_decode"]  # the stale row was not warmed
     assert _cli("cache", "--warm", path, "--db", tmp_path / "none.db", "--arch", "sm_90a")[0] == 2
+    assert _cli("cache", "--warm", path, "--db", tmp_path / "none.json", "--arch", "sm_90a")[0] == 2
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert _cli("cache", "--warm", path, "--db", tmp_path / "bad.json", "--arch", "sm_90a")[0] == 2
 
 
 def test_cli_warm_bad_input(cache, tmp_path, monkeypatch):
