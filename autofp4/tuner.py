@@ -768,6 +768,8 @@ class _Ctx:
     streams: int = 1  # job streams (devices) sharing the run's time budget
     reference_as_fallback: bool = False  # backends chosen automatically: see _applicable
     job_deadline: float | None = None  # this stream's current job stops asking for trials here
+    jobs_after: int = 0  # jobs queued behind the current one when it started
+    trial_s: list[float] = field(default_factory=list)  # this stream's trials: wall time, setup excluded
 
 
 def _study_name(ctx: _Ctx, job: Job, cands: Sequence[_Cand]) -> str:
@@ -869,6 +871,17 @@ def job_share_deadline(now: float, deadline: float | None, jobs_left: int, strea
         return None
     left = max(0.0, deadline - now)
     return now + left * max(1, streams) / max(1, jobs_left)
+
+
+def setup_cap(deadline: float | None, jobs_after: int, trial_s: Sequence[float], streams: int = 1) -> float | None:
+    """The latest a job may stretch its share to for one-off setup (a problem's random weights,
+    a layout packed for a new kernel): the run's deadline less one mean trial for every job
+    queued behind it (per stream), so that those still get their first measurement (uncapped
+    setup is the likely reason why the last two jobs of one 70B tuning run got no trial)."""
+    if deadline is None:
+        return None
+    mean = sum(trial_s) / len(trial_s) if trial_s else 0.0
+    return deadline - mean * jobs_after / max(1, streams)
 
 
 def trial_estimate(run_s: Sequence[float], wait_s: Sequence[float], compiled: bool) -> float:
@@ -1162,10 +1175,13 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
                 res = meas.run(_request(ctx, job, cand, seed))
             setup = res.get("setup_s", 0.0)
             run_s.append(max(0.0, _now() - t_ready - setup))
+            ctx.trial_s.append(max(0.0, _now() - t_trial - setup))
             if ctx.job_deadline is not None and setup > 0:
                 # a problem's random weights serve all its M buckets: building them does not
-                # use up the share of the job that happens to come first
-                ctx.job_deadline += setup
+                # use up the share of the job that happens to come first (as far as the jobs
+                # after it keep time for one trial each)
+                cap = setup_cap(ctx.deadline, ctx.jobs_after, ctx.trial_s, ctx.streams)
+                ctx.job_deadline = max(ctx.job_deadline, min(ctx.job_deadline + setup, cap))
             measured_here[cand.ident] = res
             with ctx.lock:
                 _record_trial(db, ctx, job, cand, res)
@@ -1285,7 +1301,8 @@ def _stream(
             else:
                 with jobs.mutex:  # peek: the next job's first compile overlaps this job
                     nxt = jobs.queue[0][1] if jobs.queue else None
-                ctx.job_deadline = job_share_deadline(_now(), ctx.deadline, jobs.qsize() + 1, ctx.streams)
+                ctx.jobs_after = jobs.qsize()
+                ctx.job_deadline = job_share_deadline(_now(), ctx.deadline, ctx.jobs_after + 1, ctx.streams)
                 try:
                     out[i] = _tune_job(job, ctx, db, meas, then=nxt)
                 except _Interrupted as e:

@@ -457,6 +457,35 @@ def test_data_setup_does_not_use_up_the_first_jobs_share(tmp_path, monkeypatch):
     assert [r.trials_run for r in rep.results] == [2, 2, 2], [(r.trials_run, r.note) for r in rep.results]
 
 
+def test_setup_leaves_the_later_jobs_one_trial_each(tmp_path, monkeypatch):
+    """A setup that would stretch the first job's share past what the jobs after it need: the
+    stretch is capped at the run's deadline less one mean trial per later job, so every job
+    gets a result (uncapped, the first job measured both candidates and the last ran out of
+    time). Fake clock: 10 s of setup in the first trial, 1 s per trial."""
+    from autofp4 import tuner
+
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 2048, 256)
+    clock = [1000.0]
+    calls = []
+    real_run_trial = tuner.run_trial
+
+    def trial(req):
+        res = real_run_trial(req)
+        setup = 10.0 if not calls else 0.0
+        calls.append(req["m"])
+        clock[0] += 1.0 + setup
+        return {**res, "setup_s": setup}
+
+    monkeypatch.setattr(tuner, "_now", lambda: clock[0])
+    monkeypatch.setattr(tuner, "run_trial", trial)
+    jobs = [Job(key, m) for m in (1, 2, 4, 8)]
+    rep = tune_jobs(jobs, db=tmp_path / "t.db", device="cpu", progress=False, budget_total_s=14.0)
+    assert [r.status for r in rep.results] == ["tuned"] * 4, [(r.status, r.note) for r in rep.results]
+    assert [r.trials_run for r in rep.results] == [1, 1, 1, 1]
+    assert tuner.setup_cap(None, 3, [1.0]) is None
+    assert tuner.setup_cap(100.0, 3, [1.0, 3.0], streams=2) == 97.0
+
+
 def test_run_trial_reports_its_one_off_setup():
     from autofp4.tuner import _cfg_json, _spec, run_trial
 
