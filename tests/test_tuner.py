@@ -431,13 +431,11 @@ def test_time_budget_is_shared_by_every_job(tmp_path, monkeypatch):
     assert [r.trials_run for r in rep.results] == [2] * len(jobs)
 
 
-def test_data_setup_does_not_use_up_the_first_jobs_share(tmp_path, monkeypatch):
-    """The first trial of a problem builds its random weights (``setup_s``), once for all its M
-    buckets. With a fake clock charging 20 s for that and 1 s per trial, the first job still
-    measures both candidates, and so does every later one when the budget allows it."""
+def _setup_then_one_second_trials(monkeypatch, setup_s: float) -> None:
+    """A fake clock: the run's first trial reports ``setup_s`` of one-off setup (a problem's
+    random weights), every trial takes 1 s on top, nothing else takes time."""
     from autofp4 import tuner
 
-    key = ProblemKey("linear", "nvfp4", "bfloat16", 2048, 256)
     clock = [1000.0]
     calls = []
     real_run_trial = tuner.run_trial
@@ -445,13 +443,21 @@ def test_data_setup_does_not_use_up_the_first_jobs_share(tmp_path, monkeypatch):
     def trial(req):
         res = real_run_trial(req)
         assert res["outcome"] == "ok" and res["setup_s"] >= 0.0
-        setup = 20.0 if not calls else 0.0
+        setup = setup_s if not calls else 0.0
         calls.append(req["m"])
         clock[0] += 1.0 + setup
         return {**res, "setup_s": setup}
 
     monkeypatch.setattr(tuner, "_now", lambda: clock[0])
     monkeypatch.setattr(tuner, "run_trial", trial)
+
+
+def test_data_setup_does_not_use_up_the_first_jobs_share(tmp_path, monkeypatch):
+    """The first trial of a problem builds its random weights (``setup_s``), once for all its M
+    buckets. With a fake clock charging 20 s for that and 1 s per trial, the first job still
+    measures both candidates, and so does every later one when the budget allows it."""
+    _setup_then_one_second_trials(monkeypatch, 20.0)
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 2048, 256)
     jobs = [Job(key, m) for m in (1, 2, 4)]
     rep = tune_jobs(jobs, db=tmp_path / "t.db", device="cpu", progress=False, budget_total_s=27.0)
     assert [r.trials_run for r in rep.results] == [2, 2, 2], [(r.trials_run, r.note) for r in rep.results]
@@ -464,20 +470,8 @@ def test_setup_leaves_the_later_jobs_one_trial_each(tmp_path, monkeypatch):
     time). Fake clock: 10 s of setup in the first trial, 1 s per trial."""
     from autofp4 import tuner
 
+    _setup_then_one_second_trials(monkeypatch, 10.0)
     key = ProblemKey("linear", "nvfp4", "bfloat16", 2048, 256)
-    clock = [1000.0]
-    calls = []
-    real_run_trial = tuner.run_trial
-
-    def trial(req):
-        res = real_run_trial(req)
-        setup = 10.0 if not calls else 0.0
-        calls.append(req["m"])
-        clock[0] += 1.0 + setup
-        return {**res, "setup_s": setup}
-
-    monkeypatch.setattr(tuner, "_now", lambda: clock[0])
-    monkeypatch.setattr(tuner, "run_trial", trial)
     jobs = [Job(key, m) for m in (1, 2, 4, 8)]
     rep = tune_jobs(jobs, db=tmp_path / "t.db", device="cpu", progress=False, budget_total_s=14.0)
     assert [r.status for r in rep.results] == ["tuned"] * 4, [(r.status, r.note) for r in rep.results]
