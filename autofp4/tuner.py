@@ -67,7 +67,7 @@ import torch
 
 from .backends import available_backends, get_backend
 from .backends.base import Backend, BackendConfig, ProblemKey
-from .dispatch import DEFAULT_M_BUCKETS, load_misses
+from .dispatch import DEFAULT_M_BUCKETS, is_stale, load_misses
 from .schema import TuningRecord
 from .timing import TimingStats, copies_for_cold_l2, faster_beyond_noise, l2_cache_bytes, time_cpu, time_cuda
 
@@ -483,14 +483,19 @@ def run_trial(req: dict[str, Any]) -> dict[str, Any]:
     return {**res, "median_us": st.median_us, "spread_us": st.spread_us, "samples": st.samples}
 
 
+def _preload_compiler() -> None:
+    """Import the GPU backends' kernel compiler (seconds) before a process's first request."""
+    try:
+        import cutlass.cute  # noqa: F401
+    except ImportError:
+        pass
+
+
 def _pool_init(arch: str) -> None:
     """Compile workers target the tuned GPU without opening a CUDA context of their own."""
     if arch and arch != "unknown":
         os.environ.setdefault("CUTE_DSL_ARCH", arch)
-        try:  # the kernel compiler (seconds to import), before the worker's first request
-            import cutlass.cute  # noqa: F401
-        except ImportError:
-            pass
+        _preload_compiler()
 
 
 def _pool_ready(_: int) -> int:
@@ -540,10 +545,7 @@ def _worker_main(conn: Any, device: str, sys_path: list[str]) -> None:  # pragma
     from .backends import reference  # noqa: F401
 
     if dev.type == "cuda":
-        try:  # the GPU backends' compiler and runtime (seconds to import)
-            import cutlass.cute  # noqa: F401
-        except ImportError:
-            pass
+        _preload_compiler()
 
     conn.send("ready")
     while True:
@@ -781,13 +783,12 @@ def _study_name(ctx: _Ctx, job: Job, cands: Sequence[_Cand]) -> str:
 def _current_results(db: Any, ctx: _Ctx, key: ProblemKey, m: int, backends: list[Backend]) -> list[TuningRecord]:
     """This environment's results for the job measured with the backends' current kernel source
     (a result from an older source is stale: the job runs again)."""
-    current = {b.name: _source_hash(b) for b in backends}
+    by_name = {b.name: b for b in backends}
     recs = db.results(
-        ctx.env_key, op=key.op, fmt=key.fmt, dtype=key.dtype, backend=list(current), m_bucket=m,
+        ctx.env_key, op=key.op, fmt=key.fmt, dtype=key.dtype, backend=list(by_name), m_bucket=m,
         n=key.n, k=key.k, experts=key.experts, topk=key.topk,
     )
-    return [r for r in recs
-            if not (r.backend_source and current[r.backend] and r.backend_source != current[r.backend])]
+    return [r for r in recs if not is_stale(r, by_name[r.backend])]
 
 
 def _parsed(recs: Iterable[TuningRecord], backends: Sequence[Backend]) -> list[tuple[Backend, BackendConfig]]:
@@ -802,10 +803,6 @@ def _parsed(recs: Iterable[TuningRecord], backends: Sequence[Backend]) -> list[t
             continue
     return out
 
-
-def _stored_winners(db: Any, ctx: _Ctx, key: ProblemKey, m: int, backends: list[Backend]) -> list[tuple[Backend, BackendConfig]]:
-    """The configs of :func:`_current_results`."""
-    return _parsed(_current_results(db, ctx, key, m, backends), backends)
 
 
 def _record_trial(db: Any, ctx: _Ctx, job: Job, cand: _Cand, res: dict[str, Any]) -> None:
@@ -1065,7 +1062,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
     if not backends:
         why = "; ".join(f"{b.name}: {b.supports(key)}" for b in ctx.backends)
         return JobResult(job, "no_valid_config", note=f"no selected backend supports it ({why})")
-    stored = _stored_winners(db, ctx, key, job.m, backends)
+    stored = _parsed(_current_results(db, ctx, key, job.m, backends), backends)
     if stored and not ctx.force:
         return JobResult(job, "skipped", note="already tuned for this environment")
     cands = _candidates(key, job.m, backends, stored)
@@ -1511,8 +1508,9 @@ def tune(
     have a result, starting from the stored winner. ``workers``: compile worker processes
     (default: CPU count based on the GPU, 0 on the CPU = compile in-process). ``gpus``: CUDA
     device indices, one job stream each (``devices``: the same with explicit devices, e.g.
-    ``["cpu", "cpu"]``). ``storage``: an optuna RDB URL shared by cooperating processes. ``isolate``: run trials in a restartable child
-    process (default: on the GPU). ``trial_timeout_s``: per-trial limit in the child.
+    ``["cpu", "cpu"]``). ``storage``: an optuna RDB URL shared by cooperating processes.
+    ``isolate``: run trials in a restartable child process (default: on the GPU).
+    ``trial_timeout_s``: per-trial limit in the child.
     """
     first = devices[0] if devices else (device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = bool(gpus) or torch.device(first).type == "cuda"
@@ -1565,10 +1563,10 @@ def warm_kernel_cache(
     shipped DB, what the dispatcher runs. An inference server or a tuning run on that GPU then
     loads the kernels instead of compiling them. Configs shared by several jobs compile once."""
     chosen = [get_backend(n) for n in backends]
-    current = {b.name: _source_hash(b) for b in chosen}
+    by_name = {b.name: b for b in chosen}
     by_job: dict[tuple, list[TuningRecord]] = {}
     for r in stored:
-        if r.backend in current and r.backend_source in ("", current[r.backend]):
+        if r.backend in by_name and not is_stale(r, by_name[r.backend]):
             by_job.setdefault((r.op, r.fmt, r.dtype, r.n, r.k, r.experts, r.topk, r.m_bucket), []).append(r)
     reqs: dict[str, dict[str, Any]] = {}
     for job in jobs:
