@@ -223,10 +223,12 @@ def with_pdl(kernel: str, kcfg: Any) -> Any:
     8B o at 128: 14.6 against 16.0); the decode kernel at m_max = 16 was faster with it on all six
     shapes at M = 16 (8B down 17.9 against 19.3), at m_max = 8 slower on four of six at M = 1
     (70B down 50.0 against 45.4, 8B gate_up 23.0 against 21.8). That benchmark times PDL off
-    second; timed in turns (``scripts/gpu_pdl_ab.py``) the decode kernel was within noise both
-    ways (70B down at M = 1: 44.8 with, 45.4 without; 8B qkv 8.6 and 8.3) and the small GEMMs
-    kept their gain (8B qkv at M = 64: 14.3 against 16.4), so the m_max = 8 rule may rest on an
-    order effect. The tuner tries both."""
+    second; timed in turns (``docs/bench/h200-2026-11-30-session8/pdl-ab-interleaved.txt``) the
+    decode kernel was within noise both ways (70B down at M = 1: 44.8 with, 45.4 without; 8B qkv
+    8.6 and 8.3) and the small GEMMs kept their gain (8B qkv at M = 64: 14.3 against 16.4), so
+    the m_max = 8 rule may rest on an order effect. ``bench_linear.py`` now times the pick without
+    PDL in the same interleaved rounds (ninth session: M = 1 within 1%, M = 64 6% faster with
+    it). The tuner tries both."""
     return replace(kcfg, pdl=kernel == "gemm" or kcfg.m_max >= 16)
 
 
