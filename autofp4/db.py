@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping
 
 import sqlite_utils
 from pydantic import ValidationError
@@ -692,12 +692,13 @@ class TuningDB:
 
     def failed_configs(
         self, op: str, fmt: str, dtype: str, backend: str, m_bucket: int | None, n: int, k: int,
-        experts: int, topk: int, env_key: str, *, backend_source: str | None = None,
+        experts: int, topk: int, env_key: str, *, backend_source: str | Collection[str] | None = None,
     ) -> set[str]:
         """Canonical config JSON (:func:`~autofp4.schema.config_json`) of every failed trial.
 
-        ``m_bucket=None`` counts failures in any M bucket; ``backend_source`` (if given)
-        counts only failures of that kernel source revision, so fixed kernels are retried.
+        ``m_bucket=None`` counts failures in any M bucket; ``backend_source`` (if given: one
+        hash or several, e.g. one per kernel of the backend) counts only failures of those
+        kernel source revisions, so fixed kernels are retried.
         """
         where, params = self._where(
             KEY_FIELDS, env_key,
@@ -706,8 +707,9 @@ class TuningDB:
         )
         where += " AND outcome != 'ok'"
         if backend_source is not None:
-            where += " AND backend_source = ?"
-            params.append(backend_source)
+            sources = [backend_source] if isinstance(backend_source, str) else sorted(backend_source)
+            where += f" AND backend_source IN ({', '.join('?' * len(sources))})"
+            params.extend(sources)
         return {r[0] for r in self._conn.execute(f"SELECT DISTINCT config FROM trials{where}", params)}
 
     def counts(self) -> dict[str, int]:

@@ -70,26 +70,37 @@ def bucket_for(m: int, buckets: Sequence[int] = DEFAULT_M_BUCKETS) -> int:
     return buckets[i] if i < len(buckets) else buckets[-1]
 
 
-_SOURCE_HASHES: dict[str, str] = {}
+_SOURCE_HASHES: dict[tuple[str, str | None], str] = {}
 
 
-def backend_source_hash(backend: Backend) -> str:
-    """The backend's kernel source hash (cached per backend name; "" when the source cannot be
-    read, e.g. in a frozen install, and then rows are not checked against it)."""
-    h = _SOURCE_HASHES.get(backend.name)
+def backend_source_hash(backend: Backend, config: Any = None) -> str:
+    """The hash of the source of the kernel ``backend`` runs ``config`` with (of every kernel of
+    the backend without a config; "" when the source cannot be read, e.g. in a frozen install,
+    and then rows are not checked against it)."""
+    return _part_hash(backend, None if config is None else backend.source_part(config))
+
+
+def backend_source_hashes(backend: Backend) -> set[str]:
+    """The current source hash of each of ``backend``'s kernels (what its rows may carry)."""
+    return {_part_hash(backend, part) for part in backend.source_parts}
+
+
+def _part_hash(backend: Backend, part: str | None) -> str:
+    h = _SOURCE_HASHES.get((backend.name, part))
     if h is None:
         try:
-            h = backend.source_hash()
+            h = backend.part_source_hash(part)
         except (OSError, TypeError, ImportError):
             h = ""
-        _SOURCE_HASHES[backend.name] = h
+        _SOURCE_HASHES[(backend.name, part)] = h
     return h
 
 
 def is_stale(rec: Any, backend: Backend) -> bool:
-    """True when ``rec`` was measured with another version of ``backend``'s kernel source."""
+    """True when ``rec`` was measured with another version of the source of the kernel its
+    config runs."""
     src = getattr(rec, "backend_source", None) or ""
-    cur = backend_source_hash(backend)
+    cur = backend_source_hash(backend, getattr(rec, "config", None) or {})
     return bool(src and cur and src != cur)
 
 

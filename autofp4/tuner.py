@@ -38,7 +38,9 @@ Pipeline of one job ``(ProblemKey, M bucket)``
 Runs are resumable (jobs that already have a result for this environment are skipped unless
 ``force``; every trial and result is written as soon as it is known, so Ctrl-C loses only
 the trial in flight) and refine: a forced re-run tries the stored winner right after the
-default, so it keeps it unless another config measures faster in the same run. They scale
+default, so it keeps it unless another config measures faster in the same run. A result
+measured with an older source of its kernel is re-tuned, and its winner is tried right
+after the default too (re-measured: a changed kernel usually keeps its best configs). They scale
 out: ``gpus=[0, 1, ...]`` runs one job stream per GPU, and
 several hosts can run the same command against one optuna storage and one shared DB.
 """
@@ -67,7 +69,7 @@ import torch
 
 from .backends import available_backends, get_backend
 from .backends.base import Backend, BackendConfig, ProblemKey
-from .dispatch import DEFAULT_M_BUCKETS, is_stale, load_misses
+from .dispatch import DEFAULT_M_BUCKETS, backend_source_hash, backend_source_hashes, is_stale, load_misses
 from .schema import TuningRecord
 from .timing import TimingStats, copies_for_cold_l2, faster_beyond_noise, l2_cache_bytes, time_cpu, time_cuda
 
@@ -780,15 +782,18 @@ def _study_name(ctx: _Ctx, job: Job, cands: Sequence[_Cand]) -> str:
     return f"autofp4-{ctx.env_key}-{k.op}-{k.fmt}-{k.dtype}-n{k.n}-k{k.k}-e{k.experts}-t{k.topk}-m{job.m}-{h}"
 
 
-def _current_results(db: Any, ctx: _Ctx, key: ProblemKey, m: int, backends: list[Backend]) -> list[TuningRecord]:
-    """This environment's results for the job measured with the backends' current kernel source
-    (a result from an older source is stale: the job runs again)."""
+def _stored_results(db: Any, ctx: _Ctx, key: ProblemKey, m: int,
+                    backends: list[Backend]) -> tuple[list[TuningRecord], list[TuningRecord]]:
+    """This environment's results for the job: those measured with the current source of their
+    config's kernel, and the stale ones (an older source: the job runs again, but their
+    winners are still the best first guesses of the new run)."""
     by_name = {b.name: b for b in backends}
     recs = db.results(
         ctx.env_key, op=key.op, fmt=key.fmt, dtype=key.dtype, backend=list(by_name), m_bucket=m,
         n=key.n, k=key.k, experts=key.experts, topk=key.topk,
     )
-    return [r for r in recs if not is_stale(r, by_name[r.backend])]
+    stale = [is_stale(r, by_name[r.backend]) for r in recs]
+    return [r for r, s in zip(recs, stale) if not s], [r for r, s in zip(recs, stale) if s]
 
 
 def _parsed(recs: Iterable[TuningRecord], backends: Sequence[Backend]) -> list[tuple[Backend, BackendConfig]]:
@@ -804,36 +809,22 @@ def _parsed(recs: Iterable[TuningRecord], backends: Sequence[Backend]) -> list[t
     return out
 
 
-
 def _record_trial(db: Any, ctx: _Ctx, job: Job, cand: _Cand, res: dict[str, Any]) -> None:
     from .schema import TrialRecord
 
     k = job.key
     ok = res["outcome"] == "ok"
+    config = json.loads(cand.config_json)
     tr = TrialRecord(
         op=k.op, fmt=k.fmt, dtype=k.dtype, backend=cand.backend.name, m_bucket=job.m,
         n=k.n, k=k.k, experts=k.experts, topk=k.topk, m=job.m,
-        config=json.loads(cand.config_json), outcome=res["outcome"],
+        config=config, outcome=res["outcome"],
         median_us=res.get("median_us") if ok else None,
         spread_us=res.get("spread_us") if ok else None,
         error=str(res.get("error") or ""), env_key=ctx.env_key,
-        backend_source=_source_hash(cand.backend),
+        backend_source=backend_source_hash(cand.backend, config),
     )
     db.add_trial(tr)
-
-
-_SOURCE: dict[str, str] = {}
-
-
-def _source_hash(b: Backend) -> str:
-    s = _SOURCE.get(_spec(b))
-    if s is None:
-        try:
-            s = b.source_hash()
-        except (OSError, TypeError):
-            s = ""
-        _SOURCE[_spec(b)] = s
-    return s
 
 
 def _request(ctx: _Ctx, job: Job, cand: _Cand, seed: int) -> dict[str, Any]:
@@ -1062,10 +1053,10 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
     if not backends:
         why = "; ".join(f"{b.name}: {b.supports(key)}" for b in ctx.backends)
         return JobResult(job, "no_valid_config", note=f"no selected backend supports it ({why})")
-    stored = _parsed(_current_results(db, ctx, key, job.m, backends), backends)
-    if stored and not ctx.force:
+    current, stale = _stored_results(db, ctx, key, job.m, backends)
+    if current and not ctx.force:
         return JobResult(job, "skipped", note="already tuned for this environment")
-    cands = _candidates(key, job.m, backends, stored)
+    cands = _candidates(key, job.m, backends, _parsed(current + stale, backends))
     if not cands:
         return JobResult(job, "no_valid_config", note="no valid candidate config")
     default = cands[0]
@@ -1073,7 +1064,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
     for b in backends:
         for cj in db.failed_configs(
             key.op, key.fmt, key.dtype, b.name, None, key.n, key.k, key.experts, key.topk,
-            ctx.env_key, backend_source=_source_hash(b),
+            ctx.env_key, backend_source=backend_source_hashes(b),
         ):
             failed.add(f"{b.name}:{cj}")
     study, space = _make_study(ctx, job, cands)
@@ -1254,7 +1245,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
         op=key.op, fmt=key.fmt, dtype=key.dtype, backend=winner.backend.name, m_bucket=job.m,
         n=key.n, k=key.k, experts=key.experts, topk=key.topk, config=result.config,
         median_us=w_stats.median_us, spread_us=w_stats.spread_us, samples=max(1, w_stats.samples),
-        default_median_us=result.default_us, backend_source=_source_hash(winner.backend), env=ctx.env,
+        default_median_us=result.default_us, backend_source=backend_source_hash(winner.backend, result.config), env=ctx.env,
     )
     with ctx.lock:
         db.upsert_result(rec)
@@ -1556,17 +1547,17 @@ def warm_kernel_cache(
     jobs: Sequence[Job], backends: Sequence[str], seeds: int = 0, workers: int = 1, arch: str = "",
     progress: bool = True, stored: Iterable[TuningRecord] = (),
 ) -> WarmReport:
-    """Compile each job's default config, the winners ``stored`` for it (rows of a tuning DB
-    measured with the current kernel source, from any machine) and its first ``seeds`` seeds
-    of the named backends into the disk kernel cache, in ``workers`` processes, without a GPU
-    when ``arch`` names the target (``sm_90a``): what a forced re-tune tries first, and with the
-    shipped DB, what the dispatcher runs. An inference server or a tuning run on that GPU then
+    """Compile each job's default config, the winners ``stored`` for it (rows of a tuning DB,
+    from any machine; also those of an older kernel source, which a re-tune tries again) and its
+    first ``seeds`` seeds of the named backends into the disk kernel cache, in ``workers``
+    processes, without a GPU when ``arch`` names the target (``sm_90a``): what a re-tune tries
+    first, and with the shipped DB, what the dispatcher runs. An inference server or a tuning run on that GPU then
     loads the kernels instead of compiling them. Configs shared by several jobs compile once."""
     chosen = [get_backend(n) for n in backends]
     by_name = {b.name: b for b in chosen}
     by_job: dict[tuple, list[TuningRecord]] = {}
     for r in stored:
-        if r.backend in by_name and not is_stale(r, by_name[r.backend]):
+        if r.backend in by_name:
             by_job.setdefault((r.op, r.fmt, r.dtype, r.n, r.k, r.experts, r.topk, r.m_bucket), []).append(r)
     reqs: dict[str, dict[str, Any]] = {}
     for job in jobs:

@@ -153,6 +153,9 @@ def test_has_result_and_failed_configs(tmp_path):
         assert db.failed_configs(*key[:4], None, *key[5:], e) == {
             '{"chunk_n":512}', '{"chunk_n":256}', '{"chunk_n":16,"x":1}'}
         assert db.failed_configs(*key, e, backend_source="src1") == {'{"chunk_n":512}'}
+        assert db.failed_configs(*key, e, backend_source={"src1", "old"}) == {
+            '{"chunk_n":512}', '{"chunk_n":16,"x":1}'}
+        assert db.failed_configs(*key, e, backend_source=set()) == set()
         assert db.failed_configs(*key, env_b().key()) == {config_json({"chunk_n": 128})}
         trials = db.trials(e, m_bucket=16)
         assert [t.outcome for t in trials] == ["compile_error", "ok", "invalid"]

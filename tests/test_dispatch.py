@@ -30,7 +30,7 @@ def _fresh_dispatchers():
 def _rec(key, m_bucket, chunk_n, backend="reference", env=None, median=10.0, source=None):
     """A row measured with ``source`` (default: the backend's current kernel source)."""
     if source is None:
-        source = dispatch.backend_source_hash(registry.get_backend(backend))
+        source = dispatch.backend_source_hash(registry.get_backend(backend), {"chunk_n": chunk_n})
     return TuningRecord(
         op=key.op, fmt=key.fmt, dtype=key.dtype, backend=backend, m_bucket=m_bucket, n=key.n, k=key.k,
         experts=key.experts, topk=key.topk, config={"chunk_n": chunk_n}, median_us=median,

@@ -230,9 +230,10 @@ def test_cli_warm_compiles_a_models_defaults_then_loads_them(cache, tmp_path, mo
     assert sorted(cache.glob("*.o")) == files
 
 
-def test_cli_warm_with_a_db_adds_its_current_winners(cache, tmp_path, monkeypatch):
+def test_cli_warm_with_a_db_adds_its_winners(cache, tmp_path, monkeypatch):
     """``--db``: the winners a tuning DB stores for the model's jobs are compiled too (what the
-    dispatcher will run), except rows measured with another kernel source."""
+    dispatcher will run), also rows measured with another kernel source (what a re-tune tries
+    right after the default)."""
     import json
 
     from autofp4 import kernel_cache as kc
@@ -245,7 +246,7 @@ def test_cli_warm_with_a_db_adds_its_current_winners(cache, tmp_path, monkeypatc
     key = ProblemKey("linear", "nvfp4", "bfloat16", 256, 256)  # the model's o projection
     common = {"kernel": "decode", "k_split": 1, "m_max": 8, "prefetch": False, "split_reduce": "kernel",
               "tiles_per_warp": 1}
-    won, stale = {**common, "warps": 2}, {**common, "warps": 8}
+    won, stale, other = {**common, "warps": 2}, {**common, "warps": 8}, {**common, "warps": 16}
     assert b.is_valid(b.parse_config(won), key) is None and b.parse_config(won) != b.default(key, 1)
 
     def row(config, source):
@@ -256,22 +257,24 @@ def test_cli_warm_with_a_db_adds_its_current_winners(cache, tmp_path, monkeypatc
 
     db_path = tmp_path / "tuned.db"
     with TuningDB(db_path) as db:
-        db.upsert_result(row(won, b.source_hash()))
+        db.upsert_result(row(won, b.source_hash(won)))
         db.upsert_result(row(stale, "fedcba9876543210").model_copy(update={"m_bucket": 16}))
+        db.upsert_result(row(other, b.source_hash(other)).model_copy(update={"n": 768}))  # not the model's
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(TINY_LLAMA))
     rc, out, err = _cli("cache", "--warm", path, "--m", "1,16", "--db", db_path, "--arch", "sm_90a",
                         "--workers", "1", "--no-progress")
     assert rc == 0, err
-    assert "compiled 9 kernel configs" in out  # 4 shapes x 2 defaults, and the current winner
+    assert "compiled 10 kernel configs" in out  # 4 shapes x 2 defaults, and the two winners
     compiled = []
     real = kc.compile_cached
     monkeypatch.setattr(kc, "compile_cached",
                         lambda name, mod, params, fn: real(name, mod, params, lambda: compiled.append(name) or fn()))
     b.compile(b.parse_config(won), key)
-    assert compiled == []
     b.compile(b.parse_config(stale), key)
-    assert compiled == ["w4a16_decode"]  # the stale row was not warmed
+    assert compiled == []
+    b.compile(b.parse_config(other), key)
+    assert compiled == ["w4a16_decode"]  # a row of a shape the model does not have was not warmed
     assert _cli("cache", "--warm", path, "--db", tmp_path / "none.db", "--arch", "sm_90a")[0] == 2
     assert _cli("cache", "--warm", path, "--db", tmp_path / "none.json", "--arch", "sm_90a")[0] == 2
     (tmp_path / "bad.json").write_text("[1, 2]")

@@ -160,6 +160,37 @@ def test_seeds_follow_the_default_and_are_valid():
                     assert any(c.kernel == "gemm" and c.tile_m == 16 for c in seeds[:2])
 
 
+def test_each_kernel_has_its_own_source_hash(backend, monkeypatch):
+    """A row's provenance covers the backend module and the kernel its config runs: a change to
+    the decode kernel retires the decode rows and keeps the GEMM rows (and the other way round)."""
+    from autofp4 import dispatch, kernel_cache
+    from autofp4.env import current_environment
+    from autofp4.schema import TuningRecord
+
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 4096, 4096)
+    dec, gemm = backend.default(key, 1), backend.default(key, 512)
+    assert (dec.kernel, gemm.kernel) == ("decode", "gemm")
+    h_dec, h_gemm = backend.source_hash(dec), backend.source_hash(gemm)
+    assert len({h_dec, h_gemm, backend.source_hash()}) == 3
+    assert backend.source_hashes() == {h_dec, h_gemm}
+    assert backend.source_hash(dec.model_dump(exclude_none=True)) == h_dec  # a stored config dict
+
+    def row(cfg, source):
+        return TuningRecord(op="linear", fmt="nvfp4", dtype="bfloat16", backend=backend.name, m_bucket=1,
+                            n=4096, k=4096, config=cfg.model_dump(exclude_none=True), median_us=5.0,
+                            spread_us=0.1, samples=10, backend_source=source, env=current_environment("cpu"))
+
+    rows = [row(dec, h_dec), row(gemm, h_gemm)]
+    real = kernel_cache.kernel_source
+    for changed, stale in (("autofp4.kernels.w4a16_decode", [True, False]),
+                           ("autofp4.kernels.sm90_w4a16_gemm", [False, True])):
+        monkeypatch.setattr(kernel_cache, "kernel_source",
+                            lambda name, changed=changed: real(name) + ("\nx = 1" if name == changed else ""))
+        monkeypatch.setattr(dispatch, "_SOURCE_HASHES", {})
+        assert [dispatch.is_stale(r, backend) for r in rows] == stale
+        assert [backend.source_hash(dec) != h_dec, backend.source_hash(gemm) != h_gemm] == stale
+
+
 def test_heuristics_are_outside_the_source_hash():
     """Defaults, search space and seeds decide what is tried, not what a config measures: they
     are not part of the provenance hash, so improving them keeps the tuned rows."""

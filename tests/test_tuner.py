@@ -216,7 +216,8 @@ def test_seeds_run_right_after_the_default(monkeypatch, tmp_path):
 
 def test_a_forced_retune_starts_from_the_stored_winner(monkeypatch, tmp_path):
     """The stored winner runs right after the default (before the seeds), so a re-run can only
-    refine; a winner stored for an older kernel source is not tried."""
+    refine; a winner measured with an older kernel source makes the job run again (also
+    without force), and it is tried right after the default too."""
     _register(monkeypatch, SeededBackend)
     path = tmp_path / "t.db"
     kw = dict(m_buckets=[2], backends=["test_seeded"], db=path, device="cpu", progress=False, budget_per_shape=6)
@@ -231,11 +232,12 @@ def test_a_forced_retune_starts_from_the_stored_winner(monkeypatch, tmp_path):
     assert [t.config["chunk_n"] for t in second_run[:3]] == [0, 176, 240]
     with sqlite3.connect(path) as conn:  # as if measured with other kernels
         conn.execute("""UPDATE results SET config = '{"chunk_n": 144}', backend_source = 'fedcba9876543210'""")
-    tune([KEY], force=True, **kw)
+    assert tune([KEY], **kw).results[0].status == "tuned"
     with TuningDB(path) as db:
         third_run = db.trials(_env_key())[12:]
-    assert third_run[0].config == {"chunk_n": 0}
-    assert {t.config["chunk_n"] for t in third_run[1:3]} == {240, 208}
+        (res,) = db.results(_env_key())
+    assert [t.config["chunk_n"] for t in third_run[:3]] == [0, 144, 240]
+    assert res.backend_source == registry.get_backend("test_seeded").source_hash(res.config)
 
 
 def test_compile_workers_start_before_the_first_job():

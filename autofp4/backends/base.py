@@ -21,7 +21,7 @@ import itertools
 import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -175,14 +175,37 @@ class Backend(ABC):
         """Build (or load) the runner for ``config`` and ``key``; raises on invalid configs."""
 
     # -- provenance -----------------------------------------------------------------
-    def source_hash(self) -> str:
-        """Hash of the source that defines this backend's kernels (part of a row's provenance)."""
+    #: the kernels of this backend whose sources are hashed apart (``None``: one hash for all);
+    #: a row's provenance covers only the kernel its config runs, so changing one kernel does
+    #: not retire the rows of the others
+    source_parts: ClassVar[tuple[str | None, ...]] = (None,)
+
+    def source_part(self, config: Mapping[str, Any] | BackendConfig | None) -> str | None:
+        """Which of :attr:`source_parts` runs ``config`` (a config or its stored dict)."""
+        return None
+
+    def source_modules(self, part: str | None = None) -> list[Any]:
+        """The modules whose code defines ``part``'s kernel (``None``: every kernel)."""
+        return [inspect.getmodule(type(self))]
+
+    def source_hash(self, config: Mapping[str, Any] | BackendConfig | None = None) -> str:
+        """Hash of the source of the kernel that runs ``config`` (part of a row's provenance);
+        without a config, of every kernel of this backend."""
+        return self.part_source_hash(None if config is None else self.source_part(config))
+
+    def source_hashes(self) -> set[str]:
+        """The current hash of every part (what a row of any config of this backend may carry)."""
+        return {self.part_source_hash(p) for p in self.source_parts}
+
+    def part_source_hash(self, part: str | None) -> str:
         from ..kernel_cache import kernel_source
 
-        h = hashlib.sha256()
-        for mod in self.source_modules():
-            h.update(kernel_source(mod.__name__).encode())
-        return h.hexdigest()[:16]
+        return source_digest(kernel_source(mod.__name__) for mod in self.source_modules(part))
 
-    def source_modules(self) -> list[Any]:
-        return [inspect.getmodule(type(self))]
+
+def source_digest(sources: Iterable[str]) -> str:
+    """The provenance hash of kernel sources (:func:`autofp4.kernel_cache.kernel_source` texts)."""
+    h = hashlib.sha256()
+    for text in sources:
+        h.update(text.encode())
+    return h.hexdigest()[:16]

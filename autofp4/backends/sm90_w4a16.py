@@ -240,8 +240,6 @@ class SM90W4A16Backend(Backend):
         kcfg = _to_kernel_config(config)
         run = _compiled(config.kernel, kcfg, n, k, fmt, dtype)
         check_fp16 = fmt == "mxfp4" and dtype == "float16"
-
-
         if config.kernel == "gemm":
 
             def runner(x: torch.Tensor, prep: SM90Prepared, bias: torch.Tensor | None) -> torch.Tensor:
@@ -251,13 +249,15 @@ class SM90W4A16Backend(Backend):
 
             return runner
 
+        from ..dispatch import bucket_for
+
         m_max = config.m_max
 
         def runner(x: torch.Tensor, prep: SM90Prepared, bias: torch.Tensor | None) -> torch.Tensor:
             if x.shape[0] > m_max:
                 if check_fp16 and (why := _fp16_range_problem(prep, "gemm")):
                     return _reference_fallback(x, prep, bias, why)
-                return _gemm_default(n, k, fmt, dtype, _bucket(x.shape[0]))(x, prep.gemm, bias)
+                return _gemm_default(n, k, fmt, dtype, bucket_for(x.shape[0]))(x, prep.gemm, bias)
             if check_fp16 and (why := _fp16_range_problem(prep, "decode")):
                 return _reference_fallback(x, prep, bias, why)
             return run(x, prep.decode, bias)
@@ -273,16 +273,17 @@ class SM90W4A16Backend(Backend):
         mod = decode if config.kernel == "decode" else gemm
         mod.compile_only(_to_kernel_config(config), key.n, key.k, key.fmt, key.dtype)
 
-    def source_modules(self) -> list[Any]:
+    source_parts = ("decode", "gemm")  # a row's provenance: this module and its config's kernel
+
+    def source_part(self, config: Mapping[str, Any] | BackendConfig | None) -> str | None:
+        kernel = config.get("kernel") if isinstance(config, Mapping) else getattr(config, "kernel", None)
+        return kernel if kernel in self.source_parts else None
+
+    def source_modules(self, part: str | None = None) -> list[Any]:
         import sys
 
         decode, gemm = _kernels()
-        return [sys.modules[__name__], decode, gemm]
-
-
-def _bucket(m: int) -> int:
-    """The power of two at or above ``m``: the M the GEMM default is chosen for."""
-    return 1 << max(m - 1, 0).bit_length()
+        return [sys.modules[__name__]] + ([decode, gemm] if part is None else [decode if part == "decode" else gemm])
 
 
 @functools.lru_cache(maxsize=None)
