@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import replace
+from typing import Iterator, TypeVar
+
+T = TypeVar("T")
 
 _enabled = os.environ.get("AUTOFP4_PDL", "1").strip().lower() not in ("0", "false", "off", "no")
 
@@ -43,7 +46,13 @@ def pdl(enabled: bool) -> Iterator[None]:
         set_pdl(old)
 
 
-def launch_flag() -> int:
-    """The value the compiled launchers take for their ``use_pdl`` argument when their config
-    asks for programmatic dependent launch."""
-    return 1 if _enabled else 0
+def launch_flag(asked: bool) -> int:
+    """The value the compiled launchers take for their ``use_pdl`` argument: 1 when the config
+    ``asked`` for programmatic dependent launch and it is switched on."""
+    return 1 if asked and _enabled else 0
+
+
+def binary_config(cfg: T) -> T:
+    """The kernel config a compile is keyed by: ``pdl`` is a launch argument, so the configs
+    with and without it share one binary (``cfg`` is a dataclass with a ``pdl`` field)."""
+    return replace(cfg, pdl=False)

@@ -15,15 +15,26 @@ def test_switch_and_context_restore():
     old = autofp4.pdl_enabled()
     try:
         assert autofp4.set_pdl(False) == old
-        assert not autofp4.pdl_enabled() and pdl.launch_flag() == 0
+        assert not autofp4.pdl_enabled() and pdl.launch_flag(True) == 0
         with pdl.pdl(True):
-            assert autofp4.pdl_enabled() and pdl.launch_flag() == 1
+            assert autofp4.pdl_enabled() and pdl.launch_flag(True) == 1
+            assert pdl.launch_flag(False) == 0  # a config that does not ask for it
             with pdl.pdl(False):
-                assert pdl.launch_flag() == 0
-            assert pdl.launch_flag() == 1
+                assert pdl.launch_flag(True) == 0
+            assert pdl.launch_flag(True) == 1
         assert not autofp4.pdl_enabled()
     finally:
         autofp4.set_pdl(old)
+
+
+def test_configs_with_and_without_pdl_share_one_binary():
+    from autofp4.kernels.sm90_w4a16_gemm import Sm90GemmConfig
+    from autofp4.kernels.w4a16_decode import DecodeConfig
+
+    for cfg in (DecodeConfig(warps=8, pdl=True), Sm90GemmConfig(tile_m=64, pdl=True)):
+        key = pdl.binary_config(cfg)
+        assert key == pdl.binary_config(type(cfg)(**{**cfg.__dict__, "pdl": False}))
+        assert not key.pdl and key != cfg and type(key) is type(cfg)
 
 
 @pytest.mark.parametrize("value, expected", [("0", False), ("off", False), ("1", True), ("", True)])

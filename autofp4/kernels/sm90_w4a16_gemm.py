@@ -48,8 +48,7 @@ host from pack-time statistics, no device sync); otherwise use bfloat16 activati
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -423,7 +422,6 @@ class _Sm90W4A16Kernel:
         tile_n, tile_m, tile_k = cfg.tile_n, cfg.tile_m, cfg.tile_k
         stages = cfg.stages
         reps = self.reps
-        num_wg = self.num_wg
         threads = self.threads
         kc_per_tile = self.kc_per_tile
         chunk = self.chunk
@@ -808,7 +806,7 @@ def _compile(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> Calla
     from ..kernel_cache import compile_cached
 
     _check(cfg, n, k, fmt, dtype)
-    cfg = replace(cfg, pdl=False)
+    cfg = pdl.binary_config(cfg)
 
     def build():
         import cutlass.cute as cute
@@ -862,7 +860,7 @@ def compile_kernel(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) ->
             out = torch.empty(m, n, dtype=tdt, device=x.device)
         if m == 0:
             return out.to(tdt)
-        fn(x, packed.data.view(-1), packed.alpha, b, out, pdl.launch_flag() if use_pdl else 0)
+        fn(x, packed.data.view(-1), packed.alpha, b, out, pdl.launch_flag(use_pdl))
         return out.to(tdt) if split else out
 
     return run

@@ -63,7 +63,7 @@ How it works
 """
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -912,7 +912,7 @@ def _compile(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: 
     --keep-cubin --dump-dir=/tmp/d``) bypasses the cache."""
     from ..kernel_cache import compile_cached
 
-    cfg = replace(cfg, pdl=False)  # a launch argument: one binary serves both
+    cfg = pdl.binary_config(cfg)
     extra = os.environ.get("AUTOFP4_CUTE_DSL_OPTIONS", "").strip()
     if extra:
         return _compile_now(cfg, n, k, fmt, dtype, has_bias, extra)
@@ -1015,7 +1015,7 @@ def compile_kernel(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> C
                 fn = compiled[True] = _compile(cfg, n, k, fmt, dtype, True)
         ws = torch.empty(ks, m, n_pad, dtype=torch.float32, device=x.device) if use_ws else dummy_ws
         fn(x, packed.data, packed.scales, packed.alpha, out, b, ws, cnt, packed.scale_add[di],
-           pdl.launch_flag() if use_pdl else 0)
+           pdl.launch_flag(use_pdl))
         return out
 
     return run
