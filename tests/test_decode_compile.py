@@ -1,4 +1,5 @@
 """CPU tests of the small-M decode kernel: packed layout, config rules, sm_90a compilation."""
+import math
 import os
 
 import pytest
@@ -75,7 +76,7 @@ def test_single_value_lands_in_documented_word(fmt, gen):
 
 
 def test_scale_layout_nvfp4(gen):
-    """Scale byte for (row, 16-block) sits at [tile, group, lane(g, t), 2 * chunk + h]."""
+    """The scale code for (row, 16-block) sits at [tile, group, lane(g, t), 2 * chunk + h]."""
     n, k = 32, 1024
     w = _weight(n, k, "nvfp4", gen)
     p = D.pack_weight(w)
@@ -89,7 +90,36 @@ def test_scale_layout_nvfp4(gen):
         grp, br = divmod(b, 32)
         c, t = divmod(br, 4)
         off = ((tile * groups + grp) * 32 + g * 4 + t) * 16 + 2 * c + h
-        assert int(p.scales[off]) == int(raw[r, b])
+        assert int(p.scales[off]) == _nv_code(int(raw[r, b]))
+
+
+def _nv_code(byte: int) -> int:
+    """The documented scale code of a positive E4M3 byte: 8 * (binade + 9) + 3-bit mantissa."""
+    v = float(torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
+    binade = math.floor(math.log2(v))
+    mant = v / 2.0 ** binade - 1
+    assert mant * 8 == int(mant * 8)
+    return 8 * (binade + 9) + int(mant * 8)
+
+
+def test_nvfp4_every_scale_exact(gen):
+    """Every E4M3 scale FP4Weight accepts (0x00 .. 0x7E: zero, subnormals, normals up to 448) on
+    random nibbles: the kernel's decode (emulated) equals FP4Weight.dequantize exactly in bf16
+    and fp16."""
+    n, k = 32, 64 * 16
+    scale = torch.tensor((list(range(0x7F)) * 17)[: n * k // 16], dtype=torch.uint8)
+    scale = scale[torch.randperm(scale.numel(), generator=gen)].view(n, k // 16)
+    data = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    w = FP4Weight("nvfp4", data, scale.view(torch.float8_e4m3fn), torch.tensor(0.37))
+    p = D.pack_weight(w)
+    ref = w.dequantize(torch.float64)
+    assert bool((ref == 0).any()) and bool((ref < 0).any())
+    for dtype in ("bfloat16", "float16"):
+        torch.testing.assert_close(D.unpack_reference(p, dtype).double(), ref, rtol=0, atol=0)
+    lut = D._nv_scale_code_lut()
+    assert [lut[b] for b in range(1, 127)] == [_nv_code(b) for b in range(1, 127)]
+    assert lut[0x38] == 8 * 9 and lut[0x7E] == 142  # 1.0, 448
+    assert lut[0] == lut[0x80] == lut[0x7F] == -1
 
 
 def test_mxfp4_fp16_range_is_rejected(gen):

@@ -21,9 +21,14 @@ How it works
   exponent/mantissa bits of a bf16 (fp16) lane and its sign on bit 15, which is the value
   times 2**-126 (2**-14 for fp16; code 1 is a subnormal). The power of two is folded into the
   block scale multiply (``mul.rn.bf16x2``) and the fp32 epilogue, so every product is exact:
-  - nvfp4: block scale E4M3 -> f16 (``cvt.rn.f16x2.e4m3x2``) -> scaled by 2**118 (bf16) or
-    2**7 (fp16). Decoded weight = value * scale * 2**-8 (2**-7); the epilogue multiplies by
-    ``global_scale * 2**8`` (``* 2**7``).
+  - nvfp4: every E4M3 value, subnormals included, is a normal number with a 3-bit mantissa in
+    one of 18 binades (2**-9 .. 2**8), so :func:`pack_weight` stores each block scale as the
+    byte ``c = 8 * (binade + 9) + mantissa`` and the kernel builds its bf16 (fp16) lane with one
+    integer multiply-add, like mxfp4: ``c * 16 + (236 << 7)`` is the scale times 2**118 in bf16,
+    ``c * 128 + (13 << 10)`` the scale times 2**7 in fp16. A zero scale has no code: packing
+    zeroes its block's nibbles instead (exact). Decoded
+    weight = value * scale * 2**-8 (2**-7); the epilogue multiplies by ``global_scale * 2**8``
+    (``* 2**7``).
   - mxfp4: the E8M0 byte ``s`` becomes the bf16 (fp16) power of two ``2**(s + A - 127)``
     (``2**(s + A - 15)``) with one integer multiply-add; ``A = 254 - max(s)`` (``30 - max(s)``)
     is chosen per tensor by :func:`pack_weight`, the epilogue multiplies by ``2**(max(s) - 128)``.
@@ -100,6 +105,9 @@ _NV_SHIFT = {"bfloat16": 8, "float16": 7}
 _MX_TOP = {"bfloat16": 254, "float16": 30}
 _MX_SPAN = {"bfloat16": 133, "float16": 24}
 _MX_MUL = {"bfloat16": 0x00800080, "float16": 0x04000400}
+# nvfp4 scale codes (see the module docstring): multiplier and addend of the lane pattern
+_NV_MUL = {"bfloat16": 0x00100010, "float16": 0x00800080}
+_NV_ADD = {"bfloat16": (236 << 7) | (236 << 23), "float16": (13 << 10) | (13 << 26)}
 
 
 # ----------------------------------------------------------------------------- config
@@ -296,7 +304,7 @@ class DecodePacked:
     data: torch.Tensor  # uint8 [tiles * groups * 8 * 32 * 16]
     scales: torch.Tensor  # uint8 [tiles * groups * slots * 16]
     alpha: torch.Tensor  # fp32 [2]: epilogue factor for bf16, fp16 activations
-    scale_add: tuple[int, int]  # mxfp4: integer added to s * _MX_MUL (bf16, fp16); 0 for nvfp4
+    scale_add: tuple[int, int]  # integer added to scale code * _MX_MUL / _NV_MUL (bf16, fp16)
     unsupported: tuple[str | None, str | None]  # (bf16, fp16): why this weight cannot run
 
     @property
@@ -307,6 +315,34 @@ class DecodePacked:
 def _codes(w: Any) -> torch.Tensor:
     d = w.data
     return torch.stack((d & 0x0F, d >> 4), dim=-1).reshape(d.shape[0], d.shape[1] * 2)
+
+
+_NV_CODE_LUT: list[int] = []
+
+
+def _nv_scale_code_lut() -> list[int]:
+    """E4M3 byte -> scale code ``8 * (binade + 9) + mantissa`` of its magnitude (-1: a zero or NaN)."""
+    if not _NV_CODE_LUT:
+        for b in range(256):
+            e, m = (b >> 3) & 0xF, b & 7
+            if (b & 0x7F) == 0x7F or (e == 0 and m == 0):
+                _NV_CODE_LUT.append(-1)
+            elif e == 0:  # subnormal m * 2**-9: normalize the 3-bit mantissa
+                top = m.bit_length() - 1  # m = 2**top * (1 + frac)
+                _NV_CODE_LUT.append(8 * top + ((m << (3 - top)) & 7))
+            else:  # 2**(e - 7) * (1 + m / 8)
+                _NV_CODE_LUT.append(8 * (e + 2) + m)
+    return _NV_CODE_LUT
+
+
+def _nv_scale_codes(raw: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Scale codes of an NVFP4 weight's E4M3 block scales ``raw`` (uint8 ``[N, K / 16]``, none
+    negative or NaN: ``FP4Weight`` rejects those). A zero scale has no code: its block's nibbles
+    (``codes``, ``[N, K]``) are zeroed in place instead, so its values decode to zero."""
+    lut = torch.tensor(_nv_scale_code_lut(), dtype=torch.int16, device=raw.device)
+    out = lut[raw.long()]
+    codes[(out < 0).repeat_interleave(16, dim=1)] = 0
+    return out.clamp_min(0).to(torch.uint8)
 
 
 def pack_weight(w: Any) -> DecodePacked:
@@ -330,8 +366,11 @@ def pack_weight(w: Any) -> DecodePacked:
     tiles, groups = _tiles(n), _groups(k)
     n_pad, k_pad = tiles * TILE_N, groups * GROUP_K
 
+    codes = _codes(w)
+    if fmt == "nvfp4":
+        nv_codes = _nv_scale_codes(w.scale.view(torch.uint8), codes)
     q = torch.zeros(n_pad, k_pad, dtype=torch.uint8, device=dev)
-    q[:n, :k] = _codes(w)
+    q[:n, :k] = codes
     # [tile, h, g, group, chunk, t, j, kk] -> [tile, group, chunk, g, t, j, h, kk]
     q = q.view(tiles, 2, 8, groups, CHUNKS, 4, 4, 4).permute(0, 3, 4, 2, 5, 6, 1, 7)
     word = torch.zeros(q.shape[:6], dtype=torch.int32, device=dev)  # bit 31 wraps: fine
@@ -345,12 +384,12 @@ def pack_weight(w: Any) -> DecodePacked:
 
     nb = k // BLOCK[fmt]
     per_group = GROUP_K // BLOCK[fmt]  # 32 (nvfp4) or 16 (mxfp4) blocks per group
-    raw = w.scale.view(torch.uint8) if fmt == "nvfp4" else w.scale
+    raw = w.scale
     sc = torch.zeros(n_pad, groups * per_group, dtype=torch.uint8, device=dev)
-    scale_add = (0, 0)
     unsupported: list[str | None] = [None, None]
     if fmt == "nvfp4":
-        sc[:n, :nb] = raw
+        sc[:n, :nb] = nv_codes
+        scale_add = (_NV_ADD["bfloat16"], _NV_ADD["float16"])
         gs = w.global_scale.to(device=dev, dtype=torch.float32).reshape(())
         alpha = torch.stack([gs * 2.0 ** _NV_SHIFT["bfloat16"], gs * 2.0 ** _NV_SHIFT["float16"]])
         tq = 4
@@ -392,13 +431,10 @@ def unpack_reference(p: DecodePacked, dtype: str = "bfloat16") -> torch.Tensor:
     # scales per (tile, group, g, slot, chunk, h), as the kernel builds them in `dtype`
     tq = 4 if p.fmt == "nvfp4" else 2
     sc = p.scales.view(tiles, groups, 8, tq, CHUNKS, 2)
-    if p.fmt == "nvfp4":
-        f = sc.contiguous().view(torch.float8_e4m3fn).float()
-        scale = (f * 2.0 ** (126 - _NV_SHIFT[dtype] if dtype == "bfloat16" else 14 - _NV_SHIFT[dtype])).to(t16)
-    else:
-        add = p.scale_add[0 if dtype == "bfloat16" else 1]
-        bits = (sc.to(torch.int64) * _MX_MUL[dtype] + add) & 0xFFFF  # low half: row g lane
-        scale = bits.to(torch.int32).to(torch.int16).view(t16)
+    mul = (_NV_MUL if p.fmt == "nvfp4" else _MX_MUL)[dtype]
+    add = p.scale_add[0 if dtype == "bfloat16" else 1]
+    bits = (sc.to(torch.int64) * mul + add) & 0xFFFF  # low half: row g lane
+    scale = bits.to(torch.int32).to(torch.int16).view(t16)
     scale = scale[:, :, :, torch.arange(4, device=scale.device) // (4 // tq)]  # lane t -> slot
     scale = scale.permute(0, 1, 4, 2, 3, 5).float()  # tile, group, chunk, g, t, h
     vals = torch.zeros(tiles, groups, CHUNKS, 8, 4, 4, 2, 4, dtype=torch.float64,
@@ -456,29 +492,9 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
     TERMS = decode_terms(dtype)
     BF16 = dtype == "bfloat16"
     ALPHA_IDX = 0 if BF16 else 1
-    MX_MUL = _MX_MUL[dtype]
+    SCALE_MUL = (_NV_MUL if fmt == "nvfp4" else _MX_MUL)[dtype]
     MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, "
            "{{$8,$9}}, {{$10,$11,$12,$13}};").format(t="bf16" if BF16 else "f16")
-    if BF16:  # two E4M3 (low 16 bits) -> (s_lo * 2^118, s_lo * 2^118), (s_hi.., s_hi..) bf16x2
-        NV_SCALE = (
-            "{ .reg .b16 l, h; .reg .b32 p; .reg .f32 f0, f1;\n"
-            "mov.b32 {l, h}, $2;\n"
-            "cvt.rn.f16x2.e4m3x2 p, l;\n"
-            "mov.b32 {l, h}, p;\n"
-            "cvt.f32.f16 f0, l; cvt.f32.f16 f1, h;\n"
-            "mul.f32 f0, f0, 0f7A800000; mul.f32 f1, f1, 0f7A800000;\n"
-            "cvt.rn.bf16x2.f32 p, f1, f0;\n"
-            "prmt.b32 $0, p, p, 0x1010; prmt.b32 $1, p, p, 0x3232; }"
-        )
-    else:  # fp16: * 2^7
-        NV_SCALE = (
-            "{ .reg .b16 l, h; .reg .b32 p, c;\n"
-            "mov.b32 {l, h}, $2;\n"
-            "cvt.rn.f16x2.e4m3x2 p, l;\n"
-            "mov.b32 c, 0x58005800;\n"
-            "mul.rn.f16x2 p, p, c;\n"
-            "prmt.b32 $0, p, p, 0x1010; prmt.b32 $1, p, p, 0x3232; }"
-        )
 
     def ld16(addr, pred, stream: bool):
         hint = ".L1::no_allocate" if stream else ""
@@ -497,13 +513,9 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
         return [Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
 
     def scale_pairs(bits16, sadd):
-        """Low 16 bits = (row g, row g+8) scale bytes -> replicated (S_g, S_g), (S_g8, S_g8)."""
-        if fmt == "nvfp4":
-            r = asm(llvm.StructType.get_literal([T.i32()] * 2), [Uint32(bits16)], NV_SCALE,
-                    "=r,=r,r")
-            return Uint32(llvm.extractvalue(T.i32(), r, [0])), Uint32(llvm.extractvalue(T.i32(), r, [1]))
-        lo = (bits16 & Uint32(0xFF)) * Uint32(MX_MUL) + sadd
-        hi = ((bits16 >> Uint32(8)) & Uint32(0xFF)) * Uint32(MX_MUL) + sadd
+        """Low 16 bits = (row g, row g+8) scale codes -> replicated (S_g, S_g), (S_g8, S_g8)."""
+        lo = (bits16 & Uint32(0xFF)) * Uint32(SCALE_MUL) + sadd
+        hi = ((bits16 >> Uint32(8)) & Uint32(0xFF)) * Uint32(SCALE_MUL) + sadd
         return lo, hi
 
     def decode(word, r):
