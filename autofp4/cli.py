@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also each job's first N tuner seeds (what a tuning run tries first)")
     c.add_argument("--db", metavar="PATH", dest="warm_db",
                    help="also the winners stored in this tuning DB or export (e.g. tuning_db/nvidia-h200.json) "
-                        "for the model's jobs: what the dispatcher runs, and what a forced re-tune tries first")
+                        "for the model's jobs: what the dispatcher runs, and what a re-tune tries first")
     c.add_argument("--arch", metavar="SM", help="target GPU, e.g. sm_90a (default: this machine's GPU)")
     c.add_argument("--backend", action="append", metavar="NAME",
                    help="backend(s) to compile for (default: sm90_w4a16)")

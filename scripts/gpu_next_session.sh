@@ -11,7 +11,7 @@
 #            from .devsite/db/nvidia-h200.json when carried; FORCE=1 re-tunes the buckets it
 #            already holds, starting from the stored winners), export it (and copy the SQLite
 #            file with its trials); with BENCH=1 (default)
-#            the benchmark and host overhead (TUNE_MS: the M buckets)
+#            the benchmark (ROUNDS interleaved rounds, default 3) and host overhead (TUNE_MS: the M buckets)
 OUT=${OUT:-out}; mkdir -p "$OUT"
 DB=${DB:-/tmp/autofp4-h200.db}
 # kernels compiled ahead of time on a CPU host (autofp4 cache --warm ... --arch sm_90a), carried along
@@ -59,7 +59,7 @@ else
   if [ -n "${TUNES:-}" ]; then cp "$DB" "$OUT/tuning-with-trials.db"; fi
   if [ "${BENCH:-1}" = 1 ]; then
     AUTOFP4_DB="$DB" timeout ${BENCH_TIMEOUT:-200} python3 scripts/bench_linear.py --out "$OUT" \
-      --partial "$OUT/bench_linear.json" --fmt nvfp4,mxfp4 --reps 10 > "$OUT/bench_linear.txt" 2>&1
+      --partial "$OUT/bench_linear.json" --fmt nvfp4,mxfp4 --reps 10 --rounds ${ROUNDS:-3} > "$OUT/bench_linear.txt" 2>&1
     tail -8 "$OUT/bench_linear.txt"
     AUTOFP4_DB="$DB" timeout 60 python3 scripts/bench_dispatch.py > "$OUT/host-overhead.txt" 2>&1
     tail -4 "$OUT/host-overhead.txt"
