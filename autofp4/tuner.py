@@ -709,7 +709,8 @@ def _candidates(
     key: ProblemKey, m: int, backends: Sequence[Backend], stored: Sequence[tuple[Backend, BackendConfig]] = ()
 ) -> list[_Cand]:
     """:func:`_first_candidates` (marked ``first``: tried before the search samples), then
-    every backend's candidates."""
+    every backend's candidates (valid ones: ``Backend.candidates`` checks them, so they are not
+    checked twice)."""
     out: list[_Cand] = []
     seen: set[str] = set()
 
@@ -722,8 +723,7 @@ def _candidates(
         add(c)
     for b in backends:
         for cfg in _backend_candidates(b, key, m):
-            if b.is_valid(cfg, key) is None:
-                add(_Cand(b, cfg, _cfg_json(cfg)))
+            add(_Cand(b, cfg, _cfg_json(cfg)))
     return out
 
 
@@ -1147,9 +1147,19 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
             t_trial = _now()
             res: dict[str, Any] | None = None
             if fut is not None:
+                # with a result in hand, wait for a compile only as long as the job's share
+                # lasts (a cold compile can take longer than a whole share; it still lands in
+                # the kernel cache for a later run)
+                wait = ctx.compile_timeout_s
+                if ctx.job_deadline is not None and any(r["outcome"] == "ok" for r in measured_here.values()):
+                    wait = min(wait, max(0.0, ctx.job_deadline - t_trial))
                 try:
-                    err = fut.result(timeout=ctx.compile_timeout_s)
+                    err = fut.result(timeout=wait)
                 except cf.TimeoutError:
+                    if wait < ctx.compile_timeout_s:
+                        stopped_by_share = True
+                        study.tell(trial, state=TrialState.FAIL)
+                        continue
                     err = None
                     res = {"outcome": "timeout", "error": f"compilation took more than {ctx.compile_timeout_s:.0f} s"}
                 except Exception as e:  # the pool process died

@@ -482,6 +482,55 @@ def test_setup_leaves_the_later_jobs_one_trial_each(tmp_path, monkeypatch):
     assert tuner.setup_cap(100.0, 3, [1.0, 3.0], streams=2) == 97.0
 
 
+def test_a_compile_is_waited_for_only_while_the_jobs_share_lasts(tmp_path, monkeypatch):
+    """With a result in hand, a job waits for a candidate's compile only until its share of the
+    time ends, not for the whole compile timeout: on the H200 one 11 s cold compile took the
+    time of the run's last two jobs. Fake clock: 0.1 s per trial, a 0.5 s budget; the second
+    candidate's compile never finishes; the compile timeout is 60 s."""
+    import concurrent.futures as cf
+    import time
+
+    from autofp4 import tuner
+    from autofp4.backends.reference import ReferenceBackend
+
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 2048, 256)
+    default = ReferenceBackend().default(key, 1)
+    clock = [1000.0]
+    real_run_trial = tuner.run_trial
+
+    def trial(req):
+        clock[0] += 0.1
+        return real_run_trial(req)
+
+    class Pool:  # compiles the default at once, never the others
+        def __init__(self, *args, **kwargs):
+            self.pending = []
+
+        def submit(self, fn, req):
+            fut = cf.Future()
+            if req["config"] == tuner._cfg_json(default):
+                fut.set_result(None)
+            else:
+                self.pending.append(fut)
+            return fut
+
+        def shutdown(self, wait=True, cancel_futures=False):
+            pass
+
+    monkeypatch.setattr(tuner, "_now", lambda: clock[0])
+    monkeypatch.setattr(tuner, "run_trial", trial)
+    monkeypatch.setattr(tuner.cf, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(tuner, "_start_pool", lambda pool, workers: workers)
+    t0 = time.monotonic()
+    rep = tune_jobs([Job(key, 1)], db=tmp_path / "t.db", device="cpu", progress=False, workers=1,
+                    budget_total_s=0.5, trial_timeout_s=60.0)
+    assert time.monotonic() - t0 < 30
+    (res,) = rep.results
+    assert res.status == "tuned" and res.trials_run == 1 and "share of the time budget" in res.note
+    with TuningDB(tmp_path / "t.db") as db:
+        assert [t.outcome for t in db.trials(_env_key())] == ["ok"]  # no compile "timeout" recorded
+
+
 def test_run_trial_reports_its_one_off_setup():
     from autofp4.tuner import _cfg_json, _spec, run_trial
 
