@@ -293,12 +293,7 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             why = f"cannot be imported: {type(e).__name__}: {e}"
         print(f"  {name:20} {'applies' if why is None else 'does not apply: ' + why}", file=out)
     def stale(records) -> str:
-        n = 0
-        for r in records:
-            try:
-                n += dispatch.is_stale(r, get_backend(r.backend))
-            except Exception:  # an unknown or broken backend: not ours to judge here
-                pass
+        n = sum(dispatch.row_is_stale(r) for r in records)
         return f", {n} measured with an older kernel source (not used; tune again)" if n else ""
 
     print("tuning DB layers (rows for this environment / all rows):", file=out)

@@ -90,6 +90,9 @@ def add_db_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--keep-current-env-only", action="store_true",
                    help="delete rows of every environment but the running one")
     p.add_argument("--failed-trials", action="store_true", help="delete failed trials only")
+    p.add_argument("--stale", action="store_true",
+                   help="delete the results measured with an older source of their kernel (never used; "
+                        "a re-tune tries their winners first, so prune them after re-tuning)")
 
     db.set_defaults(func=run_db)
     return db
@@ -256,15 +259,23 @@ def _cmd_prune(args: argparse.Namespace, out: TextIO) -> int:
     if args.env == "all":
         raise UsageError("prune --env takes 'current' or an env key, not 'all'")
     env_key = _env_key(args.env)
-    if (args.older_than_days is None and env_key is None and not args.keep_current_env_only
-            and not args.failed_trials):
+    others = (args.older_than_days is not None or env_key is not None or args.keep_current_env_only
+              or args.failed_trials)
+    if not others and not args.stale:
         raise UsageError("prune needs at least one of --older-than-days, --env, "
-                         "--keep-current-env-only, --failed-trials")
+                         "--keep-current-env-only, --failed-trials, --stale")
+    if args.stale and others:
+        raise UsageError("prune --stale takes no other criterion")
     if args.older_than_days is not None and not args.older_than_days >= 0:
         raise UsageError(f"--older-than-days must be >= 0, got {args.older_than_days}")
     with _open(args, write=True) as db:
-        n = db.prune(older_than_days=args.older_than_days, env_key=env_key,
-                     keep_current_env_only=args.keep_current_env_only, failed_trials=args.failed_trials)
+        if args.stale:
+            from .dispatch import row_is_stale
+
+            n = db.delete_results(r for r in db.results() if row_is_stale(r))
+        else:
+            n = db.prune(older_than_days=args.older_than_days, env_key=env_key,
+                         keep_current_env_only=args.keep_current_env_only, failed_trials=args.failed_trials)
         counts = db.counts()
     print(f"deleted {n} rows; {counts['results']} results and {counts['trials']} trials remain", file=out)
     return 0

@@ -858,6 +858,22 @@ class TuningDB:
         return deleted
 
 
+    def delete_results(self, recs: Iterable[TuningRecord]) -> int:
+        """Delete the result rows with the unique keys of ``recs`` (one transaction); returns
+        how many were deleted. Environments no longer referenced are dropped."""
+        where = " AND ".join(f"{c} = ?" for c in _UNIQUE)
+        deleted = 0
+        with self._write():
+            for r in recs:
+                deleted += self._conn.execute(f"DELETE FROM results WHERE {where}",
+                                              [getattr(r, c) for c in _UNIQUE]).rowcount
+            self._conn.execute(
+                "DELETE FROM environments WHERE env_key NOT IN (SELECT env_key FROM results)"
+                " AND env_key NOT IN (SELECT env_key FROM trials)"
+            )
+        return deleted
+
+
 # --------------------------------------------------------------------------------------
 # layered lookup
 # --------------------------------------------------------------------------------------

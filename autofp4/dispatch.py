@@ -104,6 +104,16 @@ def is_stale(rec: Any, backend: Backend) -> bool:
     return bool(src and cur and src != cur)
 
 
+def row_is_stale(rec: Any) -> bool:
+    """:func:`is_stale` for a row of any backend by name (rows of a backend this install cannot
+    load are not judged: False)."""
+    try:
+        backend = get_backend(rec.backend)
+    except Exception:  # an unknown or broken backend
+        return False
+    return is_stale(rec, backend)
+
+
 def _norm_device(device: torch.device | str | int) -> torch.device:
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     if dev.type == "cuda" and dev.index is None:

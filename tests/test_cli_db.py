@@ -148,6 +148,25 @@ def test_merge_diff_prune(dbfile, tmp_path, capsys):
         assert db.counts()["results"] == 3 and db.counts()["trials"] == 0
 
 
+def test_prune_stale(tmp_path, capsys):
+    """``prune --stale`` deletes the results measured with an older source of their kernel and
+    keeps the current ones."""
+    from autofp4.backends import get_backend
+
+    ref = get_backend("reference")
+    path = tmp_path / "s.db"
+    with TuningDB(path) as db:
+        db.upsert_result(rec(m_bucket=1, backend_source=ref.source_hash({"chunk_n": 1024})))
+        db.upsert_result(rec(m_bucket=16, backend_source="0123456789abcdef"))
+        db.upsert_result(rec(m_bucket=64, backend_source=""))  # no provenance: not judged
+    assert cli("prune", "--db", str(path), "--stale", "--failed-trials") == 2
+    assert "no other criterion" in capsys.readouterr().err
+    assert cli("prune", "--db", str(path), "--stale") == 0
+    assert "deleted 1 rows" in capsys.readouterr().out
+    with TuningDB(path) as db:
+        assert sorted(r.m_bucket for r in db.results()) == [1, 64]
+
+
 def test_cli_as_subprocess(dbfile, tmp_path):
     out = subprocess.run([sys.executable, "-m", "autofp4.cli_db", "list", "--db", str(dbfile)],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
