@@ -857,7 +857,6 @@ class TuningDB:
             )
         return deleted
 
-
     def delete_results(self, recs: Iterable[TuningRecord]) -> int:
         """Delete the result rows with the unique keys of ``recs`` (one transaction); returns
         how many were deleted. Environments no longer referenced are dropped."""
