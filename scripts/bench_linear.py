@@ -65,7 +65,12 @@ def bench(args) -> dict:
     disp = get_dispatcher(dev)
     rows = []
     fmts = args.fmt.split(",")
-    ms = [int(v) for v in args.m.split(",")]
+    ms = sorted(int(v) for v in args.m.split(","))
+    # every weight first, then the rows M by M, smallest first, so that a memory-bound row never
+    # runs right after the run's largest GEMMs (the 70B rows at M = 8192 keep the GPU at full
+    # power for seconds; the small-M row that followed them, measured shape by shape, ran the same
+    # config up to 12% slower than the tuner and an A/B of the same session did)
+    problems = []
     for name, (n, k) in SHAPES.items():
         if args.shapes and name not in args.shapes.split(","):
             continue
@@ -79,66 +84,68 @@ def bench(args) -> dict:
             nq = copies_for_cold_l2(fp4_bytes, l2, max_copies=32)
             while len(ws) < nq:
                 ws.append(autofp4.quantize(torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02, fmt))
+            problems.append((name, n, k, fmt, gen, dense, ws, fp4_bytes))
+    for m in ms:
+        for name, n, k, fmt, gen, dense, ws, fp4_bytes in problems:
+            nd, nq = len(dense), len(ws)
             key = ProblemKey("linear", fmt, "bfloat16", n, k)
-            for m in ms:
-                xs = [torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(max(nq, nd))]
-                r = {"shape": name, "n": n, "k": k, "m": m, "fmt": fmt, "backend": backend.name}
-                cargs = [(xs[i % len(xs)], dense[i % nd]) for i in range(nd)]
-                # autofp4: default config, and the dispatcher's (tuned) pick
-                dcfg = backend.default(key, m)
-                tb, tcfg = disp.pick(key, m)
-                r["default_config"] = dcfg.model_dump(mode="json")
-                r["tuned_config"] = tcfg.model_dump(mode="json") if (tb is backend and tcfg != dcfg) else None
-                qargs = [(xs[i % len(xs)], ws[i].packed(backend.name, backend.prepare), None) for i in range(nq)]
-                ref = F.linear(xs[0].float(), ws[0].dequantize(torch.float32))
-                runs = {"default": disp.runner(backend, dcfg, key)}
-                if r["tuned_config"] is not None:
-                    runs["tuned"] = disp.runner(tb, tcfg, key)
-                for label, run in runs.items():
-                    out = run(*qargs[0]).float()
-                    err = float((out - ref).norm() / ref.norm())
-                    r[f"{label}_rel_err"] = err
-                    if not err < 2e-2:  # recorded, and flagged in the table
-                        print(f"WRONG RESULT {name} M={m} {fmt} {label}: relative error {err:.3g}", flush=True)
-                pick = runs.get("tuned", runs["default"])
-                # CUDA-graph times in interleaved rounds (cuBLAS, default, pick, the pick with
-                # programmatic dependent launch off, as cuBLAS runs), medians over the rounds: a
-                # GPU that slows down as it heats under long GEMMs favours no variant
-                variants = [("cublas", F.linear, cargs, pdl_base), ("default", runs["default"], qargs, pdl_base)]
-                if "tuned" in runs:
-                    variants.append(("tuned", runs["tuned"], qargs, pdl_base))
-                variants.append(("tuned_nopdl", pick, qargs, False))
-                samples: dict[str, list[float]] = {v[0]: [] for v in variants}
-                for _ in range(args.rounds):
-                    for label, fn, fargs, on in variants:
-                        with pdl(on):
-                            samples[label].append(
-                                time_cuda(fn, fargs, warmup=3, reps=args.reps, use_graph=True).median_us)
-                for label, xs_us in samples.items():
-                    r[f"{label}_graph_us"] = statistics.median(xs_us)
-                r["cublas_eager_us"] = time_cuda(F.linear, cargs, warmup=3, reps=args.reps).median_us
-                for label, run in runs.items():
-                    r[f"{label}_eager_us"] = time_cuda(run, qargs, warmup=3, reps=args.reps).median_us
-                if "tuned" not in runs:
-                    for t in ("graph", "eager"):
-                        r[f"tuned_{t}_us"] = r[f"default_{t}_us"]
-                # the public eager path (dispatcher + runner), for host overhead
-                pargs = [(xs[i % len(xs)], ws[i]) for i in range(nq)]
-                r["api_eager_us"] = time_cuda(autofp4.linear, pargs, warmup=3, reps=args.reps).median_us
-                r["hbm_floor_us"] = fp4_bytes / bw * 1e6
-                derive(r)
-                rows.append(r)
-                print(
-                    f"{name:12s} {fmt} M={m:5d} cublas {r['cublas_graph_us']:8.1f}us default {r['default_graph_us']:8.1f}us "
-                    f"tuned {r['tuned_graph_us']:8.1f}us  x{r['speedup_tuned']:.2f}  floor {r['floor_pct']:.0f}%",
-                    flush=True,
-                )
-                del xs, cargs, qargs, pargs
-                if args.partial:  # keep what was measured if the run is cut short
-                    Path(args.partial).write_text(json.dumps({"partial": True, "rows": rows}, indent=1))
-            del ws
-        del dense
-        torch.cuda.empty_cache()
+            xs = [torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(max(nq, nd))]
+            r = {"shape": name, "n": n, "k": k, "m": m, "fmt": fmt, "backend": backend.name}
+            cargs = [(xs[i % len(xs)], dense[i % nd]) for i in range(nd)]
+            # autofp4: default config, and the dispatcher's (tuned) pick
+            dcfg = backend.default(key, m)
+            tb, tcfg = disp.pick(key, m)
+            r["default_config"] = dcfg.model_dump(mode="json")
+            r["tuned_config"] = tcfg.model_dump(mode="json") if (tb is backend and tcfg != dcfg) else None
+            qargs = [(xs[i % len(xs)], ws[i].packed(backend.name, backend.prepare), None) for i in range(nq)]
+            ref = F.linear(xs[0].float(), ws[0].dequantize(torch.float32))
+            runs = {"default": disp.runner(backend, dcfg, key)}
+            if r["tuned_config"] is not None:
+                runs["tuned"] = disp.runner(tb, tcfg, key)
+            for label, run in runs.items():
+                out = run(*qargs[0]).float()
+                err = float((out - ref).norm() / ref.norm())
+                r[f"{label}_rel_err"] = err
+                if not err < 2e-2:  # recorded, and flagged in the table
+                    print(f"WRONG RESULT {name} M={m} {fmt} {label}: relative error {err:.3g}", flush=True)
+            pick = runs.get("tuned", runs["default"])
+            # CUDA-graph times in interleaved rounds (cuBLAS, default, pick, the pick with
+            # programmatic dependent launch off, as cuBLAS runs), medians over the rounds: a
+            # GPU that slows down as it heats under long GEMMs favours no variant
+            variants = [("cublas", F.linear, cargs, pdl_base), ("default", runs["default"], qargs, pdl_base)]
+            if "tuned" in runs:
+                variants.append(("tuned", runs["tuned"], qargs, pdl_base))
+            variants.append(("tuned_nopdl", pick, qargs, False))
+            samples: dict[str, list[float]] = {v[0]: [] for v in variants}
+            for _ in range(args.rounds):
+                for label, fn, fargs, on in variants:
+                    with pdl(on):
+                        samples[label].append(
+                            time_cuda(fn, fargs, warmup=3, reps=args.reps, use_graph=True).median_us)
+            for label, xs_us in samples.items():
+                r[f"{label}_graph_us"] = statistics.median(xs_us)
+            r["cublas_eager_us"] = time_cuda(F.linear, cargs, warmup=3, reps=args.reps).median_us
+            for label, run in runs.items():
+                r[f"{label}_eager_us"] = time_cuda(run, qargs, warmup=3, reps=args.reps).median_us
+            if "tuned" not in runs:
+                for t in ("graph", "eager"):
+                    r[f"tuned_{t}_us"] = r[f"default_{t}_us"]
+            # the public eager path (dispatcher + runner), for host overhead
+            pargs = [(xs[i % len(xs)], ws[i]) for i in range(nq)]
+            r["api_eager_us"] = time_cuda(autofp4.linear, pargs, warmup=3, reps=args.reps).median_us
+            r["hbm_floor_us"] = fp4_bytes / bw * 1e6
+            derive(r)
+            rows.append(r)
+            print(
+                f"{name:12s} {fmt} M={m:5d} cublas {r['cublas_graph_us']:8.1f}us default {r['default_graph_us']:8.1f}us "
+                f"tuned {r['tuned_graph_us']:8.1f}us  x{r['speedup_tuned']:.2f}  floor {r['floor_pct']:.0f}%",
+                flush=True,
+            )
+            del xs, cargs, qargs, pargs
+            if args.partial:  # keep what was measured if the run is cut short
+                Path(args.partial).write_text(json.dumps({"partial": True, "rows": rows}, indent=1))
+    del problems
+    torch.cuda.empty_cache()
     return {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(dev),
@@ -164,8 +171,16 @@ def geomean(xs):
     return math.exp(sum(math.log(v) for v in xs) / len(xs)) if xs else float("nan")
 
 
+def _table_order(rows: list[dict]) -> list[dict]:
+    """Rows by shape (in ``SHAPES`` order), format (as first measured) and M, whatever order they
+    were measured in."""
+    shapes, fmts = list(SHAPES), list(dict.fromkeys(r["fmt"] for r in rows))
+    return sorted(rows, key=lambda r: (shapes.index(r["shape"]) if r["shape"] in shapes else len(shapes),
+                                       r["shape"], fmts.index(r["fmt"]), r["m"]))
+
+
 def markdown(doc: dict) -> str:
-    rows = doc["rows"]
+    rows = _table_order(doc["rows"])
     out = [
         f"FP4 linear vs bf16 cuBLAS on {doc['gpu']}, {doc['date']} (torch {doc['torch']}, copy bandwidth "
         f"{doc['copy_bandwidth_tbs']:.2f} TB/s). Times in us, CUDA-graph medians, cold L2; each graph runs "
