@@ -47,6 +47,7 @@ several hosts can run the same command against one optuna storage and one shared
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import hashlib
 import importlib
 import inspect
@@ -242,6 +243,15 @@ def _key_from(d: dict[str, Any]) -> ProblemKey:
 
 
 def _cfg_json(cfg: BackendConfig | dict[str, Any]) -> str:
+    from .schema import config_json
+
+    return _model_json(cfg) if isinstance(cfg, BackendConfig) else config_json(cfg)
+
+
+@functools.lru_cache(maxsize=1 << 15)
+def _model_json(cfg: BackendConfig) -> str:
+    """The canonical JSON of a (frozen, hashable) config, remembered: every M bucket of a shape
+    lists the same 10-18 thousand Hopper configs."""
     from .schema import config_json
 
     return config_json(cfg)

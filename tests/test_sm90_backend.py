@@ -191,6 +191,29 @@ def test_each_kernel_has_its_own_source_hash(backend, monkeypatch):
         assert [backend.source_hash(dec) != h_dec, backend.source_hash(gemm) != h_gemm] == stale
 
 
+def test_the_backend_module_is_plumbing_outside_the_source_hash(backend):
+    """A row's provenance is its kernel's module only: this backend module maps stored configs
+    to the kernels' config dataclasses field by field, and the values a stored config may omit
+    are the dataclasses' own defaults (in the hashed kernel modules), so that editing the
+    backend module cannot change what a stored row means."""
+    import dataclasses
+
+    from autofp4.backends import sm90_w4a16 as S
+    from autofp4.kernels import sm90_w4a16_gemm as G
+    from autofp4.kernels import w4a16_decode as D
+
+    assert S.__name__ not in {m.__name__ for p in (None, *backend.source_parts) for m in backend.source_modules(p)}
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 4096, 4096)
+    for kernel, cls, required in (("decode", D.DecodeConfig, S._DECODE_FIELDS), ("gemm", G.Sm90GemmConfig, S._GEMM_FIELDS)):
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        assert S._optional(kernel) == {n: v for n, v in defaults.items() if n not in required}
+        for cfg in backend.candidates(key, 1 if kernel == "decode" else 512)[:200]:
+            if cfg.kernel == kernel:
+                stored = cfg.model_dump()
+                assert S._to_kernel_config(backend.parse_config(stored)) == cls(
+                    **{**defaults, **{n: v for n, v in stored.items() if n != "kernel"}})
+
+
 def test_heuristics_are_outside_the_source_hash():
     """Defaults, search space and seeds decide what is tried, not what a config measures: they
     are not part of the provenance hash, so improving them keeps the tuned rows."""
