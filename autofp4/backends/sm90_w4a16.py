@@ -100,7 +100,7 @@ def _to_kernel_config(cfg: SM90Config):
 def _from_kernel_config(kernel: str, kcfg: Any) -> SM90Config:
     fields = _DECODE_FIELDS if kernel == "decode" else _GEMM_FIELDS
     optional = _optional(kernel)
-    d = vars(kcfg)  # a flat dataclass of scalars: no deep copy (asdict was most of a job's candidate-list time)
+    d = vars(kcfg)  # a flat dataclass of scalars: no deep copy needed
     opt = {f: d[f] for f, v in optional.items() if d[f] != v}
     return SM90Config(kernel=kernel, **{f: d[f] for f in fields}, **opt)
 
