@@ -851,11 +851,15 @@ class TuningDB:
                 where = " WHERE " + " AND ".join(clauses)
                 deleted += self._conn.execute(f"DELETE FROM results{where}", params).rowcount
                 deleted += self._conn.execute(f"DELETE FROM trials{where}", params).rowcount
-            self._conn.execute(
-                "DELETE FROM environments WHERE env_key NOT IN (SELECT env_key FROM results)"
-                " AND env_key NOT IN (SELECT env_key FROM trials)"
-            )
+            self._drop_unused_environments()
         return deleted
+
+    def _drop_unused_environments(self) -> None:
+        """Inside a write: environments no row refers to any more."""
+        self._conn.execute(
+            "DELETE FROM environments WHERE env_key NOT IN (SELECT env_key FROM results)"
+            " AND env_key NOT IN (SELECT env_key FROM trials)"
+        )
 
     def delete_results(self, recs: Iterable[TuningRecord]) -> int:
         """Delete the result rows with the unique keys of ``recs`` (one transaction); returns
@@ -866,10 +870,7 @@ class TuningDB:
             for r in recs:
                 deleted += self._conn.execute(f"DELETE FROM results WHERE {where}",
                                               [getattr(r, c) for c in _UNIQUE]).rowcount
-            self._conn.execute(
-                "DELETE FROM environments WHERE env_key NOT IN (SELECT env_key FROM results)"
-                " AND env_key NOT IN (SELECT env_key FROM trials)"
-            )
+            self._drop_unused_environments()
         return deleted
 
 

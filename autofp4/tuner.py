@@ -1093,10 +1093,13 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
     wait_s: list[float] = []  # and the time spent waiting for its compile worker
     stopped_by_share = False
 
+    def has_result() -> bool:
+        return any(r["outcome"] == "ok" for r in measured_here.values())
+
     def share_used(compiled: bool = False) -> bool:
         """With a result in hand, would one more trial (its kernel ``compiled`` already or not)
         end past this job's share of the time?"""
-        if ctx.job_deadline is None or not run_s or not any(r["outcome"] == "ok" for r in measured_here.values()):
+        if ctx.job_deadline is None or not run_s or not has_result():
             return False
         return _now() + trial_estimate(run_s, wait_s, compiled) > ctx.job_deadline
 
@@ -1161,7 +1164,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
                 # lasts (a cold compile can take longer than a whole share; it still lands in
                 # the kernel cache for a later run)
                 wait = ctx.compile_timeout_s
-                if ctx.job_deadline is not None and any(r["outcome"] == "ok" for r in measured_here.values()):
+                if ctx.job_deadline is not None and has_result():
                     wait = min(wait, max(0.0, ctx.job_deadline - t_trial))
                 try:
                     err = fut.result(timeout=wait)

@@ -193,10 +193,6 @@ class Backend(ABC):
         without a config, of every kernel of this backend."""
         return self.part_source_hash(None if config is None else self.source_part(config))
 
-    def source_hashes(self) -> set[str]:
-        """The current hash of every part (what a row of any config of this backend may carry)."""
-        return {self.part_source_hash(p) for p in self.source_parts}
-
     def part_source_hash(self, part: str | None) -> str:
         from ..kernel_cache import kernel_source
 
