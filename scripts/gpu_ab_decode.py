@@ -33,14 +33,19 @@ from bench_linear import SHAPES  # noqa: E402
 from gpu_check_decode import fp4_bytes, graph_time, rotation  # noqa: E402
 
 
-def load_old(path):
-    """The older module, importable by name (the kernel cache keys its kernels by its source)."""
-    name = "autofp4.kernels.w4a16_decode_ab_old"
+def import_as(path, name):
+    """The module at ``path``, imported under ``name`` (the kernel cache keys a kernel module's
+    kernels by its name and source, so a copy must not pass for the real one)."""
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_old(path):
+    """The older module, importable by name."""
+    return import_as(path, "autofp4.kernels.w4a16_decode_ab_old")
 
 
 def configs(records, fmt, n, k, m):

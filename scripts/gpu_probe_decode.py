@@ -28,7 +28,6 @@ instead of two), 4 or 8 warps, a 2- or 3-deep ring, the same or twice the split.
 """
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import statistics
@@ -44,6 +43,7 @@ from autofp4.backends.sm90_w4a16 import SM90Config, _to_kernel_config  # noqa: E
 from autofp4.db import read_records  # noqa: E402
 from autofp4.kernels import w4a16_decode as BASE  # noqa: E402
 from bench_linear import SHAPES  # noqa: E402
+from gpu_ab_decode import import_as  # noqa: E402
 from gpu_check_decode import fp4_bytes, graph_time, rotation  # noqa: E402
 
 _SCALED = ("a = [mul_x2(decode(wd, 0), s_g, BF16), mul_x2(decode(wd, 1), s_g8, BF16),\n"
@@ -80,11 +80,39 @@ def variant(tag, base=BASE, line=_SCALED, variants=VARIANTS):
     path = os.path.join(tempfile.gettempdir(), f"{stem}_probe_{tag}.py")
     with open(path, "w") as f:
         f.write(src.replace(line, variants[tag]))
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return import_as(path, name)
+
+
+def finished(rows, compile_only, fname):
+    """After a sweep: True (having said so) if it only compiled, else write ``rows`` as JSON to
+    ``$OUT/fname`` when ``$OUT`` is set and return False (the caller prints its table)."""
+    if compile_only:
+        print("compiled")
+        return True
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], fname), "w") as f:
+            json.dump(rows, f, indent=1)
+    return False
+
+
+def rotated_weight(mod, fmt, n, k):
+    """A fresh random N x K weight packed by kernel module ``mod``, in enough copies to rotate
+    past the L2, and the number of calls a timing graph makes to cycle them twice."""
+    torch.cuda.empty_cache()
+    w = autofp4.quantize(torch.randn(n, k, device="cuda") * 0.05, fmt)
+    packs, _, calls = rotation(mod.pack_weight(w), None, fp4_bytes(n, k, fmt))
+    return packs, calls
+
+
+def interleaved_medians(runs, x, packs, calls, rounds):
+    """Median CUDA-graph microseconds per call of each ``runs`` value (a dict of runners), timed
+    in ``rounds`` interleaved rounds; every graph cycles through the rotated weights ``packs``."""
+    times = {t: [] for t in runs}
+    for _ in range(rounds):
+        for t, run in runs.items():
+            times[t].append(graph_time([(lambda j=j, run=run: run(x, packs[j % len(packs)], None))
+                                        for j in range(calls)])[0])
+    return {t: statistics.median(v) for t, v in times.items()}
 
 
 def decode_configs(records, fmt, n, k, with_m=False):
@@ -125,32 +153,21 @@ def sweep_vary(records, fmts, shapes, field, values, rounds, compile_only):
                 continue
             if not cases:
                 continue
-            torch.cuda.empty_cache()
-            w = autofp4.quantize(torch.randn(n, k, device="cuda") * 0.05, fmt)
-            packs, _, calls = rotation(BASE.pack_weight(w), None, fp4_bytes(n, k, fmt))
+            packs, calls = rotated_weight(BASE, fmt, n, k)
             for m, cfgs in cases:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 runs = [BASE.compile_kernel(c, n, k, fmt, "bfloat16") for c in cfgs]
                 outs = [run(x, packs[0], None).float() for run in runs]
                 err = max(((o - outs[0]).abs().max() / outs[0].abs().max()).item() for o in outs)
-                times = [[] for _ in cfgs]
-                for _ in range(rounds):
-                    for i, run in enumerate(runs):
-                        times[i].append(graph_time([(lambda j=j, p=packs: run(x, p[j % len(p)], None))
-                                                    for j in range(calls)])[0])
-                us = [statistics.median(t) for t in times]
+                us = list(interleaved_medians(dict(enumerate(runs)), x, packs, calls, rounds).values())
                 rows.append(dict(fmt=fmt, shape=name, m=m, cfg=str(cfgs[0]), field=field,
                                  values=[getattr(c, field) for c in cfgs], us=us, max_rel_diff=err))
                 print(f"{fmt} {name:12s} M={m:2d} " + " ".join(f"{v}: {u:7.2f}" for v, u in
                                                                zip(rows[-1]["values"], us))
                       + f"  diff {err:.1e}  {cfgs[0]}", flush=True)
-            del packs, w
-    if compile_only:
-        print("compiled")
+            del packs
+    if finished(rows, compile_only, f"probe_{field}.json"):
         return
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"probe_{field}.json"), "w") as f:
-            json.dump(rows, f, indent=1)
     print(f"\n{'fmt':6s} {'shape':12s} {'M':>3s} " + f"{field} = value: us (ratio to the first)")
     for r in rows:
         print(f"{r['fmt']:6s} {r['shape']:12s} {r['m']:3d} " + "  ".join(
@@ -185,26 +202,16 @@ def sweep_family(records, fmts, shapes, rounds, compile_only, family, tag, m=16)
                 for cfg in cfgs:
                     BASE._compile(cfg, n, k, fmt, "bfloat16", False)
                 continue
-            torch.cuda.empty_cache()
-            w = autofp4.quantize(torch.randn(n, k, device="cuda") * 0.05, fmt)
-            packs, _, calls = rotation(BASE.pack_weight(w), None, fp4_bytes(n, k, fmt))
+            packs, calls = rotated_weight(BASE, fmt, n, k)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             runs = [BASE.compile_kernel(c, n, k, fmt, "bfloat16") for c in cfgs]
-            times = [[] for _ in cfgs]
-            for _ in range(rounds):
-                for i, run in enumerate(runs):
-                    times[i].append(graph_time([(lambda j=j, p=packs: run(x, p[j % len(p)], None))
-                                                for j in range(calls)])[0])
-            for cfg, t in zip(cfgs, times):
-                rows.append(dict(fmt=fmt, shape=name, m=m, cfg=str(cfg), us=statistics.median(t)))
+            us = interleaved_medians(dict(enumerate(runs)), x, packs, calls, rounds)
+            for i, cfg in enumerate(cfgs):
+                rows.append(dict(fmt=fmt, shape=name, m=m, cfg=str(cfg), us=us[i]))
                 print(f"{fmt} {name:12s} {rows[-1]['us']:8.2f}  {cfg}", flush=True)
-            del packs, w
-    if compile_only:
-        print("compiled")
+            del packs
+    if finished(rows, compile_only, f"probe_{tag}_m{m}.json"):
         return
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"probe_{tag}_m{m}.json"), "w") as f:
-            json.dump(rows, f, indent=1)
     print(f"\nM = {m}\n{'fmt':6s} {'shape':12s} {'stored us':>9s} {'best new':>9s} {'ratio':>6s}  best new config")
     for fmt in fmts:
         for name in shapes:
@@ -237,31 +244,20 @@ def gemm_probe(records, fmts, shapes, ms, rounds, compile_only, tags):
                 continue
             if not cases:
                 continue
-            torch.cuda.empty_cache()
-            w = autofp4.quantize(torch.randn(n, k, device="cuda") * 0.05, fmt)
-            packs, _, calls = rotation(G.pack_weight(w), None, fp4_bytes(n, k, fmt))
+            packs, calls = rotated_weight(G, fmt, n, k)
             for m, cfg in sorted(cases, key=lambda c: c[0]):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 runs = {t: mod.compile_kernel(mod.Sm90GemmConfig(**dataclasses.asdict(cfg)), n, k, fmt, "bfloat16")
                         for t, mod in mods.items()}
                 ref = runs["as is"](x, packs[0], None)
                 same = {t: torch.equal(run(x, packs[0], None), ref) for t, run in runs.items()}
-                times = {t: [] for t in runs}
-                for _ in range(rounds):
-                    for t, run in runs.items():
-                        times[t].append(graph_time([(lambda i=i, p=packs: run(x, p[i % len(p)], None))
-                                                    for i in range(calls)])[0])
                 rows.append(dict(fmt=fmt, shape=name, m=m, cfg=str(cfg), same_output=same,
-                                 us={t: statistics.median(v) for t, v in times.items()}))
+                                 us=interleaved_medians(runs, x, packs, calls, rounds)))
                 print(f"{fmt} {name:12s} M={m:3d} " + " ".join(f"{t} {v:7.2f}" for t, v in rows[-1]["us"].items())
                       + f"  {cfg}", flush=True)
-            del packs, w
-    if compile_only:
-        print("compiled")
+            del packs
+    if finished(rows, compile_only, "probe_gemm.json"):
         return
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "probe_gemm.json"), "w") as f:
-            json.dump(rows, f, indent=1)
     print(f"\n{'fmt':6s} {'shape':12s} {'M':>4s} " + " ".join(f"{t:>9s}" for t in mods)
           + "".join(f"  {t + '/as is':>13s}" for t in tags) + "  same output as 'as is'")
     for r in rows:
@@ -318,9 +314,7 @@ def main():
     for fmt in fmts:
         for name in shapes:
             n, k = SHAPES[name]
-            torch.cuda.empty_cache()
-            w = autofp4.quantize(torch.randn(n, k, device="cuda") * 0.05, fmt)
-            packs, _, calls = rotation(BASE.pack_weight(w), None, fp4_bytes(n, k, fmt))
+            packs, calls = rotated_weight(BASE, fmt, n, k)
             for cfg in decode_configs(records, fmt, n, k):
                 runs = {t: mod.compile_kernel(mod.DecodeConfig(**dataclasses.asdict(cfg)), n, k, fmt, "bfloat16")
                         for t, mod in mods.items()}
@@ -328,17 +322,12 @@ def main():
                     if m > cfg.m_max:
                         continue
                     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                    times = {t: [] for t in runs}
-                    for _ in range(args.rounds):
-                        for t, run in runs.items():
-                            times[t].append(graph_time([(lambda i=i, p=packs: run(x, p[i % len(p)], None))
-                                                        for i in range(calls)])[0])
                     r = dict(fmt=fmt, shape=name, m=m, cfg=str(cfg),
-                             us={t: statistics.median(v) for t, v in times.items()})
+                             us=interleaved_medians(runs, x, packs, calls, args.rounds))
                     rows.append(r)
                     print(f"{fmt} {name:12s} M={m:2d} " + " ".join(f"{t} {v:7.2f}" for t, v in r["us"].items())
                           + f"  {cfg}", flush=True)
-            del packs, w
+            del packs
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "probe_decode.json"), "w") as f:
             json.dump(rows, f, indent=1)
