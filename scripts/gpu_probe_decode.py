@@ -1,6 +1,6 @@
-"""Where the decode kernel's time goes at M = 1..16: a probe, not a benchmark.
+"""Where the FP4 kernels' time goes: a probe, not a benchmark.
 
-For every benchmark shape it takes the decode configs a tuning DB (or export) stores for M = 1
+By default, for every benchmark shape it takes the decode configs a tuning DB (or export) stores for M = 1
 and M = 16 and times, in CUDA graphs with cold L2 (dependent launch off), the kernel module as
 it is and two variants of it built here by editing its source in memory:
 
