@@ -161,8 +161,9 @@ def test_seeds_follow_the_default_and_are_valid():
 
 
 def test_each_kernel_has_its_own_source_hash(backend, monkeypatch):
-    """A row's provenance covers the backend module and the kernel its config runs: a change to
-    the decode kernel retires the decode rows and keeps the GEMM rows (and the other way round)."""
+    """A row's provenance covers the kernel its config runs (its module and helpers): a change
+    to the decode kernel retires the decode rows and keeps the GEMM rows (and the other way
+    round)."""
     from autofp4 import dispatch, kernel_cache
     from autofp4.env import current_environment
     from autofp4.schema import TuningRecord
