@@ -16,8 +16,8 @@ three would take about the same time. Prints a table last; JSON to ``$OUT/probe_
 config field set to each value, at the M of its bucket.
 
 ``--gemm 64,128,512``: instead, the GEMM kernel's stored winners at those M buckets, as is and
-with the same two variants of its decode (``--gemm-variants``; ``hsel`` is the real product
-with the scale's half broadcast by moves instead of a PRMT, an instruction-count experiment).
+with the same two variants of its decode (``--gemm-variants``). (The variant ``hsel`` of the
+eleventh session became the GEMM's ``scale_select`` config field.)
 
 ``--tpw2``: instead, at M = 16, the stored decode winner (or the default) against variants of
 it with two 16-row tiles per warp (each x fragment read from shared memory then feeds four MMAs
@@ -55,17 +55,13 @@ VARIANTS = {
 # the GEMM kernel's decode of one k16 step of a 64-row block (A fragment, 4 registers)
 _GEMM_SCALED = ("v = decode_pair(word, terms[j])\n"
                 "                                        # pairs 0, 2: row r; 1, 3: row r + 8\n"
-                "                                        rA32[j, r, kb] = mul_x2(v, s_pair[j % 2], is_bf16)")
+                "                                        if cutlass.const_expr(scale_select):\n"
+                "                                            rA32[j, r, kb] = mul_half(v, sw, j % 2)\n"
+                "                                        else:\n"
+                "                                            rA32[j, r, kb] = mul_x2(v, s_pair[j % 2], is_bf16)")
 GEMM_VARIANTS = {
     "noscale": "rA32[j, r, kb] = decode_pair(word, terms[j])",
-    "noalu": "rA32[j, r, kb] = word if j % 2 == 0 else s_pair[1]",
-    # the same product, the scale's half broadcast by moves instead of a PRMT: if ptxas folds the
-    # moves into the multiply's operand select (.H0_H0 / .H1_H1), two instructions per word go
-    # (bfloat16 only)
-    "hsel": ("v = decode_pair(word, terms[j]); rA32[j, r, kb] = __import__('autofp4.kernels._ptx', "
-             "fromlist=['_asm_u32'])._asm_u32('{ .reg .b16 l, h; .reg .b32 s; mov.b32 {l, h}, $2; "
-             "mov.b32 s, {%s}; mul.rn.bf16x2 $0, $1, s; }' % ('l, l' if j % 2 == 0 else 'h, h'), "
-             "'=r,r,r', cutlass.Uint32(v), cutlass.Uint32(sw))"),
+    "noalu": "rA32[j, r, kb] = word if j % 2 == 0 else sw",
 }
 
 

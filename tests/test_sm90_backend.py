@@ -129,6 +129,13 @@ def test_x_smem_is_optional_in_stored_configs():
     assert _to_kernel_config(SM90Config(**gold)).swizzle == 1
     band = _from_kernel_config("gemm", G.Sm90GemmConfig(128, 64, 128, 4, swizzle=8))
     assert band.swizzle == 8 and _to_kernel_config(band) == G.Sm90GemmConfig(128, 64, 128, 4, swizzle=8)
+    # scale_select, GEMM only: stored configs without it mean False
+    assert _to_kernel_config(SM90Config(**gold)).scale_select is False and band.scale_select is None
+    sel = _from_kernel_config("gemm", G.Sm90GemmConfig(128, 64, 128, 4, scale_select=True))
+    assert sel.scale_select is True and _to_kernel_config(sel) == G.Sm90GemmConfig(128, 64, 128, 4, scale_select=True)
+    with pytest.raises(ValueError, match="takes no scale_select"):
+        SM90Config(kernel="decode", warps=4, k_split=8, m_max=16, prefetch=False, split_reduce="kernel",
+                   tiles_per_warp=1, scale_select=True)
     with pytest.raises(ValueError, match="takes no swizzle"):
         SM90Config(kernel="decode", warps=4, k_split=8, m_max=16, prefetch=False, split_reduce="kernel",
                    tiles_per_warp=1, swizzle=4)

@@ -193,6 +193,7 @@ def test_validate_rules():
         "ctas_per_sm value": g.Sm90GemmConfig(ctas_per_sm=3),
         "ctas_per_sm smem": g.Sm90GemmConfig(tile_n=128, tile_m=128, tile_k=128, stages=4, ctas_per_sm=2),
         "ctas_per_sm regs": g.Sm90GemmConfig(tile_n=256, tile_m=64, tile_k=64, stages=4, ctas_per_sm=2),
+        "scale_select": g.Sm90GemmConfig(scale_select=1),
     }
     for word, cfg in bad.items():
         reason = g.validate(cfg, 4096, 4096, "nvfp4", "bfloat16")
@@ -216,6 +217,34 @@ def test_default_config_is_valid_for_llama_shapes():
             for m in (None, 1, 64, 512, 8192):
                 cfg = g.default_config(n, k, fmt, "bfloat16", m)
                 assert g.validate(cfg, n, k, fmt, "bfloat16") is None, (n, k, fmt, m, cfg)
+
+
+def test_default_broadcasts_scales_by_operand_select_up_to_m_128():
+    for m, want in ((16, True), (64, True), (128, True), (512, False), (8192, False), (None, False)):
+        assert g.default_config(4096, 4096, "nvfp4", "bfloat16", m).scale_select is want, m
+
+
+@needs_cute
+@pytest.mark.parametrize("dtype,mul", [("bfloat16", "mul.rn.bf16x2"), ("float16", "mul.rn.f16x2")])
+def test_scale_select_replaces_the_permutes_in_ptx(dtype, mul, tmp_path):
+    """With scale_select each k16 step's two scale broadcasts are moves into a {half, half} pair
+    (ptxas folds them into the multiply's operand select) instead of PRMTs; the multiplies stay."""
+    import cutlass.cute as cute
+
+    texts = {}
+    for sel in (False, True):
+        out = tmp_path / str(sel)
+        out.mkdir()
+        kern = g._Sm90W4A16Kernel(g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, scale_select=sel),
+                                  1024, 1024, "nvfp4", dtype)
+        cute.compile(kern.build(), *kern.fake_args(),
+                     options=f"--enable-tvm-ffi --gpu-arch sm_90a --keep-ptx --dump-dir={out}")
+        (ptx,) = out.glob("*.ptx")
+        texts[sel] = ptx.read_text()
+    muls = texts[False].count(mul)
+    assert muls > 0 and texts[True].count(mul) == muls
+    assert texts[False].count("prmt.b32") == muls // 2 and "prmt.b32" not in texts[True]
+    assert texts[True].count("mov.b32 s, {l, l}") == texts[True].count("mov.b32 s, {h, h}") == muls // 2
 
 
 def test_config_space_values_are_known():
@@ -247,6 +276,10 @@ def test_invalid_config_rejected_before_compiling():
         (g.Sm90GemmConfig(tile_n=128, tile_m=128, tile_k=64, stages=4, ctas_per_sm=2), "mxfp4", "float16"),
         (g.Sm90GemmConfig(tile_n=128, tile_m=256, tile_k=64, stages=6, swizzle=8), "nvfp4", "bfloat16"),
         (g.Sm90GemmConfig(tile_n=64, tile_m=128, tile_k=128, stages=4, split_k=2, raster="m", swizzle=4),
+         "mxfp4", "float16"),
+        (g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, ctas_per_sm=2, scale_select=True),
+         "nvfp4", "bfloat16"),
+        (g.Sm90GemmConfig(tile_n=64, tile_m=16, tile_k=256, stages=4, split_k=2, scale_select=True),
          "mxfp4", "float16"),
     ],
 )

@@ -105,6 +105,7 @@ def gemm_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
         "swizzle": [1, 4, 8],
         "ctas_per_sm": [0, 2],
         "pdl": [False, True],
+        "scale_select": [False, True],
     }
 
 
@@ -161,7 +162,21 @@ def _medium_ranking(n: int, k: int, fmt: str, dtype: str, m: int) -> list:
     return [cfg for _, _, cfg in sorted(ranked, key=lambda t: t[:2])]
 
 
+# Largest M whose GEMM default broadcasts block scales by operand select (``scale_select``).
+# H200, the tenth session's GEMM winners with and without it (scripts/gpu_probe_decode.py
+# --gemm ... --gemm-variants hsel, the same code as a variant): faster in 37 of 39 cases at
+# M = 16-128 (geomean NVFP4 0.955, MXFP4 0.978), a wash at M = 512 and 2048 but for 70B gate_up
+# at 2048 (7-9% slower).
+SCALE_SELECT_MAX_M = 128
+
+
 def gemm_default(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
+    """:func:`gemm_tiles`, with block scales broadcast by operand select up to
+    ``SCALE_SELECT_MAX_M`` tokens."""
+    return replace(gemm_tiles(n, k, fmt, dtype, m), scale_select=m is not None and m <= SCALE_SELECT_MAX_M)
+
+
+def gemm_tiles(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
     """Heuristic from H200 sweeps (``scripts/gpu_check_gemm.py``, ``scripts/gpu_sweep_gemm.py``).
 
     * M <= 16 (normally served by the decode kernel): 16-token tiles, 256-row weight tiles when
@@ -246,11 +261,15 @@ def default(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> tuple
 def seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[tuple[str, Any]]:
     """Configs the tuner tries right after the default, most promising first: the default with
     programmatic dependent launch the other way (it helps or hurts the decode kernel by shape,
-    see :func:`with_pdl`), then the sweep winners of :func:`_sweep_seeds` with the default
-    setting."""
+    see :func:`with_pdl`; a GEMM default also with ``scale_select`` the other way), then the
+    sweep winners of :func:`_sweep_seeds` with the default settings."""
     kernel, dflt = default(n, k, fmt, dtype, m)
     out = [(kernel, replace(dflt, pdl=not dflt.pdl))]
-    return out + [(kern, with_pdl(kern, c)) for kern, c in _sweep_seeds(n, k, fmt, dtype, m)]
+    if kernel == "gemm":
+        out.append((kernel, replace(dflt, scale_select=not dflt.scale_select)))
+    select = m is not None and m <= SCALE_SELECT_MAX_M
+    return out + [(kern, with_pdl(kern, replace(c, scale_select=select) if kern == "gemm" else c))
+                  for kern, c in _sweep_seeds(n, k, fmt, dtype, m)]
 
 
 def _sweep_seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[tuple[str, Any]]:

@@ -32,7 +32,7 @@ _DECODE_FIELDS = ("warps", "k_split", "m_max", "prefetch", "split_reduce", "tile
 _DECODE_OPTIONAL = {"x_smem": False, "smem_stages": 0}
 # both kernels: CTAs per SM asked of the compiler; programmatic dependent launch
 _SHARED_OPTIONAL = {"ctas_per_sm": 0, "pdl": False}
-_GEMM_OPTIONAL = {"swizzle": 1}
+_GEMM_OPTIONAL = {"swizzle": 1, "scale_select": False}
 _GEMM_FIELDS = ("tile_n", "tile_m", "tile_k", "stages", "split_k", "cluster_n", "raster")
 
 
@@ -60,6 +60,7 @@ class SM90Config(BackendConfig):
     cluster_n: Optional[int] = Field(None, ge=1, le=16)
     raster: Optional[Literal["n", "m"]] = None
     swizzle: Optional[int] = Field(None, ge=1, le=64)
+    scale_select: Optional[bool] = None
 
     @model_validator(mode="after")
     def _fields_match_kernel(self) -> "SM90Config":

@@ -17,7 +17,9 @@ Data path of one CTA (``tile_n`` weight rows x ``tile_m`` tokens):
 * each consumer warpgroup (1 or 2; 64 or 128 weight rows each) reads, per 64x64 weight chunk,
   one 16-byte vector (its 32 FP4 values of 4 ``k16`` steps) and one 8- or 4-byte vector of block
   scales, decodes E2M1 to bf16/fp16 with shifts, rotates and masks (:mod:`._fp4_bits`), multiplies by the block scale
-  (exact), fences once and issues the chunk's 4 ``wgmma`` with the decoded fragment as A and
+  (exact; the scale word holds rows r and r + 8, so each multiply needs one half broadcast: a
+  byte permute, or with ``scale_select`` two moves that ptxas folds into the multiply's operand
+  select, two instructions fewer per 8 weights), fences once and issues the chunk's 4 ``wgmma`` with the decoded fragment as A and
   the ``x`` tile as B, accumulating in fp32. The A fragment is double-buffered across K tiles:
   tile t+1 is decoded while tile t's wgmmas run (``wait_group(1)``);
 * dependent launch (:mod:`autofp4.pdl`): the kernel may start while the previous one of the
@@ -112,6 +114,7 @@ class Sm90GemmConfig:
     swizzle: int = 1       # > 1: the walk goes over bands this many tiles wide on the other axis
     ctas_per_sm: int = 0   # 0: as registers and shared memory allow; 2: ask for two (.minnctapersm)
     pdl: bool = False      # launch with programmatic dependent launch (a launch flag, one binary)
+    scale_select: bool = False  # broadcast a block scale's half by operand select, not a byte permute
 
     @property
     def warpgroups(self) -> int:
@@ -207,6 +210,8 @@ def validate(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> str |
     smem = cfg.smem_bytes(fmt)
     if smem > SMEM_BUDGET:
         return f"needs {smem} bytes of shared memory, more than the {SMEM_BUDGET} available"
+    if not isinstance(cfg.scale_select, bool):
+        return f"scale_select must be a bool, got {cfg.scale_select!r}"
     if cfg.ctas_per_sm not in (0, 2):
         return f"ctas_per_sm must be 0 (as resources allow) or 2, got {cfg.ctas_per_sm!r}"
     if cfg.ctas_per_sm == 2:
@@ -448,7 +453,16 @@ class _Sm90W4A16Kernel:
         occupancy = ({"min_blocks_per_mp": cfg.ctas_per_sm, "preferred_smem_carveout": -1}
                      if cfg.ctas_per_sm else {})
         out_is_f32 = split_k > 1 and not cluster_red
-        from ._ptx import decode_pair, griddep_launch_dependents, griddep_wait, mul_x2, prefetch_l2, prmt
+        from ._ptx import _asm_u32, decode_pair, griddep_launch_dependents, griddep_wait, mul_x2, prefetch_l2, prmt
+        mul_op = "mul.rn.bf16x2" if is_bf16 else "mul.rn.f16x2"
+        scale_select = cfg.scale_select
+
+        def mul_half(v, sw, hi: int):
+            """``v`` times the low (``hi=0``) or high half of ``sw`` in both lanes; the {h, h}
+            pair is built by moves, which ptxas folds into the multiply's operand select."""
+            h = "h, h" if hi else "l, l"
+            return _asm_u32(f"{{ .reg .b16 l, h; .reg .b32 s; mov.b32 {{l, h}}, $2; mov.b32 s, {{{h}}}; "
+                            f"{mul_op} $0, $1, s; }}", "=r,r,r", cutlass.Uint32(v), cutlass.Uint32(sw))
         if cluster_red:
             from ._ptx import ld_dsmem_f32
 
@@ -641,12 +655,16 @@ class _Sm90W4A16Kernel:
                                     sw = swords[st if is_nv else st // 2, r]
                                     if cutlass.const_expr(not is_bf16):
                                         sw = sw * cutlass.Uint32(8) + cutlass.Uint32(FP16_FROM_BF16)
-                                    s_pair = (prmt(sw, 0x1010), prmt(sw, 0x3232))
                                     word = wregs[st, r]
+                                    if cutlass.const_expr(not scale_select):
+                                        s_pair = (prmt(sw, 0x1010), prmt(sw, 0x3232))
                                     for j in cutlass.range_constexpr(4):
                                         v = decode_pair(word, terms[j])
                                         # pairs 0, 2: row r; 1, 3: row r + 8
-                                        rA32[j, r, kb] = mul_x2(v, s_pair[j % 2], is_bf16)
+                                        if cutlass.const_expr(scale_select):
+                                            rA32[j, r, kb] = mul_half(v, sw, j % 2)
+                                        else:
+                                            rA32[j, r, kb] = mul_x2(v, s_pair[j % 2], is_bf16)
                             # one fence per 64-K chunk: the 4 k16 steps decode independently
                             # (ILP), then their wgmmas are issued back to back
                             cute.nvgpu.warpgroup.fence()
