@@ -702,12 +702,14 @@ def _first_candidates(
 ) -> Iterator[_Cand]:
     """The configs a job tries before any search, in order, valid ones only (repeats possible):
     the first backend's default, the ``stored`` winners of an earlier run (a re-tune starts from
-    them), the other backends' defaults, then each backend's seeds (its first ``seeds``)."""
+    them), each followed by its backend's ``variants`` of it, the other backends' defaults, then
+    each backend's seeds (its first ``seeds``)."""
     defaults = list(_valid_defaults(key, m, backends))
     yield from defaults[:1]
     for b, cfg in stored:
-        if b.is_valid(cfg, key) is None:
-            yield _Cand(b, cfg, _cfg_json(cfg), first=True)
+        for c in (cfg, *b.variants(cfg, key, m)):
+            if b.is_valid(c, key) is None:
+                yield _Cand(b, c, _cfg_json(c), first=True)
     yield from defaults[1:]
     for b in backends:
         for cfg in list(b.seeds(key, m))[:seeds]:

@@ -167,6 +167,25 @@ def test_seeds_follow_the_default_and_are_valid():
                     assert any(c.kernel == "gemm" and c.tile_m == 16 for c in seeds[:2])
 
 
+def test_a_stale_gemm_winner_is_retried_with_scale_select_flipped(backend):
+    """A re-tune tries each stored GEMM winner as it is and then with ``scale_select`` the other
+    way (winners stored before the setting existed have it off); decode winners have no variant."""
+    from autofp4.tuner import _first_candidates
+
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 6144, 4096)
+    old = SM90Config(kernel="gemm", tile_n=128, tile_m=64, tile_k=256, stages=4, split_k=2, cluster_n=1,
+                     raster="n", pdl=True)
+    (flipped,) = backend.variants(old, key, 64)
+    assert flipped.scale_select is True
+    assert flipped.model_dump(exclude={"scale_select"}) == old.model_dump(exclude={"scale_select"})
+    (back,) = backend.variants(flipped, key, 64)
+    assert back == old and back.scale_select is None  # off is stored as absent
+    dec = backend.default(key, 1)
+    assert dec.kernel == "decode" and backend.variants(dec, key, 1) == []
+    firsts = [c.config for c in _first_candidates(key, 64, [backend], [(backend, old)])]
+    assert firsts[:3] == [backend.default(key, 64), old, flipped]
+
+
 def test_each_kernel_has_its_own_source_hash(backend, monkeypatch):
     """A row's provenance covers the kernel its config runs (its module and helpers): a change
     to the decode kernel retires the decode rows and keeps the GEMM rows (and the other way

@@ -240,6 +240,30 @@ def test_a_forced_retune_starts_from_the_stored_winner(monkeypatch, tmp_path):
     assert res.backend_source == registry.get_backend("test_seeded").source_hash(res.config)
 
 
+class VariedBackend(SeededBackend):
+    """The seeded backend whose stored winners have one variant: the next config of the grid."""
+
+    name = "test_varied"
+
+    def variants(self, config, key, m=None):
+        return [self.config_model(chunk_n=config.chunk_n + 16)]
+
+
+def test_a_stale_winner_is_followed_by_its_variants(monkeypatch, tmp_path):
+    """A job whose stored winner went stale tries it, then the backend's variants of it, before
+    the seeds."""
+    _register(monkeypatch, VariedBackend)
+    path = tmp_path / "t.db"
+    kw = dict(m_buckets=[2], backends=["test_varied"], db=path, device="cpu", progress=False, budget_per_shape=8)
+    assert tune([KEY], **kw).results[0].status == "tuned"
+    with sqlite3.connect(path) as conn:  # as if measured with other kernels
+        conn.execute("""UPDATE results SET config = '{"chunk_n": 144}', backend_source = 'fedcba9876543210'""")
+    assert tune([KEY], **kw).results[0].status == "tuned"
+    with TuningDB(path) as db:
+        second_run = db.trials(_env_key())[8:]
+    assert [t.config["chunk_n"] for t in second_run[:4]] == [0, 144, 160, 240]
+
+
 def test_compile_workers_start_before_the_first_job():
     """All compile processes are spawned (and run their imports) before the first job's clock
     starts, not on the first job's time."""

@@ -143,6 +143,12 @@ class Backend(ABC):
         of the grid, so a short run still reaches them. None by default."""
         return []
 
+    def variants(self, config: BackendConfig, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
+        """Configs next to ``config``, a winner stored by an earlier run, that a re-tune should try
+        right after it: settings whose best value may have moved with the code that retired the
+        row (the tuner checks their validity). None by default."""
+        return []
+
     def candidates(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
         """Every valid point of the config space (the grid), the default for ``m`` first.
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import warnings
+from dataclasses import replace
 from typing import Any, Literal, Mapping, Optional, Sequence
 
 import torch
@@ -213,6 +214,14 @@ class SM90W4A16Backend(Backend):
                 if cfg != default and cfg not in out:
                     out.append(cfg)
         return out
+
+    def variants(self, config: BackendConfig, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
+        """A GEMM config with ``scale_select`` the other way (how the kernel broadcasts block
+        scales; winners stored before the setting existed have it off)."""
+        if not isinstance(config, SM90Config) or config.kernel != "gemm":
+            return []
+        kcfg = _to_kernel_config(config)
+        return [_from_kernel_config("gemm", replace(kcfg, scale_select=not kcfg.scale_select))]
 
     def candidates(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
         """Both kernels' grids (decode only where ``m <= m_max``): the default first, then the
