@@ -170,10 +170,15 @@ def _medium_ranking(n: int, k: int, fmt: str, dtype: str, m: int) -> list:
 SCALE_SELECT_MAX_M = 128
 
 
+def _scale_select(m: int | None) -> bool:
+    """Whether a GEMM default or seed for ``m`` tokens broadcasts block scales by operand select."""
+    return m is not None and m <= SCALE_SELECT_MAX_M
+
+
 def gemm_default(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
     """:func:`gemm_tiles`, with block scales broadcast by operand select up to
     ``SCALE_SELECT_MAX_M`` tokens."""
-    return replace(gemm_tiles(n, k, fmt, dtype, m), scale_select=m is not None and m <= SCALE_SELECT_MAX_M)
+    return replace(gemm_tiles(n, k, fmt, dtype, m), scale_select=_scale_select(m))
 
 
 def gemm_tiles(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
@@ -267,7 +272,7 @@ def seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[tuple[str
     out = [(kernel, replace(dflt, pdl=not dflt.pdl))]
     if kernel == "gemm":
         out.append((kernel, replace(dflt, scale_select=not dflt.scale_select)))
-    select = m is not None and m <= SCALE_SELECT_MAX_M
+    select = _scale_select(m)
     return out + [(kern, with_pdl(kern, replace(c, scale_select=select) if kern == "gemm" else c))
                   for kern, c in _sweep_seeds(n, k, fmt, dtype, m)]
 
