@@ -1,13 +1,15 @@
-"""A/B of two versions of the decode kernel module at the same configs, on the GPU.
+"""A/B of two versions of a kernel module at the same configs, on the GPU.
 
 Loads an older copy of ``autofp4/kernels/w4a16_decode.py`` (``--old PATH``, e.g. written with
-``git show REV:autofp4/kernels/w4a16_decode.py``) next to the current one, and for every
-benchmark shape, M and config (the default, and the decode winners a tuning DB or export holds
-for that shape and M) checks that both give the same output on fresh random data, then times
-both in CUDA graphs (cold L2, rotating weight copies) in interleaved rounds. Dependent launch is
-off for both. Prints a table last; writes JSON to ``$OUT/ab_decode.json`` when ``$OUT`` is set.
+``git show REV:autofp4/kernels/w4a16_decode.py``; with ``--kernel gemm`` of
+``sm90_w4a16_gemm.py``) next to the current one, and for every benchmark shape, M and config
+(the default, and the winners of that kernel a tuning DB or export holds for that shape and M)
+checks that both give the same output on fresh random data, then times both in CUDA graphs
+(cold L2, rotating weight copies) in interleaved rounds. Dependent launch is off for both.
+Prints a table last; writes JSON to ``$OUT/ab_<kernel>.json`` when ``$OUT`` is set.
 
     python scripts/gpu_ab_decode.py --old /tmp/w4a16_decode_old.py --db tuning_db/nvidia-h200.json
+    python scripts/gpu_ab_decode.py --kernel gemm --old /tmp/gemm_old.py --db ... --m 64,128,512
 
 ``--compile-only`` (with ``CUTE_DSL_ARCH=sm_90a`` and ``AUTOFP4_KERNEL_CACHE``) compiles both
 versions' kernels ahead of time on a machine without a GPU.
@@ -28,7 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import autofp4  # noqa: E402
 from autofp4.backends.sm90_w4a16 import SM90Config, _to_kernel_config  # noqa: E402
 from autofp4.db import read_records  # noqa: E402
-from autofp4.kernels import w4a16_decode as NEW  # noqa: E402
+from autofp4.kernels import sm90_w4a16_gemm as GEMM  # noqa: E402
+from autofp4.kernels import w4a16_decode as DECODE  # noqa: E402
 from bench_linear import SHAPES  # noqa: E402
 from gpu_check_decode import fp4_bytes, graph_time, rotation  # noqa: E402
 
@@ -43,16 +46,36 @@ def import_as(path, name):
     return mod
 
 
+# kernel: (current module, its config class name, the DB's "kernel" value)
+KERNELS = {"decode": (DECODE, "DecodeConfig"), "gemm": (GEMM, "Sm90GemmConfig")}
+NEW, CONFIG_CLASS = KERNELS["decode"]
+
+
+def use_kernel(kernel):
+    """Time ``kernel``'s module (``decode`` or ``gemm``) from here on."""
+    global NEW, CONFIG_CLASS
+    NEW, CONFIG_CLASS = KERNELS[kernel]
+    return kernel
+
+
 def load_old(path):
     """The older module, importable by name."""
-    return import_as(path, "autofp4.kernels.w4a16_decode_ab_old")
+    stem = NEW.__name__.rsplit(".", 1)[1]
+    return import_as(path, f"autofp4.kernels.{stem}_ab_old")
+
+
+def compile_launcher(mod, cfg, n, k, fmt):
+    """The compiled kernel of ``cfg`` (dependent launch off, no repack) of module ``mod``."""
+    if NEW is DECODE:
+        return mod._compile(as_config(mod, cfg), n, k, fmt, "bfloat16", False)
+    return mod._compile(as_config(mod, cfg), n, k, fmt, "bfloat16")
 
 
 def configs(records, fmt, n, k, m):
-    """The default at ``m``, then the decode winners stored for (fmt, bf16, n, k) at bucket ``m``."""
+    """The default at ``m``, then the winners of the kernel stored for (fmt, bf16, n, k) at bucket ``m``."""
     out = [dataclasses.replace(NEW.default_config(n, k, fmt, "bfloat16", m), pdl=False)]
     for r in records:
-        if (r.fmt, r.dtype, r.n, r.k, r.m_bucket, r.config.get("kernel")) == (fmt, "bfloat16", n, k, m, "decode"):
+        if (r.fmt, r.dtype, r.n, r.k, r.m_bucket, r.config.get("kernel")) == (fmt, "bfloat16", n, k, m, "decode" if NEW is DECODE else "gemm"):
             cfg = dataclasses.replace(_to_kernel_config(SM90Config(**r.config)), pdl=False)
             if cfg not in out:
                 out.append(cfg)
@@ -61,7 +84,7 @@ def configs(records, fmt, n, k, m):
 
 def as_config(mod, cfg):
     """``cfg`` as the config class of ``mod`` (each module version has its own)."""
-    return mod.DecodeConfig(**dataclasses.asdict(cfg))
+    return getattr(mod, CONFIG_CLASS)(**dataclasses.asdict(cfg))
 
 
 def compile_all(old, records, fmts, shapes, ms):
@@ -74,15 +97,16 @@ def compile_all(old, records, fmts, shapes, ms):
             for m in ms:
                 for cfg in configs(records, fmt, n, k, m):
                     for mod in (old, NEW):
-                        mod._compile(as_config(mod, cfg), n, k, fmt, "bfloat16", False)
+                        compile_launcher(mod, cfg, n, k, fmt)
                         done += 1
     print(f"compiled {done} kernels")
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--old", required=True, help="path of the older w4a16_decode.py")
-    ap.add_argument("--db", help="tuning DB or export whose decode winners are timed too")
+    ap.add_argument("--kernel", choices=sorted(KERNELS), default="decode")
+    ap.add_argument("--old", required=True, help="path of the older kernel module")
+    ap.add_argument("--db", help="tuning DB or export whose winners of that kernel are timed too")
     ap.add_argument("--fmt", default="nvfp4,mxfp4")
     ap.add_argument("--m", default="1,16")
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -90,6 +114,7 @@ def main():
     ap.add_argument("--compile-only", action="store_true",
                     help="only compile both versions' kernels into the kernel cache (no GPU needed)")
     args = ap.parse_args()
+    kernel = use_kernel(args.kernel)
     old = load_old(args.old)
     records = read_records(args.db)[1] if args.db else []
     if args.compile_only:
@@ -127,7 +152,7 @@ def main():
             del packs, w
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, "ab_decode.json"), "w") as f:
+        with open(os.path.join(out, f"ab_{kernel}.json"), "w") as f:
             json.dump(rows, f, indent=1)
     print(f"\n{'fmt':6s} {'shape':12s} {'M':>3s} {'old us':>8s} {'new us':>8s} {'new/old':>8s}  same  config")
     for r in rows:

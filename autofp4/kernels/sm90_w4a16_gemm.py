@@ -453,7 +453,8 @@ class _Sm90W4A16Kernel:
         occupancy = ({"min_blocks_per_mp": cfg.ctas_per_sm, "preferred_smem_carveout": -1}
                      if cfg.ctas_per_sm else {})
         out_is_f32 = split_k > 1 and not cluster_red
-        from ._ptx import _asm_u32, decode_pair, griddep_launch_dependents, griddep_wait, mul_x2, prefetch_l2, prmt
+        pair_out = not out_is_f32  # two consecutive n of one m per store (see the epilogue)
+        from ._ptx import _asm_u32, asm_void, decode_pair, griddep_launch_dependents, griddep_wait, mul_x2, prefetch_l2, prmt
         mul_op = "mul.rn.bf16x2" if is_bf16 else "mul.rn.f16x2"
         scale_select = cfg.scale_select
 
@@ -465,6 +466,12 @@ class _Sm90W4A16Kernel:
                             f"{mul_op} $0, $1, s; }}", "=r,r,r", cutlass.Uint32(v), cutlass.Uint32(sw))
         if cluster_red:
             from ._ptx import ld_dsmem_f32
+        cvt_x2 = "cvt.rn.bf16x2.f32" if is_bf16 else "cvt.rn.f16x2.f32"
+
+        def st_x2(addr, lo, hi):
+            """out[addr] = (lo, hi) rounded to the output dtype, one 4-byte store."""
+            asm_void("{ .reg .b32 p; " + cvt_x2 + " p, $2, $1; st.global.b32 [$0], p; }", "l,f,f",
+                     cutlass.Int64(addr), cutlass.Float32(lo), cutlass.Float32(hi))
 
         def load_stage(pipe, state, k_tile0, n_row0, tma_atom_x, tXgX, tXsX, bulk_atom, mW, sW):
             """Warp 0: acquire the stage at ``state``, issue its x tile (TMA, multicast across the
@@ -707,8 +714,8 @@ class _Sm90W4A16Kernel:
             n_acc = cute.size(acc)
             if cutlass.const_expr(cluster_red):
                 # split-K in the cluster: accumulators [i][thread] into the idle x buffers (every
-                # warpgroup's wgmmas must be done reading them), then CTA bidz sums accumulator
-                # i of every thread where i % split_k == bidz over the cluster and stores it
+                # warpgroup's wgmmas must be done reading them), then CTA bidz sums the pairs of
+                # accumulators (i, i + 1) where i // 2 % split_k == bidz over the cluster and stores them
                 cute.arch.barrier()
                 red_base = cutlass.Int32(storage.sX.data_ptr().toint())
                 sRed = cute.make_tensor(
@@ -719,20 +726,53 @@ class _Sm90W4A16Kernel:
                     sRed[i, tidx] = acc[i]
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
-                for i in cutlass.range_constexpr(n_acc):
-                    rr, cc = tcid[i]
-                    nn = row0 + rr
-                    mm = col0 + cc
-                    if (bidz == i % split_k) & (nn < n_real) & (mm < m_size):
-                        tot = cutlass.Float32(0.0)
-                        for z in cutlass.range_constexpr(split_k):
-                            tot = tot + ld_dsmem_f32(red_base + (i * threads + tidx) * 4, z)
-                        val = tot * alpha + mBias[nn].to(cutlass.Float32)
-                        mOut[mm, nn] = val.to(dt)
-                # every CTA's shared memory stays alive until its peers have read it
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
-            for i in cutlass.range_constexpr(n_acc if not cluster_red else 0):
+            if cutlass.const_expr(pair_out):
+                # accumulator i = c + 2 h + 4 g + tile_m / 2 * rep of this thread holds row
+                # r0 + 8 h + 64 rep, column c0 + c + 8 g (the wgmma fragment). Lanes 4 apart hold
+                # rows r, r + 1 (r even) of the same columns: the even one trades its column c + 1
+                # for the odd one's column c, and each stores two consecutive n of one m (bf16x2)
+                r0, c0 = tcid[0]
+                lane_odd = (tidx // 4) % 2
+                bias_rows = [mBias[cutlass.min(row0 + r0 + 8 * h + CHUNK_N * rep, n_real - 1)].to(cutlass.Float32)
+                             for rep in range(reps) for h in range(2)]
+                for i in cutlass.range_constexpr(0, n_acc, 2):
+                    h = i // 2 % 2
+                    rep = i // (tile_m // 2)
+                    if bidz == (i // 2 % split_k if cluster_red else 0):
+                        if cutlass.const_expr(cluster_red):
+                            t0 = cutlass.Float32(0.0)
+                            t1 = cutlass.Float32(0.0)
+                            for z in cutlass.range_constexpr(split_k):
+                                t0 = t0 + ld_dsmem_f32(red_base + (i * threads + tidx) * 4, z)
+                                t1 = t1 + ld_dsmem_f32(red_base + ((i + 1) * threads + tidx) * 4, z)
+                        else:
+                            t0 = acc[i]
+                            t1 = acc[i + 1]
+                        v0 = t0 * alpha + bias_rows[rep * 2 + h]
+                        v1 = t1 * alpha + bias_rows[rep * 2 + h]
+                        send = v1
+                        if lane_odd == 1:
+                            send = v0
+                        got = cute.arch.shuffle_sync_bfly(send, offset=4)
+                        lo = v0
+                        hi = got
+                        if lane_odd == 1:
+                            lo = got
+                            hi = v1
+                        nn = row0 + r0 + 8 * h + CHUNK_N * rep - lane_odd
+                        mm = col0 + c0 + i // 4 % (tile_m // 8) * 8 + lane_odd
+                        if nn < n_real and mm < m_size:
+                            if cutlass.const_expr(n_real % 2 == 0):
+                                st_x2(mOut.iterator.toint() + cutlass.Int64(mm * n_real + nn) * 2, lo, hi)
+                            else:  # rows of out are not 4-byte aligned
+                                mOut[mm, nn] = lo.to(dt)
+                                if nn + 1 < n_real:
+                                    mOut[mm, nn + 1] = hi.to(dt)
+                if cutlass.const_expr(cluster_red):
+                    # every CTA's shared memory stays alive until its peers have read it
+                    cute.arch.cluster_arrive()
+                    cute.arch.cluster_wait()
+            for i in cutlass.range_constexpr(0 if pair_out else n_acc):
                 rr, cc = tcid[i]
                 nn = row0 + rr
                 mm = col0 + cc
