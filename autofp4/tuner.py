@@ -681,6 +681,7 @@ class _Cand:
     config: BackendConfig
     config_json: str
     first: bool = False  # the job's default or a backend's seed: tried before sampling
+    prior: bool = False  # a winner stored by an earlier run: measured even past the job's time share
 
     @property
     def ident(self) -> str:
@@ -709,7 +710,7 @@ def _first_candidates(
     for b, cfg in stored:
         for c in (cfg, *b.variants(cfg, key, m)):
             if b.is_valid(c, key) is None:
-                yield _Cand(b, c, _cfg_json(c), first=True)
+                yield _Cand(b, c, _cfg_json(c), first=True, prior=c is cfg)
     yield from defaults[1:]
     for b in backends:
         for cfg in list(b.seeds(key, m))[:seeds]:
@@ -1098,12 +1099,22 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
     def has_result() -> bool:
         return any(r["outcome"] == "ok" for r in measured_here.values())
 
+    def priors_left() -> bool:
+        """Is a stored winner (the best evidence an earlier run left) not measured yet?"""
+        return any(c.prior and c.ident not in measured_here and c.ident not in failed for c in cands)
+
     def share_used(compiled: bool = False) -> bool:
         """With a result in hand, would one more trial (its kernel ``compiled`` already or not)
-        end past this job's share of the time?"""
+        end past this job's share of the time? A stored winner not measured yet (it comes right
+        after the default) may take longer, as far as the run's deadline still leaves one trial
+        for every job after this one: a short share must not reduce a re-tune to the default."""
         if ctx.job_deadline is None or not run_s or not has_result():
             return False
-        return _now() + trial_estimate(run_s, wait_s, compiled) > ctx.job_deadline
+        end = _now() + trial_estimate(run_s, wait_s, compiled)
+        if priors_left():
+            cap = setup_cap(ctx.deadline, ctx.jobs_after, ctx.trial_s, ctx.streams)
+            return cap is not None and end > max(ctx.job_deadline, cap)
+        return end > ctx.job_deadline
 
     def executed() -> int:
         return sum(1 for t in _finished(study) if t.user_attrs.get("executed"))
@@ -1166,7 +1177,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
                 # lasts (a cold compile can take longer than a whole share; it still lands in
                 # the kernel cache for a later run)
                 wait = ctx.compile_timeout_s
-                if ctx.job_deadline is not None and has_result():
+                if ctx.job_deadline is not None and has_result() and not cand.prior:
                     wait = min(wait, max(0.0, ctx.job_deadline - t_trial))
                 try:
                     err = fut.result(timeout=wait)

@@ -1,5 +1,6 @@
 """The tuner on the CPU: real tuning runs into real SQLite files, with test backends that are
 deliberately wrong, faulty or crashing (fixtures registered like any backend)."""
+import json
 import os
 import sqlite3
 import time
@@ -455,6 +456,44 @@ def test_time_budget_is_shared_by_every_job(tmp_path, monkeypatch):
     # without a budget every job measures both candidates
     rep = tune_jobs(jobs, db=tmp_path / "u.db", device="cpu", progress=False)
     assert [r.trials_run for r in rep.results] == [2] * len(jobs)
+
+
+def test_a_short_share_still_measures_the_stored_winner(tmp_path, monkeypatch):
+    """A re-tune whose stored winners went stale (another kernel source), with a budget whose
+    shares leave each job one trial: a job measures its stored winner after the default as long
+    as the run's deadline still leaves one trial for every job after it, and keeps the winner
+    where it is faster; no job is left without a result. A fake clock: every trial takes 1 s."""
+    from autofp4 import tuner
+    from autofp4.backends.reference import ReferenceBackend
+
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 2048, 256)
+    default = ReferenceBackend().default(key, 1).model_dump()
+    other = [c.model_dump() for c in ReferenceBackend().candidates(key, 1) if c.model_dump() != default]
+    assert len(other) == 1
+    clock = [1000.0]
+    real_run_trial = tuner.run_trial
+
+    def one_second_trial(req):
+        clock[0] += 1.0
+        res = real_run_trial(req)
+        if res["outcome"] == "ok" and json.loads(req["config"]) == other[0]:
+            res = {**res, "median_us": res["median_us"] / 10}  # the stored winner is the faster
+        return res
+
+    monkeypatch.setattr(tuner, "_now", lambda: clock[0])
+    monkeypatch.setattr(tuner, "run_trial", one_second_trial)
+    jobs = [Job(key, m) for m in (1, 2, 4, 8)]
+    path = tmp_path / "t.db"
+    tune_jobs(jobs, db=path, device="cpu", progress=False)
+    with sqlite3.connect(path) as conn:  # winners measured with another kernel source
+        conn.execute("UPDATE results SET config = ?, backend_source = 'fedcba9876543210'", (json.dumps(other[0]),))
+    # 6 s for 4 jobs: shares of 1.5 s; the first two jobs can afford their stored winner
+    rep = tune_jobs(jobs, db=path, device="cpu", progress=False, budget_total_s=6.0)
+    assert [r.status for r in rep.results] == ["tuned"] * len(jobs), [(r.status, r.note) for r in rep.results]
+    assert [r.trials_run for r in rep.results] == [2, 2, 1, 1], [(r.trials_run, r.note) for r in rep.results]
+    with TuningDB(path) as db:
+        won = {r.m_bucket: r.config for r in db.results(_env_key())}
+    assert won == {1: other[0], 2: other[0], 4: default, 8: default}
 
 
 def _setup_then_one_second_trials(monkeypatch, setup_s: float) -> None:
