@@ -81,6 +81,9 @@ CASES = [
     (640, 512, g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=64, stages=4, swizzle=4)),
     (704, 1024, g.Sm90GemmConfig(tile_n=64, tile_m=128, tile_k=128, stages=4, split_k=2, raster="m",
                                  swizzle=8)),
+    # odd N: rows of out are not 4-byte aligned, the epilogue stores its pairs of outputs singly
+    (191, 320, g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=64, stages=3)),
+    (97, 512, g.Sm90GemmConfig(tile_n=64, tile_m=32, tile_k=128, stages=4, split_k=2)),
 ]
 
 
