@@ -32,3 +32,26 @@ def test_gemm_variants_apply_and_compile(tag, scale_select):
     mod = P.variant(tag, G, P._GEMM_SCALED, P.GEMM_VARIANTS)
     cfg = mod.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, scale_select=scale_select)
     mod._compile(cfg, 1024, 1024, "nvfp4", "bfloat16")
+
+
+@pytest.mark.parametrize("kernel", ["decode", "gemm"])
+def test_ab_script_compiles_both_versions(kernel, tmp_path, monkeypatch, capsys):
+    """``scripts/gpu_ab_decode.py --kernel K --compile-only``: the older copy of the kernel
+    module (here: the current source under another name) and the current one each compile the
+    default config of a shape at an M bucket."""
+    import gpu_ab_decode as AB
+
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(tmp_path / "kc"))
+    mod = {"decode": D, "gemm": G}[kernel]
+    old = tmp_path / f"old_{kernel}.py"
+    old.write_text(Path(mod.__file__).read_text())
+    m = "16" if kernel == "decode" else "64"
+    monkeypatch.setattr(sys, "argv", ["gpu_ab_decode.py", "--kernel", kernel, "--old", str(old), "--fmt", "nvfp4",
+                                      "--m", m, "--shapes", "8B o", "--compile-only"])
+    try:
+        AB.main()
+        assert AB.NEW is mod
+        assert AB.load_old(str(old)).__name__ == f"autofp4.kernels.{mod.__name__.rsplit('.', 1)[1]}_ab_old"
+    finally:
+        AB.use_kernel("decode")
+    assert "compiled 2 kernels" in capsys.readouterr().out
