@@ -1099,9 +1099,11 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
     def has_result() -> bool:
         return any(r["outcome"] == "ok" for r in measured_here.values())
 
+    priors = [c.ident for c in cands if c.prior]
+
     def priors_left() -> bool:
         """Is a stored winner (the best evidence an earlier run left) not measured yet?"""
-        return any(c.prior and c.ident not in measured_here and c.ident not in failed for c in cands)
+        return any(i not in measured_here and i not in failed for i in priors)
 
     def share_used(compiled: bool = False) -> bool:
         """With a result in hand, would one more trial (its kernel ``compiled`` already or not)

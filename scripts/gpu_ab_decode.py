@@ -46,14 +46,16 @@ def import_as(path, name):
     return mod
 
 
-# kernel: (current module, its config class name, the DB's "kernel" value)
+# kernel (the DB's "kernel" value): (current module, its config class name)
 KERNELS = {"decode": (DECODE, "DecodeConfig"), "gemm": (GEMM, "Sm90GemmConfig")}
-NEW, CONFIG_CLASS = KERNELS["decode"]
+KIND = "decode"
+NEW, CONFIG_CLASS = KERNELS[KIND]
 
 
 def use_kernel(kernel):
     """Time ``kernel``'s module (``decode`` or ``gemm``) from here on."""
-    global NEW, CONFIG_CLASS
+    global KIND, NEW, CONFIG_CLASS
+    KIND = kernel
     NEW, CONFIG_CLASS = KERNELS[kernel]
     return kernel
 
@@ -66,7 +68,7 @@ def load_old(path):
 
 def compile_launcher(mod, cfg, n, k, fmt):
     """The compiled kernel of ``cfg`` (dependent launch off, no repack) of module ``mod``."""
-    if NEW is DECODE:
+    if KIND == "decode":
         return mod._compile(as_config(mod, cfg), n, k, fmt, "bfloat16", False)
     return mod._compile(as_config(mod, cfg), n, k, fmt, "bfloat16")
 
@@ -75,7 +77,7 @@ def configs(records, fmt, n, k, m):
     """The default at ``m``, then the winners of the kernel stored for (fmt, bf16, n, k) at bucket ``m``."""
     out = [dataclasses.replace(NEW.default_config(n, k, fmt, "bfloat16", m), pdl=False)]
     for r in records:
-        if (r.fmt, r.dtype, r.n, r.k, r.m_bucket, r.config.get("kernel")) == (fmt, "bfloat16", n, k, m, "decode" if NEW is DECODE else "gemm"):
+        if (r.fmt, r.dtype, r.n, r.k, r.m_bucket, r.config.get("kernel")) == (fmt, "bfloat16", n, k, m, KIND):
             cfg = dataclasses.replace(_to_kernel_config(SM90Config(**r.config)), pdl=False)
             if cfg not in out:
                 out.append(cfg)
