@@ -19,6 +19,10 @@ config field set to each value, at the M of its bucket.
 with the same two variants of its decode (``--gemm-variants``). (The variant ``hsel`` of the
 eleventh session became the GEMM's ``scale_select`` config field.)
 
+``--gemm 64,128,512 --vary FIELD=V1,V2,..``: the GEMM kernel's stored winners at those M
+buckets, each with that config field set to each value (e.g. ``producer=0,1``), at the M of its
+bucket; the outputs of the variants are compared bit for bit with the first.
+
 ``--tpw2``: instead, at M = 16, the stored decode winner (or the default) against variants of
 it with two 16-row tiles per warp (each x fragment read from shared memory then feeds four MMAs
 instead of two), 4 or 8 warps, a 2- or 3-deep ring, the same or twice the split.
@@ -54,11 +58,11 @@ VARIANTS = {
 }
 # the GEMM kernel's decode of one k16 step of a 64-row block (A fragment, 4 registers)
 _GEMM_SCALED = ("v = decode_pair(word, terms[j])\n"
-                "                                        # pairs 0, 2: row r; 1, 3: row r + 8\n"
-                "                                        if cutlass.const_expr(scale_select):\n"
-                "                                            rA32[j, r, kb] = mul_half(v, sw, j % 2)\n"
-                "                                        else:\n"
-                "                                            rA32[j, r, kb] = mul_x2(v, s_pair[j % 2], is_bf16)")
+                "                                            # pairs 0, 2: row r; 1, 3: row r + 8\n"
+                "                                            if cutlass.const_expr(scale_select):\n"
+                "                                                rA32[j, r, kb] = mul_half(v, sw, j % 2)\n"
+                "                                            else:\n"
+                "                                                rA32[j, r, kb] = mul_x2(v, s_pair[j % 2], is_bf16)")
 GEMM_VARIANTS = {
     "noscale": "rA32[j, r, kb] = decode_pair(word, terms[j])",
     "noalu": "rA32[j, r, kb] = word if j % 2 == 0 else sw",
@@ -263,6 +267,55 @@ def gemm_probe(records, fmts, shapes, ms, rounds, compile_only, tags):
               + "  " + ",".join(t for t in tags if r["same_output"][t]))
 
 
+def gemm_vary(records, fmts, shapes, ms, field, values, rounds, compile_only):
+    """The GEMM kernel's stored winners at ``ms``, each with ``field`` set to each of ``values``
+    (variants that are not valid for the shape are left out)."""
+    from autofp4.kernels import sm90_w4a16_gemm as G
+
+    rows = []
+    for fmt in fmts:
+        for name in shapes:
+            n, k = SHAPES[name]
+            cases = []
+            for r in records:
+                if (r.fmt, r.dtype, r.n, r.k, r.config.get("kernel")) == (fmt, "bfloat16", n, k, "gemm") \
+                        and r.m_bucket in ms:
+                    cfg = dataclasses.replace(_to_kernel_config(SM90Config(**r.config)), pdl=False)
+                    cfgs = [dataclasses.replace(cfg, **{field: type(getattr(cfg, field))(v)}) for v in values]
+                    cfgs = [c for c in cfgs if G.validate(c, n, k, fmt, "bfloat16") is None]
+                    if len(cfgs) > 1:
+                        cases.append((r.m_bucket, cfgs))
+            if compile_only:
+                for _, cfgs in cases:
+                    for cfg in cfgs:
+                        G._compile(cfg, n, k, fmt, "bfloat16")
+                continue
+            if not cases:
+                continue
+            packs, calls = rotated_weight(G, fmt, n, k)
+            for m, cfgs in sorted(cases, key=lambda c: c[0]):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                runs = [G.compile_kernel(c, n, k, fmt, "bfloat16") for c in cfgs]
+                ref = runs[0](x, packs[0], None)
+                same = [torch.equal(run(x, packs[0], None), ref) for run in runs]
+                us = list(interleaved_medians(dict(enumerate(runs)), x, packs, calls, rounds).values())
+                rows.append(dict(fmt=fmt, shape=name, m=m, cfg=str(cfgs[0]), field=field,
+                                 values=[getattr(c, field) for c in cfgs], us=us, same_output=same))
+                print(f"{fmt} {name:12s} M={m:4d} " + " ".join(f"{v}: {u:8.2f}" for v, u in zip(rows[-1]["values"], us))
+                      + f"  same {all(same)}  {cfgs[0]}", flush=True)
+            del packs
+    if finished(rows, compile_only, f"probe_gemm_{field}.json"):
+        return
+    print(f"\n{'fmt':6s} {'shape':12s} {'M':>4s} {field} = value: us (ratio to the first), same bits")
+    for r in rows:
+        print(f"{r['fmt']:6s} {r['shape']:12s} {r['m']:4d} " + "  ".join(
+            f"{v}: {u:8.2f} ({u / r['us'][0]:.3f})" for v, u in zip(r["values"], r["us"]))
+            + f"  {all(r['same_output'])}")
+    ratios = [r["us"][-1] / r["us"][0] for r in rows]
+    if ratios:
+        print(f"geomean last/first: {statistics.geometric_mean(ratios):.3f} over {len(ratios)}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--db", required=True)
@@ -275,6 +328,13 @@ def main():
     ap.add_argument("--gemm", help="M buckets (e.g. 64,128,512): probe the GEMM kernel's winners there instead")
     ap.add_argument("--gemm-variants", default="noscale,noalu", help=f"of {', '.join(GEMM_VARIANTS)}")
     args = ap.parse_args()
+    if args.gemm and args.vary:
+        field, vals = args.vary.split("=")
+        if not args.compile_only:
+            print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+        return gemm_vary(read_records(args.db)[1], args.fmt.split(","), args.shapes.split(","),
+                         [int(v) for v in args.gemm.split(",")], field, [int(v) for v in vals.split(",")],
+                         args.rounds, args.compile_only)
     if args.gemm:
         if not args.compile_only:
             print(torch.cuda.get_device_name(), torch.__version__, flush=True)

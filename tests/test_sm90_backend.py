@@ -133,6 +133,10 @@ def test_x_smem_is_optional_in_stored_configs():
     assert _to_kernel_config(SM90Config(**gold)).scale_select is False and band.scale_select is None
     sel = _from_kernel_config("gemm", G.Sm90GemmConfig(128, 64, 128, 4, scale_select=True))
     assert sel.scale_select is True and _to_kernel_config(sel) == G.Sm90GemmConfig(128, 64, 128, 4, scale_select=True)
+    # producer, GEMM only: stored configs without it mean False
+    assert _to_kernel_config(SM90Config(**gold)).producer is False and sel.producer is None
+    prod = _from_kernel_config("gemm", G.Sm90GemmConfig(128, 64, 128, 4, producer=True))
+    assert prod.producer is True and _to_kernel_config(prod) == G.Sm90GemmConfig(128, 64, 128, 4, producer=True)
     with pytest.raises(ValueError, match="takes no scale_select"):
         SM90Config(kernel="decode", warps=4, k_split=8, m_max=16, prefetch=False, split_reduce="kernel",
                    tiles_per_warp=1, scale_select=True)
@@ -162,28 +166,37 @@ def test_seeds_follow_the_default_and_are_valid():
                 cands = b.candidates(key, m)
                 assert cands[0] == default and cands[1:1 + len(seeds)] == seeds
                 if m in (64, 128):
-                    assert any(c.kernel == "gemm" and c.ctas_per_sm == 2 for c in seeds[:3])
+                    # after the default with PDL, scale_select and the producer warp flipped
+                    assert any(c.kernel == "gemm" and c.ctas_per_sm == 2 for c in seeds[:4])
+                    if default.producer:
+                        assert not seeds[2].producer and seeds[2].tile_m == default.tile_m
                 if m == 16:
                     assert any(c.kernel == "gemm" and c.tile_m == 16 for c in seeds[:2])
 
 
 def test_a_stale_gemm_winner_is_retried_with_scale_select_flipped(backend):
-    """A re-tune tries each stored GEMM winner as it is and then with ``scale_select`` the other
-    way (winners stored before the setting existed have it off); decode winners have no variant."""
+    """A re-tune tries each stored GEMM winner as it is, then with ``scale_select`` and with
+    ``producer`` the other way (winners stored before the settings existed have them off), where
+    valid; decode winners have no variant."""
     from autofp4.tuner import _first_candidates
 
     key = ProblemKey("linear", "nvfp4", "bfloat16", 6144, 4096)
     old = SM90Config(kernel="gemm", tile_n=128, tile_m=64, tile_k=256, stages=4, split_k=2, cluster_n=1,
                      raster="n", pdl=True)
-    (flipped,) = backend.variants(old, key, 64)
-    assert flipped.scale_select is True
+    flipped, prod = backend.variants(old, key, 64)
+    assert flipped.scale_select is True and prod.producer is True
     assert flipped.model_dump(exclude={"scale_select"}) == old.model_dump(exclude={"scale_select"})
-    (back,) = backend.variants(flipped, key, 64)
+    assert prod.model_dump(exclude={"producer"}) == old.model_dump(exclude={"producer"})
+    back = backend.variants(flipped, key, 64)[0]
     assert back == old and back.scale_select is None  # off is stored as absent
+    # two warpgroups at two CTAs per SM leave no registers for a producer warp: no such variant
+    two = SM90Config(kernel="gemm", tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=1, cluster_n=1,
+                     raster="n", ctas_per_sm=2)
+    assert [v.scale_select for v in backend.variants(two, key, 64)] == [True]
     dec = backend.default(key, 1)
     assert dec.kernel == "decode" and backend.variants(dec, key, 1) == []
     firsts = [c.config for c in _first_candidates(key, 64, [backend], [(backend, old)])]
-    assert firsts[:3] == [backend.default(key, 64), old, flipped]
+    assert firsts[:4] == [backend.default(key, 64), old, flipped, prod]
 
 
 def test_each_kernel_has_its_own_source_hash(backend, monkeypatch):

@@ -1,6 +1,7 @@
 """CPU tests of the Hopper W4A16 GEMM: configs, compilation for sm_90a, the packed layout."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -194,6 +195,10 @@ def test_validate_rules():
         "ctas_per_sm smem": g.Sm90GemmConfig(tile_n=128, tile_m=128, tile_k=128, stages=4, ctas_per_sm=2),
         "ctas_per_sm regs": g.Sm90GemmConfig(tile_n=256, tile_m=64, tile_k=64, stages=4, ctas_per_sm=2),
         "scale_select": g.Sm90GemmConfig(scale_select=1),
+        "producer must": g.Sm90GemmConfig(producer=1),
+        "producer warp": g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, ctas_per_sm=2, producer=True),
+        "producer puts": g.Sm90GemmConfig(tile_n=128, tile_m=256, tile_k=64, stages=6, producer=True),
+        "producer puts 1": g.Sm90GemmConfig(tile_n=128, tile_m=128, tile_k=256, stages=2, producer=True),
     }
     for word, cfg in bad.items():
         reason = g.validate(cfg, 4096, 4096, "nvfp4", "bfloat16")
@@ -217,6 +222,15 @@ def test_default_config_is_valid_for_llama_shapes():
             for m in (None, 1, 64, 512, 8192):
                 cfg = g.default_config(n, k, fmt, "bfloat16", m)
                 assert g.validate(cfg, n, k, fmt, "bfloat16") is None, (n, k, fmt, m, cfg)
+
+
+def test_default_streams_from_a_producer_warp_from_m_64_where_the_tile_allows():
+    for m, want in ((16, False), (32, False), (64, True), (128, True), (8192, False)):
+        cfg = g.default_config(4096, 4096, "nvfp4", "bfloat16", m)
+        assert cfg.producer is want, (m, cfg)
+    # the large-M tile (128 x 256) has no registers left for one
+    assert g.validate(dataclasses.replace(g.default_config(4096, 4096, "nvfp4", "bfloat16", 8192), producer=True),
+                      4096, 4096, "nvfp4", "bfloat16") is not None
 
 
 def test_default_broadcasts_scales_by_operand_select_up_to_m_128():
@@ -281,6 +295,12 @@ def test_invalid_config_rejected_before_compiling():
          "nvfp4", "bfloat16"),
         (g.Sm90GemmConfig(tile_n=64, tile_m=16, tile_k=256, stages=4, split_k=2, scale_select=True),
          "mxfp4", "float16"),
+        # a dedicated producer warp: split-K in the cluster, x multicast with atomics, 2 CTAs per SM
+        (g.Sm90GemmConfig(tile_n=128, tile_m=128, tile_k=64, stages=6, split_k=2, producer=True), "nvfp4", "bfloat16"),
+        (g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=2, cluster_n=2, producer=True),
+         "mxfp4", "float16"),
+        (g.Sm90GemmConfig(tile_n=64, tile_m=64, tile_k=128, stages=4, ctas_per_sm=2, producer=True,
+                          scale_select=True), "nvfp4", "bfloat16"),
     ],
 )
 def test_compiles_for_sm90a(cfg, fmt, dtype):

@@ -106,6 +106,7 @@ def gemm_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
         "ctas_per_sm": [0, 2],
         "pdl": [False, True],
         "scale_select": [False, True],
+        "producer": [False, True],
     }
 
 
@@ -175,10 +176,31 @@ def _scale_select(m: int | None) -> bool:
     return m is not None and m <= SCALE_SELECT_MAX_M
 
 
+# Smallest M whose GEMM default streams its stages from a dedicated producer warp (where the
+# tile leaves it the registers). H200, fourteenth session, the thirteenth session's GEMM winners at
+# M = 64..2048 with and without it (scripts/gpu_probe_decode.py --gemm 64,128,512,2048 --vary
+# producer=0,1; docs/bench/h200-2026-11-30-session14): faster in all 17 cases where it was
+# valid and the winner's tile was at most 128 tokens (by 4-12%; 8B o at 128 13.3 -> 11.8 us, 70B
+# down MXFP4 at 128 95.0 -> 83.5); the 256-token tiles it slowed by 18-37% (their wgmmas
+# serialize in the 168 registers a 9-warp CTA leaves: now invalid). Unmeasured at M <= 32.
+PRODUCER_MIN_M = 64
+
+
 def gemm_default(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
     """:func:`gemm_tiles`, with block scales broadcast by operand select up to
-    ``SCALE_SELECT_MAX_M`` tokens."""
-    return replace(gemm_tiles(n, k, fmt, dtype, m), scale_select=_scale_select(m))
+    ``SCALE_SELECT_MAX_M`` tokens, and from ``PRODUCER_MIN_M`` tokens a producer warp where the
+    tile allows one."""
+    return _with_producer(replace(gemm_tiles(n, k, fmt, dtype, m), scale_select=_scale_select(m)),
+                          n, k, fmt, dtype, m)
+
+
+def _with_producer(cfg, n: int, k: int, fmt: str, dtype: str, m: int | None):
+    """``cfg`` with a producer warp from ``PRODUCER_MIN_M`` tokens where that is valid."""
+    if m is not None and m >= PRODUCER_MIN_M:
+        prod = replace(cfg, producer=True)
+        if _gemm().validate(prod, n, k, fmt, dtype) is None:
+            return prod
+    return cfg
 
 
 def gemm_tiles(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
@@ -266,14 +288,17 @@ def default(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> tuple
 def seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[tuple[str, Any]]:
     """Configs the tuner tries right after the default, most promising first: the default with
     programmatic dependent launch the other way (it helps or hurts the decode kernel by shape,
-    see :func:`with_pdl`; a GEMM default also with ``scale_select`` the other way), then the
+    see :func:`with_pdl`; a GEMM default also with ``scale_select`` and with ``producer`` the
+    other way), then the
     sweep winners of :func:`_sweep_seeds` with the default settings."""
     kernel, dflt = default(n, k, fmt, dtype, m)
     out = [(kernel, replace(dflt, pdl=not dflt.pdl))]
     if kernel == "gemm":
         out.append((kernel, replace(dflt, scale_select=not dflt.scale_select)))
+        out.append((kernel, replace(dflt, producer=not dflt.producer)))
     select = _scale_select(m)
-    return out + [(kern, with_pdl(kern, replace(c, scale_select=select) if kern == "gemm" else c))
+    return out + [(kern, with_pdl(kern, _with_producer(replace(c, scale_select=select), n, k, fmt, dtype, m)
+                                  if kern == "gemm" else c))
                   for kern, c in _sweep_seeds(n, k, fmt, dtype, m)]
 
 

@@ -33,7 +33,7 @@ _DECODE_FIELDS = ("warps", "k_split", "m_max", "prefetch", "split_reduce", "tile
 _DECODE_OPTIONAL = {"x_smem": False, "smem_stages": 0}
 # both kernels: CTAs per SM asked of the compiler; programmatic dependent launch
 _SHARED_OPTIONAL = {"ctas_per_sm": 0, "pdl": False}
-_GEMM_OPTIONAL = {"swizzle": 1, "scale_select": False}
+_GEMM_OPTIONAL = {"swizzle": 1, "scale_select": False, "producer": False}
 _GEMM_FIELDS = ("tile_n", "tile_m", "tile_k", "stages", "split_k", "cluster_n", "raster")
 
 
@@ -62,6 +62,7 @@ class SM90Config(BackendConfig):
     raster: Optional[Literal["n", "m"]] = None
     swizzle: Optional[int] = Field(None, ge=1, le=64)
     scale_select: Optional[bool] = None
+    producer: Optional[bool] = None
 
     @model_validator(mode="after")
     def _fields_match_kernel(self) -> "SM90Config":
@@ -217,11 +218,15 @@ class SM90W4A16Backend(Backend):
 
     def variants(self, config: BackendConfig, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
         """A GEMM config with ``scale_select`` the other way (how the kernel broadcasts block
-        scales; winners stored before the setting existed have it off)."""
+        scales), then with ``producer`` the other way (a dedicated producer warp), where that is
+        valid; winners stored before these settings existed have them off."""
         if not isinstance(config, SM90Config) or config.kernel != "gemm":
             return []
+        _, gemm = _kernels()
         kcfg = _to_kernel_config(config)
-        return [_from_kernel_config("gemm", replace(kcfg, scale_select=not kcfg.scale_select))]
+        out = [replace(kcfg, scale_select=not kcfg.scale_select), replace(kcfg, producer=not kcfg.producer)]
+        return [_from_kernel_config("gemm", c) for c in out
+                if gemm.validate(c, key.n, key.k, key.fmt, key.dtype) is None]
 
     def candidates(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
         """Both kernels' grids (decode only where ``m <= m_max``): the default first, then the

@@ -6,11 +6,16 @@ M (64 rows per warpgroup atom) and the token count M becomes the MMA's N (``tile
 
 Data path of one CTA (``tile_n`` weight rows x ``tile_m`` tokens):
 
-* warp 0 streams, per K tile and pipeline stage, the prepacked weight chunks (FP4 values and
+* one warp streams, per K tile and pipeline stage, the prepacked weight chunks (FP4 values and
   their block scales, contiguous) with 1-D bulk copies and the ``x`` tile with a TMA tensor copy
   (out-of-bounds tokens / K read as zero; with ``cluster_n = 2`` the two CTAs of a cluster each
   load half of the shared ``x`` tile and multicast it) into shared memory, completing on an
-  mbarrier (``stages``-deep ring); it refills a stage as soon as the consumers release it;
+  mbarrier (``stages``-deep ring). Without ``producer`` that is consumer warp 0, which refills a
+  stage between its own K tiles, once every consumer warp has released it (so one lagging
+  warpgroup holds up the other's next tile); with ``producer`` a dedicated extra warp issues
+  every stage as soon as it is released and does nothing else. It makes the CTA 5 or 9 warps;
+  at 9, 3 share one of the SM's 4 schedulers and their 16K registers, 168 per thread, so the
+  tiles that need more (the 256-token ones) cannot have it (``validate``);
 * the grid walks the weight tiles (``raster="n"``) or the token tiles (``"m"``); with
   ``swizzle > 1`` it walks them in bands that many tiles wide on the other axis, so the CTAs
   resident at one time share a few tiles of both operands in L2;
@@ -73,6 +78,11 @@ SMEM_BUDGET = 227 * 1024          # bytes of shared memory one CTA may use on sm
 SMEM_PER_SM = 228 * 1024          # shared memory of one SM, shared by its resident CTAs
 SMEM_PER_CTA_RESERVED = 1024      # the driver's reservation per resident CTA
 CO_RESIDENT_REGS = 96             # accumulator + fragment registers that fit a 128-register cap
+# with a producer warp, 9 (or 2 x 5) warps put 3 on one of the SM's 4 schedulers, whose 16K
+# registers then cap a thread at 168; ptxas -v over the tile grid: accumulators <= 64 and
+# accumulators + 2 fragments <= 160 compile without spills or serialized wgmmas (the rest did not)
+PRODUCER_ACC_REGS = 64
+PRODUCER_REGS = 160
 CHUNK_N = 64                      # weight rows per wgmma atom / pack chunk
 CHUNK_K = 64                      # K per pack chunk (4 k16 steps)
 PAD = 256                         # pack pads N and K to multiples of this (largest tiles)
@@ -115,6 +125,7 @@ class Sm90GemmConfig:
     ctas_per_sm: int = 0   # 0: as registers and shared memory allow; 2: ask for two (.minnctapersm)
     pdl: bool = False      # launch with programmatic dependent launch (a launch flag, one binary)
     scale_select: bool = False  # broadcast a block scale's half by operand select, not a byte permute
+    producer: bool = False  # a dedicated producer warp streams the stages (else consumer warp 0 does)
 
     @property
     def warpgroups(self) -> int:
@@ -212,6 +223,8 @@ def validate(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> str |
         return f"needs {smem} bytes of shared memory, more than the {SMEM_BUDGET} available"
     if not isinstance(cfg.scale_select, bool):
         return f"scale_select must be a bool, got {cfg.scale_select!r}"
+    if not isinstance(cfg.producer, bool):
+        return f"producer must be a bool, got {cfg.producer!r}"
     if cfg.ctas_per_sm not in (0, 2):
         return f"ctas_per_sm must be 0 (as resources allow) or 2, got {cfg.ctas_per_sm!r}"
     if cfg.ctas_per_sm == 2:
@@ -219,10 +232,20 @@ def validate(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> str |
             return (f"ctas_per_sm=2 needs two CTAs' shared memory ({smem} bytes each + "
                     f"{SMEM_PER_CTA_RESERVED} reserved) within the SM's {SMEM_PER_SM}; use fewer stages "
                     "or a smaller tile_k")
+        if cfg.warpgroups == 2 and cfg.producer:
+            return ("ctas_per_sm=2 with two warpgroups and a producer warp (2 x 9 warps, 5 on one "
+                    "scheduler) leaves about 100 registers per thread; drop the producer warp or use "
+                    "one warpgroup")
         if cfg.warpgroups == 2 and acc_regs + 2 * frag_regs > CO_RESIDENT_REGS:
             return (f"ctas_per_sm=2 caps registers at 128 per thread; accumulators + 2 decoded weight "
                     f"fragments need {acc_regs + 2 * frag_regs} (at most {CO_RESIDENT_REGS} leave room for "
                     "the decode without spills)")
+    if cfg.producer and (cfg.warpgroups == 2 or cfg.ctas_per_sm == 2) and (
+            acc_regs > PRODUCER_ACC_REGS or acc_regs + 2 * frag_regs > PRODUCER_REGS):
+        return (f"a producer warp puts 3 warps on one scheduler, 168 registers per thread at most: "
+                f"{acc_regs} accumulator + 2 x {frag_regs} fragment registers need more (at most "
+                f"{PRODUCER_ACC_REGS} and {PRODUCER_REGS} in all, else the wgmmas serialize); "
+                "drop the producer warp or use a smaller tile")
     return None
 
 
@@ -406,7 +429,8 @@ class _Sm90W4A16Kernel:
         self.chunk = chunk_bytes(fmt)
         self.num_wg = cfg.warpgroups
         self.reps = cfg.reps
-        self.threads = 128 * self.num_wg
+        self.cons_threads = 128 * self.num_wg  # the consumer warpgroups
+        self.threads = self.cons_threads + (32 if cfg.producer else 0)
         self.kc_per_tile = cfg.tile_k // CHUNK_K
         self.w_stage_bytes = (cfg.tile_n // CHUNK_N) * self.kc_per_tile * self.chunk
         self.k_tiles = self.kp // cfg.tile_k
@@ -428,6 +452,10 @@ class _Sm90W4A16Kernel:
         stages = cfg.stages
         reps = self.reps
         threads = self.threads
+        cons_threads = self.cons_threads
+        cons_warps = cons_threads // 32
+        producer = cfg.producer
+        load_warp = cons_warps if producer else 0  # the warp that issues the stage copies
         kc_per_tile = self.kc_per_tile
         chunk = self.chunk
         s_words = _scale_words(self.fmt)  # scale words each row group (4 threads) reads per chunk
@@ -454,7 +482,9 @@ class _Sm90W4A16Kernel:
                      if cfg.ctas_per_sm else {})
         out_is_f32 = split_k > 1 and not cluster_red
         pair_out = not out_is_f32  # two consecutive n of one m per store (see the epilogue)
-        from ._ptx import _asm_u32, asm_void, decode_pair, griddep_launch_dependents, griddep_wait, mul_x2, prefetch_l2, prmt
+        from cutlass.cutlass_dsl import T
+
+        from ._ptx import asm, asm_void, decode_pair, griddep_launch_dependents, griddep_wait, mul_x2, prefetch_l2, prmt
         mul_op = "mul.rn.bf16x2" if is_bf16 else "mul.rn.f16x2"
         scale_select = cfg.scale_select
 
@@ -462,8 +492,10 @@ class _Sm90W4A16Kernel:
             """``v`` times the low (``hi=0``) or high half of ``sw`` in both lanes; the {h, h}
             pair is built by moves, which ptxas folds into the multiply's operand select."""
             h = "h, h" if hi else "l, l"
-            return _asm_u32(f"{{ .reg .b16 l, h; .reg .b32 s; mov.b32 {{l, h}}, $2; mov.b32 s, {{{h}}}; "
-                            f"{mul_op} $0, $1, s; }}", "=r,r,r", cutlass.Uint32(v), cutlass.Uint32(sw))
+            return cutlass.Uint32(asm(
+                T.i32(), [cutlass.Uint32(v), cutlass.Uint32(sw)],
+                f"{{ .reg .b16 l, h; .reg .b32 s; mov.b32 {{l, h}}, $2; mov.b32 s, {{{h}}}; {mul_op} $0, $1, s; }}",
+                "=r,r,r"))
         if cluster_red:
             from ._ptx import ld_dsmem_f32
         cvt_x2 = "cvt.rn.bf16x2.f32" if is_bf16 else "cvt.rn.f16x2.f32"
@@ -531,7 +563,7 @@ class _Sm90W4A16Kernel:
                 pid_n = bidy
                 pid_m = bidx
 
-            if warp_idx == 0:
+            if warp_idx == load_warp:
                 cpasync.prefetch_descriptor(tma_atom_x)
 
             @cute.struct
@@ -568,7 +600,7 @@ class _Sm90W4A16Kernel:
 
             prod_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
             # every consumer warp releases a stage in each CTA of the cluster (they multicast x)
-            cons_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, threads // 32 * cl)
+            cons_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, cons_warps * cl)
             pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar.data_ptr(),
                 num_stages=stages,
@@ -621,82 +653,86 @@ class _Sm90W4A16Kernel:
             lane_q = wtid // 4  # row group 0..31 (scale bytes)
 
             # ---- prologue: until the previous kernel has finished (dependent launch) only pull
-            # the weight bytes of the first stages into L2; then fill the pipeline
+            # the weight bytes of the first stages into L2; then fill the pipeline (a producer
+            # warp goes on to stream every K tile, waiting for each stage to be released)
             n_pre = cutlass.min(stages, k_tiles_split)
-            if tidx == 0:
+            if tidx == load_warp * 32:
                 for b in range(nb_per_cta):
                     goff = ((n_row0 + b) * nkc_total + k_tile0 * kc_per_tile) * chunk
                     prefetch_l2(mW.iterator.toint() + cutlass.Int64(goff), n_pre * w_copy_bytes)
             griddep_wait()
-            if warp_idx == 0:
-                for i in cutlass.range(n_pre, unroll=1):
+            if warp_idx == load_warp:
+                for i in cutlass.range(k_tiles_split if producer else n_pre, unroll=1):
                     load_stage(pipe, prod_state, k_tile0, n_row0, tma_atom_x, tXgX, tXsX, bulk_atom, mW, sW)
                     prod_state.advance()
 
-            # ---- mainloop, unrolled by two for the double-buffered A fragment: decode K tile t
-            # into buffer t % 2 and issue its wgmmas; then wait for tile t-1's wgmmas, release
-            # its stage and refill it
-            for kt2 in cutlass.range((k_tiles_split + 1) // 2, unroll=1):
-                for buf in cutlass.range_constexpr(2):
-                    t_cur = kt2 * 2 + buf
-                    if t_cur < k_tiles_split:
-                        rA = rAs[buf]
-                        rA32 = cute.make_tensor(
-                            cute.recast_ptr(rA.iterator, dtype=cutlass.Uint32),
-                            cute.make_layout((4, reps, tile_k // 16)),
-                        )
-                        pipe.consumer_wait(cons_state)
-                        for kc in cutlass.range_constexpr(kc_per_tile):
-                            for r in cutlass.range_constexpr(reps):
-                                cidx = (wg * reps + r) * kc_per_tile + kc
-                                cute.autovec_copy(
-                                    sWv[(None, wtid, cidx, cons_state.index)], wregs[(None, r)]
-                                )
-                                cute.autovec_copy(
-                                    sSv[(None, lane_q, cidx, cons_state.index)], swords[(None, r)]
-                                )
-                            for st in cutlass.range_constexpr(4):
-                                kb = kc * 4 + st
+            if warp_idx < cons_warps:
+                # ---- mainloop (consumer warps), unrolled by two for the double-buffered A
+                # fragment: decode K tile t into buffer t % 2 and issue its wgmmas; then wait for
+                # tile t-1's wgmmas and release its stage (without a producer warp, warp 0 then
+                # refills it)
+                for kt2 in cutlass.range((k_tiles_split + 1) // 2, unroll=1):
+                    for buf in cutlass.range_constexpr(2):
+                        t_cur = kt2 * 2 + buf
+                        if t_cur < k_tiles_split:
+                            rA = rAs[buf]
+                            rA32 = cute.make_tensor(
+                                cute.recast_ptr(rA.iterator, dtype=cutlass.Uint32),
+                                cute.make_layout((4, reps, tile_k // 16)),
+                            )
+                            pipe.consumer_wait(cons_state)
+                            for kc in cutlass.range_constexpr(kc_per_tile):
                                 for r in cutlass.range_constexpr(reps):
-                                    # the (row r, row r + 8) scales -> (r, r) and (r + 8, r + 8)
-                                    sw = swords[st if is_nv else st // 2, r]
-                                    if cutlass.const_expr(not is_bf16):
-                                        sw = sw * cutlass.Uint32(8) + cutlass.Uint32(FP16_FROM_BF16)
-                                    word = wregs[st, r]
-                                    if cutlass.const_expr(not scale_select):
-                                        s_pair = (prmt(sw, 0x1010), prmt(sw, 0x3232))
-                                    for j in cutlass.range_constexpr(4):
-                                        v = decode_pair(word, terms[j])
-                                        # pairs 0, 2: row r; 1, 3: row r + 8
-                                        if cutlass.const_expr(scale_select):
-                                            rA32[j, r, kb] = mul_half(v, sw, j % 2)
-                                        else:
-                                            rA32[j, r, kb] = mul_x2(v, s_pair[j % 2], is_bf16)
-                            # one fence per 64-K chunk: the 4 k16 steps decode independently
-                            # (ILP), then their wgmmas are issued back to back
-                            cute.nvgpu.warpgroup.fence()
-                            for st in cutlass.range_constexpr(4):
-                                cute.gemm(
-                                    tiled_mma,
-                                    acc,
-                                    rA[(None, None, kc * 4 + st)],
-                                    tCrB[(None, None, kc * 4 + st, cons_state.index)],
-                                    acc,
-                                )
-                        cute.nvgpu.warpgroup.commit_group()
-                        cons_state.advance()
-                        # the previous tile's wgmmas are done after this: its registers and stage are free
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        if t_cur > 0:
-                            pipe.consumer_release(rel_state)
-                            rel_state.advance()
-                            if warp_idx == 0:
-                                if prod_state.count < k_tiles_split:
-                                    load_stage(pipe, prod_state, k_tile0, n_row0, tma_atom_x, tXgX, tXsX,
-                                               bulk_atom, mW, sW)
-                                    prod_state.advance()
+                                    cidx = (wg * reps + r) * kc_per_tile + kc
+                                    cute.autovec_copy(
+                                        sWv[(None, wtid, cidx, cons_state.index)], wregs[(None, r)]
+                                    )
+                                    cute.autovec_copy(
+                                        sSv[(None, lane_q, cidx, cons_state.index)], swords[(None, r)]
+                                    )
+                                for st in cutlass.range_constexpr(4):
+                                    kb = kc * 4 + st
+                                    for r in cutlass.range_constexpr(reps):
+                                        # the (row r, row r + 8) scales -> (r, r) and (r + 8, r + 8)
+                                        sw = swords[st if is_nv else st // 2, r]
+                                        if cutlass.const_expr(not is_bf16):
+                                            sw = sw * cutlass.Uint32(8) + cutlass.Uint32(FP16_FROM_BF16)
+                                        word = wregs[st, r]
+                                        if cutlass.const_expr(not scale_select):
+                                            s_pair = (prmt(sw, 0x1010), prmt(sw, 0x3232))
+                                        for j in cutlass.range_constexpr(4):
+                                            v = decode_pair(word, terms[j])
+                                            # pairs 0, 2: row r; 1, 3: row r + 8
+                                            if cutlass.const_expr(scale_select):
+                                                rA32[j, r, kb] = mul_half(v, sw, j % 2)
+                                            else:
+                                                rA32[j, r, kb] = mul_x2(v, s_pair[j % 2], is_bf16)
+                                # one fence per 64-K chunk: the 4 k16 steps decode independently
+                                # (ILP), then their wgmmas are issued back to back
+                                cute.nvgpu.warpgroup.fence()
+                                for st in cutlass.range_constexpr(4):
+                                    cute.gemm(
+                                        tiled_mma,
+                                        acc,
+                                        rA[(None, None, kc * 4 + st)],
+                                        tCrB[(None, None, kc * 4 + st, cons_state.index)],
+                                        acc,
+                                    )
+                            cute.nvgpu.warpgroup.commit_group()
+                            cons_state.advance()
+                            # the previous tile's wgmmas are done after this: its registers and stage are free
+                            cute.nvgpu.warpgroup.wait_group(1)
+                            if t_cur > 0:
+                                pipe.consumer_release(rel_state)
+                                rel_state.advance()
+                                if cutlass.const_expr(not producer):
+                                    if warp_idx == 0:
+                                        if prod_state.count < k_tiles_split:
+                                            load_stage(pipe, prod_state, k_tile0, n_row0, tma_atom_x, tXgX,
+                                                       tXsX, bulk_atom, mW, sW)
+                                            prod_state.advance()
 
-            cute.nvgpu.warpgroup.wait_group(0)
+                cute.nvgpu.warpgroup.wait_group(0)
             # the main loop is done: the next kernel may launch once every CTA got here (or
             # exited) and prefetch its weights during this epilogue
             griddep_launch_dependents()
@@ -720,10 +756,11 @@ class _Sm90W4A16Kernel:
                 red_base = cutlass.Int32(storage.sX.data_ptr().toint())
                 sRed = cute.make_tensor(
                     cute.recast_ptr(storage.sX.data_ptr(), dtype=cutlass.Float32),
-                    cute.make_layout((n_acc, threads), stride=(threads, 1)),
+                    cute.make_layout((n_acc, cons_threads), stride=(cons_threads, 1)),
                 )
-                for i in cutlass.range_constexpr(n_acc):
-                    sRed[i, tidx] = acc[i]
+                if warp_idx < cons_warps:
+                    for i in cutlass.range_constexpr(n_acc):
+                        sRed[i, tidx] = acc[i]
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
             if cutlass.const_expr(pair_out):
@@ -735,58 +772,56 @@ class _Sm90W4A16Kernel:
                 lane_odd = (tidx // 4) % 2
                 bias_rows = [mBias[cutlass.min(row0 + r0 + 8 * h + CHUNK_N * rep, n_real - 1)].to(cutlass.Float32)
                              for rep in range(reps) for h in range(2)]
-                for i in cutlass.range_constexpr(0, n_acc, 2):
-                    h = i // 2 % 2
-                    rep = i // (tile_m // 2)
-                    if bidz == (i // 2 % split_k if cluster_red else 0):
-                        if cutlass.const_expr(cluster_red):
-                            t0 = cutlass.Float32(0.0)
-                            t1 = cutlass.Float32(0.0)
-                            for z in cutlass.range_constexpr(split_k):
-                                t0 = t0 + ld_dsmem_f32(red_base + (i * threads + tidx) * 4, z)
-                                t1 = t1 + ld_dsmem_f32(red_base + ((i + 1) * threads + tidx) * 4, z)
-                        else:
-                            t0 = acc[i]
-                            t1 = acc[i + 1]
-                        v0 = t0 * alpha + bias_rows[rep * 2 + h]
-                        v1 = t1 * alpha + bias_rows[rep * 2 + h]
-                        send = v1
-                        if lane_odd == 1:
-                            send = v0
-                        got = cute.arch.shuffle_sync_bfly(send, offset=4)
-                        lo = v0
-                        hi = got
-                        if lane_odd == 1:
-                            lo = got
-                            hi = v1
-                        nn = row0 + r0 + 8 * h + CHUNK_N * rep - lane_odd
-                        mm = col0 + c0 + i // 4 % (tile_m // 8) * 8 + lane_odd
-                        if nn < n_real and mm < m_size:
-                            if cutlass.const_expr(n_real % 2 == 0):
-                                st_x2(mOut.iterator.toint() + cutlass.Int64(mm * n_real + nn) * 2, lo, hi)
-                            else:  # rows of out are not 4-byte aligned
-                                mOut[mm, nn] = lo.to(dt)
-                                if nn + 1 < n_real:
-                                    mOut[mm, nn + 1] = hi.to(dt)
+                if warp_idx < cons_warps:  # (not the producer warp)
+                    for i in cutlass.range_constexpr(0, n_acc, 2):
+                        h = i // 2 % 2
+                        rep = i // (tile_m // 2)
+                        if bidz == (i // 2 % split_k if cluster_red else 0):
+                            if cutlass.const_expr(cluster_red):
+                                t0 = cutlass.Float32(0.0)
+                                t1 = cutlass.Float32(0.0)
+                                for z in cutlass.range_constexpr(split_k):
+                                    t0 = t0 + ld_dsmem_f32(red_base + (i * cons_threads + tidx) * 4, z)
+                                    t1 = t1 + ld_dsmem_f32(red_base + ((i + 1) * cons_threads + tidx) * 4, z)
+                            else:
+                                t0 = acc[i]
+                                t1 = acc[i + 1]
+                            v0 = t0 * alpha + bias_rows[rep * 2 + h]
+                            v1 = t1 * alpha + bias_rows[rep * 2 + h]
+                            send = v1
+                            if lane_odd == 1:
+                                send = v0
+                            got = cute.arch.shuffle_sync_bfly(send, offset=4)
+                            lo = v0
+                            hi = got
+                            if lane_odd == 1:
+                                lo = got
+                                hi = v1
+                            nn = row0 + r0 + 8 * h + CHUNK_N * rep - lane_odd
+                            mm = col0 + c0 + i // 4 % (tile_m // 8) * 8 + lane_odd
+                            if nn < n_real and mm < m_size:
+                                if cutlass.const_expr(n_real % 2 == 0):
+                                    st_x2(mOut.iterator.toint() + cutlass.Int64(mm * n_real + nn) * 2, lo, hi)
+                                else:  # rows of out are not 4-byte aligned
+                                    mOut[mm, nn] = lo.to(dt)
+                                    if nn + 1 < n_real:
+                                        mOut[mm, nn + 1] = hi.to(dt)
                 if cutlass.const_expr(cluster_red):
                     # every CTA's shared memory stays alive until its peers have read it
                     cute.arch.cluster_arrive()
                     cute.arch.cluster_wait()
-            for i in cutlass.range_constexpr(0 if pair_out else n_acc):
-                rr, cc = tcid[i]
-                nn = row0 + rr
-                mm = col0 + cc
-                if nn < n_real and mm < m_size:
-                    val = acc[i] * alpha
-                    if cutlass.const_expr(out_is_f32):
-                        if bidz == 0:
-                            val = val + mBias[nn].to(cutlass.Float32)
-                        cute.arch.atomic_add(
-                            (mOut.iterator + (mm * n_real + nn)).llvm_ptr, val
-                        )
-                    else:
-                        val = val + mBias[nn].to(cutlass.Float32)
-                        mOut[mm, nn] = val.to(dt)
+            if cutlass.const_expr(out_is_f32):
+                # split-K over a cluster that multicasts x: fp32 atomics into the zeroed output
+                if warp_idx < cons_warps:
+                    for i in cutlass.range_constexpr(n_acc):
+                        rr, cc = tcid[i]
+                        nn = row0 + rr
+                        mm = col0 + cc
+                        if nn < n_real and mm < m_size:
+                            val = acc[i] * alpha
+                            if bidz == 0:
+                                val = val + mBias[nn].to(cutlass.Float32)
+                            cute.arch.atomic_add((mOut.iterator + (mm * n_real + nn)).llvm_ptr, val)
 
         @cute.jit
         def host(
