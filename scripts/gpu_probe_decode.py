@@ -222,6 +222,15 @@ def sweep_family(records, fmts, shapes, rounds, compile_only, family, tag, m=16)
                       f"{best['cfg']}")
 
 
+def gemm_winners(records, fmt, n, k, ms):
+    """``(m_bucket, config)`` of the GEMM winners stored for ``(fmt, n, k)`` at ``ms`` (bf16,
+    dependent launch off)."""
+    return [(r.m_bucket, dataclasses.replace(_to_kernel_config(SM90Config(**r.config)), pdl=False))
+            for r in records
+            if (r.fmt, r.dtype, r.n, r.k, r.config.get("kernel")) == (fmt, "bfloat16", n, k, "gemm")
+            and r.m_bucket in ms]
+
+
 def gemm_probe(records, fmts, shapes, ms, rounds, compile_only, tags):
     """The GEMM kernel's stored winners at ``ms``: as is and as each variant in ``tags``."""
     from autofp4.kernels import sm90_w4a16_gemm as G
@@ -231,12 +240,7 @@ def gemm_probe(records, fmts, shapes, ms, rounds, compile_only, tags):
     for fmt in fmts:
         for name in shapes:
             n, k = SHAPES[name]
-            cases = []
-            for r in records:
-                if (r.fmt, r.dtype, r.n, r.k, r.config.get("kernel")) == (fmt, "bfloat16", n, k, "gemm") \
-                        and r.m_bucket in ms:
-                    cases.append((r.m_bucket, dataclasses.replace(_to_kernel_config(SM90Config(**r.config)),
-                                                                  pdl=False)))
+            cases = gemm_winners(records, fmt, n, k, ms)
             if compile_only:
                 for _, cfg in cases:
                     for mod in mods.values():
@@ -277,14 +281,11 @@ def gemm_vary(records, fmts, shapes, ms, field, values, rounds, compile_only):
         for name in shapes:
             n, k = SHAPES[name]
             cases = []
-            for r in records:
-                if (r.fmt, r.dtype, r.n, r.k, r.config.get("kernel")) == (fmt, "bfloat16", n, k, "gemm") \
-                        and r.m_bucket in ms:
-                    cfg = dataclasses.replace(_to_kernel_config(SM90Config(**r.config)), pdl=False)
-                    cfgs = [dataclasses.replace(cfg, **{field: type(getattr(cfg, field))(v)}) for v in values]
-                    cfgs = [c for c in cfgs if G.validate(c, n, k, fmt, "bfloat16") is None]
-                    if len(cfgs) > 1:
-                        cases.append((r.m_bucket, cfgs))
+            for m, cfg in gemm_winners(records, fmt, n, k, ms):
+                cfgs = [dataclasses.replace(cfg, **{field: type(getattr(cfg, field))(v)}) for v in values]
+                cfgs = [c for c in cfgs if G.validate(c, n, k, fmt, "bfloat16") is None]
+                if len(cfgs) > 1:
+                    cases.append((m, cfgs))
             if compile_only:
                 for _, cfgs in cases:
                     for cfg in cfgs:

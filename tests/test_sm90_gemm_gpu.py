@@ -113,46 +113,30 @@ def test_matches_reference(case, fmt, dtype, gen):
         _check(out, x, w, bias, dtype)
 
 
+# (flag, case): settings that change how the kernel runs, not what it computes
+SAME_BITS = [("scale_select", c) for c in (0, 1, 3, 4, 9)] + [("producer", c) for c in (0, 3, 4, 6, 8, 9, 13, 14)]
+
+
 @needs_sm90
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", [0, 1, 3, 4, 9])
-def test_scale_select_gives_the_same_bits(case, fmt, dtype, gen):
-    """Broadcasting the block scale by operand select computes the very same products: the
-    output equals the byte-permute kernel's bit for bit (and the reference within bounds)."""
+@pytest.mark.parametrize("flag,case", SAME_BITS)
+def test_a_flag_gives_the_same_bits(flag, case, fmt, dtype, gen):
+    """Broadcasting the block scale by operand select (``scale_select``) computes the very same
+    products, and a dedicated producer warp (``producer``) changes who issues the copies, not
+    the arithmetic: the output equals the kernel's without the flag bit for bit (and the
+    reference within bounds)."""
     n, k, cfg = CASES[case]
     dname = str(dtype).removeprefix("torch.")
     dev = torch.device("cuda")
     w = _weight(n, k, fmt, gen, dev)
     packed = g.pack_weight(w)
     plain = _runner(cfg, n, k, fmt, dname)
-    sel = _runner(dataclasses.replace(cfg, scale_select=True), n, k, fmt, dname)
+    flagged = _runner(dataclasses.replace(cfg, **{flag: True}), n, k, fmt, dname)
     for m in (1, 100, 1000):
         x = torch.randn(m, k, generator=gen).to(dev, dtype)
         bias = torch.randn(n, generator=gen).to(dev, dtype) if m % 2 else None
-        out = sel(x, packed, bias)
-        assert torch.equal(out, plain(x, packed, bias))
-        _check(out, x, w, bias, dtype)
-
-
-@needs_sm90
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", [0, 3, 4, 6, 8, 9, 13, 14])
-def test_producer_warp_gives_the_same_bits(case, fmt, dtype, gen):
-    """A dedicated producer warp changes who issues the copies, not the arithmetic: the output
-    equals the kernel's without it bit for bit (and the reference within bounds)."""
-    n, k, cfg = CASES[case]
-    dname = str(dtype).removeprefix("torch.")
-    dev = torch.device("cuda")
-    w = _weight(n, k, fmt, gen, dev)
-    packed = g.pack_weight(w)
-    plain = _runner(cfg, n, k, fmt, dname)
-    prod = _runner(dataclasses.replace(cfg, producer=True), n, k, fmt, dname)
-    for m in (1, 100, 1000):
-        x = torch.randn(m, k, generator=gen).to(dev, dtype)
-        bias = torch.randn(n, generator=gen).to(dev, dtype) if m % 2 else None
-        out = prod(x, packed, bias)
+        out = flagged(x, packed, bias)
         assert torch.equal(out, plain(x, packed, bias))
         _check(out, x, w, bias, dtype)
 
