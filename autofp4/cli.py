@@ -243,10 +243,12 @@ def _finish(report: Any, db_path: Path, out: TextIO) -> int:
     out.write(report.table())
     tuned = len(report.tuned)
     skipped = sum(1 for r in report.results if r.status == "skipped")
+    kept = sum(1 for r in report.results if r.status == "kept")
     errors = [r for r in report.results if r.status == "error"]
+    kept_note = f"{kept} kept their stored winner (no time to measure it again), " if kept else ""
     print(
-        f"\n{tuned} tuned, {skipped} already tuned (use --force to re-tune), "
-        f"{len(report.results) - tuned - skipped} other; {report.trials_run} trials "
+        f"\n{tuned} tuned, {skipped} already tuned (use --force to re-tune), {kept_note}"
+        f"{len(report.results) - tuned - skipped - kept} other; {report.trials_run} trials "
         f"({report.trials_failed} failed) in {report.elapsed_s:.1f} s on {report.device}; DB: {db_path}",
         file=out,
     )

@@ -38,7 +38,8 @@ Pipeline of one job ``(ProblemKey, M bucket)``
 Runs are resumable (jobs that already have a result for this environment are skipped unless
 ``force``; every trial and result is written as soon as it is known, so Ctrl-C loses only
 the trial in flight) and refine: a forced re-run tries the stored winner right after the
-default, so it keeps it unless another config measures faster in the same run. A result
+default, so it keeps it unless another config measures faster in the same run (and a job
+whose share ends before the stored winner was measured again keeps its row: status ``kept``). A result
 measured with an older source of its kernel is re-tuned, and its winner is tried right
 after the default too (re-measured: a changed kernel usually keeps its best configs). They scale
 out: ``gpus=[0, 1, ...]`` runs one job stream per GPU, and
@@ -132,8 +133,9 @@ class Job:
 
 @dataclass
 class JobResult:
-    """What tuning one job found (``status``: tuned | skipped | no_valid_config | interrupted |
-    out_of_time)."""
+    """What tuning one job found (``status``: tuned | skipped | kept | no_valid_config |
+    interrupted | out_of_time; ``kept``: a forced re-tune that did not get to measure the
+    stored winner again, whose row therefore stays)."""
 
     job: Job
     status: str
@@ -1100,6 +1102,9 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
         return any(r["outcome"] == "ok" for r in measured_here.values())
 
     priors = [c.ident for c in cands if c.prior]
+    # the winners stored for this environment and kernel source (only a forced re-tune gets here
+    # with some): a pick that was not measured against them in this run does not replace them
+    current_rows = {f"{b.name}:{_cfg_json(cfg)}": r for r in current for b, cfg in _parsed([r], backends)}
 
     def priors_left() -> bool:
         """Is a stored winner (the best evidence an earlier run left) not measured yet?"""
@@ -1273,6 +1278,15 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
         winner = default
         if best is not default:
             result.note = "no config beat the default beyond the noise"
+    unmeasured = [i for i in current_rows if i not in stats and i not in failed]
+    if unmeasured and winner.ident not in current_rows:
+        row = current_rows[unmeasured[0]]
+        result.status = "kept"
+        result.backend, result.config = row.backend, dict(row.config)
+        result.median_us, result.spread_us = row.median_us, row.spread_us  # as stored
+        result.note = (f"the stored winner was not measured again ({result.trials_run} trials in this job's "
+                       "share of the time); its row stays")
+        return result
     w_stats = stats[winner.ident]
     result.backend = winner.backend.name
     result.config = json.loads(winner.config_json)

@@ -496,6 +496,46 @@ def test_a_short_share_still_measures_the_stored_winner(tmp_path, monkeypatch):
     assert won == {1: other[0], 2: other[0], 4: default, 8: default}
 
 
+def test_a_forced_retune_too_short_to_measure_the_stored_winner_keeps_its_row(tmp_path, monkeypatch):
+    """``force`` with shares that leave the last jobs one trial (the default): a pick that was
+    never measured against the current stored winner does not replace it; the job reports
+    ``kept`` and the row stays. The jobs that measured both keep the faster. A fake clock:
+    every trial takes 1 s, and reports fixed times."""
+    from autofp4 import tuner
+    from autofp4.backends.reference import ReferenceBackend
+
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 2048, 256)
+    default = ReferenceBackend().default(key, 1).model_dump()
+    other = [c.model_dump() for c in ReferenceBackend().candidates(key, 1) if c.model_dump() != default]
+    assert len(other) == 1
+    clock = [1000.0]
+    real_run_trial = tuner.run_trial
+
+    def one_second_trial(req):
+        clock[0] += 1.0
+        res = real_run_trial(req)
+        if res["outcome"] == "ok":  # fixed times: the stored winner is 10x faster, no noise
+            res = {**res, "median_us": 10.0 if json.loads(req["config"]) == other[0] else 100.0, "spread_us": 0.1}
+        return res
+
+    monkeypatch.setattr(tuner, "_now", lambda: clock[0])
+    monkeypatch.setattr(tuner, "run_trial", one_second_trial)
+    jobs = [Job(key, m) for m in (1, 2, 4, 8)]
+    path = tmp_path / "t.db"
+    first = tune_jobs(jobs, db=path, device="cpu", progress=False)
+    assert [r.config for r in first.results] == [other[0]] * len(jobs)
+    with TuningDB(path) as db:
+        before = {r.m_bucket: (r.config, r.median_us) for r in db.results(_env_key())}
+    rep = tune_jobs(jobs, db=path, device="cpu", progress=False, budget_total_s=6.0, force=True)
+    assert [r.trials_run for r in rep.results] == [2, 2, 1, 1], [(r.trials_run, r.note) for r in rep.results]
+    assert [r.status for r in rep.results] == ["tuned", "tuned", "kept", "kept"], [r.note for r in rep.results]
+    assert [r.config for r in rep.results] == [other[0]] * len(jobs)  # a kept job reports the stored row
+    with TuningDB(path) as db:
+        after = {r.m_bucket: (r.config, r.median_us) for r in db.results(_env_key())}
+    assert {m: c for m, (c, _) in after.items()} == {m: other[0] for m in (1, 2, 4, 8)}
+    assert after[4] == before[4] and after[8] == before[8]  # the kept rows are untouched
+
+
 def _setup_then_one_second_trials(monkeypatch, setup_s: float) -> None:
     """A fake clock: the run's first trial reports ``setup_s`` of one-off setup (a problem's
     random weights), every trial takes 1 s on top, nothing else takes time."""
