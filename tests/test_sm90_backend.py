@@ -189,10 +189,14 @@ def test_a_stale_gemm_winner_is_retried_with_scale_select_flipped(backend):
     assert prod.model_dump(exclude={"producer"}) == old.model_dump(exclude={"producer"})
     back = backend.variants(flipped, key, 64)[0]
     assert back == old and back.scale_select is None  # off is stored as absent
-    # two warpgroups at two CTAs per SM leave no registers for a producer warp: no such variant
+    # two warpgroups at two CTAs per SM leave no registers for a producer warp: the tuner does
+    # not try that variant, only the scale_select one
     two = SM90Config(kernel="gemm", tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=1, cluster_n=1,
                      raster="n", ctas_per_sm=2)
-    assert [v.scale_select for v in backend.variants(two, key, 64)] == [True]
+    tried = [c.config for c in _first_candidates(key, 64, [backend], [(backend, two)])][1:3]
+    assert tried[0] == two and [c.scale_select for c in tried[1:]] == [True]
+    assert not any(c.producer and c.ctas_per_sm == 2 for c in
+                   (c.config for c in _first_candidates(key, 64, [backend], [(backend, two)])))
     dec = backend.default(key, 1)
     assert dec.kernel == "decode" and backend.variants(dec, key, 1) == []
     firsts = [c.config for c in _first_candidates(key, 64, [backend], [(backend, old)])]

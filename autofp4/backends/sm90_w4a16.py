@@ -218,15 +218,13 @@ class SM90W4A16Backend(Backend):
 
     def variants(self, config: BackendConfig, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
         """A GEMM config with ``scale_select`` the other way (how the kernel broadcasts block
-        scales), then with ``producer`` the other way (a dedicated producer warp), where that is
-        valid; winners stored before these settings existed have them off."""
+        scales), then with ``producer`` the other way (a dedicated producer warp); winners stored
+        before these settings existed have them off. The tuner drops the invalid ones."""
         if not isinstance(config, SM90Config) or config.kernel != "gemm":
             return []
-        _, gemm = _kernels()
         kcfg = _to_kernel_config(config)
-        out = [replace(kcfg, scale_select=not kcfg.scale_select), replace(kcfg, producer=not kcfg.producer)]
-        return [_from_kernel_config("gemm", c) for c in out
-                if gemm.validate(c, key.n, key.k, key.fmt, key.dtype) is None]
+        return [_from_kernel_config("gemm", replace(kcfg, scale_select=not kcfg.scale_select)),
+                _from_kernel_config("gemm", replace(kcfg, producer=not kcfg.producer))]
 
     def candidates(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
         """Both kernels' grids (decode only where ``m <= m_max``): the default first, then the
