@@ -5,8 +5,10 @@ Pipeline of one job ``(ProblemKey, M bucket)``
 1. **Candidates**: the union over the applicable backends (registry order) of
    ``backend.candidates(key)`` (``candidates(key, m)`` where a backend narrows its grid by
    M); the job's *default* (what the dispatcher runs untuned: the
-   first applicable backend's ``default(key, M)``) comes first, then each backend's ``seeds``
-   (configs that won measurements near this shape). Configs already recorded as
+   first applicable backend's ``default(key, M)``) comes first, then the stored winners of
+   the job (a re-tune) and of its neighbours (the other formats at this M, this format at the
+   nearest stored M buckets), then each backend's ``seeds`` (configs that won measurements
+   near this shape). Configs already recorded as
    failed for this environment and kernel source are skipped without running.
 2. **Search**: an optuna study. When the candidate list fits in the trial budget it is a
    grid: every candidate is enqueued in order (default first) and the storage hands each
@@ -699,20 +701,38 @@ def _valid_defaults(key: ProblemKey, m: int, backends: Sequence[Backend]) -> Ite
             yield _Cand(b, cfg, _cfg_json(cfg), first=True)
 
 
+def _sibling_records(recs: Iterable[TuningRecord], key: ProblemKey, m: int) -> list[TuningRecord]:
+    """Among ``recs`` (one environment's rows), the winners of the jobs nearest to ``(key, m)``:
+    the same problem in the other formats at the same M bucket, then in the same format at the
+    nearest stored M buckets below and above. Configs do not name the format or M, and the
+    winner of a neighbour is a better first guess than a random sample."""
+    same = [r for r in recs if (r.op, r.dtype, r.n, r.k, r.experts, r.topk)
+            == (key.op, key.dtype, key.n, key.k, key.experts, key.topk)]
+    out = [r for r in same if r.fmt != key.fmt and r.m_bucket == m]
+    mine = {r.m_bucket for r in same if r.fmt == key.fmt}
+    near = [max((b for b in mine if b < m), default=None), min((b for b in mine if b > m), default=None)]
+    out += [r for b in near if b is not None for r in same if r.fmt == key.fmt and r.m_bucket == b]
+    return out
+
+
 def _first_candidates(
     key: ProblemKey, m: int, backends: Sequence[Backend], stored: Sequence[tuple[Backend, BackendConfig]] = (),
-    seeds: int | None = None,
+    seeds: int | None = None, siblings: Sequence[tuple[Backend, BackendConfig]] = (),
 ) -> Iterator[_Cand]:
     """The configs a job tries before any search, in order, valid ones only (repeats possible):
     the first backend's default, the ``stored`` winners of an earlier run (a re-tune starts from
-    them), each followed by its backend's ``variants`` of it, the other backends' defaults, then
-    each backend's seeds (its first ``seeds``)."""
+    them), each followed by its backend's ``variants`` of it, the winners of neighbouring jobs
+    (``siblings``: :func:`_sibling_records`), the other backends' defaults, then each backend's
+    seeds (its first ``seeds``)."""
     defaults = list(_valid_defaults(key, m, backends))
     yield from defaults[:1]
     for b, cfg in stored:
         for c in (cfg, *b.variants(cfg, key, m)):
             if b.is_valid(c, key) is None:
                 yield _Cand(b, c, _cfg_json(c), first=True, prior=c is cfg)
+    for b, cfg in siblings:
+        if b.is_valid(cfg, key) is None:
+            yield _Cand(b, cfg, _cfg_json(cfg), first=True)
     yield from defaults[1:]
     for b in backends:
         for cfg in list(b.seeds(key, m))[:seeds]:
@@ -721,7 +741,8 @@ def _first_candidates(
 
 
 def _candidates(
-    key: ProblemKey, m: int, backends: Sequence[Backend], stored: Sequence[tuple[Backend, BackendConfig]] = ()
+    key: ProblemKey, m: int, backends: Sequence[Backend], stored: Sequence[tuple[Backend, BackendConfig]] = (),
+    siblings: Sequence[tuple[Backend, BackendConfig]] = (),
 ) -> list[_Cand]:
     """:func:`_first_candidates` (marked ``first``: tried before the search samples), then
     every backend's candidates (valid ones: ``Backend.candidates`` checks them, so they are not
@@ -734,7 +755,7 @@ def _candidates(
             seen.add(c.ident)
             out.append(c)
 
-    for c in _first_candidates(key, m, backends, stored):
+    for c in _first_candidates(key, m, backends, stored, siblings=siblings):
         add(c)
     for b in backends:
         for cfg in _backend_candidates(b, key, m):
@@ -1071,7 +1092,10 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
     current, stale = _stored_results(db, ctx, key, job.m, backends)
     if current and not ctx.force:
         return JobResult(job, "skipped", note="already tuned for this environment")
-    cands = _candidates(key, job.m, backends, _parsed(current + stale, backends))
+    near = db.results(ctx.env_key, op=key.op, dtype=key.dtype, backend=[b.name for b in backends], n=key.n,
+                      k=key.k, experts=key.experts, topk=key.topk)
+    cands = _candidates(key, job.m, backends, _parsed(current + stale, backends),
+                        _parsed(_sibling_records(near, key, job.m), backends))
     if not cands:
         return JobResult(job, "no_valid_config", note="no valid candidate config")
     default = cands[0]
@@ -1608,15 +1632,20 @@ def warm_kernel_cache(
     chosen = [get_backend(n) for n in backends]
     by_name = {b.name: b for b in chosen}
     by_job: dict[tuple, list[TuningRecord]] = {}
+    by_problem: dict[tuple, list[TuningRecord]] = {}
     for r in stored:
         if r.backend in by_name:
             by_job.setdefault((r.op, r.fmt, r.dtype, r.n, r.k, r.experts, r.topk, r.m_bucket), []).append(r)
+            by_problem.setdefault((r.env_key, r.op, r.dtype, r.n, r.k, r.experts, r.topk), []).append(r)
     reqs: dict[str, dict[str, Any]] = {}
     for job in jobs:
         k = job.key
         usable = [b for b in chosen if b.supports(k) is None]
         recs = by_job.get((k.op, k.fmt, k.dtype, k.n, k.k, k.experts, k.topk, job.m), [])
-        for c in _first_candidates(k, job.m, usable, _parsed(recs, usable), seeds):
+        near = [r for (_, *problem), rs in by_problem.items()
+                if tuple(problem) == (k.op, k.dtype, k.n, k.k, k.experts, k.topk)
+                for r in _sibling_records(rs, k, job.m)]
+        for c in _first_candidates(k, job.m, usable, _parsed(recs, usable), seeds, _parsed(near, usable)):
             ident = f"{c.ident}:{sorted(asdict(k).items())}"
             reqs.setdefault(ident, {"backend": c.backend.name, "spec": _spec(c.backend), "config": c.config_json,
                                     "key": asdict(k)})

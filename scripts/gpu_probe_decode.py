@@ -21,7 +21,9 @@ eleventh session became the GEMM's ``scale_select`` config field.)
 
 ``--gemm 64,128,512 --vary FIELD=V1,V2,..``: the GEMM kernel's stored winners at those M
 buckets, each with that config field set to each value (e.g. ``producer=0,1``), at the M of its
-bucket; the outputs of the variants are compared bit for bit with the first.
+bucket; the outputs of the variants are compared bit for bit with the first. Several ``--vary``
+give every combination of their values (those not valid for a winner are left out), e.g.
+``--vary producer=0,1 --vary producer_regs=0,40``.
 
 ``--tpw2``: instead, at M = 16, the stored decode winner (or the default) against variants of
 it with two 16-row tiles per warp (each x fragment read from shared memory then feeds four MMAs
@@ -32,6 +34,7 @@ instead of two), 4 or 8 warps, a 2- or 3-deep ring, the same or twice the split.
 """
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -271,10 +274,14 @@ def gemm_probe(records, fmts, shapes, ms, rounds, compile_only, tags):
               + "  " + ",".join(t for t in tags if r["same_output"][t]))
 
 
-def gemm_vary(records, fmts, shapes, ms, field, values, rounds, compile_only):
-    """The GEMM kernel's stored winners at ``ms``, each with ``field`` set to each of ``values``
-    (variants that are not valid for the shape are left out)."""
+def gemm_vary(records, fmts, shapes, ms, grid, rounds, compile_only):
+    """The GEMM kernel's stored winners at ``ms``, each with every setting of ``grid`` (a list of
+    ``{field: value}``: the product of the ``--vary`` options) applied; settings that are not
+    valid for the shape are left out, the first valid one is the baseline of the ratios."""
     from autofp4.kernels import sm90_w4a16_gemm as G
+
+    def label(setting):
+        return "+".join(f"{f}={int(v)}" for f, v in setting.items())
 
     rows = []
     for fmt in fmts:
@@ -282,39 +289,51 @@ def gemm_vary(records, fmts, shapes, ms, field, values, rounds, compile_only):
             n, k = SHAPES[name]
             cases = []
             for m, cfg in gemm_winners(records, fmt, n, k, ms):
-                cfgs = [dataclasses.replace(cfg, **{field: type(getattr(cfg, field))(v)}) for v in values]
-                cfgs = [c for c in cfgs if G.validate(c, n, k, fmt, "bfloat16") is None]
-                if len(cfgs) > 1:
-                    cases.append((m, cfgs))
+                cfgs = [dataclasses.replace(cfg, **{f: type(getattr(cfg, f))(v) for f, v in st.items()})
+                        for st in grid]
+                valid = [(label(st), c) for st, c in zip(grid, cfgs)
+                         if G.validate(c, n, k, fmt, "bfloat16") is None]
+                if len(valid) > 1:
+                    cases.append((m, valid))
             if compile_only:
-                for _, cfgs in cases:
-                    for cfg in cfgs:
+                for _, valid in cases:
+                    for _, cfg in valid:
                         G._compile(cfg, n, k, fmt, "bfloat16")
                 continue
             if not cases:
                 continue
             packs, calls = rotated_weight(G, fmt, n, k)
-            for m, cfgs in sorted(cases, key=lambda c: c[0]):
+            for m, valid in sorted(cases, key=lambda c: c[0]):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                runs = [G.compile_kernel(c, n, k, fmt, "bfloat16") for c in cfgs]
+                runs = [G.compile_kernel(c, n, k, fmt, "bfloat16") for _, c in valid]
                 ref = runs[0](x, packs[0], None)
                 same = [torch.equal(run(x, packs[0], None), ref) for run in runs]
                 us = list(interleaved_medians(dict(enumerate(runs)), x, packs, calls, rounds).values())
-                rows.append(dict(fmt=fmt, shape=name, m=m, cfg=str(cfgs[0]), field=field,
-                                 values=[getattr(c, field) for c in cfgs], us=us, same_output=same))
-                print(f"{fmt} {name:12s} M={m:4d} " + " ".join(f"{v}: {u:8.2f}" for v, u in zip(rows[-1]["values"], us))
-                      + f"  same {all(same)}  {cfgs[0]}", flush=True)
+                rows.append(dict(fmt=fmt, shape=name, m=m, cfg=str(valid[0][1]),
+                                 settings=[t for t, _ in valid], us=us, same_output=same))
+                print(f"{fmt} {name:12s} M={m:4d} " + " ".join(f"{t}: {u:8.2f}" for t, u in zip(rows[-1]["settings"], us))
+                      + f"  same {all(same)}  {valid[0][1]}", flush=True)
             del packs
-    if finished(rows, compile_only, f"probe_gemm_{field}.json"):
+    tag = "_".join(dict.fromkeys(f for st in grid for f in st))
+    if finished(rows, compile_only, f"probe_gemm_{tag}.json"):
         return
-    print(f"\n{'fmt':6s} {'shape':12s} {'M':>4s} {field} = value: us (ratio to the first), same bits")
+    print(f"\n{'fmt':6s} {'shape':12s} {'M':>4s} setting: us (ratio to the first), same bits")
     for r in rows:
         print(f"{r['fmt']:6s} {r['shape']:12s} {r['m']:4d} " + "  ".join(
-            f"{v}: {u:8.2f} ({u / r['us'][0]:.3f})" for v, u in zip(r["values"], r["us"]))
+            f"{t}: {u:8.2f} ({u / r['us'][0]:.3f})" for t, u in zip(r["settings"], r["us"]))
             + f"  {all(r['same_output'])}")
     ratios = [r["us"][-1] / r["us"][0] for r in rows]
     if ratios:
         print(f"geomean last/first: {statistics.geometric_mean(ratios):.3f} over {len(ratios)}")
+
+
+def vary_grid(specs):
+    """``["a=0,1", "b=0,40"]`` -> the settings ``[{a: 0, b: 0}, {a: 0, b: 40}, {a: 1, b: 0}, ...]``."""
+    axes = []
+    for spec in specs:
+        field, vals = spec.split("=")
+        axes.append([(field, int(v)) for v in vals.split(",")])
+    return [dict(combo) for combo in itertools.product(*axes)]
 
 
 def main():
@@ -325,17 +344,18 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--tpw2", action="store_true", help="the two-tiles-per-warp sweep at M = 16")
-    ap.add_argument("--vary", help="FIELD=V1,V2,...: the stored winners with that field set to each value")
+    ap.add_argument("--vary", action="append",
+                    help="FIELD=V1,V2,...: the stored winners with that field set to each value; with --gemm, "
+                         "several --vary give every combination")
     ap.add_argument("--gemm", help="M buckets (e.g. 64,128,512): probe the GEMM kernel's winners there instead")
     ap.add_argument("--gemm-variants", default="noscale,noalu", help=f"of {', '.join(GEMM_VARIANTS)}")
     args = ap.parse_args()
     if args.gemm and args.vary:
-        field, vals = args.vary.split("=")
         if not args.compile_only:
             print(torch.cuda.get_device_name(), torch.__version__, flush=True)
         return gemm_vary(read_records(args.db)[1], args.fmt.split(","), args.shapes.split(","),
-                         [int(v) for v in args.gemm.split(",")], field, [int(v) for v in vals.split(",")],
-                         args.rounds, args.compile_only)
+                         [int(v) for v in args.gemm.split(",")], vary_grid(args.vary), args.rounds,
+                         args.compile_only)
     if args.gemm:
         if not args.compile_only:
             print(torch.cuda.get_device_name(), torch.__version__, flush=True)
@@ -343,7 +363,9 @@ def main():
                           [int(v) for v in args.gemm.split(",")], args.rounds, args.compile_only,
                           args.gemm_variants.split(","))
     if args.vary:
-        field, vals = args.vary.split("=")
+        if len(args.vary) > 1:
+            ap.error("the decode sweep varies one field (several --vary need --gemm)")
+        field, vals = args.vary[0].split("=")
         if not args.compile_only:
             print(torch.cuda.get_device_name(), torch.__version__, flush=True)
         return sweep_vary(read_records(args.db)[1], args.fmt.split(","), args.shapes.split(","), field,

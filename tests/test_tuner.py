@@ -1,5 +1,6 @@
 """The tuner on the CPU: real tuning runs into real SQLite files, with test backends that are
 deliberately wrong, faulty or crashing (fixtures registered like any backend)."""
+import dataclasses
 import json
 import os
 import sqlite3
@@ -16,7 +17,8 @@ from autofp4.db import TuningDB
 from autofp4.dispatch import Dispatcher
 from autofp4.env import current_environment
 from autofp4.schema import config_json
-from autofp4.tuner import Job, TOLERANCE, _check, tune, tune_from_misses, tune_jobs
+from autofp4 import tuner
+from autofp4.tuner import Job, TOLERANCE, _check, _sibling_records, tune, tune_from_misses, tune_jobs
 
 CPU = torch.device("cpu")
 KEY = ProblemKey("linear", "nvfp4", "bfloat16", 256, 128)
@@ -263,6 +265,37 @@ def test_a_stale_winner_is_followed_by_its_variants(monkeypatch, tmp_path):
     with TuningDB(path) as db:
         second_run = db.trials(_env_key())[8:]
     assert [t.config["chunk_n"] for t in second_run[:4]] == [0, 144, 160, 240]
+
+
+def test_a_new_job_first_tries_the_winners_of_its_neighbours(monkeypatch, tmp_path):
+    """A job never tuned before tries, right after its default, the stored winners of the same
+    problem in the other format at its M and in its format at the nearest stored M buckets
+    (configs name neither), then the seeds; so does the kernel-cache warm-up."""
+    from autofp4.tuner import warm_kernel_cache
+
+    _register(monkeypatch, SeededBackend)
+    path = tmp_path / "t.db"
+    kw = dict(backends=["test_seeded"], db=path, device="cpu", progress=False, budget_per_shape=6)
+    assert tune([KEY], m_buckets=[2, 16], **kw).results[0].status == "tuned"
+    with sqlite3.connect(path) as conn:  # winners no seed and no default would find first
+        conn.execute("""UPDATE results SET config = '{"chunk_n": 176}' WHERE m_bucket = 2""")
+        conn.execute("""UPDATE results SET config = '{"chunk_n": 112}' WHERE m_bucket = 16""")
+    other = dataclasses.replace(KEY, fmt="mxfp4")
+    assert tune([KEY], m_buckets=[4], **kw).results[0].status == "tuned"
+    assert tune([other], m_buckets=[2], **kw).results[0].status == "tuned"
+    with TuningDB(path) as db:
+        mid = [t.config["chunk_n"] for t in db.trials(_env_key(), m=4)]  # oldest first
+        mx = [t.config["chunk_n"] for t in db.trials(_env_key(), m=2) if t.fmt == "mxfp4"]
+        stored = db.results(_env_key())
+    assert mid[:3] == [0, 176, 112]  # default, the M = 2 and M = 16 winners (half the budget)
+    assert mx[:3] == [0, 176, 240]
+    # the other format at M = 16, then this format's nearest stored bucket below (none above)
+    assert [(r.fmt, r.m_bucket) for r in _sibling_records(stored, other, 16)] == [("nvfp4", 16), ("mxfp4", 2)]
+
+    compiled = []
+    monkeypatch.setattr(tuner, "_compile_only", lambda req: compiled.append(json.loads(req["config"])) or None)
+    warm_kernel_cache([Job(other, 16)], ["test_seeded"], progress=False, stored=stored)
+    assert 112 in {c["chunk_n"] for c in compiled}
 
 
 def test_compile_workers_start_before_the_first_job():
