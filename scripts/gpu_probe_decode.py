@@ -348,7 +348,8 @@ def main():
                     help="FIELD=V1,V2,...: the stored winners with that field set to each value; with --gemm, "
                          "several --vary give every combination")
     ap.add_argument("--gemm", help="M buckets (e.g. 64,128,512): probe the GEMM kernel's winners there instead")
-    ap.add_argument("--gemm-variants", default="noscale,noalu", help=f"of {', '.join(GEMM_VARIANTS)}")
+    ap.add_argument("--gemm-variants", default="noscale,noalu",
+                    help=f"of {', '.join(GEMM_VARIANTS)} (empty: the winners as they are only)")
     args = ap.parse_args()
     if args.gemm and args.vary:
         if not args.compile_only:
@@ -361,7 +362,7 @@ def main():
             print(torch.cuda.get_device_name(), torch.__version__, flush=True)
         return gemm_probe(read_records(args.db)[1], args.fmt.split(","), args.shapes.split(","),
                           [int(v) for v in args.gemm.split(",")], args.rounds, args.compile_only,
-                          args.gemm_variants.split(","))
+                          [t for t in args.gemm_variants.split(",") if t])
     if args.vary:
         if len(args.vary) > 1:
             ap.error("the decode sweep varies one field (several --vary need --gemm)")
