@@ -29,11 +29,12 @@ from .base import Backend, BackendConfig, ProblemKey, Runner, grid
 from .reference import reference_linear
 from .sm90_heuristics import DECODE_MAX_M  # noqa: F401  (largest M the default runs on the decode kernel)
 # The GEMM's x multicast over a cluster of two CTAs ends with a relaxed cluster barrier, so a
-# CTA's last remote stage releases may still be in flight when its peer exits. On the H200 that
-# faulted (unspecified launch failure) in 3 of 8 runs of one such config, 400 or 10,000
-# back-to-back launches each with dependent launch inside a CUDA graph; no tuned winner used a cluster. The backend
-# does not offer clusters until the kernel's fix (a release-ordered cluster barrier) lands with a
-# re-tune of every GEMM row (a kernel edit retires them). The kernel module itself still takes them.
+# CTA's last remote stage releases may still be in flight when its peer exits. On the H200 one
+# such config faulted (unspecified launch failure) in 3 of 8 runs of 400 or 10,000 back-to-back
+# launches with dependent launch inside a CUDA graph; no tuned winner used a cluster. The
+# backend does not offer clusters until the kernel's fix (a release-ordered cluster barrier)
+# lands with a re-tune of every GEMM row (a kernel edit retires them). The kernel module itself
+# still takes them.
 CLUSTER_OFF = ("cluster_n > 1 is turned off in this backend: the GEMM's x multicast over a cluster "
                "can fault under dependent launch in a CUDA graph (see CLUSTER_OFF in "
                "autofp4/backends/sm90_w4a16.py); use cluster_n=1")
@@ -134,7 +135,8 @@ def _valid_grid(n: int, k: int, fmt: str, dtype: str) -> tuple[tuple[str, Any, S
         cls = mod.DecodeConfig if kernel == "decode" else mod.Sm90GemmConfig
         for combo in grid(mod.config_space(n, k, fmt, dtype)):
             kcfg = cls(**combo)
-            if _turned_off(kernel, combo.get("cluster_n", 1)) is None and mod.validate(kcfg, n, k, fmt, dtype) is None:
+            if _turned_off(kernel, combo.get("cluster_n", 1)) is None and \
+                    mod.validate(kcfg, n, k, fmt, dtype) is None:
                 out.append((kernel, kcfg, _from_kernel_config(kernel, kcfg)))
     return tuple(out)
 
