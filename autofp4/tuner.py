@@ -818,18 +818,18 @@ def _study_name(ctx: _Ctx, job: Job, cands: Sequence[_Cand]) -> str:
     return f"autofp4-{ctx.env_key}-{k.op}-{k.fmt}-{k.dtype}-n{k.n}-k{k.k}-e{k.experts}-t{k.topk}-m{job.m}-{h}"
 
 
-def _stored_results(db: Any, ctx: _Ctx, key: ProblemKey, m: int,
-                    backends: list[Backend]) -> tuple[list[TuningRecord], list[TuningRecord]]:
+def _stored_results(db: Any, ctx: _Ctx, key: ProblemKey, m: int, backends: list[Backend]
+                    ) -> tuple[list[TuningRecord], list[TuningRecord], list[TuningRecord]]:
     """This environment's results for the job: those measured with the current source of their
-    config's kernel, and the stale ones (an older source: the job runs again, but their
-    winners are still the best first guesses of the new run)."""
+    config's kernel, the stale ones (an older source: the job runs again, but their winners
+    are still the best first guesses of the new run), and the rows of the same problem in every
+    format and M bucket (for :func:`_sibling_records`). One query."""
     by_name = {b.name: b for b in backends}
-    recs = db.results(
-        ctx.env_key, op=key.op, fmt=key.fmt, dtype=key.dtype, backend=list(by_name), m_bucket=m,
-        n=key.n, k=key.k, experts=key.experts, topk=key.topk,
-    )
+    problem = db.results(ctx.env_key, op=key.op, dtype=key.dtype, backend=list(by_name), n=key.n, k=key.k,
+                         experts=key.experts, topk=key.topk)
+    recs = [r for r in problem if r.fmt == key.fmt and r.m_bucket == m]
     stale = [is_stale(r, by_name[r.backend]) for r in recs]
-    return [r for r, s in zip(recs, stale) if not s], [r for r, s in zip(recs, stale) if s]
+    return [r for r, s in zip(recs, stale) if not s], [r for r, s in zip(recs, stale) if s], problem
 
 
 def _parsed(recs: Iterable[TuningRecord], backends: Sequence[Backend]) -> list[tuple[Backend, BackendConfig]]:
@@ -1089,13 +1089,11 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
     if not backends:
         why = "; ".join(f"{b.name}: {b.supports(key)}" for b in ctx.backends)
         return JobResult(job, "no_valid_config", note=f"no selected backend supports it ({why})")
-    current, stale = _stored_results(db, ctx, key, job.m, backends)
+    current, stale, problem = _stored_results(db, ctx, key, job.m, backends)
     if current and not ctx.force:
         return JobResult(job, "skipped", note="already tuned for this environment")
-    near = db.results(ctx.env_key, op=key.op, dtype=key.dtype, backend=[b.name for b in backends], n=key.n,
-                      k=key.k, experts=key.experts, topk=key.topk)
     cands = _candidates(key, job.m, backends, _parsed(current + stale, backends),
-                        _parsed(_sibling_records(near, key, job.m), backends))
+                        _parsed(_sibling_records(problem, key, job.m), backends))
     if not cands:
         return JobResult(job, "no_valid_config", note="no valid candidate config")
     default = cands[0]
@@ -1632,19 +1630,17 @@ def warm_kernel_cache(
     chosen = [get_backend(n) for n in backends]
     by_name = {b.name: b for b in chosen}
     by_job: dict[tuple, list[TuningRecord]] = {}
-    by_problem: dict[tuple, list[TuningRecord]] = {}
+    by_env: dict[str, list[TuningRecord]] = {}  # neighbours are looked up within one environment
     for r in stored:
         if r.backend in by_name:
             by_job.setdefault((r.op, r.fmt, r.dtype, r.n, r.k, r.experts, r.topk, r.m_bucket), []).append(r)
-            by_problem.setdefault((r.env_key, r.op, r.dtype, r.n, r.k, r.experts, r.topk), []).append(r)
+            by_env.setdefault(r.env_key, []).append(r)
     reqs: dict[str, dict[str, Any]] = {}
     for job in jobs:
         k = job.key
         usable = [b for b in chosen if b.supports(k) is None]
         recs = by_job.get((k.op, k.fmt, k.dtype, k.n, k.k, k.experts, k.topk, job.m), [])
-        near = [r for (_, *problem), rs in by_problem.items()
-                if tuple(problem) == (k.op, k.dtype, k.n, k.k, k.experts, k.topk)
-                for r in _sibling_records(rs, k, job.m)]
+        near = [r for rs in by_env.values() for r in _sibling_records(rs, k, job.m)]
         for c in _first_candidates(k, job.m, usable, _parsed(recs, usable), seeds, _parsed(near, usable)):
             ident = f"{c.ident}:{sorted(asdict(k).items())}"
             reqs.setdefault(ident, {"backend": c.backend.name, "spec": _spec(c.backend), "config": c.config_json,
