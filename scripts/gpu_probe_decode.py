@@ -234,35 +234,51 @@ def gemm_winners(records, fmt, n, k, ms):
             and r.m_bucket in ms]
 
 
+def gemm_sweep(fmts, shapes, cases_for, rounds, compile_only):
+    """For every format and shape, the cases ``cases_for(fmt, n, k)`` gives: ``(m, kernels)``
+    with ``kernels`` ``{label: (kernel module, config)}``, the first label the reference. Yields
+    ``(fmt, shape, m, kernels, us, same)`` per case, M ascending: CUDA-graph microseconds per
+    label (interleaved rounds over rotated weights) and whether its output equals the
+    reference's bit for bit. With ``compile_only`` it compiles them and yields nothing."""
+    from autofp4.kernels import sm90_w4a16_gemm as G
+
+    for fmt in fmts:
+        for name in shapes:
+            n, k = SHAPES[name]
+            cases = cases_for(fmt, n, k)
+            if compile_only:
+                for _, kernels in cases:
+                    for mod, cfg in kernels.values():
+                        mod._compile(cfg, n, k, fmt, "bfloat16")
+                continue
+            if not cases:
+                continue
+            packs, calls = rotated_weight(G, fmt, n, k)
+            for m, kernels in sorted(cases, key=lambda c: c[0]):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                runs = {t: mod.compile_kernel(cfg, n, k, fmt, "bfloat16") for t, (mod, cfg) in kernels.items()}
+                ref = next(iter(runs.values()))(x, packs[0], None)
+                same = {t: torch.equal(run(x, packs[0], None), ref) for t, run in runs.items()}
+                yield fmt, name, m, kernels, interleaved_medians(runs, x, packs, calls, rounds), same
+            del packs
+
+
 def gemm_probe(records, fmts, shapes, ms, rounds, compile_only, tags):
     """The GEMM kernel's stored winners at ``ms``: as is and as each variant in ``tags``."""
     from autofp4.kernels import sm90_w4a16_gemm as G
 
     mods = {"as is": G, **{t: variant(t, G, _GEMM_SCALED, GEMM_VARIANTS) for t in tags}}
+
+    def cases(fmt, n, k):
+        return [(m, {t: (mod, mod.Sm90GemmConfig(**dataclasses.asdict(cfg))) for t, mod in mods.items()})
+                for m, cfg in gemm_winners(records, fmt, n, k, ms)]
+
     rows = []
-    for fmt in fmts:
-        for name in shapes:
-            n, k = SHAPES[name]
-            cases = gemm_winners(records, fmt, n, k, ms)
-            if compile_only:
-                for _, cfg in cases:
-                    for mod in mods.values():
-                        mod._compile(mod.Sm90GemmConfig(**dataclasses.asdict(cfg)), n, k, fmt, "bfloat16")
-                continue
-            if not cases:
-                continue
-            packs, calls = rotated_weight(G, fmt, n, k)
-            for m, cfg in sorted(cases, key=lambda c: c[0]):
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                runs = {t: mod.compile_kernel(mod.Sm90GemmConfig(**dataclasses.asdict(cfg)), n, k, fmt, "bfloat16")
-                        for t, mod in mods.items()}
-                ref = runs["as is"](x, packs[0], None)
-                same = {t: torch.equal(run(x, packs[0], None), ref) for t, run in runs.items()}
-                rows.append(dict(fmt=fmt, shape=name, m=m, cfg=str(cfg), same_output=same,
-                                 us=interleaved_medians(runs, x, packs, calls, rounds)))
-                print(f"{fmt} {name:12s} M={m:3d} " + " ".join(f"{t} {v:7.2f}" for t, v in rows[-1]["us"].items())
-                      + f"  {cfg}", flush=True)
-            del packs
+    for fmt, name, m, kernels, us, same in gemm_sweep(fmts, shapes, cases, rounds, compile_only):
+        cfg = kernels["as is"][1]
+        rows.append(dict(fmt=fmt, shape=name, m=m, cfg=str(cfg), same_output=same, us=us))
+        print(f"{fmt} {name:12s} M={m:3d} " + " ".join(f"{t} {v:7.2f}" for t, v in us.items()) + f"  {cfg}",
+              flush=True)
     if finished(rows, compile_only, "probe_gemm.json"):
         return
     print(f"\n{'fmt':6s} {'shape':12s} {'M':>4s} " + " ".join(f"{t:>9s}" for t in mods)
@@ -283,37 +299,22 @@ def gemm_vary(records, fmts, shapes, ms, grid, rounds, compile_only):
     def label(setting):
         return "+".join(f"{f}={int(v)}" for f, v in setting.items())
 
+    def cases(fmt, n, k):
+        out = []
+        for m, cfg in gemm_winners(records, fmt, n, k, ms):
+            cfgs = [dataclasses.replace(cfg, **{f: type(getattr(cfg, f))(v) for f, v in st.items()}) for st in grid]
+            valid = {label(st): (G, c) for st, c in zip(grid, cfgs) if G.validate(c, n, k, fmt, "bfloat16") is None}
+            if len(valid) > 1:
+                out.append((m, valid))
+        return out
+
     rows = []
-    for fmt in fmts:
-        for name in shapes:
-            n, k = SHAPES[name]
-            cases = []
-            for m, cfg in gemm_winners(records, fmt, n, k, ms):
-                cfgs = [dataclasses.replace(cfg, **{f: type(getattr(cfg, f))(v) for f, v in st.items()})
-                        for st in grid]
-                valid = [(label(st), c) for st, c in zip(grid, cfgs)
-                         if G.validate(c, n, k, fmt, "bfloat16") is None]
-                if len(valid) > 1:
-                    cases.append((m, valid))
-            if compile_only:
-                for _, valid in cases:
-                    for _, cfg in valid:
-                        G._compile(cfg, n, k, fmt, "bfloat16")
-                continue
-            if not cases:
-                continue
-            packs, calls = rotated_weight(G, fmt, n, k)
-            for m, valid in sorted(cases, key=lambda c: c[0]):
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                runs = [G.compile_kernel(c, n, k, fmt, "bfloat16") for _, c in valid]
-                ref = runs[0](x, packs[0], None)
-                same = [torch.equal(run(x, packs[0], None), ref) for run in runs]
-                us = list(interleaved_medians(dict(enumerate(runs)), x, packs, calls, rounds).values())
-                rows.append(dict(fmt=fmt, shape=name, m=m, cfg=str(valid[0][1]),
-                                 settings=[t for t, _ in valid], us=us, same_output=same))
-                print(f"{fmt} {name:12s} M={m:4d} " + " ".join(f"{t}: {u:8.2f}" for t, u in zip(rows[-1]["settings"], us))
-                      + f"  same {all(same)}  {valid[0][1]}", flush=True)
-            del packs
+    for fmt, name, m, kernels, us, same in gemm_sweep(fmts, shapes, cases, rounds, compile_only):
+        base = next(iter(kernels.values()))[1]
+        rows.append(dict(fmt=fmt, shape=name, m=m, cfg=str(base), settings=list(kernels), us=list(us.values()),
+                         same_output=list(same.values())))
+        print(f"{fmt} {name:12s} M={m:4d} " + " ".join(f"{t}: {u:8.2f}" for t, u in us.items())
+              + f"  same {all(same.values())}  {base}", flush=True)
     tag = "_".join(dict.fromkeys(f for st in grid for f in st))
     if finished(rows, compile_only, f"probe_gemm_{tag}.json"):
         return
