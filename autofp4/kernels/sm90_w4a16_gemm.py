@@ -738,7 +738,7 @@ class _Sm90W4A16Kernel:
             griddep_launch_dependents()
             if cutlass.const_expr(cl > 1):
                 # keep this CTA's shared memory alive until the peer's multicasts into it are done
-                cute.arch.cluster_arrive_relaxed()
+                cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
 
             # ---- epilogue: out[m, n] = acc[n, m] * alpha + bias[n]
