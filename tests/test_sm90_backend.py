@@ -63,20 +63,19 @@ def test_candidates_respect_m_and_validity(backend):
     assert {c.kernel for c in cands} == {"decode", "gemm"}
 
 
-def test_the_backend_offers_no_cluster_configs(backend):
-    """The kernel module accepts x multicast over a cluster of two; the backend turns it off
-    (CLUSTER_OFF): no candidate or seed uses it and an explicit one is refused before compiling."""
+def test_the_backend_offers_cluster_configs_where_the_kernel_takes_them(backend):
+    """x multicast over a cluster of two is a tuning dimension: candidates at M >= 64 include it,
+    an explicit one is valid, and an odd number of N tiles per cluster is refused."""
     from autofp4.kernels import sm90_w4a16_gemm as g
 
     key = ProblemKey("linear", "nvfp4", "bfloat16", 8192, 8192)
     cl2 = SM90Config(kernel="gemm", tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=2, cluster_n=2, raster="n")
+    assert backend.is_valid(cl2, key) is None
     kcfg = g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=2, cluster_n=2)
     assert g.validate(kcfg, key.n, key.k, key.fmt, key.dtype) is None
-    assert "cluster_n > 1 is turned off" in backend.is_valid(cl2, key)
-    with pytest.raises(ValueError, match="cluster_n"):
-        backend.compile(cl2, key)
-    for m in (1, 16, 512):
-        assert all((c.cluster_n or 1) == 1 for c in backend.candidates(key, m) if c.kernel == "gemm")
+    assert any((c.cluster_n or 1) == 2 for c in backend.candidates(key, 512) if c.kernel == "gemm")
+    odd = ProblemKey("linear", "nvfp4", "bfloat16", 256 * 3, 8192)  # three 256-row weight tiles
+    assert "must divide the number of weight tiles" in backend.is_valid(cl2.model_copy(update={"tile_n": 256}), odd)
 
 
 def test_invalid_configs_are_rejected_before_compiling(backend):

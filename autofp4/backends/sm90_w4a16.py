@@ -28,23 +28,6 @@ from . import sm90_heuristics
 from .base import Backend, BackendConfig, ProblemKey, Runner, grid
 from .reference import reference_linear
 from .sm90_heuristics import DECODE_MAX_M  # noqa: F401  (largest M the default runs on the decode kernel)
-# The GEMM's x multicast over a cluster of two CTAs ends with a relaxed cluster barrier, so a
-# CTA's last remote stage releases may still be in flight when its peer exits. On the H200 one
-# such config faulted (unspecified launch failure) in 3 of 8 runs of 400 or 10,000 back-to-back
-# launches with dependent launch inside a CUDA graph; no tuned winner used a cluster. The
-# backend does not offer clusters until the kernel's fix (a release-ordered cluster barrier)
-# lands with a re-tune of every GEMM row (a kernel edit retires them). The kernel module itself
-# still takes them.
-CLUSTER_OFF = ("cluster_n > 1 is turned off in this backend: the GEMM's x multicast over a cluster "
-               "can fault under dependent launch in a CUDA graph (see CLUSTER_OFF in "
-               "autofp4/backends/sm90_w4a16.py); use cluster_n=1")
-
-
-def _turned_off(kernel: str, cluster_n: int) -> str | None:
-    """Why this backend does not offer a config the kernel module accepts (:data:`CLUSTER_OFF`)."""
-    return CLUSTER_OFF if kernel == "gemm" and cluster_n > 1 else None
-
-
 _DECODE_FIELDS = ("warps", "k_split", "m_max", "prefetch", "split_reduce", "tiles_per_warp")
 # omitted when they have these values (configs stored before they existed)
 _DECODE_OPTIONAL = {"x_smem": False, "smem_stages": 0}
@@ -135,8 +118,7 @@ def _valid_grid(n: int, k: int, fmt: str, dtype: str) -> tuple[tuple[str, Any, S
         cls = mod.DecodeConfig if kernel == "decode" else mod.Sm90GemmConfig
         for combo in grid(mod.config_space(n, k, fmt, dtype)):
             kcfg = cls(**combo)
-            if _turned_off(kernel, combo.get("cluster_n", 1)) is None and \
-                    mod.validate(kcfg, n, k, fmt, dtype) is None:
+            if mod.validate(kcfg, n, k, fmt, dtype) is None:
                 out.append((kernel, kcfg, _from_kernel_config(kernel, kcfg)))
     return tuple(out)
 
@@ -212,9 +194,6 @@ class SM90W4A16Backend(Backend):
             return f"expected an SM90Config, got {type(config).__name__}"
         if key.op != "linear":
             return f"{self.name} implements linear only, not {key.op}"
-        off = _turned_off(config.kernel, config.cluster_n or 1)
-        if off:
-            return off
         decode, gemm = _kernels()
         mod = decode if config.kernel == "decode" else gemm
         return mod.validate(_to_kernel_config(config), key.n, key.k, key.fmt, key.dtype)
