@@ -190,16 +190,21 @@ def test_seeds_follow_the_default_and_are_valid():
 
 
 def test_a_stale_gemm_winner_is_retried_with_scale_select_flipped(backend):
-    """A re-tune tries each stored GEMM winner as it is, then with ``scale_select`` and with
-    ``producer`` the other way (winners stored before the settings existed have them off), where
+    """A re-tune tries each stored GEMM winner as it is, then with ``scale_select``, with
+    ``producer`` and with x multicast over a cluster of two the other way (winners stored before the settings existed have them off), where
     valid; decode winners have no variant."""
     from autofp4.tuner import _first_candidates
 
     key = ProblemKey("linear", "nvfp4", "bfloat16", 6144, 4096)
     old = SM90Config(kernel="gemm", tile_n=128, tile_m=64, tile_k=256, stages=4, split_k=2, cluster_n=1,
                      raster="n", pdl=True)
-    flipped, prod = backend.variants(old, key, 64)
+    flipped, prod, cl2 = backend.variants(old, key, 64)
     assert flipped.scale_select is True and prod.producer is True
+    assert cl2.model_dump(exclude={"cluster_n"}) == old.model_dump(exclude={"cluster_n"}) and cl2.cluster_n == 2
+    assert backend.is_valid(cl2, key) is None
+    assert backend.variants(cl2, key, 64)[2] == old
+    banded = old.model_copy(update={"raster": "m", "swizzle": 4})
+    assert backend.variants(banded, key, 64)[2] == cl2  # a cluster's CTAs share one token tile
     assert flipped.model_dump(exclude={"scale_select"}) == old.model_dump(exclude={"scale_select"})
     assert prod.model_dump(exclude={"producer"}) == old.model_dump(exclude={"producer"})
     back = backend.variants(flipped, key, 64)[0]

@@ -218,13 +218,18 @@ class SM90W4A16Backend(Backend):
 
     def variants(self, config: BackendConfig, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
         """A GEMM config with ``scale_select`` the other way (how the kernel broadcasts block
-        scales), then with ``producer`` the other way (a dedicated producer warp); winners stored
-        before these settings existed have them off. The tuner drops the invalid ones."""
+        scales), then with ``producer`` the other way (a dedicated producer warp), then with x
+        multicast over a cluster of two turned on (in N-raster order, unbanded: what a cluster
+        needs) or off; winners stored before these settings existed have them off. The tuner
+        drops the invalid ones."""
         if not isinstance(config, SM90Config) or config.kernel != "gemm":
             return []
         kcfg = _to_kernel_config(config)
+        cluster = (replace(kcfg, cluster_n=2, raster="n", swizzle=1) if kcfg.cluster_n == 1
+                   else replace(kcfg, cluster_n=1))
         return [_from_kernel_config("gemm", replace(kcfg, scale_select=not kcfg.scale_select)),
-                _from_kernel_config("gemm", replace(kcfg, producer=not kcfg.producer))]
+                _from_kernel_config("gemm", replace(kcfg, producer=not kcfg.producer)),
+                _from_kernel_config("gemm", cluster)]
 
     def candidates(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
         """Both kernels' grids (decode only where ``m <= m_max``): the default first, then the
