@@ -166,6 +166,21 @@ def derive(r: dict) -> dict:
     return r
 
 
+def against_fastest_cublas(rows: list[dict]) -> list[dict]:
+    """Each row's pick against the fastest cuBLAS time the run measured for its (shape, M): the
+    formats' rows of one (shape, M) time the same bf16 op on the same weights, yet on the H200
+    their cuBLAS medians have differed by up to 20% within a run, so the speedup over the faster
+    of them is the one no cuBLAS outlier flatters."""
+    fastest: dict[tuple, float] = {}
+    for r in rows:
+        key = (r["shape"], r["m"])
+        fastest[key] = min(fastest.get(key, math.inf), r["cublas_graph_us"])
+    for r in rows:
+        r["cublas_fastest_graph_us"] = fastest[(r["shape"], r["m"])]
+        r["speedup_tuned_fastest"] = r["cublas_fastest_graph_us"] / r["tuned_graph_us"]
+    return rows
+
+
 def geomean(xs):
     xs = list(xs)
     return math.exp(sum(math.log(v) for v in xs) / len(xs)) if xs else float("nan")
@@ -201,8 +216,12 @@ def markdown(doc: dict) -> str:
             f"{r['hbm_floor_us']:.1f} | {r['floor_pct']:.0f}% | {r['cublas_eager_us']:.1f} | {r['api_eager_us']:.1f} |"
             + ("" if max(r.get("default_rel_err", 0), r.get("tuned_rel_err", 0)) < 2e-2 else " WRONG RESULT |")
         )
-    out += ["", "Geomean speedup over bf16 cuBLAS (CUDA graph) per format and M group, against the targets:", "",
-            "| fmt | M | default | tuned | tuned, PDL off | target |", "|---|---|---:|---:|---:|---:|"]
+    against_fastest_cublas(rows)
+    out += ["", "Geomean speedup over bf16 cuBLAS (CUDA graph) per format and M group, against the targets "
+            "(\"tuned vs fastest cuBLAS\": against the fastest cuBLAS time this run measured for the row's shape "
+            "and M, over all its formats' rows):", "",
+            "| fmt | M | default | tuned | tuned, PDL off | tuned vs fastest cuBLAS | target |",
+            "|---|---|---:|---:|---:|---:|---:|"]
     for fmt in sorted({r["fmt"] for r in rows}):
         for ms, target in TARGETS:
             sel = [r for r in rows if r["fmt"] == fmt and r["m"] in ms]
@@ -210,7 +229,8 @@ def markdown(doc: dict) -> str:
                 off = f"{geomean(r['speedup_nopdl'] for r in sel):.2f}x" if nopdl else "-"
                 out.append(
                     f"| {fmt} | {','.join(map(str, ms))} | {geomean(r['speedup_default'] for r in sel):.2f}x | "
-                    f"{geomean(r['speedup_tuned'] for r in sel):.2f}x | {off} | {target}x |"
+                    f"{geomean(r['speedup_tuned'] for r in sel):.2f}x | {off} | "
+                    f"{geomean(r['speedup_tuned_fastest'] for r in sel):.2f}x | {target}x |"
                 )
     return "\n".join(out) + "\n"
 
@@ -252,7 +272,7 @@ def main() -> int:
     args = p.parse_args()
     if args.plot:
         doc = json.loads(Path(args.plot).read_text())
-        doc["rows"] = [derive(r) for r in doc["rows"]]  # derived columns by the current rules
+        doc["rows"] = against_fastest_cublas([derive(r) for r in doc["rows"]])  # by the current rules
         Path(args.plot).write_text(json.dumps(doc, indent=1))
         base = Path(args.plot).with_suffix("")
         base.with_suffix(".md").write_text(markdown(doc))
@@ -265,6 +285,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = bench(args)
+    against_fastest_cublas(doc["rows"])
     (out / "bench_linear.json").write_text(json.dumps(doc, indent=1))
     (out / "bench_linear.md").write_text(markdown(doc))
     print(markdown(doc))
