@@ -1,0 +1,105 @@
+"""Why bf16 cuBLAS times vary inside ``scripts/bench_linear.py`` (a diagnostic, not a test).
+
+Alone in a process, ``F.linear`` on 70B gate_up at M = 16 takes 216-223 us on the H200; inside
+the benchmark, the NVFP4 and MXFP4 rows of one run timed the same op at 218 and 262 us. This
+script times cuBLAS on one shape and M the way the benchmark does (CUDA graph, 3 warm-up, the
+same rotation) under several conditions, each ``--rounds`` times:
+
+- ``alone``: cuBLAS only;
+- ``after <fmt> pdl``: each cuBLAS timing right after timing the dispatcher's pick for that
+  format with programmatic dependent launch on (the benchmark's order within a round);
+- ``after <fmt> nopdl``: the same with it off;
+- ``after <fmt> pdl, one stream``: as ``after <fmt> pdl``, every timing on one stream instead of
+  a new one from torch's pool per timing.
+
+    python scripts/gpu_cublas_variance.py --shape "70B gate_up" --m 16 --rounds 6
+
+Prints one line per condition: the cuBLAS medians in us, then their min, median and max.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench_linear import SHAPES  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="70B gate_up", choices=list(SHAPES))
+    ap.add_argument("--m", type=int, default=16)
+    ap.add_argument("--fmt", default="nvfp4,mxfp4")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_cublas_variance needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    import autofp4
+    from autofp4.backends import ProblemKey, available_backends
+    from autofp4.dispatch import get_dispatcher
+    from autofp4.pdl import pdl
+    from autofp4.timing import copies_for_cold_l2, l2_cache_bytes, time_cuda
+
+    dev = torch.device("cuda")
+    n, k = SHAPES[args.shape]
+    m = args.m
+    l2 = l2_cache_bytes(dev)
+    backend = available_backends(dev)[0]
+    disp = get_dispatcher(dev)
+    gen = torch.Generator(device=dev).manual_seed(1234 + n + k)
+    nd = copies_for_cold_l2(n * k * 2, l2, max_copies=8)
+    dense = [torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(nd)]
+    x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
+    cargs = [(x, dense[i]) for i in range(nd)]
+
+    ours = {}
+    for fmt in args.fmt.split(","):
+        ws = [autofp4.quantize(d, fmt) for d in dense]
+        fp4_bytes = ws[0].data.numel() + ws[0].scale.numel() * ws[0].scale.element_size()
+        while len(ws) < copies_for_cold_l2(fp4_bytes, l2, max_copies=32):
+            ws.append(autofp4.quantize(torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02, fmt))
+        key = ProblemKey("linear", fmt, "bfloat16", n, k)
+        tb, tcfg = disp.pick(key, m)
+        run = disp.runner(tb, tcfg, key)
+        qargs = [(x, w.packed(backend.name, backend.prepare), None) for w in ws]
+        ours[fmt] = (run, qargs, tcfg)
+        print(f"{fmt}: {tb.name} {tcfg.model_dump(mode='json', exclude_none=True)}", flush=True)
+
+    def cublas(stream=None) -> float:
+        return time_cuda(F.linear, cargs, warmup=3, reps=args.reps, use_graph=True, stream=stream).median_us
+
+    def ours_us(fmt: str, on: bool, stream=None) -> float:
+        run, qargs, _ = ours[fmt]
+        with pdl(on):
+            return time_cuda(run, qargs, warmup=3, reps=args.reps, use_graph=True, stream=stream).median_us
+
+    results: dict[str, list[float]] = {"alone": [cublas() for _ in range(args.rounds)]}
+    one = torch.cuda.Stream()
+    for fmt in ours:
+        for label, on, stream in ((f"after {fmt} pdl", True, None), (f"after {fmt} nopdl", False, None),
+                                  (f"after {fmt} pdl, one stream", True, one)):
+            xs = []
+            for _ in range(args.rounds):
+                ours_us(fmt, on, stream)
+                xs.append(cublas(stream))
+            results[label] = xs
+    results["alone, again"] = [cublas() for _ in range(args.rounds)]
+
+    print(f"\n{torch.cuda.get_device_name(dev)}, torch {torch.__version__}: bf16 cuBLAS on {args.shape} "
+          f"({n}x{k}), M = {m}, CUDA-graph medians in us")
+    for label, xs in results.items():
+        print(f"{label:32s} " + " ".join(f"{v:7.1f}" for v in xs)
+              + f"   min {min(xs):7.1f}  median {statistics.median(xs):7.1f}  max {max(xs):7.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
