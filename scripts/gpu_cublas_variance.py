@@ -6,11 +6,15 @@ script times cuBLAS on one shape and M the way the benchmark does (CUDA graph, 3
 same rotation) under several conditions, each ``--rounds`` times:
 
 - ``alone``: cuBLAS only;
-- ``after <fmt> pdl``: each cuBLAS timing right after timing the dispatcher's pick for that
-  format with programmatic dependent launch on (the benchmark's order within a round);
-- ``after <fmt> nopdl``: the same with it off;
-- ``after <fmt> pdl, one stream``: as ``after <fmt> pdl``, every timing on one stream instead of
-  a new one from torch's pool per timing.
+- ``<fmt> bench order``: rounds as the benchmark runs them: cuBLAS, the backend's default
+  config, the dispatcher's pick, the pick with programmatic dependent launch (PDL) off;
+- ``<fmt> after pick, pdl`` / ``nopdl``: each cuBLAS timing right after timing the pick with PDL
+  on / off;
+- ``<fmt> bench order, one stream``: as ``<fmt> bench order``, every timing on one stream
+  instead of a new one from torch's pool per timing.
+
+With ``--hold-all`` it first allocates every benchmark shape's bf16 and FP4 weight copies, as the
+benchmark holds them all through its run.
 
     python scripts/gpu_cublas_variance.py --shape "70B gate_up" --m 16 --rounds 6
 
@@ -37,6 +41,8 @@ def main() -> int:
     ap.add_argument("--fmt", default="nvfp4,mxfp4")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--hold-all", action="store_true",
+                    help="hold every benchmark shape's weights, as the benchmark does")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_cublas_variance needs a CUDA GPU", file=sys.stderr)
@@ -54,6 +60,16 @@ def main() -> int:
     l2 = l2_cache_bytes(dev)
     backend = available_backends(dev)[0]
     disp = get_dispatcher(dev)
+    fmts = args.fmt.split(",")
+    held = []
+    if args.hold_all:
+        for other, (n2, k2) in SHAPES.items():
+            if other != args.shape:
+                g2 = torch.Generator(device=dev).manual_seed(1234 + n2 + k2)
+                d2 = [torch.randn(n2, k2, device=dev, generator=g2, dtype=torch.bfloat16) * 0.02
+                      for _ in range(copies_for_cold_l2(n2 * k2 * 2, l2, max_copies=8))]
+                held += d2 + [autofp4.quantize(d, f) for d in d2 for f in fmts]
+        print(f"holding {sum(t.nbytes for t in held) / 2**30:.1f} GiB of other shapes' weights", flush=True)
     gen = torch.Generator(device=dev).manual_seed(1234 + n + k)
     nd = copies_for_cold_l2(n * k * 2, l2, max_copies=8)
     dense = [torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(nd)]
@@ -61,35 +77,39 @@ def main() -> int:
     cargs = [(x, dense[i]) for i in range(nd)]
 
     ours = {}
-    for fmt in args.fmt.split(","):
+    for fmt in fmts:
         ws = [autofp4.quantize(d, fmt) for d in dense]
         fp4_bytes = ws[0].data.numel() + ws[0].scale.numel() * ws[0].scale.element_size()
         while len(ws) < copies_for_cold_l2(fp4_bytes, l2, max_copies=32):
             ws.append(autofp4.quantize(torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02, fmt))
         key = ProblemKey("linear", fmt, "bfloat16", n, k)
         tb, tcfg = disp.pick(key, m)
-        run = disp.runner(tb, tcfg, key)
         qargs = [(x, w.packed(backend.name, backend.prepare), None) for w in ws]
-        ours[fmt] = (run, qargs, tcfg)
-        print(f"{fmt}: {tb.name} {tcfg.model_dump(mode='json', exclude_none=True)}", flush=True)
+        ours[fmt] = (disp.runner(backend, backend.default(key, m), key), disp.runner(tb, tcfg, key), qargs)
+        print(f"{fmt} pick: {tb.name} {tcfg.model_dump(mode='json', exclude_none=True)}", flush=True)
 
     def cublas(stream=None) -> float:
         return time_cuda(F.linear, cargs, warmup=3, reps=args.reps, use_graph=True, stream=stream).median_us
 
-    def ours_us(fmt: str, on: bool, stream=None) -> float:
-        run, qargs, _ = ours[fmt]
+    def ours_us(run, qargs, on: bool, stream=None) -> float:
         with pdl(on):
             return time_cuda(run, qargs, warmup=3, reps=args.reps, use_graph=True, stream=stream).median_us
 
     results: dict[str, list[float]] = {"alone": [cublas() for _ in range(args.rounds)]}
     one = torch.cuda.Stream()
-    for fmt in ours:
-        for label, on, stream in ((f"after {fmt} pdl", True, None), (f"after {fmt} nopdl", False, None),
-                                  (f"after {fmt} pdl, one stream", True, one)):
+    for fmt, (default, pick, qargs) in ours.items():
+        for label, stream in ((f"{fmt} bench order", None), (f"{fmt} bench order, one stream", one)):
             xs = []
             for _ in range(args.rounds):
-                ours_us(fmt, on, stream)
                 xs.append(cublas(stream))
+                for run, on in ((default, True), (pick, True), (pick, False)):
+                    ours_us(run, qargs, on, stream)
+            results[label] = xs
+        for label, on in ((f"{fmt} after pick, pdl", True), (f"{fmt} after pick, nopdl", False)):
+            xs = []
+            for _ in range(args.rounds):
+                ours_us(pick, qargs, on)
+                xs.append(cublas())
             results[label] = xs
     results["alone, again"] = [cublas() for _ in range(args.rounds)]
 
