@@ -569,3 +569,19 @@ def test_load_layers_skips_truncated_db(tmp_path, monkeypatch):
     user.write_bytes(data[: len(data) // 2])
     with pytest.warns(TuningDBWarning, match="user.db"):
         assert load_layers(env_a(), user_path=user) == []
+
+
+def test_every_shipped_row_is_current_for_the_kernels_shipped_with_it():
+    """A kernel edit that changes its source hash retires its rows; the shipped DBs must then be
+    re-tuned (or re-stamped, where the change cannot alter a measurement) in the same change, or
+    the GPUs they were tuned on silently fall back to default configs."""
+    from autofp4.db import read_records
+    from autofp4.dispatch import row_is_stale
+
+    files = sorted(shipped_db_dir().glob("*.json"))
+    assert files
+    for f in files:
+        recs = read_records(f)[1]
+        assert recs, f"{f.name}: no rows"
+        stale = [(r.fmt, r.n, r.k, r.m_bucket, r.config.get("kernel")) for r in recs if row_is_stale(r)]
+        assert not stale, f"{f.name}: {len(stale)} of {len(recs)} rows are stale, e.g. {stale[:3]}"
