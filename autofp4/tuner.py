@@ -1126,7 +1126,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
     priors = [c.ident for c in cands if c.prior]
     # the winners stored for this environment and kernel source (only a forced re-tune gets here
     # with some): a pick that was not measured against them in this run does not replace them
-    current_rows = {f"{b.name}:{_cfg_json(cfg)}": r for r in current for b, cfg in _parsed([r], backends)}
+    current_rows = {_Cand(b, cfg, _cfg_json(cfg)).ident: r for r in current for b, cfg in _parsed([r], backends)}
 
     def priors_left() -> bool:
         """Is a stored winner (the best evidence an earlier run left) not measured yet?"""

@@ -191,8 +191,8 @@ def test_seeds_follow_the_default_and_are_valid():
 
 def test_a_stale_gemm_winner_is_retried_with_scale_select_flipped(backend):
     """A re-tune tries each stored GEMM winner as it is, then with ``scale_select``, with
-    ``producer`` and with x multicast over a cluster of two the other way (winners stored before the settings existed have them off), where
-    valid; decode winners have no variant."""
+    ``producer`` and with x multicast over a cluster of two the other way (winners stored before
+    the settings existed have them off), where valid; decode winners have no variant."""
     from autofp4.tuner import _first_candidates
 
     key = ProblemKey("linear", "nvfp4", "bfloat16", 6144, 4096)
