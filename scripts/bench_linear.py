@@ -50,12 +50,33 @@ def measure_copy_bandwidth() -> float:
     return 2 * a.numel() * 4 / (st.median_us * 1e-6)
 
 
+def shape_weights(n: int, k: int, fmts: list[str], l2: int, dev: torch.device):
+    """One shape's random weights, as many copies as rotate beyond the L2 (``l2`` bytes): the
+    generator they came from (seeded by the shape; rows draw their inputs from it next), the bf16
+    copies, and per format the FP4 copies (the bf16 ones quantized, then fresh ones) with the
+    FP4 bytes of one copy (values + block scales)."""
+    import autofp4
+    from autofp4.timing import copies_for_cold_l2
+
+    gen = torch.Generator(device=dev).manual_seed(1234 + n + k)
+    nd = copies_for_cold_l2(n * k * 2, l2, max_copies=8)
+    dense = [torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(nd)]
+    quantized = {}
+    for fmt in fmts:
+        ws = [autofp4.quantize(d, fmt) for d in dense]
+        fp4_bytes = ws[0].data.numel() + ws[0].scale.numel() * ws[0].scale.element_size()
+        while len(ws) < copies_for_cold_l2(fp4_bytes, l2, max_copies=32):
+            ws.append(autofp4.quantize(torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02, fmt))
+        quantized[fmt] = (ws, fp4_bytes)
+    return gen, dense, quantized
+
+
 def bench(args) -> dict:
     import autofp4
     from autofp4.backends import ProblemKey, available_backends
     from autofp4.dispatch import get_dispatcher
     from autofp4.pdl import pdl, pdl_enabled
-    from autofp4.timing import copies_for_cold_l2, l2_cache_bytes, time_cuda
+    from autofp4.timing import l2_cache_bytes, time_cuda
 
     dev = torch.device("cuda")
     pdl_base = pdl_enabled()  # AUTOFP4_PDL=0 benchmarks everything without it
@@ -74,16 +95,8 @@ def bench(args) -> dict:
     for name, (n, k) in SHAPES.items():
         if args.shapes and name not in args.shapes.split(","):
             continue
-        gen = torch.Generator(device=dev).manual_seed(1234 + n + k)
-        dense_bytes = n * k * 2
-        nd = copies_for_cold_l2(dense_bytes, l2, max_copies=8)
-        dense = [torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(nd)]
-        for fmt in fmts:
-            ws = [autofp4.quantize(d, fmt) for d in dense]
-            fp4_bytes = ws[0].data.numel() + ws[0].scale.numel() * ws[0].scale.element_size()
-            nq = copies_for_cold_l2(fp4_bytes, l2, max_copies=32)
-            while len(ws) < nq:
-                ws.append(autofp4.quantize(torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02, fmt))
+        gen, dense, quantized = shape_weights(n, k, fmts, l2, dev)
+        for fmt, (ws, fp4_bytes) in quantized.items():
             problems.append((name, n, k, fmt, gen, dense, ws, fp4_bytes))
     for m in ms:
         for name, n, k, fmt, gen, dense, ws, fp4_bytes in problems:

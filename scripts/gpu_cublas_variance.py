@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_linear import SHAPES  # noqa: E402
+from bench_linear import SHAPES, shape_weights  # noqa: E402
 
 
 def main() -> int:
@@ -48,11 +48,10 @@ def main() -> int:
         print("gpu_cublas_variance needs a CUDA GPU", file=sys.stderr)
         return 2
 
-    import autofp4
     from autofp4.backends import ProblemKey, available_backends
     from autofp4.dispatch import get_dispatcher
     from autofp4.pdl import pdl
-    from autofp4.timing import copies_for_cold_l2, l2_cache_bytes, time_cuda
+    from autofp4.timing import l2_cache_bytes, time_cuda
 
     dev = torch.device("cuda")
     n, k = SHAPES[args.shape]
@@ -65,23 +64,15 @@ def main() -> int:
     if args.hold_all:
         for other, (n2, k2) in SHAPES.items():
             if other != args.shape:
-                g2 = torch.Generator(device=dev).manual_seed(1234 + n2 + k2)
-                d2 = [torch.randn(n2, k2, device=dev, generator=g2, dtype=torch.bfloat16) * 0.02
-                      for _ in range(copies_for_cold_l2(n2 * k2 * 2, l2, max_copies=8))]
-                held += d2 + [autofp4.quantize(d, f) for d in d2 for f in fmts]
+                _, d2, q2 = shape_weights(n2, k2, fmts, l2, dev)
+                held += d2 + [w for ws, _ in q2.values() for w in ws]
         print(f"holding {sum(t.nbytes for t in held) / 2**30:.1f} GiB of other shapes' weights", flush=True)
-    gen = torch.Generator(device=dev).manual_seed(1234 + n + k)
-    nd = copies_for_cold_l2(n * k * 2, l2, max_copies=8)
-    dense = [torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(nd)]
+    gen, dense, quantized = shape_weights(n, k, fmts, l2, dev)
     x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
-    cargs = [(x, dense[i]) for i in range(nd)]
+    cargs = [(x, d) for d in dense]
 
     ours = {}
-    for fmt in fmts:
-        ws = [autofp4.quantize(d, fmt) for d in dense]
-        fp4_bytes = ws[0].data.numel() + ws[0].scale.numel() * ws[0].scale.element_size()
-        while len(ws) < copies_for_cold_l2(fp4_bytes, l2, max_copies=32):
-            ws.append(autofp4.quantize(torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02, fmt))
+    for fmt, (ws, _) in quantized.items():
         key = ProblemKey("linear", fmt, "bfloat16", n, k)
         tb, tcfg = disp.pick(key, m)
         qargs = [(x, w.packed(backend.name, backend.prepare), None) for w in ws]

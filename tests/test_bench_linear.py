@@ -39,3 +39,22 @@ def test_each_row_is_also_compared_with_the_fastest_cublas_time_of_its_shape_and
     assert cells[3] == f"{B.geomean(r['speedup_tuned'] for r in sel):.2f}x"
     assert cells[5] == f"{B.geomean(r['speedup_tuned_fastest'] for r in sel):.2f}x"
     assert cells[6] == "2.5x"
+
+
+def test_shape_weights_rotate_beyond_the_l2_and_quantize_the_dense_copies():
+    import torch
+
+    import autofp4
+
+    n, k, l2 = 64, 256, 40_000  # bf16 copy 32 KiB, FP4 copies ~9 KiB: 3 and 9 copies exceed 2 x l2
+    gen, dense, quantized = B.shape_weights(n, k, ["nvfp4", "mxfp4"], l2, torch.device("cpu"))
+    assert len(dense) == 3 and len(dense) * n * k * 2 > 2 * l2
+    assert not torch.equal(dense[0], dense[1])
+    for fmt, (ws, fp4_bytes) in quantized.items():
+        assert fp4_bytes == n * k // 2 + ws[0].scale.numel() * ws[0].scale.element_size()
+        assert len(ws) * fp4_bytes > 2 * l2 and (len(ws) - 1) * fp4_bytes <= 2 * l2
+        for d, w in zip(dense, ws):  # the first copies are the bf16 ones quantized
+            ref = autofp4.quantize(d, fmt)
+            assert torch.equal(w.data, ref.data) and torch.equal(w.scale, ref.scale)
+        assert not torch.equal(ws[len(dense)].data, ws[0].data)  # then fresh weights
+    assert isinstance(gen, torch.Generator)
