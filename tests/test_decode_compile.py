@@ -175,6 +175,9 @@ def test_pack_rejects_stacked_experts(gen):
         (D.DecodeConfig(16, 1, 16, ctas_per_sm=5), 64, 512, "nvfp4", "bfloat16", "2048"),
         (D.DecodeConfig(8, 1, 16, ctas_per_sm=6), 64, 512, "nvfp4", "bfloat16", "caps registers at 40"),
         (D.DecodeConfig(4, 1, 16, x_smem=True, smem_stages=3), 64, 512, "nvfp4", "bfloat16", None),
+        (D.DecodeConfig(pdl_early=True), 64, 512, "nvfp4", "bfloat16", "needs pdl=True"),
+        (D.DecodeConfig(pdl=True, pdl_early=1), 64, 512, "nvfp4", "bfloat16", "pdl_early must be a bool"),
+        (D.DecodeConfig(pdl=True, pdl_early=True), 64, 512, "nvfp4", "bfloat16", None),
         (D.DecodeConfig(4, 1, 16, smem_stages=3), 64, 512, "nvfp4", "bfloat16", "x_smem=True"),
         (D.DecodeConfig(4, 1, 16, x_smem=True, smem_stages=1), 64, 512, "nvfp4", "bfloat16", "smem_stages must"),
         (D.DecodeConfig(16, 1, 16, x_smem=True, smem_stages=4), 64, 512, "nvfp4", "bfloat16", "bytes of shared"),
@@ -251,6 +254,10 @@ needs_cute = pytest.mark.skipif(not HAVE_CUTE, reason="needs nvidia-cutlass-dsl"
          1000, 2048, "mxfp4", "float16"),
         (D.DecodeConfig(4, 3, 8, split_reduce="last_warp", x_smem=True, smem_stages=4), 200, 1056, "mxfp4",
          "bfloat16"),
+        (D.DecodeConfig(4, 8, 8, split_reduce="cluster", x_smem=True, pdl=True, pdl_early=True), 4096, 4096,
+         "nvfp4", "bfloat16"),
+        (D.DecodeConfig(8, 2, 16, x_smem=True, smem_stages=2, pdl=True, pdl_early=True), 1000, 2048, "mxfp4",
+         "float16"),
     ],
 )
 def test_compiles_for_sm90a(cfg, n, k, fmt, dtype):
@@ -284,6 +291,22 @@ def test_ctas_per_sm_reaches_the_compiler(tmp_path, monkeypatch):
         return
     regs, spill = _regs_spill(info)
     assert regs <= 65536 // (6 * 128) and spill == 0, info[:400]
+
+
+@needs_cute
+@pytest.mark.parametrize("early", [False, True])
+def test_pdl_trigger_placement_in_ptx(early, tmp_path, monkeypatch):
+    """The main kernel lets the next one launch once: after its main loop (its last MMA), or
+    with ``pdl_early`` right after its own dependent wait (before its first MMA)."""
+    cfg = D.DecodeConfig(4, 8, 8, split_reduce="cluster", x_smem=True, pdl=True, pdl_early=early)
+    _, main = _compiled_ptx(cfg, tmp_path, monkeypatch)
+    assert main.count("griddepcontrol.launch_dependents") == 1 and main.count("griddepcontrol.wait") == 1
+    trigger, wait = main.index("griddepcontrol.launch_dependents"), main.index("griddepcontrol.wait")
+    first_mma, last_mma = main.index("mma.sync"), main.rindex("mma.sync")
+    if early:
+        assert wait < trigger < first_mma
+    else:
+        assert wait < last_mma < trigger
 
 
 def _compiled_ptx(cfg, tmp_path, monkeypatch) -> tuple[str, str]:

@@ -67,16 +67,22 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def _layers(ws, m, pdl_on):
+def _layers(ws, m, pdl_on, early=True):
     """Runner + prepared weight per layer: the backend's default config for M with dependent
-    launch forced on or off (both kernels: the decode kernel up to M = 32, the GEMM above)."""
+    launch forced on or off (both kernels: the decode kernel up to M = 16, the GEMM above); a
+    decode kernel with it on lets the next kernel launch right after its own wait (``early``)
+    or after its main loop."""
     from autofp4.backends import ProblemKey, get_backend
 
     b = get_backend("sm90_w4a16")
     out = []
     for w in ws:
         key = ProblemKey("linear", w.fmt, "bfloat16", w.shape[0], w.shape[1])
-        cfg = b.default(key, m).model_copy(update={"pdl": pdl_on})
+        cfg = b.default(key, m)
+        update = {"pdl": pdl_on}
+        if cfg.kernel == "decode":
+            update["pdl_early"] = (pdl_on and early) or None
+        cfg = cfg.model_copy(update=update)
         out.append((b.compile(cfg, key), w.packed(b.name, b.prepare)))
     return out
 
@@ -88,8 +94,8 @@ def _chain(x, layers):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64, 300])
-def test_layer_chain_with_and_without_pdl(m, gen):
+@pytest.mark.parametrize("m,early", [(1, True), (1, False), (16, True), (16, False), (64, True), (300, True)])
+def test_layer_chain_with_and_without_pdl(m, early, gen):
     """Four layers that feed each other (every kernel reads the previous one's output), eager
     and in a CUDA graph, with dependent launch on: the same results as with it off and as
     float64 math."""
@@ -97,7 +103,7 @@ def test_layer_chain_with_and_without_pdl(m, gen):
     d = 2048
     ws = [autofp4.quantize((torch.randn(d, d, generator=gen) / d ** 0.5).to(dev), fmt)
           for fmt in ("nvfp4", "mxfp4", "nvfp4", "mxfp4")]
-    on, off = _layers(ws, m, True), _layers(ws, m, False)
+    on, off = _layers(ws, m, True, early), _layers(ws, m, False)
     dq = [w.dequantize(torch.float32).double() for w in ws]
     assert autofp4.pdl_enabled()
     for _ in range(3):

@@ -186,13 +186,17 @@ def test_seeds_follow_the_default_and_are_valid():
                     if default.producer:
                         assert not seeds[2].producer and seeds[2].tile_m == default.tile_m
                 if m == 16:
-                    assert any(c.kernel == "gemm" and c.tile_m == 16 for c in seeds[:2])
+                    # after the decode default with the late trigger and without PDL
+                    assert [(c.pdl, c.pdl_early) for c in seeds[:2]] == [(True, None), (None, None)]
+                    assert default.pdl and default.pdl_early
+                    assert any(c.kernel == "gemm" and c.tile_m == 16 for c in seeds[2:4])
 
 
 def test_a_stale_gemm_winner_is_retried_with_scale_select_flipped(backend):
     """A re-tune tries each stored GEMM winner as it is, then with ``scale_select``, with
     ``producer`` and with x multicast over a cluster of two the other way (winners stored before
-    the settings existed have them off), where valid; decode winners have no variant."""
+    the settings existed have them off), where valid; a decode winner is retried with
+    dependent launch on, with the early and the late trigger."""
     from autofp4.tuner import _first_candidates
 
     key = ProblemKey("linear", "nvfp4", "bfloat16", 6144, 4096)
@@ -218,7 +222,12 @@ def test_a_stale_gemm_winner_is_retried_with_scale_select_flipped(backend):
     assert not any(c.producer and c.ctas_per_sm == 2 for c in
                    (c.config for c in _first_candidates(key, 64, [backend], [(backend, two)])))
     dec = backend.default(key, 1)
-    assert dec.kernel == "decode" and backend.variants(dec, key, 1) == []
+    assert dec.kernel == "decode" and dec.pdl and dec.pdl_early
+    late = dec.model_copy(update={"pdl_early": None})
+    assert backend.variants(dec, key, 1) == [late]
+    off = dec.model_copy(update={"pdl": None, "pdl_early": None})  # stored before PDL: off
+    assert backend.variants(off, key, 1) == [dec, late]
+    assert all(backend.is_valid(c, key) is None for c in backend.variants(off, key, 1))
     firsts = [c.config for c in _first_candidates(key, 64, [backend], [(backend, old)])]
     assert firsts[:4] == [backend.default(key, 64), old, flipped, prod]
 

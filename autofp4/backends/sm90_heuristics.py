@@ -46,7 +46,8 @@ def decode_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]
     return {"warps": [2, 4, 8, 16], "k_split": splits, "m_max": list(D.M_MAX_CHOICES),
             "prefetch": [False, True], "split_reduce": list(D.SPLIT_REDUCE),
             "tiles_per_warp": list(D.TILES_PER_WARP_CHOICES), "x_smem": [False, True],
-            "ctas_per_sm": [0, 6, 8], "smem_stages": list(D.SMEM_STAGES_CHOICES), "pdl": [False, True]}
+            "ctas_per_sm": [0, 6, 8], "smem_stages": list(D.SMEM_STAGES_CHOICES), "pdl": [False, True],
+            "pdl_early": [False, True]}
 
 
 def _sm_count() -> int:
@@ -270,8 +271,17 @@ def with_pdl(kernel: str, kcfg: Any) -> Any:
     8.6 and 8.3) and the small GEMMs kept their gain (8B qkv at M = 64: 14.3 against 16.4), so
     the m_max = 8 rule may rest on an order effect. ``bench_linear.py`` now times the pick without
     PDL in the same interleaved rounds (ninth session: M = 1 within 1%, M = 64 6% faster with
-    it). The tuner tries both."""
-    return replace(kcfg, pdl=kernel == "gemm" or kcfg.m_max >= 16)
+    it). The tuner tries both.
+
+    Seventeenth session (``scripts/gpu_probe_pdl.py``, the stored winners in turns): with the
+    decode kernel's trigger right after its dependent wait (``pdl_early``) the stored M = 1
+    winners ran as fast or faster than without PDL on all six shapes and both formats (NVFP4 8B
+    qkv 7.16 against 8.57 us, 8B o 6.08 against 6.84, 70B down 35.8 against 37.2; at worst 8B
+    gate_up, 20.8 against 21.0), and the M = 16 winner of 8B down 16.9 against 19.1; so the
+    decode default is PDL with the early trigger at every m_max."""
+    if kernel == "decode":
+        return replace(kcfg, pdl=True, pdl_early=True)
+    return replace(kcfg, pdl=True)
 
 
 def default(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> tuple[str, Any]:
@@ -287,12 +297,15 @@ def default(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> tuple
 
 def seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[tuple[str, Any]]:
     """Configs the tuner tries right after the default, most promising first: the default with
-    programmatic dependent launch the other way (it helps or hurts the decode kernel by shape,
-    see :func:`with_pdl`; a GEMM default also with ``scale_select`` and with ``producer`` the
-    other way), then the
+    programmatic dependent launch the other way (a decode default: with the late trigger, then
+    without PDL; see :func:`with_pdl`; a GEMM default also with ``scale_select`` and with
+    ``producer`` the other way), then the
     sweep winners of :func:`_sweep_seeds` with the default settings."""
     kernel, dflt = default(n, k, fmt, dtype, m)
-    out = [(kernel, replace(dflt, pdl=not dflt.pdl))]
+    if kernel == "decode":
+        out = [(kernel, replace(dflt, pdl_early=False)), (kernel, replace(dflt, pdl=False, pdl_early=False))]
+    else:
+        out = [(kernel, replace(dflt, pdl=not dflt.pdl))]
     if kernel == "gemm":
         out.append((kernel, replace(dflt, scale_select=not dflt.scale_select)))
         out.append((kernel, replace(dflt, producer=not dflt.producer)))

@@ -30,7 +30,7 @@ from .reference import reference_linear
 from .sm90_heuristics import DECODE_MAX_M  # noqa: F401  (largest M the default runs on the decode kernel)
 _DECODE_FIELDS = ("warps", "k_split", "m_max", "prefetch", "split_reduce", "tiles_per_warp")
 # omitted when they have these values (configs stored before they existed)
-_DECODE_OPTIONAL = {"x_smem": False, "smem_stages": 0}
+_DECODE_OPTIONAL = {"x_smem": False, "smem_stages": 0, "pdl_early": False}
 # both kernels: CTAs per SM asked of the compiler; programmatic dependent launch
 _SHARED_OPTIONAL = {"ctas_per_sm": 0, "pdl": False}
 _GEMM_OPTIONAL = {"swizzle": 1, "scale_select": False, "producer": False}
@@ -48,6 +48,8 @@ class SM90Config(BackendConfig):
     tiles_per_warp: Optional[int] = Field(None, ge=1, le=16)
     x_smem: Optional[bool] = None
     smem_stages: Optional[int] = Field(None, ge=0, le=16)
+    # the next kernel may launch right after this one's dependent wait (absent: after its main loop)
+    pdl_early: Optional[bool] = None
     # both kernels: CTAs per SM the compiler must fit (0 or absent: as resources allow)
     ctas_per_sm: Optional[int] = Field(None, ge=0, le=64)
     # both kernels: launched with programmatic dependent launch (absent: no)
@@ -220,11 +222,15 @@ class SM90W4A16Backend(Backend):
         """A GEMM config with ``scale_select`` the other way (how the kernel broadcasts block
         scales), then with ``producer`` the other way (a dedicated producer warp), then with x
         multicast over a cluster of two turned on (in N-raster order, unbanded: what a cluster
-        needs) or off; winners stored before these settings existed have them off. The tuner
-        drops the invalid ones."""
-        if not isinstance(config, SM90Config) or config.kernel != "gemm":
+        needs) or off; a decode config with dependent launch on and its trigger early (``pdl_early``)
+        and late, less itself; winners stored before these settings existed have them off. The
+        tuner drops the invalid ones."""
+        if not isinstance(config, SM90Config):
             return []
         kcfg = _to_kernel_config(config)
+        if config.kernel == "decode":
+            return [_from_kernel_config("decode", c) for c in
+                    (replace(kcfg, pdl=True, pdl_early=True), replace(kcfg, pdl=True, pdl_early=False)) if c != kcfg]
         cluster = (replace(kcfg, cluster_n=2, raster="n", swizzle=1) if kcfg.cluster_n == 1
                    else replace(kcfg, cluster_n=1))
         return [_from_kernel_config("gemm", replace(kcfg, scale_select=not kcfg.scale_select)),

@@ -59,7 +59,10 @@ How it works
 * Dependent launch (:mod:`autofp4.pdl`): both kernels are launched so that they may start
   while the previous kernel of the stream finishes; a warp lets the next kernel launch
   (``griddepcontrol.launch_dependents``) once it has read all its weights, so the next kernel's
-  CTAs arrive for this one's tail, not its whole run. Before ``griddepcontrol.wait`` a warp only
+  CTAs arrive for this one's tail, not its whole run; with ``pdl_early`` it does so right after
+  its own ``griddepcontrol.wait``, so the next kernel launches and prefetches its weights while
+  this one streams its own (it cannot launch before this one has passed its wait, so at most one
+  kernel runs ahead). Before ``griddepcontrol.wait`` a warp only
   pulls its first ``PF_GROUPS`` K groups of weights and scales into L2
   (``cp.async.bulk.prefetch``; about 16 MB over the grid at most); x, the outputs, the workspace
   and the counters are touched only after it.
@@ -141,6 +144,8 @@ class DecodeConfig:
              x_smem=True).
     pdl:     launch with programmatic dependent launch (:mod:`autofp4.pdl`); a launch flag, so
              both values share one compiled binary.
+    pdl_early: let the next kernel launch right after this one's dependent wait instead of after
+             its main loop (needs ``pdl``; a different binary).
     """
 
     warps: int = 4
@@ -153,6 +158,7 @@ class DecodeConfig:
     ctas_per_sm: int = 0
     smem_stages: int = 0
     pdl: bool = False
+    pdl_early: bool = False
 
     @property
     def rows_per_cta(self) -> int:
@@ -216,6 +222,10 @@ def validate(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | N
         if _cluster_smem_bytes(cfg) > CLUSTER_SMEM_MAX:
             return (f"split_reduce='cluster' needs {_cluster_smem_bytes(cfg)} bytes of shared memory "
                     f"per CTA for the partial sums (limit {CLUSTER_SMEM_MAX}); use fewer warps or m_max")
+    if not isinstance(cfg.pdl_early, bool):
+        return f"pdl_early must be a bool, got {cfg.pdl_early!r}"
+    if cfg.pdl_early and not cfg.pdl:
+        return "pdl_early moves the trigger of programmatic dependent launch; it needs pdl=True"
     if not isinstance(cfg.x_smem, bool):
         return f"x_smem must be a bool, got {cfg.x_smem!r}"
     if cfg.x_smem and cfg.prefetch:
@@ -720,6 +730,9 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
                     prefetch_l2(sc.iterator.toint() + Int64(((tile0 + tw) * GROUPS + g0) * (SLOTS * 16)),
                                 n_pf * (SLOTS * 16))
         griddep_wait()
+        if cutlass.const_expr(cfg.pdl_early):
+            # the next kernel may launch now and prefetch its weights while this one streams
+            griddep_launch_dependents()
         smem = cutlass.memory.SmemAllocator()
         if cutlass.const_expr(CLUSTER):
             # every lane's partial sums, [warp][accumulator][lane], read by the cluster's CTAs
@@ -789,7 +802,8 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
                     compute_group(buf_a, acc, xv, x_base, gi, g, t, sadd_u, m_rows, Int32(0))
             # the weights are read: the next kernel may launch once every CTA got here (or
             # exited) and prefetch its own while this one sums and stores
-            griddep_launch_dependents()
+            if cutlass.const_expr(not cfg.pdl_early):
+                griddep_launch_dependents()
             # accumulator c0,c1 -> row g, tokens 2t, 2t+1; c2,c3 -> row g+8
             last = Int32(1)
             if cutlass.const_expr(CLUSTER):
