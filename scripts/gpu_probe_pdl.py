@@ -12,11 +12,14 @@ into L2. Where the trigger sits decides how much of one call overlaps the next:
   has passed its wait, so at most one kernel runs ahead;
 * ``pre``: before this kernel's wait (the next kernel may launch while this one still waits).
 
+The GEMM also as ``pfall``: before its wait it prefetches every K tile of its share of the
+weight into L2, not only its first ``stages`` (with the trigger late, or post: ``post+pfall``).
+
 For every benchmark shape and format it times, in CUDA graphs over weights rotated past the L2
 (``scripts/gpu_probe_decode.py``'s harness), the stored decode winners at M = 1 (and 16 where the
 decode kernel won) and the stored GEMM winners at ``--gemm`` M buckets: without PDL, and with
-PDL and each trigger placement (modules built here by editing the kernel source in memory). The
-outputs of every variant are compared bit for bit with the kernel's as it is.
+PDL and each variant (modules built here by editing the kernel source in memory). The outputs of
+every variant are compared bit for bit with the kernel's as it is.
 
     python scripts/gpu_probe_pdl.py --db tuning_db/nvidia-h200.json
     CUTE_DSL_ARCH=sm_90a python scripts/gpu_probe_pdl.py --db ... --compile-only
@@ -44,32 +47,44 @@ from gpu_probe_decode import finished, interleaved_medians, rotated_weight  # no
 
 # (module, the main kernel's wait, its trigger): the exact source lines, with what follows them
 SITES = {
-    DECODE: ("        griddep_wait()\n        smem = cutlass.memory.SmemAllocator()",
-             "            griddep_launch_dependents()\n            # accumulator c0,c1"),
     GEMM: ("            griddep_wait()\n            if warp_idx == load_warp:",
            "            griddep_launch_dependents()\n            if cutlass.const_expr(cl > 1):"),
 }
-PLACEMENTS = ("late", "post", "pre")
+# the GEMM's L2 prefetch before its wait: its first ``stages`` K tiles, or (``pfall``) all of them
+GEMM_PREFETCH = ("prefetch_l2(mW.iterator.toint() + cutlass.Int64(goff), n_pre * w_copy_bytes)",
+                 "prefetch_l2(mW.iterator.toint() + cutlass.Int64(goff), k_tiles_split * w_copy_bytes)")
+# the decode kernel's ``post`` is its config field ``pdl_early``
+PLACEMENTS = {DECODE: ("late", "post"), GEMM: ("late", "post", "pre", "pfall", "post+pfall")}
+
+
+def _edit(src, old, new, what):
+    if src.count(old) != 1:
+        raise SystemExit(f"{what}: the source changed; update this probe")
+    return src.replace(old, new)
 
 
 def placed(mod, where):
-    """``mod`` with the main kernel's trigger moved ``where`` (``late``: ``mod`` itself)."""
-    if where == "late":
+    """``mod`` with the main kernel's trigger moved ``where`` (``late``: ``mod`` itself; a
+    ``+pfall`` or ``pfall``: the GEMM prefetching all its K tiles into L2 before its wait)."""
+    if where == "late" or mod is DECODE:
         return mod
     src = open(mod.__file__).read()
-    wait, trig = SITES[mod]
-    if src.count(wait) != 1 or src.count(trig) != 1:
-        raise SystemExit(f"{mod.__name__}: the wait or trigger line changed; update this probe")
-    indent = wait[:len(wait) - len(wait.lstrip())]
-    call = indent + "griddep_launch_dependents()\n"
-    src = src.replace(trig, trig.replace("griddep_launch_dependents()", "pass  # moved"))
-    first, rest = wait.split("\n", 1)
-    src = src.replace(wait, call + wait if where == "pre" else first + "\n" + call + rest)
+    parts = where.split("+")
+    if "pfall" in parts:
+        src = _edit(src, *GEMM_PREFETCH, mod.__name__)
+    if "post" in parts or "pre" in parts:
+        wait, trig = SITES[mod]
+        indent = wait[:len(wait) - len(wait.lstrip())]
+        call = indent + "griddep_launch_dependents()\n"
+        src = _edit(src, trig, trig.replace("griddep_launch_dependents()", "pass  # moved"), mod.__name__)
+        first, rest = wait.split("\n", 1)
+        src = _edit(src, wait, call + wait if "pre" in parts else first + "\n" + call + rest, mod.__name__)
     stem = mod.__name__.rsplit(".", 1)[1]
-    path = os.path.join(tempfile.gettempdir(), f"{stem}_pdl_{where}.py")
+    tag = where.replace("+", "_")
+    path = os.path.join(tempfile.gettempdir(), f"{stem}_pdl_{tag}.py")
     with open(path, "w") as f:
         f.write(src)
-    return import_as(path, f"autofp4.kernels.{stem}_pdl_{where}")
+    return import_as(path, f"autofp4.kernels.{stem}_pdl_{tag}")
 
 
 def winners(records, fmt, n, k, kernel, ms):
@@ -82,10 +97,13 @@ def winners(records, fmt, n, k, kernel, ms):
     return sorted(out, key=lambda c: c[0])
 
 
-def compile_one(mod, cfg, n, k, fmt):
-    if mod.__name__.split(".")[-1].startswith("w4a16_decode"):
-        return mod._compile(cfg, n, k, fmt, "bfloat16", False)
-    return mod._compile(cfg, n, k, fmt, "bfloat16")
+def variant_config(base, mod, cfg, where):
+    """``cfg`` as ``mod``'s config class, launched as ``where`` says (``no pdl``: without PDL)."""
+    on = where != "no pdl"
+    cfg = dataclasses.replace(cfg, pdl=on)
+    if base is DECODE:
+        cfg = dataclasses.replace(cfg, pdl_early=where == "post")
+    return mod.__dict__[type(cfg).__name__](**dataclasses.asdict(cfg))
 
 
 def main():
@@ -99,7 +117,7 @@ def main():
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
     records = read_records(args.db)[1]
-    mods = {base: {w: placed(base, w) for w in PLACEMENTS} for base in (DECODE, GEMM)}
+    mods = {base: {w: placed(base, w) for w in PLACEMENTS[base]} for base in (DECODE, GEMM)}
     ms = {DECODE: [int(v) for v in args.decode_m.split(",") if v],
           GEMM: [int(v) for v in args.gemm.split(",") if v]}
     if not args.compile_only:
@@ -112,46 +130,42 @@ def main():
                 cases = winners(records, fmt, n, k, kernel, ms[base])
                 if args.compile_only:
                     for _, cfg in cases:
-                        for mod in mods[base].values():
-                            compile_one(mod, mod.__dict__[type(cfg).__name__](
-                                **dataclasses.asdict(dataclasses.replace(cfg, pdl=False))), n, k, fmt)
+                        for w, mod in (("no pdl", base), *mods[base].items()):
+                            mod.compile_kernel(variant_config(base, mod, cfg, w), n, k, fmt, "bfloat16")
                     continue
                 if not cases:
                     continue
                 packs, calls = rotated_weight(base, fmt, n, k)
                 for m, cfg in cases:
                     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                    runs = {"no pdl": base.compile_kernel(dataclasses.replace(cfg, pdl=False), n, k, fmt,
-                                                          "bfloat16")}
-                    for w, mod in mods[base].items():
-                        c = mod.__dict__[type(cfg).__name__](**dataclasses.asdict(dataclasses.replace(cfg, pdl=True)))
-                        runs[w] = mod.compile_kernel(c, n, k, fmt, "bfloat16")
+                    runs = {w: mod.compile_kernel(variant_config(base, mod, cfg, w), n, k, fmt, "bfloat16")
+                            for w, mod in (("no pdl", base), *mods[base].items())}
                     ref = runs["no pdl"](x, packs[0], None)
                     same = all(torch.equal(run(x, packs[0], None), ref) for run in runs.values())
                     us = interleaved_medians(runs, x, packs, calls, args.rounds)
-                    rows.append(dict(fmt=fmt, shape=name, kernel=kernel, m=m, stored_pdl=cfg.pdl, cfg=str(cfg),
+                    stored = "no pdl" if not cfg.pdl else "post" if getattr(cfg, "pdl_early", False) else "late"
+                    rows.append(dict(fmt=fmt, shape=name, kernel=kernel, m=m, stored=stored, cfg=str(cfg),
                                      us=us, same_output=same))
                     print(f"{fmt} {name:12s} {kernel:6s} M={m:3d} " + " ".join(f"{t} {v:7.2f}" for t, v in us.items())
                           + f"  same {same}", flush=True)
                 del packs
     if finished(rows, args.compile_only, "probe_pdl.json"):
         return
-    cols = ["no pdl", *PLACEMENTS]
-    print(f"\n{'fmt':6s} {'shape':12s} {'kernel':6s} {'M':>3s} {'stored':>6s} " + " ".join(f"{c:>7s}" for c in cols)
-          + "  post/late  pre/late  best/stored  same")
+    cols = ["no pdl", *PLACEMENTS[GEMM]]
+    print(f"\n{'fmt':6s} {'shape':12s} {'kernel':6s} {'M':>3s} {'stored':>6s} " + " ".join(f"{c:>10s}" for c in cols)
+          + "  best/stored  same   (us; late, post, pre: where the kernel lets the next one launch; "
+          "pfall: the GEMM prefetches all its K tiles before its wait)")
     ratios = {w: [] for w in cols}
     for r in rows:
         us = r["us"]
-        stored = us["late"] if r["stored_pdl"] else us["no pdl"]
-        best = min(us.values())
-        for w in cols:
+        stored = us[r["stored"]]
+        for w in us:
             ratios[w].append(us[w] / stored)
-        print(f"{r['fmt']:6s} {r['shape']:12s} {r['kernel']:6s} {r['m']:3d} {str(r['stored_pdl']):>6s} "
-              + " ".join(f"{us[c]:7.2f}" for c in cols)
-              + f"  {us['post'] / us['late']:9.3f} {us['pre'] / us['late']:9.3f} {best / stored:11.3f}  {r['same_output']}")
-    if rows:
-        print("geomean time / stored: " + "  ".join(f"{w} {statistics.geometric_mean(v):.3f}"
-                                                   for w, v in ratios.items()))
+        print(f"{r['fmt']:6s} {r['shape']:12s} {r['kernel']:6s} {r['m']:3d} {r['stored']:>6s} "
+              + " ".join(f"{us[c]:10.2f}" if c in us else f"{'-':>10s}" for c in cols)
+              + f"  {min(us.values()) / stored:11.3f}  {r['same_output']}")
+    print("geomean time / stored: " + "  ".join(f"{w} {statistics.geometric_mean(v):.3f} ({len(v)})"
+                                               for w, v in ratios.items() if v))
 
 
 if __name__ == "__main__":

@@ -265,13 +265,16 @@ def test_cli_warm_with_a_db_adds_its_winners(cache, tmp_path, monkeypatch):
     rc, out, err = _cli("cache", "--warm", path, "--m", "1,16", "--db", db_path, "--arch", "sm_90a",
                         "--workers", "1", "--no-progress")
     assert rc == 0, err
-    assert "compiled 10 kernel configs" in out  # 4 shapes x 2 defaults, and the two winners
+    # 4 shapes x 2 defaults, the two winners and each one's two dependent-launch variants (with
+    # the early and the late trigger; the late one shares the winner's binary)
+    assert "compiled 14 kernel configs" in out
     compiled = []
     real = kc.compile_cached
     monkeypatch.setattr(kc, "compile_cached",
                         lambda name, mod, params, fn: real(name, mod, params, lambda: compiled.append(name) or fn()))
-    b.compile(b.parse_config(won), key)
-    b.compile(b.parse_config(stale), key)
+    for cfg in (won, stale):
+        b.compile(b.parse_config(cfg), key)
+        b.compile(b.parse_config({**cfg, "pdl": True, "pdl_early": True}), key)
     assert compiled == []
     b.compile(b.parse_config(other), key)
     assert compiled == ["w4a16_decode"]  # a row of a shape the model does not have was not warmed
