@@ -10,6 +10,9 @@ exceed twice the L2; every variant timed inside a CUDA graph and eagerly (eager 
 through the public ``autofp4.linear``, dispatcher included). The CUDA-graph times of one row are
 taken in ``--rounds`` interleaved rounds (cuBLAS, default, pick, pick without programmatic
 dependent launch) and the median over the rounds kept, so drift during a row favours no variant.
+Five rounds by default: on the H200, bf16 cuBLAS alternates between a fast and a 10-15% slower
+mode in short runs of samples (``scripts/gpu_cublas_variance.py``), which a median of two or three
+rounds can land on.
 
     python scripts/bench_linear.py --out out/                       # on the GPU: JSON + table
     python scripts/bench_linear.py --plot out/bench_linear.json     # anywhere: PNG + markdown
@@ -279,7 +282,7 @@ def main() -> int:
     p.add_argument("--m", default=",".join(map(str, MS)))
     p.add_argument("--shapes", default="", help="comma-separated subset of: " + ", ".join(SHAPES))
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the CUDA-graph timings")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the CUDA-graph timings")
     p.add_argument("--partial", metavar="JSON", help="rewrite the rows measured so far here after each one")
     p.add_argument("--plot", metavar="JSON", help="only render the table and plot from a saved run")
     args = p.parse_args()
