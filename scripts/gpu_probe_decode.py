@@ -234,14 +234,16 @@ def gemm_winners(records, fmt, n, k, ms):
             and r.m_bucket in ms]
 
 
-def gemm_sweep(fmts, shapes, cases_for, rounds, compile_only):
+def gemm_sweep(fmts, shapes, cases_for, rounds, compile_only, packer=None):
     """For every format and shape, the cases ``cases_for(fmt, n, k)`` gives: ``(m, kernels)``
     with ``kernels`` ``{label: (kernel module, config)}``, the first label the reference. Yields
     ``(fmt, shape, m, kernels, us, same)`` per case, M ascending: CUDA-graph microseconds per
-    label (interleaved rounds over rotated weights) and whether its output equals the
-    reference's bit for bit. With ``compile_only`` it compiles them and yields nothing."""
+    label (interleaved rounds over rotated weights, packed by ``packer``'s ``pack_weight``: the
+    GEMM module unless named) and whether its output equals the reference's bit for bit. With
+    ``compile_only`` it compiles them and yields nothing."""
     from autofp4.kernels import sm90_w4a16_gemm as G
 
+    packer = packer or G
     for fmt in fmts:
         for name in shapes:
             n, k = SHAPES[name]
@@ -249,11 +251,11 @@ def gemm_sweep(fmts, shapes, cases_for, rounds, compile_only):
             if compile_only:
                 for _, kernels in cases:
                     for mod, cfg in kernels.values():
-                        mod._compile(cfg, n, k, fmt, "bfloat16")
+                        mod.compile_kernel(cfg, n, k, fmt, "bfloat16")
                 continue
             if not cases:
                 continue
-            packs, calls = rotated_weight(G, fmt, n, k)
+            packs, calls = rotated_weight(packer, fmt, n, k)
             for m, kernels in sorted(cases, key=lambda c: c[0]):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 runs = {t: mod.compile_kernel(cfg, n, k, fmt, "bfloat16") for t, (mod, cfg) in kernels.items()}

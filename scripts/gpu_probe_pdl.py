@@ -43,7 +43,7 @@ from autofp4.kernels import sm90_w4a16_gemm as GEMM  # noqa: E402
 from autofp4.kernels import w4a16_decode as DECODE  # noqa: E402
 from bench_linear import SHAPES  # noqa: E402
 from gpu_ab_decode import import_as  # noqa: E402
-from gpu_probe_decode import finished, interleaved_medians, rotated_weight  # noqa: E402
+from gpu_probe_decode import finished, gemm_sweep  # noqa: E402
 
 # (module, the main kernel's wait, its trigger): the exact source lines, with what follows them
 SITES = {
@@ -123,32 +123,26 @@ def main():
     if not args.compile_only:
         print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     rows = []
-    for fmt in args.fmt.split(","):
-        for name in args.shapes.split(","):
-            n, k = SHAPES[name]
-            for base, kernel in ((DECODE, "decode"), (GEMM, "gemm")):
-                cases = winners(records, fmt, n, k, kernel, ms[base])
-                if args.compile_only:
-                    for _, cfg in cases:
-                        for w, mod in (("no pdl", base), *mods[base].items()):
-                            mod.compile_kernel(variant_config(base, mod, cfg, w), n, k, fmt, "bfloat16")
-                    continue
-                if not cases:
-                    continue
-                packs, calls = rotated_weight(base, fmt, n, k)
-                for m, cfg in cases:
-                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                    runs = {w: mod.compile_kernel(variant_config(base, mod, cfg, w), n, k, fmt, "bfloat16")
-                            for w, mod in (("no pdl", base), *mods[base].items())}
-                    ref = runs["no pdl"](x, packs[0], None)
-                    same = all(torch.equal(run(x, packs[0], None), ref) for run in runs.values())
-                    us = interleaved_medians(runs, x, packs, calls, args.rounds)
-                    stored = "no pdl" if not cfg.pdl else "post" if getattr(cfg, "pdl_early", False) else "late"
-                    rows.append(dict(fmt=fmt, shape=name, kernel=kernel, m=m, stored=stored, cfg=str(cfg),
-                                     us=us, same_output=same))
-                    print(f"{fmt} {name:12s} {kernel:6s} M={m:3d} " + " ".join(f"{t} {v:7.2f}" for t, v in us.items())
-                          + f"  same {same}", flush=True)
-                del packs
+    fmts, shapes = args.fmt.split(","), args.shapes.split(",")
+    stored_as = {}  # (fmt, n, k, kernel, m) -> the variant that launches as the stored winner does
+    for base, kernel in ((DECODE, "decode"), (GEMM, "gemm")):
+        def cases(fmt, n, k, base=base, kernel=kernel):
+            out = []
+            for m, cfg in winners(records, fmt, n, k, kernel, ms[base]):
+                stored_as[(fmt, n, k, kernel, m)] = ("no pdl" if not cfg.pdl else
+                                                     "post" if getattr(cfg, "pdl_early", False) else "late")
+                out.append((m, {w: (mod, variant_config(base, mod, cfg, w))
+                                for w, mod in (("no pdl", base), *mods[base].items())}))
+            return out
+
+        for fmt, name, m, kernels, us, same in gemm_sweep(fmts, shapes, cases, args.rounds, args.compile_only,
+                                                          packer=base):
+            cfg = kernels["late"][1]
+            stored = stored_as[(fmt, *SHAPES[name], kernel, m)]
+            rows.append(dict(fmt=fmt, shape=name, kernel=kernel, m=m, stored=stored, cfg=str(cfg), us=us,
+                             same_output=all(same.values())))
+            print(f"{fmt} {name:12s} {kernel:6s} M={m:3d} " + " ".join(f"{t} {v:7.2f}" for t, v in us.items())
+                  + f"  same {all(same.values())}", flush=True)
     if finished(rows, args.compile_only, "probe_pdl.json"):
         return
     cols = ["no pdl", *PLACEMENTS[GEMM]]

@@ -55,3 +55,23 @@ def test_ab_script_compiles_both_versions(kernel, tmp_path, monkeypatch, capsys)
     finally:
         AB.use_kernel("decode")
     assert "compiled 2 kernels" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["post", "pre", "pfall", "post+pfall"])
+def test_pdl_probe_gemm_variants_apply_and_compile(where):
+    """``scripts/gpu_probe_pdl.py`` moves the GEMM's trigger after or before its wait (a second
+    trigger call may not stay behind) and widens its L2 prefetch (``pfall``), editing the source
+    in memory; every variant compiles for sm_90a."""
+    import gpu_probe_pdl as PDL
+
+    mod = PDL.placed(G, where)
+    assert mod is not G and mod.__name__.endswith("_pdl_" + where.replace("+", "_"))
+    src = Path(mod.__file__).read_text()
+    assert src.count("griddep_launch_dependents()") == Path(G.__file__).read_text().count("griddep_launch_dependents()")
+    wait = src.index("griddep_wait()\n")
+    trig = src.index("griddep_launch_dependents()\n")
+    assert (trig < wait) == (where == "pre")
+    assert (trig < src.index("pipe.consumer_release(rel_state)")) == (where != "pfall")  # before the main loop
+    assert ("k_tiles_split * w_copy_bytes" in src) == ("pfall" in where)
+    cfg = mod.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, pdl=True)
+    mod._compile(cfg, 1024, 1024, "nvfp4", "bfloat16")
