@@ -182,7 +182,9 @@ class TuneReport:
         return sum(r.trials_failed for r in self.results)
 
     def table(self) -> str:
-        """A fixed-width summary table (shape, N, K, E, topk, M, winner, times, speedup)."""
+        """A fixed-width summary table (shape, N, K, E, topk, M, winner, times, speedup), then the
+        note of every job that has one (what cut it short, why the default stayed, ...; the
+        already tuned jobs aside)."""
         head = ("shape", "op", "N", "K", "E", "topk", "M", "status", "winner", "us", "default us", "speedup", "trials", "failed")
         rows = [head]
         for r in self.results:
@@ -203,6 +205,10 @@ class TuneReport:
             lines.append("  ".join(cells).rstrip())
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths))
+        notes = [f"  {r.job.name or r.job.key.op} N={r.job.key.n} K={r.job.key.k} M={r.job.m}: {r.note}"
+                 for r in self.results if r.note and r.status != "skipped"]
+        if notes:
+            lines += ["", "notes:", *notes]
         return "\n".join(lines) + "\n"
 
 
@@ -1119,6 +1125,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
     run_s: list[float] = []  # per trial measured here: the time spent measuring it
     wait_s: list[float] = []  # and the time spent waiting for its compile worker
     stopped_by_share = False
+    stop_why = ""  # what ended the job at its share: said in its note
 
     def has_result() -> bool:
         return any(r["outcome"] == "ok" for r in measured_here.values())
@@ -1153,12 +1160,20 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
             return not study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         return executed() + len(inflight) >= ctx.budget or asked >= max_asks
 
+    def why_share(compiled: bool) -> str:
+        est = trial_estimate(run_s, wait_s, compiled)
+        return (f"the next trial, about {est:.2f} s by this job's mean of {len(run_s)} measured"
+                + (f" and {len(wait_s)} compile waits" if wait_s and not compiled else "")
+                + ", would have ended past it")
+
     def refill() -> None:
         nonlocal asked
         nonlocal stopped_by_share
+        nonlocal stop_why
         while len(inflight) < ctx.window and not exhausted() and not _out_of_time(ctx):
             if share_used():
                 stopped_by_share = True
+                stop_why = stop_why or why_share(False)
                 break
             trial = _ask(ctx, study)
             asked += 1
@@ -1194,7 +1209,9 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
         while inflight:
             trial, cand, fut = inflight.popleft()
             if _out_of_time(ctx) or share_used(compiled=fut is None or fut.done()):
-                stopped_by_share = stopped_by_share or not _out_of_time(ctx)
+                if not _out_of_time(ctx):
+                    stopped_by_share = True
+                    stop_why = stop_why or why_share(fut is None or fut.done())
                 if fut is not None:
                     fut.cancel()
                 study.tell(trial, state=TrialState.FAIL)
@@ -1213,6 +1230,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
                 except cf.TimeoutError:
                     if wait < ctx.compile_timeout_s:
                         stopped_by_share = True
+                        stop_why = stop_why or f"a kernel compile outlasted the {wait:.2f} s left of it"
                         study.tell(trial, state=TrialState.FAIL)
                         continue
                     err = None
@@ -1289,17 +1307,19 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
         return result
     best = min(oks, key=lambda c: (stats[c.ident].median_us, c.backend.name, c.config_json))
     d_stats = stats.get(default.ident)
+    notes = []
     if stopped_by_share:
-        result.note = f"stopped at its share of the time budget after {result.trials_run} trials"
+        notes.append(f"stopped at its share of the time budget after {result.trials_run} trials: {stop_why}")
     if d_stats is None:
         winner = best
-        result.note = "default config failed or was not measured"
+        notes.append("default config failed or was not measured")
     elif best is not default and faster_beyond_noise(stats[best.ident], d_stats, MIN_GAIN):
         winner = best
     else:
         winner = default
         if best is not default:
-            result.note = "no config beat the default beyond the noise"
+            notes.append("no config beat the default beyond the noise")
+    result.note = "; ".join(notes)
     unmeasured = [i for i in current_rows if i not in stats and i not in failed]
     if unmeasured and winner.ident not in current_rows:
         row = current_rows[unmeasured[0]]

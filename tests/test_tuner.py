@@ -3,6 +3,7 @@ deliberately wrong, faulty or crashing (fixtures registered like any backend).""
 import dataclasses
 import json
 import os
+import re
 import sqlite3
 import time
 from dataclasses import asdict
@@ -486,6 +487,13 @@ def test_time_budget_is_shared_by_every_job(tmp_path, monkeypatch):
     trials = [r.trials_run for r in rep.results]
     assert sum(trials) <= 9 and min(trials) == 1 and max(trials) == 2, trials
     assert all(("share of the time budget" in r.note) == (r.trials_run == 1) for r in rep.results)
+    # the note says why (the fake clock: every trial took 1 s, less its real setup time) and the
+    # table prints it
+    cut = [r for r in rep.results if r.trials_run == 1]
+    why = re.compile(r"the next trial, about (0\.9\d|1\.00) s by this job's mean of 1 measured, would have ended past it")
+    assert all(why.search(r.note) for r in cut), cut[0].note
+    table = rep.table()
+    assert table.count("share of the time budget") == len(cut) and "\nnotes:\n" in table
     # without a budget every job measures both candidates
     rep = tune_jobs(jobs, db=tmp_path / "u.db", device="cpu", progress=False)
     assert [r.trials_run for r in rep.results] == [2] * len(jobs)
@@ -656,6 +664,7 @@ def test_a_compile_is_waited_for_only_while_the_jobs_share_lasts(tmp_path, monke
     assert time.monotonic() - t0 < 30
     (res,) = rep.results
     assert res.status == "tuned" and res.trials_run == 1 and "share of the time budget" in res.note
+    assert "a kernel compile outlasted the" in res.note, res.note
     with TuningDB(tmp_path / "t.db") as db:
         assert [t.outcome for t in db.trials(_env_key())] == ["ok"]  # no compile "timeout" recorded
 
