@@ -72,18 +72,23 @@ GEMM_VARIANTS = {
 }
 
 
+def edited_module(base, suffix, src):
+    """Kernel module source ``src`` (an edit of ``base``'s), imported as
+    ``autofp4.kernels.<base stem>_<suffix>`` so that the kernel cache keys its kernels apart
+    from the real ones."""
+    stem = base.__name__.rsplit(".", 1)[1]
+    path = os.path.join(tempfile.gettempdir(), f"{stem}_{suffix}.py")
+    with open(path, "w") as f:
+        f.write(src)
+    return import_as(path, f"autofp4.kernels.{stem}_{suffix}")
+
+
 def variant(tag, base=BASE, line=_SCALED, variants=VARIANTS):
-    """``base`` (a kernel module) with its A-fragment line replaced, importable under its own
-    name so that the kernel cache keys its kernels apart from the real ones."""
+    """``base`` (a kernel module) with its A-fragment line replaced (:func:`edited_module`)."""
     src = open(base.__file__).read()
     if line not in src:
         raise SystemExit(f"{base.__name__}: the A-fragment line changed; update this probe")
-    stem = base.__name__.rsplit(".", 1)[1]
-    name = f"autofp4.kernels.{stem}_probe_{tag}"
-    path = os.path.join(tempfile.gettempdir(), f"{stem}_probe_{tag}.py")
-    with open(path, "w") as f:
-        f.write(src.replace(line, variants[tag]))
-    return import_as(path, name)
+    return edited_module(base, f"probe_{tag}", src.replace(line, variants[tag]))
 
 
 def finished(rows, compile_only, fname):

@@ -31,7 +31,6 @@ import dataclasses
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 
@@ -42,14 +41,11 @@ from autofp4.db import read_records  # noqa: E402
 from autofp4.kernels import sm90_w4a16_gemm as GEMM  # noqa: E402
 from autofp4.kernels import w4a16_decode as DECODE  # noqa: E402
 from bench_linear import SHAPES  # noqa: E402
-from gpu_ab_decode import import_as  # noqa: E402
-from gpu_probe_decode import finished, gemm_sweep  # noqa: E402
+from gpu_probe_decode import edited_module, finished, gemm_sweep  # noqa: E402
 
-# (module, the main kernel's wait, its trigger): the exact source lines, with what follows them
-SITES = {
-    GEMM: ("            griddep_wait()\n            if warp_idx == load_warp:",
-           "            griddep_launch_dependents()\n            if cutlass.const_expr(cl > 1):"),
-}
+# the GEMM's wait and its trigger: the exact source lines, with what follows them
+GEMM_WAIT = "            griddep_wait()\n            if warp_idx == load_warp:"
+GEMM_TRIGGER = "            griddep_launch_dependents()\n            if cutlass.const_expr(cl > 1):"
 # the GEMM's L2 prefetch before its wait: its first ``stages`` K tiles, or (``pfall``) all of them
 GEMM_PREFETCH = ("prefetch_l2(mW.iterator.toint() + cutlass.Int64(goff), n_pre * w_copy_bytes)",
                  "prefetch_l2(mW.iterator.toint() + cutlass.Int64(goff), k_tiles_split * w_copy_bytes)")
@@ -64,8 +60,10 @@ def _edit(src, old, new, what):
 
 
 def placed(mod, where):
-    """``mod`` with the main kernel's trigger moved ``where`` (``late``: ``mod`` itself; a
-    ``+pfall`` or ``pfall``: the GEMM prefetching all its K tiles into L2 before its wait)."""
+    """``mod`` as the probe runs it ``where``: the module itself for ``late`` and for the decode
+    kernel (whose ``post`` is a config field); for the GEMM, its source edited in memory with the
+    trigger moved (``post``, ``pre``) and/or (``pfall``) all its K tiles prefetched into L2
+    before its wait."""
     if where == "late" or mod is DECODE:
         return mod
     src = open(mod.__file__).read()
@@ -73,18 +71,14 @@ def placed(mod, where):
     if "pfall" in parts:
         src = _edit(src, *GEMM_PREFETCH, mod.__name__)
     if "post" in parts or "pre" in parts:
-        wait, trig = SITES[mod]
-        indent = wait[:len(wait) - len(wait.lstrip())]
+        indent = GEMM_WAIT[:len(GEMM_WAIT) - len(GEMM_WAIT.lstrip())]
         call = indent + "griddep_launch_dependents()\n"
-        src = _edit(src, trig, trig.replace("griddep_launch_dependents()", "pass  # moved"), mod.__name__)
-        first, rest = wait.split("\n", 1)
-        src = _edit(src, wait, call + wait if "pre" in parts else first + "\n" + call + rest, mod.__name__)
-    stem = mod.__name__.rsplit(".", 1)[1]
-    tag = where.replace("+", "_")
-    path = os.path.join(tempfile.gettempdir(), f"{stem}_pdl_{tag}.py")
-    with open(path, "w") as f:
-        f.write(src)
-    return import_as(path, f"autofp4.kernels.{stem}_pdl_{tag}")
+        src = _edit(src, GEMM_TRIGGER, GEMM_TRIGGER.replace("griddep_launch_dependents()", "pass  # moved"),
+                    mod.__name__)
+        first, rest = GEMM_WAIT.split("\n", 1)
+        src = _edit(src, GEMM_WAIT, call + GEMM_WAIT if "pre" in parts else first + "\n" + call + rest,
+                    mod.__name__)
+    return edited_module(mod, "pdl_" + where.replace("+", "_"), src)
 
 
 def winners(records, fmt, n, k, kernel, ms):
