@@ -1208,10 +1208,12 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
             _prefetch_default(ctx, then)
         while inflight:
             trial, cand, fut = inflight.popleft()
-            if _out_of_time(ctx) or share_used(compiled=fut is None or fut.done()):
-                if not _out_of_time(ctx):
+            ready = fut is None or fut.done()
+            late = _out_of_time(ctx)
+            if late or share_used(compiled=ready):
+                if not late:
                     stopped_by_share = True
-                    stop_why = stop_why or why_share(fut is None or fut.done())
+                    stop_why = stop_why or why_share(ready)
                 if fut is not None:
                     fut.cancel()
                 study.tell(trial, state=TrialState.FAIL)

@@ -305,10 +305,8 @@ def seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[tuple[str
     if kernel == "decode":
         out = [(kernel, replace(dflt, pdl_early=False)), (kernel, replace(dflt, pdl=False, pdl_early=False))]
     else:
-        out = [(kernel, replace(dflt, pdl=not dflt.pdl))]
-    if kernel == "gemm":
-        out.append((kernel, replace(dflt, scale_select=not dflt.scale_select)))
-        out.append((kernel, replace(dflt, producer=not dflt.producer)))
+        out = [(kernel, replace(dflt, pdl=not dflt.pdl)), (kernel, replace(dflt, scale_select=not dflt.scale_select)),
+               (kernel, replace(dflt, producer=not dflt.producer))]
     select = _scale_select(m)
     return out + [(kern, with_pdl(kern, _with_producer(replace(c, scale_select=select), n, k, fmt, dtype, m)
                                   if kern == "gemm" else c))
