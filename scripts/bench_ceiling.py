@@ -230,6 +230,9 @@ def main() -> int:
         print(table(doc))
         plot(doc, os.path.splitext(args.table)[0] + ".png")
         return 0
+    if not args.compile_only and not torch.cuda.is_available():
+        print("bench_ceiling needs a CUDA GPU (or --compile-only, --table)", file=sys.stderr)
+        return 2
     doc = measure(args)
     if not doc:
         return 0

@@ -69,3 +69,12 @@ def test_compile_only_builds_the_pick_and_its_decode_free_twin(tmp_path, monkeyp
     assert "compiled" in capsys.readouterr().out
     # the pick and its decode-free twin (each with and without bias)
     assert len([p for p in (tmp_path / "kc").rglob("*.o")]) >= 2
+
+
+def test_without_a_gpu_it_says_so(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["bench_ceiling.py"])
+    assert C.main() == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
