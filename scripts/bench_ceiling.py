@@ -51,13 +51,22 @@ def tflops(m: int, n: int, k: int, us: float) -> float:
 def picked_gemm(records, fmt: str, n: int, k: int, m: int):
     """The stored GEMM winner of ``(fmt, n, k)`` at bucket ``m`` as a kernel config (dependent
     launch off, as cuBLAS runs), or the GEMM default when the DB has none."""
-    from autofp4.backends.sm90_w4a16 import SM90Config, _to_kernel_config
+    from autofp4.kernels import sm90_w4a16_gemm as G
+    from gpu_probe_decode import gemm_winners
+
+    for _, cfg in gemm_winners(records, fmt, n, k, (m,)):
+        return cfg, "tuned"
+    return dataclasses.replace(G.default_config(n, k, fmt, "bfloat16", m), pdl=False), "default"
+
+
+def kernel_pair(records, nodec, fmt: str, n: int, k: int, m: int):
+    """The picked config (:func:`picked_gemm`), where it came from, and the compiled runners of
+    it and of its decode-free twin built from module ``nodec``."""
     from autofp4.kernels import sm90_w4a16_gemm as G
 
-    for r in records:
-        if (r.fmt, r.dtype, r.n, r.k, r.m_bucket, r.config.get("kernel")) == (fmt, "bfloat16", n, k, m, "gemm"):
-            return dataclasses.replace(_to_kernel_config(SM90Config(**r.config)), pdl=False), "tuned"
-    return dataclasses.replace(G.default_config(n, k, fmt, "bfloat16", m), pdl=False), "default"
+    cfg, source = picked_gemm(records, fmt, n, k, m)
+    twin = nodec.Sm90GemmConfig(**dataclasses.asdict(cfg))
+    return cfg, source, G.compile_kernel(cfg, n, k, fmt, "bfloat16"), nodec.compile_kernel(twin, n, k, fmt, "bfloat16")
 
 
 def fp8_operands(x: torch.Tensor, w: torch.Tensor):
@@ -111,11 +120,8 @@ def measure(args) -> dict:
     if args.compile_only:
         for fmt in fmts:
             for name in shapes:
-                n, k = SHAPES[name]
                 for m in ms:
-                    cfg, _ = picked_gemm(records, fmt, n, k, m)
-                    G.compile_kernel(cfg, n, k, fmt, "bfloat16")
-                    nodec.compile_kernel(nodec.Sm90GemmConfig(**dataclasses.asdict(cfg)), n, k, fmt, "bfloat16")
+                    kernel_pair(records, nodec, fmt, *SHAPES[name], m)
         print("compiled")
         return {}
     card = card_rates(args.rounds, args.reps)
@@ -125,17 +131,18 @@ def measure(args) -> dict:
         n, k = SHAPES[name]
         torch.cuda.empty_cache()
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        # per format: the packed weight and the dequantized one the check compares against
+        weights = {}
+        for fmt in fmts:
+            fw = autofp4.quantize(w, fmt)
+            weights[fmt] = (G.pack_weight(fw), fw.dequantize(torch.float32))
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             variants = {"cublas": (F.linear, [(x, w)]), "fp8": (fp8_linear, [fp8_operands(x, w)])}
             checks = {}
-            for fmt in fmts:
-                fw = autofp4.quantize(w, fmt)
-                packed = G.pack_weight(fw)
-                cfg, source = picked_gemm(records, fmt, n, k, m)
-                ours = G.compile_kernel(cfg, n, k, fmt, "bfloat16")
-                free = nodec.compile_kernel(nodec.Sm90GemmConfig(**dataclasses.asdict(cfg)), n, k, fmt, "bfloat16")
-                ref = F.linear(x.float(), fw.dequantize(torch.float32))
+            for fmt, (packed, dense) in weights.items():
+                cfg, source, ours, free = kernel_pair(records, nodec, fmt, n, k, m)
+                ref = F.linear(x.float(), dense)
                 err = float((ours(x, packed, None).float() - ref).norm() / ref.norm())
                 if not err < 2e-2:
                     raise SystemExit(f"{name} {fmt} M={m}: relative error {err:.3g} against the dequantized weight")
@@ -148,7 +155,7 @@ def measure(args) -> dict:
             rows.append(row)
             print(f"{name:12s} M={m:5d} " + " ".join(f"{t} {row['tflops'][t]:.0f}" for t in us), flush=True)
             del variants, x
-        del w
+        del w, weights
     return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "card": card, "fmts": fmts, "rows": rows}
 
