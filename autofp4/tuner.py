@@ -1124,8 +1124,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
 
     run_s: list[float] = []  # per trial measured here: the time spent measuring it
     wait_s: list[float] = []  # and the time spent waiting for its compile worker
-    stopped_by_share = False
-    stop_why = ""  # what ended the job at its share: said in its note
+    stop_why = ""  # what ended the job at its share of the time (empty: it was not): said in its note
 
     def has_result() -> bool:
         return any(r["outcome"] == "ok" for r in measured_here.values())
@@ -1168,11 +1167,9 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
 
     def refill() -> None:
         nonlocal asked
-        nonlocal stopped_by_share
         nonlocal stop_why
         while len(inflight) < ctx.window and not exhausted() and not _out_of_time(ctx):
             if share_used():
-                stopped_by_share = True
                 stop_why = stop_why or why_share(False)
                 break
             trial = _ask(ctx, study)
@@ -1212,7 +1209,6 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
             late = _out_of_time(ctx)
             if late or share_used(compiled=ready):
                 if not late:
-                    stopped_by_share = True
                     stop_why = stop_why or why_share(ready)
                 if fut is not None:
                     fut.cancel()
@@ -1231,7 +1227,6 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
                     err = fut.result(timeout=wait)
                 except cf.TimeoutError:
                     if wait < ctx.compile_timeout_s:
-                        stopped_by_share = True
                         stop_why = stop_why or f"a kernel compile outlasted the {wait:.2f} s left of it"
                         study.tell(trial, state=TrialState.FAIL)
                         continue
@@ -1310,7 +1305,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
     best = min(oks, key=lambda c: (stats[c.ident].median_us, c.backend.name, c.config_json))
     d_stats = stats.get(default.ident)
     notes = []
-    if stopped_by_share:
+    if stop_why:
         notes.append(f"stopped at its share of the time budget after {result.trials_run} trials: {stop_why}")
     if d_stats is None:
         winner = best
