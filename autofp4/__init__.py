@@ -8,8 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .formats import dequantize, quantize  # noqa: E402
-from .weights import FP4Weight  # noqa: E402
+from .weights import FP4Weight, dequantize, quantize  # noqa: E402
 from .ops import linear, moe, route  # noqa: E402
 from .dispatch import get_dispatcher, set_db  # noqa: E402
 from .nn import FP4Linear, quantize_model  # noqa: E402

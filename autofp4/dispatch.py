@@ -31,7 +31,6 @@ import json
 import os
 import threading
 import warnings
-from bisect import bisect_left
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -39,7 +38,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from .backends import available_backends, get_backend
-from .backends.base import Backend, BackendConfig, ProblemKey, Runner
+from .backends.base import Backend, BackendConfig, Runner
+from .problem import DEFAULT_M_BUCKETS, ProblemKey, bucket_for
 
 __all__ = [
     "DEFAULT_M_BUCKETS",
@@ -53,21 +53,7 @@ __all__ = [
     "load_misses",
 ]
 
-DEFAULT_M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 MISSES_VERSION = 1
-
-
-def bucket_for(m: int, buckets: Sequence[int] = DEFAULT_M_BUCKETS) -> int:
-    """The smallest bucket ``>= m``; the largest bucket when ``m`` exceeds all of them.
-
-    ``buckets`` must be sorted ascending and non-empty; ``m`` must be ``>= 1``.
-    """
-    if m < 1:
-        raise ValueError(f"m (the token count) must be >= 1, got {m}")
-    if not buckets:
-        raise ValueError("bucket_for needs at least one bucket, got none")
-    i = bisect_left(buckets, m)
-    return buckets[i] if i < len(buckets) else buckets[-1]
 
 
 _SOURCE_HASHES: dict[tuple[str, str | None], str] = {}

@@ -7,19 +7,43 @@ cached: the fingerprint is read once per device and process.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.metadata
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import torch
-
-from .schema import Environment
+from pydantic import BaseModel, ConfigDict, Field, Strict, StringConstraints
 
 _NVIDIA_SMI_TIMEOUT_S = 5.0
+
+_Text = Annotated[str, Strict(), StringConstraints(max_length=256)]
+
+
+class Environment(BaseModel):
+    """Where a measurement was taken. Rows are only used where the environment key matches."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpu_name: _Text
+    sm_count: Annotated[int, Strict(), Field(ge=1, le=2**16)]
+    compute_capability: Annotated[str, Strict(), StringConstraints(pattern=r"^(cpu|\d{1,3}\.\d{1,3})$")]
+    driver: _Text
+    cuda: _Text
+    torch: _Text
+    cutlass_dsl: _Text = ""
+    autofp4: _Text
+
+    def key(self) -> str:
+        """A stable 16-hex-character sha256 of all fields (canonical JSON)."""
+        text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,16 +27,11 @@ result is identical bit for bit on the CPU and on CUDA.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .weights import FP4Weight
+from .problem import BLOCK_SIZE, FORMATS
 
 __all__ = [
-    "FORMATS",
-    "BLOCK_SIZE",
     "E2M1_MAX",
     "E4M3_MAX",
     "E8M0_BIAS",
@@ -49,15 +44,12 @@ __all__ = [
     "float_to_e8m0",
     "pack_nibbles",
     "unpack_nibbles",
-    "quantize",
+    "check_fmt",
     "quantize_nvfp4",
     "quantize_mxfp4",
-    "dequantize",
+    "dequantize_blocks",
 ]
 
-FORMATS = ("nvfp4", "mxfp4")
-#: values per scale along K
-BLOCK_SIZE: dict[str, int] = {"nvfp4": 16, "mxfp4": 32}
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E8M0_BIAS = 127
@@ -80,7 +72,8 @@ _MIDPOINTS_INCLUSIVE = (0.75, 1.75, 3.5)  # tie moves to the upper (even) code
 _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check_fmt(fmt: str) -> None:
+def check_fmt(fmt: str) -> None:
+    """Raise ``ValueError`` unless ``fmt`` is one of :data:`~autofp4.problem.FORMATS`."""
     if fmt not in BLOCK_SIZE:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
 
@@ -253,40 +246,28 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _finish_codes(y, w), scale
 
 
-def quantize(w: torch.Tensor, fmt: str) -> "FP4Weight":
-    """Quantize a weight ``[N, K]`` or stacked experts ``[E, N, K]`` (bf16/fp16/fp32, any device)
-    to ``fmt`` ("nvfp4" or "mxfp4"). For ``[E, N, K]`` NVFP4 the global scale is per expert, so
-    each expert equals quantizing it alone."""
-    from .weights import FP4Weight
-
-    _check_fmt(fmt)
-    if fmt == "nvfp4":
-        data, scale, gs = quantize_nvfp4(w)
-        return FP4Weight("nvfp4", data, scale, gs, check_values=False)
-    data, scale = quantize_mxfp4(w)
-    return FP4Weight("mxfp4", data, scale, check_values=False)
-
-
 # ------------------------------------------------------------------------------ dequantize
 @torch.no_grad()
-def dequantize(w: "FP4Weight", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The dense weight ``[..., N, K]`` of an FP4Weight, computed in fp32 and cast to ``dtype``.
+def dequantize_blocks(fmt: str, data: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The dense weight ``[..., N, K]`` of packed codes ``data`` [..., N, K/2] and block scales
+    ``scale`` (NVFP4: E4M3, with the fp32 ``global_scale`` [] or [E]; MXFP4: E8M0), computed in
+    fp32 and cast to ``dtype``.
 
     NVFP4: ``(e2m1 * scale) * global`` (the first product is exact, so the fp32 result is the
     correctly rounded value of the exact product). MXFP4: ``e2m1 * 2**e`` (exact)."""
-    fmt = w.fmt
-    _check_fmt(fmt)
+    check_fmt(fmt)
     bs = BLOCK_SIZE[fmt]
     # 256-entry table: byte -> (value of the low nibble, value of the high nibble)
-    t = e2m1_table(w.data.device)
+    t = e2m1_table(data.device)
     lut = torch.stack((t.repeat(16), t.repeat_interleave(16)), dim=-1)
-    vals = lut.index_select(0, w.data.reshape(-1).int())
-    lead = tuple(w.data.shape[:-1])
-    k = w.data.shape[-1] * 2
+    vals = lut.index_select(0, data.reshape(-1).int())
+    lead = tuple(data.shape[:-1])
+    k = data.shape[-1] * 2
     vals = vals.reshape(*lead, k // bs, bs)
     if fmt == "nvfp4":
-        g = w.global_scale.float().reshape(w.global_scale.shape + (1, 1, 1))
-        out = vals.mul_(w.scale.float().unsqueeze(-1)).mul_(g)
+        g = global_scale.float().reshape(global_scale.shape + (1, 1, 1))
+        out = vals.mul_(scale.float().unsqueeze(-1)).mul_(g)
     else:
-        out = vals.mul_(e8m0_to_float(w.scale).unsqueeze(-1))
+        out = vals.mul_(e8m0_to_float(scale).unsqueeze(-1))
     return out.reshape(*lead, k).to(dtype)

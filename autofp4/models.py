@@ -25,10 +25,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from autofp4.backends.base import ProblemKey
+from .problem import ProblemKey
 
 __all__ = [
     "ModelShape",
@@ -86,10 +85,8 @@ class ModelShape:
     def dedup_key(self) -> tuple[str, int, int, int, int]:
         return (self.op, self.n, self.k, self.experts, self.topk)
 
-    def problem_key(self, fmt: str, dtype: str) -> "ProblemKey":
-        """The tuner's :class:`~autofp4.backends.base.ProblemKey` for this shape."""
-        from autofp4.backends.base import ProblemKey
-
+    def problem_key(self, fmt: str, dtype: str) -> ProblemKey:
+        """The tuner's :class:`~autofp4.problem.ProblemKey` for this shape."""
         return ProblemKey(self.op, fmt, dtype, self.n, self.k, self.experts, self.topk)
 
 

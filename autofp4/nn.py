@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from . import ops
-from .formats import BLOCK_SIZE, quantize
-from .weights import FP4Weight
+from .problem import BLOCK_SIZE
+from .weights import FP4Weight, quantize
 
 __all__ = ["FP4Linear", "ConversionReport", "quantize_model"]
 

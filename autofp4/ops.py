@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from .backends import ProblemKey, dtype_name
 from .dispatch import get_dispatcher
+from .problem import ProblemKey, dtype_name
 from .weights import FP4Weight
 
 __all__ = ["linear", "moe", "route"]

@@ -7,7 +7,7 @@ the wait. Back to back layers then overlap one kernel's tail with the next one's
 HBM reads, which is a large part of the cost of a small GEMM.
 
 Whether a kernel config uses it is part of the config (``pdl``; the tuner measures both, the
-defaults use it where it measured faster, see ``backends/sm90_heuristics.with_pdl``). It does
+defaults use it where it measured faster, see ``autofp4.backends.sm90_heuristics.with_pdl``). It does
 not change any result. This module is the global switch over all of them: ``AUTOFP4_PDL=0`` in
 the environment or ``autofp4.set_pdl(False)`` turns it off everywhere (for the next launch; a
 CUDA graph keeps what was set when it was captured).

@@ -25,7 +25,8 @@ from pydantic import (
 )
 
 from .backends import backend_names, get_backend
-from .backends.base import BackendConfig, ProblemKey
+from .env import Environment
+from .problem import DTYPES, FORMATS, OPS, ProblemKey
 
 #: version of the JSON export format (``ExportDoc.schema_version``) this code reads and writes.
 EXPORT_SCHEMA_VERSION = 1
@@ -46,9 +47,9 @@ MAX_RECORDS = 500_000
 #: the fields that identify a tuned problem (together with the environment key).
 KEY_FIELDS = ("op", "fmt", "dtype", "backend", "m_bucket", "n", "k", "experts", "topk")
 
-Op = Literal["linear", "moe"]
-Fmt = Literal["nvfp4", "mxfp4"]
-Dtype = Literal["bfloat16", "float16"]
+Op = Literal[OPS]  # type: ignore[valid-type]
+Fmt = Literal[FORMATS]  # type: ignore[valid-type]
+Dtype = Literal[DTYPES]  # type: ignore[valid-type]
 Outcome = Literal["ok", "compile_error", "runtime_fault", "wrong_result", "timeout", "invalid"]
 OUTCOMES: tuple[str, ...] = ("ok", "compile_error", "runtime_fault", "wrong_result", "timeout", "invalid")
 
@@ -96,10 +97,9 @@ def parse_timestamp(value: str) -> datetime:
     return dt
 
 
-def config_json(config: Mapping[str, Any] | BackendConfig) -> str:
-    """The canonical JSON text of a config (sorted keys, no spaces): how configs are compared."""
-    if isinstance(config, BaseModel):
-        config = config.model_dump(mode="json")
+def config_json(config: Mapping[str, Any]) -> str:
+    """The canonical JSON text of a stored config (sorted keys, no spaces): how configs are
+    compared."""
     return json.dumps(dict(config), sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
@@ -124,7 +124,7 @@ def normalize_config(backend: str, config: Mapping[str, Any]) -> dict[str, Any]:
         parsed = b.parse_config(config)
     except ValueError as e:  # pydantic.ValidationError is a ValueError
         raise ValueError(f"config {dict(config)} is not valid for backend {backend!r}: {_short(e)}") from None
-    dumped = parsed.model_dump(mode="json")
+    dumped = b.config_dict(parsed)
     if all(_is_scalar(v) for v in dumped.values()):
         return dumped
     return dict(config)
@@ -152,29 +152,6 @@ def _check_finite_positive(v: float | None, name: str, allow_zero: bool = False)
     if v > MAX_US:
         raise ValueError(f"{name} must be <= {MAX_US:g} us, got {v}")
     return v
-
-
-# --------------------------------------------------------------------------------------
-# environment
-# --------------------------------------------------------------------------------------
-class Environment(BaseModel):
-    """Where a measurement was taken. Rows are only used where the environment key matches."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    gpu_name: _Text
-    sm_count: Annotated[int, Strict(), Field(ge=1, le=MAX_EXPERTS)]
-    compute_capability: Annotated[str, Strict(), StringConstraints(pattern=r"^(cpu|\d{1,3}\.\d{1,3})$")]
-    driver: _Text
-    cuda: _Text
-    torch: _Text
-    cutlass_dsl: _Text = ""
-    autofp4: _Text
-
-    def key(self) -> str:
-        """A stable 16-hex-character sha256 of all fields (canonical JSON)."""
-        text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------------------

@@ -29,10 +29,10 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import formats
-from .formats import BLOCK_SIZE, FORMATS
+from .formats import check_fmt, dequantize_blocks, quantize_mxfp4, quantize_nvfp4
+from .problem import BLOCK_SIZE, FORMATS
 
-__all__ = ["FP4Weight"]
+__all__ = ["FP4Weight", "quantize", "dequantize"]
 
 Device = Union[torch.device, str, int]
 
@@ -208,7 +208,7 @@ class FP4Weight:
     # -- views and copies --------------------------------------------------------------
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight ``[..., N, K]`` in ``dtype`` (computed in fp32)."""
-        return formats.dequantize(self, dtype)
+        return dequantize_blocks(self.fmt, self.data, self.scale, self.global_scale, dtype)
 
     def _derived(self, data, scale, gs, ins) -> "FP4Weight":
         return FP4Weight(self.fmt, data, scale, gs, ins, check_values=False)
@@ -260,3 +260,22 @@ class FP4Weight:
         """Drop every cached prepacked form (and the runners ``autofp4.linear`` kept with them)."""
         self._packed.clear()
         self.__dict__.pop("_linear_fast", None)
+
+
+def quantize(w: torch.Tensor, fmt: str) -> FP4Weight:
+    """Quantize a weight ``[N, K]`` or stacked experts ``[E, N, K]`` (bf16/fp16/fp32, any device)
+    to ``fmt`` ("nvfp4" or "mxfp4"). For ``[E, N, K]`` NVFP4 the global scale is per expert, so
+    each expert equals quantizing it alone."""
+    check_fmt(fmt)
+    if fmt == "nvfp4":
+        data, scale, gs = quantize_nvfp4(w)
+        return FP4Weight("nvfp4", data, scale, gs, check_values=False)
+    data, scale = quantize_mxfp4(w)
+    return FP4Weight("mxfp4", data, scale, check_values=False)
+
+
+def dequantize(w: FP4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The dense weight ``[..., N, K]`` of an FP4Weight, computed in fp32 and cast to ``dtype``."""
+    if not isinstance(w, FP4Weight):
+        raise TypeError(f"dequantize expects an FP4Weight, got {type(w).__name__}")
+    return w.dequantize(dtype)

@@ -175,7 +175,7 @@ def test_resume_skips_and_force_retunes(tiny, tmp_path):
 def test_from_misses_cli(tmp_path):
     db = tmp_path / "t.db"
     dispatch.set_db(db)
-    from autofp4.backends import ProblemKey
+    from autofp4.problem import ProblemKey
 
     k = ProblemKey("linear", "nvfp4", "bfloat16", 256, 128)
     d = Dispatcher(CPU, [], misses_file=dispatch.misses_path())

@@ -8,7 +8,7 @@ import torch
 import autofp4
 from autofp4 import backends as registry
 from autofp4 import dispatch
-from autofp4.backends import ProblemKey
+from autofp4.problem import ProblemKey
 from autofp4.backends.reference import ReferenceBackend, ReferenceConfig
 from autofp4.db import TuningDB, load_layers
 from autofp4.dispatch import DEFAULT_M_BUCKETS, Dispatcher, bucket_for, load_misses

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from autofp4 import formats
-from autofp4.formats import quantize
+from autofp4.weights import quantize
 
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)

@@ -206,7 +206,8 @@ def test_cli_warm_compiles_a_models_defaults_then_loads_them(cache, tmp_path, mo
     import json
 
     from autofp4 import kernel_cache as kc
-    from autofp4.backends import ProblemKey, get_backend
+    from autofp4.backends import get_backend
+    from autofp4.problem import ProblemKey
 
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(TINY_LLAMA))
@@ -237,7 +238,8 @@ def test_cli_warm_with_a_db_adds_its_winners(cache, tmp_path, monkeypatch):
     import json
 
     from autofp4 import kernel_cache as kc
-    from autofp4.backends import ProblemKey, get_backend
+    from autofp4.backends import get_backend
+    from autofp4.problem import ProblemKey
     from autofp4.db import TuningDB
     from autofp4.env import current_environment
     from autofp4.schema import TuningRecord

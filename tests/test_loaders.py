@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autofp4.formats import quantize
+from autofp4.weights import quantize
 from autofp4.loaders import from_modelopt, from_mxfp4_blocks, fuse_modelopt, load_state_dict_weight
 from autofp4.weights import FP4Weight
 

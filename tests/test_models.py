@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from autofp4.backends.base import ProblemKey
+from autofp4.problem import ProblemKey
 from autofp4.models import SUPPORTED, ModelShape, load_config, model_shapes, shapes_table
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

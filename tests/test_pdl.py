@@ -72,7 +72,8 @@ def _layers(ws, m, pdl_on, early=True):
     launch forced on or off (both kernels: the decode kernel up to M = 16, the GEMM above); a
     decode kernel with it on lets the next kernel launch right after its own wait (``early``)
     or after its main loop."""
-    from autofp4.backends import ProblemKey, get_backend
+    from autofp4.backends import get_backend
+    from autofp4.problem import ProblemKey
 
     b = get_backend("sm90_w4a16")
     out = []

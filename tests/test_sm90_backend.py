@@ -13,7 +13,8 @@ pytest.importorskip("cutlass")
 
 from pydantic import ValidationError  # noqa: E402
 
-from autofp4.backends import ProblemKey, get_backend  # noqa: E402
+from autofp4.backends import get_backend
+from autofp4.problem import ProblemKey  # noqa: E402
 from autofp4.backends.sm90_w4a16 import DECODE_MAX_M, SM90Config  # noqa: E402
 
 LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]

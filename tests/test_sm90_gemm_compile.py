@@ -9,7 +9,7 @@ import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-from autofp4.formats import quantize  # noqa: E402
+from autofp4.weights import quantize  # noqa: E402
 from autofp4.kernels import sm90_w4a16_gemm as g  # noqa: E402
 from autofp4.kernels import _fp4_bits as fp4_bits  # noqa: E402
 

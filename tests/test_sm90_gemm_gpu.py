@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from autofp4.formats import quantize
+from autofp4.weights import quantize
 from autofp4.kernels import sm90_w4a16_gemm as g
 
 pytestmark = pytest.mark.gpu

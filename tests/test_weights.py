@@ -6,7 +6,7 @@ import weakref
 import pytest
 import torch
 
-from autofp4.formats import quantize
+from autofp4.weights import quantize
 from autofp4.weights import FP4Weight
 
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

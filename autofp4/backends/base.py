@@ -16,66 +16,26 @@ moe: ``runner(x, prepared13, prepared2, topk_weights, topk_ids, activation) -> o
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import itertools
 import inspect
+import itertools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
-OPS = ("linear", "moe")
-FORMATS = ("nvfp4", "mxfp4")
-DTYPES = ("bfloat16", "float16")
+from ..kernel_cache import kernel_source
+from ..problem import ProblemKey
 
 Runner = Callable[..., torch.Tensor]
 
+#: a backend's config: a frozen (hashable) dataclass of scalars, one type per kernel. Stored
+#: configs (DB rows, exports) are its fields as a dict (:meth:`Backend.config_dict`), plus
+#: ``"kernel"`` when the backend has several kernels.
+BackendConfig = Any
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``; rejects what autofp4 does not run."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise TypeError(f"activations must be bfloat16 or float16, got {dtype}")
-    return name
-
-
-@dataclass(frozen=True)
-class ProblemKey:
-    """Everything a compiled kernel depends on, except M (one kernel serves every M).
-
-    For ``op == "moe"``: ``n`` is the gate/up width ``2 * intermediate``, ``k`` the hidden
-    size, ``experts`` the number of experts and ``topk`` the experts per token.
-    """
-
-    op: str
-    fmt: str
-    dtype: str
-    n: int
-    k: int
-    experts: int = 0
-    topk: int = 0
-
-    def __post_init__(self) -> None:
-        if self.op not in OPS:
-            raise ValueError(f"op must be one of {OPS}, got {self.op!r}")
-        if self.fmt not in FORMATS:
-            raise ValueError(f"fmt must be one of {FORMATS}, got {self.fmt!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.n <= 0 or self.k <= 0:
-            raise ValueError(f"n and k must be positive, got n={self.n}, k={self.k}")
-        if self.op == "moe" and (self.experts <= 0 or self.topk <= 0 or self.topk > self.experts):
-            raise ValueError(
-                f"moe needs 0 < topk <= experts, got experts={self.experts}, topk={self.topk}"
-            )
-        if self.op == "linear" and (self.experts or self.topk):
-            raise ValueError("linear problems have no experts/topk")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
+_SCALARS: dict[str, type] = {"int": int, "bool": bool, "str": str, "float": float}
 
 
 def grid(space: Mapping[str, Sequence[Any]]) -> Iterator[dict[str, Any]]:
@@ -85,15 +45,26 @@ def grid(space: Mapping[str, Sequence[Any]]) -> Iterator[dict[str, Any]]:
         yield dict(zip(names, values))
 
 
-class BackendConfig(BaseModel):
-    """Base of every backend's config model: frozen (hashable, a cache key), no extra keys."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
-        # Unused optional fields are left out of stored configs (DB rows, exports).
-        kwargs.setdefault("exclude_none", True)
-        return super().model_dump(**kwargs)
+def config_from_dict(cls: type, data: Mapping[str, Any]) -> Any:
+    """The frozen dataclass ``cls`` from untrusted ``data`` (a DB row, an import): every key must
+    be a field, every value of the field's scalar type (a bool is not an int); missing fields
+    take their defaults. Raises ``ValueError`` naming the field."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    stray = [k for k in data if k not in fields]
+    if stray:
+        raise ValueError(f"a {cls.__name__} takes no {', '.join(map(str, stray))}")
+    for name, value in data.items():
+        t = fields[name].type
+        want = _SCALARS.get(t if isinstance(t, str) else getattr(t, "__name__", ""))
+        ok = want is None or (isinstance(value, want) and not (want is not bool and isinstance(value, bool)))
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise ValueError(f"{cls.__name__}.{name} must be {fields[name].type}, got {value!r}")
+    try:
+        return cls(**data)
+    except TypeError as e:  # a required field is missing
+        raise ValueError(f"{cls.__name__}: {e}") from None
 
 
 class Backend(ABC):
@@ -101,7 +72,10 @@ class Backend(ABC):
 
     name: ClassVar[str]
     ops: ClassVar[frozenset[str]]
-    config_model: ClassVar[type[BackendConfig]]
+    #: the config dataclass of each kernel, by its ``kernel`` tag (a class attribute of the
+    #: dataclass); a backend of one kernel may leave the tag out (``None``): its stored configs
+    #: then carry no ``"kernel"`` key
+    config_types: ClassVar[Mapping[str | None, type]]
 
     # -- where it runs -------------------------------------------------------------
     @abstractmethod
@@ -132,10 +106,29 @@ class Backend(ABC):
         return self.is_valid(self.default(key), key)
 
     def parse_config(self, data: Mapping[str, Any] | BackendConfig) -> BackendConfig:
-        """Validate untrusted config data (from a DB row or an import)."""
-        if isinstance(data, self.config_model):
-            return data
-        return self.config_model.model_validate(dict(data))
+        """Validate untrusted config data (from a DB row or an import); a config passes through."""
+        if not isinstance(data, Mapping):
+            if type(data) in self.config_types.values():
+                return data
+            raise ValueError(f"{self.name} configs are {self._type_names()}, got {type(data).__name__}")
+        data = dict(data)
+        if None in self.config_types:
+            return config_from_dict(self.config_types[None], data)
+        tag = data.pop("kernel", None)
+        if tag not in self.config_types:
+            raise ValueError(f"a {self.name} config needs 'kernel' in {sorted(self.config_types)}, got {tag!r}")
+        return config_from_dict(self.config_types[tag], data)
+
+    def config_dict(self, config: BackendConfig) -> dict[str, Any]:
+        """A config as stored in DB rows and exports: ``kernel`` (for a backend of several
+        kernels) and every field."""
+        tag = getattr(type(config), "kernel", None) if None not in self.config_types else None
+        if self.config_types.get(tag) is not type(config):
+            raise ValueError(f"{self.name} configs are {self._type_names()}, got {type(config).__name__}")
+        return {**({} if tag is None else {"kernel": tag}), **dataclasses.asdict(config)}
+
+    def _type_names(self) -> str:
+        return " or ".join(t.__name__ for t in self.config_types.values())
 
     def seeds(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
         """Valid configs worth trying right after the default for ``m`` (what won measurements
@@ -163,7 +156,7 @@ class Backend(ABC):
             seen.add(default)
         for point in grid(self.config_space(key)):
             try:
-                cfg = self.config_model(**point)
+                cfg = self.parse_config(point)
             except ValueError:
                 continue
             if cfg not in seen and self.is_valid(cfg, key) is None:
@@ -200,8 +193,6 @@ class Backend(ABC):
         return self.part_source_hash(None if config is None else self.source_part(config))
 
     def part_source_hash(self, part: str | None) -> str:
-        from ..kernel_cache import kernel_source
-
         return source_digest(kernel_source(mod.__name__) for mod in self.source_modules(part))
 
 

@@ -7,15 +7,18 @@ beyond the order of independent output columns.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .base import Backend, BackendConfig, ProblemKey, Runner
+from ..problem import ProblemKey
+from .base import Backend, BackendConfig, Runner
 
 
-class ReferenceConfig(BackendConfig):
+@dataclass(frozen=True)
+class ReferenceConfig:
     #: dequantize this many output rows (N) at a time; 0 = the whole weight at once.
     chunk_n: int = 0
 
@@ -80,7 +83,7 @@ def reference_moe(
 class ReferenceBackend(Backend):
     name = "reference"
     ops = frozenset({"linear", "moe"})
-    config_model = ReferenceConfig
+    config_types = {None: ReferenceConfig}
 
     def applies_to(self, device: torch.device) -> bool:
         return True

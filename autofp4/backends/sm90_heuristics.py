@@ -3,8 +3,13 @@ one config runs: the default config per shape, the tuner's search space and the 
 tries first.
 
 They live apart from the kernel modules on purpose: the source hash that stamps tuning
-results (provenance) covers the kernels and the backend's runner, so a better default or a
-wider search space here leaves every stored measurement valid.
+results (provenance) covers the kernels, so a better default or a wider search space here
+leaves every stored measurement valid. This module imports the kernels (for their config
+dataclasses and validity rules); the kernels never import it.
+
+The measurements quoted below were taken on an NVIDIA H200 (132 SMs) in November 2026 with
+torch 2.11 + CUDA 13.0 and CuTeDSL 4.8.1, on the Llama-3.1-8B and -70B GEMM shapes
+("8B qkv" = 6144 x 4096 and so on, see ``scripts/bench_linear.py``).
 """
 from __future__ import annotations
 
@@ -13,8 +18,10 @@ from typing import Any
 
 import torch
 
-#: largest M the default sends to the decode kernel. Tuned on an H200 (session 8, the Llama-3.1
-#: 8B/70B shapes, both formats): at M = 32 the GEMM with 32-token tiles and K split in two beat
+from ..hopper import SM_COUNT
+
+#: largest M the default sends to the decode kernel. On the Llama-3.1 8B/70B shapes, both
+#: formats: at M = 32 the GEMM with 32-token tiles and K split in two beat
 #: the decode kernel's m_max = 32 default on 10 of 16 points, by up to 1.6x (70B o 19.7 against
 #: 30.9 us, 70B gate_up 124.4 against 180.2); the decode kernel's time doubles from M = 16 to 32
 #: on the large shapes (70B gate_up 91 -> 180 us), the GEMM's barely moves. At M = 16 the decode
@@ -22,7 +29,6 @@ import torch
 DECODE_MAX_M = 16
 #: largest M whose tuner seeds still include decode configs
 DECODE_SEED_MAX_M = 32
-_SM_COUNT_HINT = 132  # H100/H200 SXM multiprocessors (only steers the GEMM defaults)
 
 
 def _decode():
@@ -53,12 +59,12 @@ def decode_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]
 def _sm_count() -> int:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return 132
+    return SM_COUNT
 
 
 def decode_default(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
-    """Heuristic from H200 sweeps (``scripts/gpu_check_decode.py --sweep``, the Llama shapes at
-    M = 1 and 16): the smallest m_max that covers ``m``; x staged in shared memory (faster in 11
+    """Heuristic from H200 sweeps of the decode kernel's configs (the Llama shapes at M = 1 and
+    16): the smallest m_max that covers ``m``; x staged in shared memory (faster in 11
     of the 12 cases); split K until about 32 (m_max = 8) or 16 (larger m_max) warps per SM have
     work, keeping every split non-empty, and at m_max = 8 at least two ways when K has four or
     more groups; at m_max = 8 and K <= 8192 the split CTAs sum through a cluster where it fits
@@ -112,7 +118,7 @@ def gemm_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
 
 
 # Medium-M tiles (tile_n, tile_m, tile_k, stage cap) and their relative per-CTA efficiency,
-# fitted to an H200 sweep of the benchmark shapes at M = 64, 128, 512 (scripts/gpu_sweep_gemm.py)
+# fitted to an H200 sweep of the benchmark shapes at M = 64, 128, 512
 _MEDIUM_TILES = (
     ((128, 256, 64, 6), 1.0),
     ((256, 64, 128, 4), 0.85),
@@ -123,8 +129,8 @@ _MEDIUM_TILES = (
 )
 
 
-# Modelled cost of splitting K in two. Against the 18 (shape, M) points of the H200 sweeps in
-# docs/bench (M = 64, 128, 512, every pick measured): 1.3 makes the default 4.5% slower than the
+# Modelled cost of splitting K in two. Against the 18 (shape, M) points of the H200 sweeps
+# (M = 64, 128, 512, every pick measured): 1.3 makes the default 4.5% slower than the
 # best measured config on average (worst 18%), 1.25 5.5% (worst 23%, 8B o at M = 512), 1.5 6.9%.
 _SPLIT_COST = 1.3
 
@@ -145,7 +151,7 @@ def _medium_ranking(n: int, k: int, fmt: str, dtype: str, m: int) -> list:
     """Tiles and split-K by modelled time, least first: waves of CTAs over the multiprocessors
     x work per CTA / tile efficiency, x ``_SPLIT_COST`` when K is split (the cluster reduction,
     more x loads, a shorter pipeline per CTA)."""
-    sms = _SM_COUNT_HINT
+    sms = SM_COUNT
     np_ = _gemm()._pad(n)
     m_pow2 = 1 << (max(m, 64) - 1).bit_length()
     ranked = []
@@ -165,8 +171,7 @@ def _medium_ranking(n: int, k: int, fmt: str, dtype: str, m: int) -> list:
 
 
 # Largest M whose GEMM default broadcasts block scales by operand select (``scale_select``).
-# H200, the tenth session's GEMM winners with and without it (scripts/gpu_probe_decode.py
-# --gemm ... --gemm-variants hsel, the same code as a variant): faster in 37 of 39 cases at
+# The GEMM winners of the benchmark shapes with and without it: faster in 37 of 39 cases at
 # M = 16-128 (geomean NVFP4 0.955, MXFP4 0.978), a wash at M = 512 and 2048 but for 70B gate_up
 # at 2048 (7-9% slower).
 SCALE_SELECT_MAX_M = 128
@@ -178,12 +183,11 @@ def _scale_select(m: int | None) -> bool:
 
 
 # Smallest M whose GEMM default streams its stages from a dedicated producer warp (where the
-# tile leaves it the registers). H200, fourteenth session, the thirteenth session's GEMM winners at
-# M = 64..2048 with and without it (scripts/gpu_probe_decode.py --gemm 64,128,512,2048 --vary
-# producer=0,1; docs/bench/h200-2026-11-30-session14): faster in all 17 cases where it was
-# valid and the winner's tile was at most 128 tokens (by 4-12%; 8B o at 128 13.3 -> 11.8 us, 70B
-# down MXFP4 at 128 95.0 -> 83.5); the 256-token tiles it slowed by 18-37% (their wgmmas
-# serialize in the 168 registers a 9-warp CTA leaves: now invalid). Unmeasured at M <= 32.
+# tile leaves it the registers). The GEMM winners at M = 64..2048 with and without it: faster in
+# all 17 cases where it was valid and the winner's tile was at most 128 tokens (by 4-12%; 8B o at
+# 128 13.3 -> 11.8 us, 70B down MXFP4 at 128 95.0 -> 83.5); the 256-token tiles it slowed by
+# 18-37% (their wgmmas serialize in the 168 registers a 9-warp CTA leaves: now invalid).
+# Unmeasured at M <= 32.
 PRODUCER_MIN_M = 64
 
 
@@ -205,7 +209,7 @@ def _with_producer(cfg, n: int, k: int, fmt: str, dtype: str, m: int | None):
 
 
 def gemm_tiles(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
-    """Heuristic from H200 sweeps (``scripts/gpu_check_gemm.py``, ``scripts/gpu_sweep_gemm.py``).
+    """Heuristic from H200 sweeps of the GEMM's configs.
 
     * M <= 16 (normally served by the decode kernel): 16-token tiles, 256-row weight tiles when
       N alone nearly fills the GPU with them, else 64-row tiles with a 256-deep K tile;
@@ -227,7 +231,7 @@ def gemm_tiles(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
             # M = 512: 8B qkv 46.0 against 50.7 us, 70B gate_up 649 against 671; 8B gate_up and
             # 70B down within 1%)
             return replace(cfg, swizzle=4) if cfg.tile_m == 256 and m >= 512 else cfg
-    sms = _SM_COUNT_HINT
+    sms = SM_COUNT
     np_ = G._pad(n)
     raster, swizzle = "n", 1
     stages_cap = 8
@@ -245,7 +249,7 @@ def gemm_tiles(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
             tile_n, tile_k, stages_cap = 64, 256, 4
     else:
         tile_n, tile_m, tile_k = 128, 256, 64
-        # the CTA order (scripts/gpu_sweep_gemm.py --swizzle, H200, NVFP4): bands of 4 token
+        # the CTA order (a sweep of raster and swizzle, NVFP4): bands of 4 token
         # tiles over the weight tiles at M = 8192 (70B gate_up 11555 us against 12848 for the
         # plain token-tile walk, 8B gate_up 2994 against 3271); at M = 2048 and N >= 16384 bands
         # of 8 weight tiles over the token tiles (8B gate_up 714 against 732)
@@ -259,64 +263,55 @@ def gemm_tiles(n: int, k: int, fmt: str, dtype: str, m: int | None = None):
 
 
 # ----------------------------------------------------------------------------- the backend
-def with_pdl(kernel: str, kcfg: Any) -> Any:
-    """``kcfg`` with the default programmatic dependent launch setting. Measured on the H200
-    (``scripts/bench_linear.py``, the six benchmark shapes back to back in CUDA graphs, NVFP4):
-    the GEMM was as fast or faster with it at M = 64..512 (8B qkv at 64: 14.2 against 16.2 us,
-    8B o at 128: 14.6 against 16.0); the decode kernel at m_max = 16 was faster with it on all six
-    shapes at M = 16 (8B down 17.9 against 19.3), at m_max = 8 slower on four of six at M = 1
-    (70B down 50.0 against 45.4, 8B gate_up 23.0 against 21.8). That benchmark times PDL off
-    second; timed in turns (``docs/bench/h200-2026-11-30-session8/pdl-ab-interleaved.txt``) the
-    decode kernel was within noise both ways (70B down at M = 1: 44.8 with, 45.4 without; 8B qkv
-    8.6 and 8.3) and the small GEMMs kept their gain (8B qkv at M = 64: 14.3 against 16.4), so
-    the m_max = 8 rule may rest on an order effect. ``bench_linear.py`` now times the pick without
-    PDL in the same interleaved rounds (ninth session: M = 1 within 1%, M = 64 6% faster with
-    it). The tuner tries both.
+def with_pdl(kcfg: Any) -> Any:
+    """``kcfg`` with the default programmatic dependent launch setting: on, and for the decode
+    kernel with the early trigger (``pdl_early``).
 
-    Seventeenth session (``scripts/gpu_probe_pdl.py``, the stored winners in turns): with the
-    decode kernel's trigger right after its dependent wait (``pdl_early``) the stored M = 1
-    winners ran as fast or faster than without PDL on all six shapes and both formats (NVFP4 8B
-    qkv 7.16 against 8.57 us, 8B o 6.08 against 6.84, 70B down 35.8 against 37.2; at worst 8B
-    gate_up, 20.8 against 21.0), and the M = 16 winner of 8B down 16.9 against 19.1; so the
-    decode default is PDL with the early trigger at every m_max."""
-    if kernel == "decode":
+    Measured with ``scripts/bench_linear.py`` (the six benchmark shapes back to back in CUDA
+    graphs, the pick with and without PDL in interleaved rounds): the GEMM was as fast or faster
+    with it at M = 64..512 (8B qkv at 64: 14.3 against 16.4 us). With the decode kernel's trigger
+    right after its dependent wait, the stored M = 1 winners ran as fast or faster than without
+    PDL on all six shapes and both formats (NVFP4 8B qkv 7.16 against 8.57 us, 8B o 6.08 against
+    6.84, 70B down 35.8 against 37.2; at worst 8B gate_up, 20.8 against 21.0), and the M = 16
+    winner of 8B down 16.9 against 19.1. The tuner tries both."""
+    if kcfg.kernel == "decode":
         return replace(kcfg, pdl=True, pdl_early=True)
     return replace(kcfg, pdl=True)
 
 
-def default(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> tuple[str, Any]:
-    """``(kernel, kernel config)`` the backend runs untuned: the decode kernel up to
-    ``DECODE_MAX_M`` tokens, the GEMM above (and when M is unknown)."""
+def default(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> Any:
+    """The config the backend runs untuned: the decode kernel's up to ``DECODE_MAX_M`` tokens,
+    the GEMM's above (and when M is unknown)."""
     D = _decode()
     if m is not None and m <= DECODE_MAX_M:
         kcfg = decode_default(n, k, fmt, dtype, m)
         if D.validate(kcfg, n, k, fmt, dtype) is None:
-            return "decode", with_pdl("decode", kcfg)
-    return "gemm", with_pdl("gemm", gemm_default(n, k, fmt, dtype, m))
+            return with_pdl(kcfg)
+    return with_pdl(gemm_default(n, k, fmt, dtype, m))
 
 
-def seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[tuple[str, Any]]:
+def seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[Any]:
     """Configs the tuner tries right after the default, most promising first: the default with
     programmatic dependent launch the other way (a decode default: with the late trigger, then
     without PDL; see :func:`with_pdl`; a GEMM default also with ``scale_select`` and with
-    ``producer`` the other way), then the
-    sweep winners of :func:`_sweep_seeds` with the default settings."""
-    kernel, dflt = default(n, k, fmt, dtype, m)
-    if kernel == "decode":
-        out = [(kernel, replace(dflt, pdl_early=False)), (kernel, replace(dflt, pdl=False, pdl_early=False))]
+    ``producer`` the other way), then the sweep winners of :func:`_sweep_seeds` with the default
+    settings."""
+    dflt = default(n, k, fmt, dtype, m)
+    if dflt.kernel == "decode":
+        out = [replace(dflt, pdl_early=False), replace(dflt, pdl=False, pdl_early=False)]
     else:
-        out = [(kernel, replace(dflt, pdl=not dflt.pdl)), (kernel, replace(dflt, scale_select=not dflt.scale_select)),
-               (kernel, replace(dflt, producer=not dflt.producer))]
+        out = [replace(dflt, pdl=not dflt.pdl), replace(dflt, scale_select=not dflt.scale_select),
+               replace(dflt, producer=not dflt.producer)]
     select = _scale_select(m)
-    return out + [(kern, with_pdl(kern, _with_producer(replace(c, scale_select=select), n, k, fmt, dtype, m)
-                                  if kern == "gemm" else c))
-                  for kern, c in _sweep_seeds(n, k, fmt, dtype, m)]
+    return out + [with_pdl(_with_producer(replace(c, scale_select=select), n, k, fmt, dtype, m)
+                           if c.kernel == "gemm" else c)
+                  for c in _sweep_seeds(n, k, fmt, dtype, m)]
 
 
-def _sweep_seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[tuple[str, Any]]:
-    """The points that won H200 sweeps (``scripts/gpu_sweep_gemm.py``, ``--wide``) near this shape and M, so a
-    short tuning run (a few trials per job) still reaches them. Invalid ones are dropped by the
-    caller. Measured winners they stand for (M = 64 / 128, NVFP4, H200):
+def _sweep_seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[Any]:
+    """The points that won H200 sweeps of the GEMM's configs near this shape and M, so a short
+    tuning run (a few trials per job) still reaches them. Invalid ones are dropped by the
+    caller. Measured winners they stand for (M = 64 / 128, NVFP4):
 
     * two CTAs per SM (``ctas_per_sm=2``) with 128-row tiles: 8B gate_up 36.3 / 53.2 us against
       the default's 38.4 / 58.5, 70B gate_up 127.3 / 201.3 against 137.0 / 215.4, 8B qkv at 64
@@ -324,26 +319,26 @@ def _sweep_seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[tu
     * 128 x 128 x 128 split 2: 70B down at 128, 99.5 against the default's 117.6;
     * at M = 512, 128 x 128 x 128 without split: 8B o 29.0 against 35.7;
     * at M <= 32, 16-token GEMM tiles split in 2: 8B qkv 10.6 against the decode kernel's 11.2;
-    * at M >= 512, the CTA order (``scripts/gpu_sweep_gemm.py --swizzle``): bands of 4 or 8 tiles
-      won 7 of the 12 (shape, M) points, by up to 10% (70B gate_up at M = 8192).
+    * at M >= 512, the CTA order (raster and swizzle): bands of 4 or 8 tiles won 7 of the 12
+      (shape, M) points, by up to 10% (70B gate_up at M = 8192).
     """
-    D, G = _decode(), _gemm()
-    out: list[tuple[str, Any]] = []
+    G = _gemm()
+    out: list[Any] = []
     gm = G.Sm90GemmConfig
     m_ = 1024 if m is None else m
     if m_ <= DECODE_SEED_MAX_M:
         dflt = decode_default(n, k, fmt, dtype, m_)
         tm = 16 if m_ <= 16 else 32
-        gemms = [("gemm", c) for c in (gm(128, tm, 256, 6, split_k=2), gm(64, tm, 256, 8, split_k=2),
-                                         gm(256, tm, 128, 4), gm(64, tm, 256, 8), gm(128, tm, 256, 6))]
+        gemms = [gm(128, tm, 256, 6, split_k=2), gm(64, tm, 256, 8, split_k=2),
+                 gm(256, tm, 128, 4), gm(64, tm, 256, 8), gm(128, tm, 256, 6)]
         if m_ > 8:  # past one n8 tile the GEMM's 16-token tiles can win (8B qkv at 16)
             out += gemms[:2]
         if m_ > DECODE_MAX_M:  # the GEMM is the default here; the decode kernel's own default
-            out.append(("decode", dflt))
+            out.append(dflt)
         for ks in (dflt.k_split * 2, max(1, dflt.k_split // 2)):
             for red in (dflt.split_reduce, "kernel", "cluster"):
-                out.append(("decode", replace(dflt, k_split=ks, split_reduce=red)))
-        out.append(("decode", replace(dflt, ctas_per_sm=6)))
+                out.append(replace(dflt, k_split=ks, split_reduce=red))
+        out.append(replace(dflt, ctas_per_sm=6))
         return out + gemms
     if m_ <= 64:
         pts = [gm(128, 64, 128, 4, split_k=s, ctas_per_sm=2) for s in (1, 2, 4)]
@@ -364,6 +359,4 @@ def _sweep_seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[tu
                                                                      ("n", 1), ("m", 1))]
         pts += [gm(128, 128, 128, 5, swizzle=8), gm(128, 128, 64, 4, ctas_per_sm=2), gm(256, 128, 64, 4)]
     ranked = _medium_ranking(n, k, fmt, dtype, m_) if 32 < m_ <= 1024 else []
-    for cfg in pts + ranked[1:4]:
-        out.append(("gemm", cfg))
-    return out
+    return out + pts + ranked[1:4]

@@ -1,11 +1,13 @@
 """Hopper (sm_90a) W4A16 backend: FP4 weights decoded to bf16/fp16 in registers.
 
-Two CuTeDSL kernels share one config model, told apart by ``kernel``:
+Two CuTeDSL kernels, each with its own frozen config dataclass (the config this backend stores,
+validates and runs), told apart by the dataclass's ``kernel`` tag:
 
-* ``"decode"`` (:mod:`autofp4.kernels.w4a16_decode`): memory-bound small-M kernel, warp-level
-  ``mma.sync`` with the decoded weights as the A operand, split-K; serves ``M <= m_max``.
-* ``"gemm"`` (:mod:`autofp4.kernels.sm90_w4a16_gemm`): TMA + multi-stage pipeline + wgmma with
-  the weights as the register operand (``out^T = W x^T``); serves any M.
+* ``"decode"`` (:class:`~autofp4.kernels.w4a16_decode.DecodeConfig`): memory-bound small-M kernel,
+  warp-level ``mma.sync`` with the decoded weights as the A operand, split-K; serves
+  ``M <= m_max``.
+* ``"gemm"`` (:class:`~autofp4.kernels.sm90_w4a16_gemm.Sm90GemmConfig`): TMA + multi-stage
+  pipeline + wgmma with the weights as the register operand (``out^T = W x^T``); serves any M.
 
 A decode config asked to run ``M > m_max`` runs the GEMM's default config for that M instead,
 so every config answers every M; the dispatcher does not send such calls to a decode config
@@ -19,117 +21,50 @@ import functools
 import importlib.util
 import warnings
 from dataclasses import replace
-from typing import Any, Literal, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
-from pydantic import Field, model_validator
 
+from ..problem import ProblemKey, bucket_for
 from . import sm90_heuristics
-from .base import Backend, BackendConfig, ProblemKey, Runner, grid
+from .base import Backend, BackendConfig, Runner, grid
 from .reference import reference_linear
-from .sm90_heuristics import DECODE_MAX_M  # noqa: F401  (largest M the default runs on the decode kernel)
-_DECODE_FIELDS = ("warps", "k_split", "m_max", "prefetch", "split_reduce", "tiles_per_warp")
-# omitted when they have these values (configs stored before they existed)
-_DECODE_OPTIONAL = {"x_smem": False, "smem_stages": 0, "pdl_early": False}
-# both kernels: CTAs per SM asked of the compiler; programmatic dependent launch
-_SHARED_OPTIONAL = {"ctas_per_sm": 0, "pdl": False}
-_GEMM_OPTIONAL = {"swizzle": 1, "scale_select": False, "producer": False}
-_GEMM_FIELDS = ("tile_n", "tile_m", "tile_k", "stages", "split_k", "cluster_n", "raster")
-
-
-class SM90Config(BackendConfig):
-    kernel: Literal["decode", "gemm"]
-    # decode kernel
-    warps: Optional[int] = Field(None, ge=1, le=32)
-    k_split: Optional[int] = Field(None, ge=1, le=256)
-    m_max: Optional[int] = Field(None, ge=1, le=4096)
-    prefetch: Optional[bool] = None
-    split_reduce: Optional[Literal["kernel", "last_warp", "cluster"]] = None
-    tiles_per_warp: Optional[int] = Field(None, ge=1, le=16)
-    x_smem: Optional[bool] = None
-    smem_stages: Optional[int] = Field(None, ge=0, le=16)
-    # the next kernel may launch right after this one's dependent wait (absent: after its main loop)
-    pdl_early: Optional[bool] = None
-    # both kernels: CTAs per SM the compiler must fit (0 or absent: as resources allow)
-    ctas_per_sm: Optional[int] = Field(None, ge=0, le=64)
-    # both kernels: launched with programmatic dependent launch (absent: no)
-    pdl: Optional[bool] = None
-    # gemm kernel
-    tile_n: Optional[int] = Field(None, ge=1, le=1024)
-    tile_m: Optional[int] = Field(None, ge=1, le=1024)
-    tile_k: Optional[int] = Field(None, ge=1, le=1024)
-    stages: Optional[int] = Field(None, ge=1, le=16)
-    split_k: Optional[int] = Field(None, ge=1, le=64)
-    cluster_n: Optional[int] = Field(None, ge=1, le=16)
-    raster: Optional[Literal["n", "m"]] = None
-    swizzle: Optional[int] = Field(None, ge=1, le=64)
-    scale_select: Optional[bool] = None
-    producer: Optional[bool] = None
-
-    @model_validator(mode="after")
-    def _fields_match_kernel(self) -> "SM90Config":
-        mine, other = (_DECODE_FIELDS, _GEMM_FIELDS) if self.kernel == "decode" else (_GEMM_FIELDS, _DECODE_FIELDS)
-        missing = [f for f in mine if getattr(self, f) is None]
-        stray = [f for f in other if getattr(self, f) is not None]
-        stray += [f for f in (_DECODE_OPTIONAL if self.kernel == "gemm" else _GEMM_OPTIONAL)
-                  if getattr(self, f) is not None]
-        if missing:
-            raise ValueError(f"a {self.kernel} config needs {', '.join(missing)}")
-        if stray:
-            raise ValueError(f"a {self.kernel} config takes no {', '.join(stray)}")
-        return self
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
+    """The two kernel modules, imported on first use (they import CuTeDSL)."""
     from ..kernels import sm90_w4a16_gemm as gemm
     from ..kernels import w4a16_decode as decode
 
     return decode, gemm
 
 
-def _optional(kernel: str) -> dict[str, Any]:
-    """Fields of ``kernel``'s config that stored configs may omit, with the value that means."""
-    return {**(_DECODE_OPTIONAL if kernel == "decode" else _GEMM_OPTIONAL), **_SHARED_OPTIONAL}
-
-
-def _to_kernel_config(cfg: SM90Config):
+def _module(config: Any):
+    """The kernel module that runs ``config`` (a DecodeConfig or an Sm90GemmConfig)."""
     decode, gemm = _kernels()
-    optional = _optional(cfg.kernel)
-    opt = {f: v if getattr(cfg, f) is None else getattr(cfg, f) for f, v in optional.items()}
-    if cfg.kernel == "decode":
-        return decode.DecodeConfig(**{f: getattr(cfg, f) for f in _DECODE_FIELDS}, **opt)
-    return gemm.Sm90GemmConfig(**{f: getattr(cfg, f) for f in _GEMM_FIELDS}, **opt)
-
-
-def _from_kernel_config(kernel: str, kcfg: Any) -> SM90Config:
-    fields = _DECODE_FIELDS if kernel == "decode" else _GEMM_FIELDS
-    optional = _optional(kernel)
-    d = vars(kcfg)  # a flat dataclass of scalars: no deep copy needed
-    opt = {f: d[f] for f, v in optional.items() if d[f] != v}
-    return SM90Config(kernel=kernel, **{f: d[f] for f in fields}, **opt)
+    return decode if isinstance(config, decode.DecodeConfig) else gemm
 
 
 @functools.lru_cache(maxsize=64)
-def _valid_grid(n: int, k: int, fmt: str, dtype: str) -> tuple[tuple[str, Any, SM90Config], ...]:
+def _valid_grid(n: int, k: int, fmt: str, dtype: str) -> tuple[Any, ...]:
     """Every valid point of both kernels' grids for a problem, for every M (the tuner asks for
     each M bucket of a shape in turn; the grid is 10-18 thousand configs, a second of CPU)."""
     decode, gemm = _kernels()
     out = []
-    for kernel, mod in (("decode", decode), ("gemm", gemm)):
-        cls = mod.DecodeConfig if kernel == "decode" else mod.Sm90GemmConfig
-        for combo in grid(mod.config_space(n, k, fmt, dtype)):
-            kcfg = cls(**combo)
-            if mod.validate(kcfg, n, k, fmt, dtype) is None:
-                out.append((kernel, kcfg, _from_kernel_config(kernel, kcfg)))
+    for cls, mod, space in ((decode.DecodeConfig, decode, sm90_heuristics.decode_config_space),
+                            (gemm.Sm90GemmConfig, gemm, sm90_heuristics.gemm_config_space)):
+        for combo in grid(space(n, k, fmt, dtype)):
+            cfg = cls(**combo)
+            if mod.validate(cfg, n, k, fmt, dtype) is None:
+                out.append(cfg)
     return tuple(out)
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(kernel: str, kcfg: Any, n: int, k: int, fmt: str, dtype: str):
-    """One compiled kernel per (kernel, config, n, k, fmt, dtype), shared by every runner."""
-    decode, gemm = _kernels()
-    return (decode if kernel == "decode" else gemm).compile_kernel(kcfg, n, k, fmt, dtype)
+def _compiled(cfg: Any, n: int, k: int, fmt: str, dtype: str):
+    """One compiled kernel per (config, n, k, fmt, dtype), shared by every runner."""
+    return _module(cfg).compile_kernel(cfg, n, k, fmt, dtype)
 
 
 class SM90Prepared:
@@ -163,7 +98,11 @@ def _fp16_range_problem(prep: SM90Prepared, kernel: str) -> str | None:
 class SM90W4A16Backend(Backend):
     name = "sm90_w4a16"
     ops = frozenset({"linear"})
-    config_model = SM90Config
+
+    @property
+    def config_types(self) -> Mapping[str | None, type]:  # type: ignore[override]
+        decode, gemm = _kernels()
+        return {"decode": decode.DecodeConfig, "gemm": gemm.Sm90GemmConfig}
 
     # -- where it runs ------------------------------------------------------------------
     def unavailable_reason(self, device: torch.device) -> str | None:
@@ -184,38 +123,33 @@ class SM90W4A16Backend(Backend):
 
     # -- the search space -------------------------------------------------------------------
     def config_space(self, key: ProblemKey) -> Mapping[str, Sequence[Any]]:
-        decode, gemm = _kernels()
+        """Both kernels' fields and values (``sm90_heuristics``), ``kernel`` first; a field the
+        two share lists the union of their values."""
         space: dict[str, list] = {"kernel": ["decode", "gemm"]}
-        for mod in (decode, gemm):
-            for name, values in mod.config_space(key.n, key.k, key.fmt, key.dtype).items():
-                space[name] = list(dict.fromkeys(space.get(name, []) + list(values)))  # shared: union
+        for fn in (sm90_heuristics.decode_config_space, sm90_heuristics.gemm_config_space):
+            for name, values in fn(key.n, key.k, key.fmt, key.dtype).items():
+                space[name] = list(dict.fromkeys(space.get(name, []) + list(values)))
         return space
 
     def is_valid(self, config: BackendConfig, key: ProblemKey) -> str | None:
-        if not isinstance(config, SM90Config):
-            return f"expected an SM90Config, got {type(config).__name__}"
+        if type(config) not in self.config_types.values():
+            return f"expected a DecodeConfig or an Sm90GemmConfig, got {type(config).__name__}"
         if key.op != "linear":
             return f"{self.name} implements linear only, not {key.op}"
-        decode, gemm = _kernels()
-        mod = decode if config.kernel == "decode" else gemm
-        return mod.validate(_to_kernel_config(config), key.n, key.k, key.fmt, key.dtype)
+        return _module(config).validate(config, key.n, key.k, key.fmt, key.dtype)
 
-    def default(self, key: ProblemKey, m: int | None = None) -> SM90Config:
-        return _from_kernel_config(*sm90_heuristics.default(key.n, key.k, key.fmt, key.dtype, m))
+    def default(self, key: ProblemKey, m: int | None = None) -> BackendConfig:
+        return sm90_heuristics.default(key.n, key.k, key.fmt, key.dtype, m)
 
     def seeds(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
         """Valid configs worth trying right after the default (``sm90_heuristics.seeds``)."""
-        decode, gemm = _kernels()
         out: list[BackendConfig] = []
         default = self.default(key, m)
-        for kernel, kcfg in sm90_heuristics.seeds(key.n, key.k, key.fmt, key.dtype, m):
-            mod = decode if kernel == "decode" else gemm
-            if kernel == "decode" and m is not None and kcfg.m_max < m:
+        for cfg in sm90_heuristics.seeds(key.n, key.k, key.fmt, key.dtype, m):
+            if cfg.kernel == "decode" and m is not None and cfg.m_max < m:
                 continue
-            if mod.validate(kcfg, key.n, key.k, key.fmt, key.dtype) is None:
-                cfg = _from_kernel_config(kernel, kcfg)
-                if cfg != default and cfg not in out:
-                    out.append(cfg)
+            if cfg != default and cfg not in out and self.is_valid(cfg, key) is None:
+                out.append(cfg)
         return out
 
     def variants(self, config: BackendConfig, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
@@ -225,17 +159,15 @@ class SM90W4A16Backend(Backend):
         needs) or off; a decode config with dependent launch on and its trigger early (``pdl_early``)
         and late, less itself; winners stored before these settings existed have them off. The
         tuner drops the invalid ones."""
-        if not isinstance(config, SM90Config):
+        if type(config) not in self.config_types.values():
             return []
-        kcfg = _to_kernel_config(config)
         if config.kernel == "decode":
-            return [_from_kernel_config("decode", c) for c in
-                    (replace(kcfg, pdl=True, pdl_early=True), replace(kcfg, pdl=True, pdl_early=False)) if c != kcfg]
-        cluster = (replace(kcfg, cluster_n=2, raster="n", swizzle=1) if kcfg.cluster_n == 1
-                   else replace(kcfg, cluster_n=1))
-        return [_from_kernel_config("gemm", replace(kcfg, scale_select=not kcfg.scale_select)),
-                _from_kernel_config("gemm", replace(kcfg, producer=not kcfg.producer)),
-                _from_kernel_config("gemm", cluster)]
+            return [c for c in (replace(config, pdl=True, pdl_early=True), replace(config, pdl=True, pdl_early=False))
+                    if c != config]
+        cluster = (replace(config, cluster_n=2, raster="n", swizzle=1) if config.cluster_n == 1
+                   else replace(config, cluster_n=1))
+        return [replace(config, scale_select=not config.scale_select),
+                replace(config, producer=not config.producer), cluster]
 
     def candidates(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
         """Both kernels' grids (decode only where ``m <= m_max``): the default first, then the
@@ -246,10 +178,10 @@ class SM90W4A16Backend(Backend):
         out: list[BackendConfig] = [self.default(key, m)]
         out += [c for c in self.seeds(key, m) if c not in out]
         seen = set(out)
-        for kernel, kcfg, cfg in _valid_grid(key.n, key.k, key.fmt, key.dtype):
-            if kernel == "decode" and m is not None and kcfg.m_max < m:
+        for cfg in _valid_grid(key.n, key.k, key.fmt, key.dtype):
+            if cfg.kernel == "decode" and m is not None and cfg.m_max < m:
                 continue
-            if kernel == "gemm" and m is not None and kcfg.swizzle > 1 and (kcfg.raster == "n" and m <= kcfg.tile_m):
+            if cfg.kernel == "gemm" and m is not None and cfg.swizzle > 1 and (cfg.raster == "n" and m <= cfg.tile_m):
                 continue  # one token tile: the grouped order is the plain one
             if cfg not in seen:
                 seen.add(cfg)
@@ -263,11 +195,9 @@ class SM90W4A16Backend(Backend):
     def compile(self, config: BackendConfig, key: ProblemKey) -> Runner:
         reason = self.is_valid(config, key)
         if reason:
-            raise ValueError(f"invalid {self.name} config {config.model_dump(exclude_none=True)}: {reason}")
-        assert isinstance(config, SM90Config)
+            raise ValueError(f"invalid {self.name} config {config}: {reason}")
         n, k, fmt, dtype = key.n, key.k, key.fmt, key.dtype
-        kcfg = _to_kernel_config(config)
-        run = _compiled(config.kernel, kcfg, n, k, fmt, dtype)
+        run = _compiled(config, n, k, fmt, dtype)
         check_fp16 = fmt == "mxfp4" and dtype == "float16"
         if config.kernel == "gemm":
 
@@ -277,8 +207,6 @@ class SM90W4A16Backend(Backend):
                 return run(x, prep.gemm, bias)
 
             return runner
-
-        from ..dispatch import bucket_for
 
         m_max = config.m_max
 
@@ -293,18 +221,16 @@ class SM90W4A16Backend(Backend):
 
         return runner
 
-    def compile_only(self, config: SM90Config, key: ProblemKey) -> None:
+    def compile_only(self, config: BackendConfig, key: ProblemKey) -> None:
         """Compile without a GPU (``CUTE_DSL_ARCH=sm_90a``): the CI check of every kernel config."""
         reason = self.is_valid(config, key)
         if reason:
             raise ValueError(f"invalid {self.name} config: {reason}")
-        decode, gemm = _kernels()
-        mod = decode if config.kernel == "decode" else gemm
-        mod.compile_only(_to_kernel_config(config), key.n, key.k, key.fmt, key.dtype)
+        _module(config).compile_only(config, key.n, key.k, key.fmt, key.dtype)
 
-    # a row's provenance: its config's kernel module (and the helpers it names). This module is
-    # plumbing (config model, dispatch to the kernels, fallbacks); what a stored config means is
-    # pinned by tests to the kernels' config dataclasses, so editing it keeps the rows
+    # a row's provenance: its config's kernel module (and the helpers it names), which holds the
+    # config dataclass too. This module is plumbing (dispatch to the kernels, fallbacks), so
+    # editing it keeps the rows
     source_parts = ("decode", "gemm")
 
     def source_part(self, config: Mapping[str, Any] | BackendConfig | None) -> str | None:
@@ -319,7 +245,7 @@ class SM90W4A16Backend(Backend):
 @functools.lru_cache(maxsize=None)
 def _gemm_default(n: int, k: int, fmt: str, dtype: str, m: int):
     """The GEMM's default config for ``(n, k, fmt, dtype)`` at M = ``m``, compiled."""
-    return _compiled("gemm", _kernels()[1].default_config(n, k, fmt, dtype, m), n, k, fmt, dtype)
+    return _compiled(sm90_heuristics.gemm_default(n, k, fmt, dtype, m), n, k, fmt, dtype)
 
 
 _WARNED: set[str] = set()

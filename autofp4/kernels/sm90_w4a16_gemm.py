@@ -56,11 +56,13 @@ host from pack-time statistics, no device sync); otherwise use bfloat16 activati
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
 from .. import pdl
+from ..hopper import SMEM_PER_CTA, SMEM_PER_CTA_RESERVED, SMEM_PER_SM
+from ..problem import DTYPES, FORMATS
 from ._fp4_bits import decode_terms, word_bit
 
 try:  # CuTeDSL is an optional dependency; annotations of the jit functions resolve here
@@ -72,11 +74,6 @@ except ImportError:  # pragma: no cover - exercised only without nvidia-cutlass-
 
 #: helper modules whose source is part of this kernel's (kernel cache key, DB provenance)
 KERNEL_SOURCES = ("autofp4.kernels._ptx", "autofp4.kernels._fp4_bits")
-FORMATS = ("nvfp4", "mxfp4")
-DTYPES = ("bfloat16", "float16")
-SMEM_BUDGET = 227 * 1024          # bytes of shared memory one CTA may use on sm_90
-SMEM_PER_SM = 228 * 1024          # shared memory of one SM, shared by its resident CTAs
-SMEM_PER_CTA_RESERVED = 1024      # the driver's reservation per resident CTA
 CO_RESIDENT_REGS = 96             # accumulator + fragment registers that fit a 128-register cap
 # with a producer warp, 9 (or 2 x 5) warps put 3 on one of the SM's 4 schedulers, whose 16K
 # registers then cap a thread at 168; ptxas -v over the tile grid: accumulators <= 64 and
@@ -114,6 +111,7 @@ def _pad(v: int, to: int = PAD) -> int:
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Sm90GemmConfig:
+    kernel: ClassVar[str] = "gemm"  # the tag of stored configs (not a field)
     tile_n: int = 128      # weight rows per CTA (wgmma M side), multiple of 64
     tile_m: int = 128      # tokens per CTA (wgmma N)
     tile_k: int = 128      # K per pipeline stage
@@ -146,13 +144,6 @@ class Sm90GemmConfig:
             self.tile_k // CHUNK_K
         ) * chunk_bytes(fmt)
         return self.stages * per_stage + 2 * 8 * self.stages + 1024 * 3
-
-
-def config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
-    """Values worth sweeping (kept in :mod:`autofp4.backends.sm90_heuristics`)."""
-    from ..backends import sm90_heuristics
-
-    return sm90_heuristics.gemm_config_space(n, k, fmt, dtype)
 
 
 def validate(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> str | None:
@@ -219,8 +210,8 @@ def validate(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> str |
             "use more stages or a deeper tile_k"
         )
     smem = cfg.smem_bytes(fmt)
-    if smem > SMEM_BUDGET:
-        return f"needs {smem} bytes of shared memory, more than the {SMEM_BUDGET} available"
+    if smem > SMEM_PER_CTA:
+        return f"needs {smem} bytes of shared memory, more than the {SMEM_PER_CTA} available"
     if not isinstance(cfg.scale_select, bool):
         return f"scale_select must be a bool, got {cfg.scale_select!r}"
     if not isinstance(cfg.producer, bool):
@@ -247,13 +238,6 @@ def validate(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> str |
                 f"{PRODUCER_ACC_REGS} and {PRODUCER_REGS} in all, else the wgmmas serialize); "
                 "drop the producer warp or use a smaller tile")
     return None
-
-
-def default_config(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> Sm90GemmConfig:
-    """The default config for ``(n, k)`` at ``m`` tokens (:mod:`autofp4.backends.sm90_heuristics`)."""
-    from ..backends import sm90_heuristics
-
-    return sm90_heuristics.gemm_default(n, k, fmt, dtype, m)
 
 
 # --------------------------------------------------------------------------------------------

@@ -72,18 +72,17 @@ How it works
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
 from .. import pdl
+from ..hopper import MAX_CLUSTER, REGS_PER_SM, SMEM_PER_CTA, THREADS_PER_SM
+from ..problem import BLOCK_SIZE, DTYPES, FORMATS
 from ._fp4_bits import decode_terms, rotl, word_bit
 
 #: helper modules whose source is part of this kernel's (kernel cache key, DB provenance)
 KERNEL_SOURCES = ("autofp4.kernels._ptx", "autofp4.kernels._fp4_bits")
-FORMATS = ("nvfp4", "mxfp4")
-DTYPES = ("bfloat16", "float16")
-BLOCK = {"nvfp4": 16, "mxfp4": 32}
 
 TILE_N = 16  # weight rows per warp (the MMA's M)
 CHUNK_K = 64  # K per 16-byte lane load (4 MMA k-steps)
@@ -93,13 +92,11 @@ M_MAX_CHOICES = (8, 16, 32, 64)
 WARPS_CHOICES = (1, 2, 4, 8, 16)
 MAX_K_SPLIT = 64
 SPLIT_REDUCE = ("kernel", "last_warp", "cluster")
-MAX_CLUSTER = 8  # portable thread-block-cluster size on sm_90
-CLUSTER_SMEM_MAX = 96 * 1024  # shared memory for the partial sums of one CTA
+CLUSTER_SMEM_PER_CTA = 96 * 1024  # shared memory for the partial sums of one CTA
 TILES_PER_WARP_CHOICES = (1, 2)
 MAX_CTAS_PER_SM = 32
 MIN_REGS_CAP = 64  # ptxas -v: m_max = 8 needs 62 registers (48 spill 64 bytes); m_max = 16 fits 78
 SMEM_STAGES_CHOICES = (0, 2, 3, 4)
-SMEM_MAX = 227 * 1024  # shared memory one CTA may use on sm_90
 PDL_PREFETCH_BYTES = 16 << 20  # weight bytes a grid prefetches into L2 before its dependent wait
 
 # fp32 epilogue factors that undo the power of two folded into the decode (nvfp4)
@@ -148,6 +145,7 @@ class DecodeConfig:
              its main loop (needs ``pdl``; a different binary).
     """
 
+    kernel: ClassVar[str] = "decode"  # the tag of stored configs (not a field)
     warps: int = 4
     k_split: int = 1
     m_max: int = 16
@@ -173,13 +171,6 @@ def _tiles(n: int) -> int:
     return -(-n // TILE_N)
 
 
-def config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
-    """Values worth sweeping for ``(n, k)`` (kept in :mod:`autofp4.backends.sm90_heuristics`)."""
-    from ..backends import sm90_heuristics
-
-    return sm90_heuristics.decode_config_space(n, k, fmt, dtype)
-
-
 def validate(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | None:
     """``None`` if ``cfg`` can run ``(n, k, fmt, dtype)``, else why not (one rule each)."""
     if not isinstance(cfg, DecodeConfig):
@@ -192,8 +183,8 @@ def validate(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | N
         return f"n must be a positive int, got {n!r}"
     if not (isinstance(k, int) and k > 0):
         return f"k must be a positive int, got {k!r}"
-    if k % BLOCK[fmt]:
-        return f"k must be a multiple of the {fmt} block size {BLOCK[fmt]}, got k={k}"
+    if k % BLOCK_SIZE[fmt]:
+        return f"k must be a multiple of the {fmt} block size {BLOCK_SIZE[fmt]}, got k={k}"
     if cfg.warps not in WARPS_CHOICES:
         return f"warps must be one of {WARPS_CHOICES}, got {cfg.warps}"
     if cfg.m_max not in M_MAX_CHOICES:
@@ -219,9 +210,9 @@ def validate(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | N
         if cfg.k_split > MAX_CLUSTER:
             return (f"split_reduce='cluster' makes the {cfg.k_split} K-split CTAs one cluster; "
                     f"at most {MAX_CLUSTER} CTAs per cluster")
-        if _cluster_smem_bytes(cfg) > CLUSTER_SMEM_MAX:
+        if _cluster_smem_bytes(cfg) > CLUSTER_SMEM_PER_CTA:
             return (f"split_reduce='cluster' needs {_cluster_smem_bytes(cfg)} bytes of shared memory "
-                    f"per CTA for the partial sums (limit {CLUSTER_SMEM_MAX}); use fewer warps or m_max")
+                    f"per CTA for the partial sums (limit {CLUSTER_SMEM_PER_CTA}); use fewer warps or m_max")
     if not isinstance(cfg.pdl_early, bool):
         return f"pdl_early must be a bool, got {cfg.pdl_early!r}"
     if cfg.pdl_early and not cfg.pdl:
@@ -236,10 +227,10 @@ def validate(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | N
         return f"ctas_per_sm must be an int in 0..{MAX_CTAS_PER_SM}, got {cfg.ctas_per_sm!r}"
     if cfg.ctas_per_sm:
         threads = cfg.ctas_per_sm * cfg.warps * 32
-        if threads > 2048:
+        if threads > THREADS_PER_SM:
             return (f"ctas_per_sm={cfg.ctas_per_sm} CTAs of {cfg.warps} warps need {threads} threads per SM; "
-                    "an SM holds 2048")
-        cap = 65536 // threads // 8 * 8
+                    f"an SM holds {THREADS_PER_SM}")
+        cap = REGS_PER_SM // threads // 8 * 8
         if cap < MIN_REGS_CAP:
             return (f"ctas_per_sm={cfg.ctas_per_sm} with {cfg.warps} warps caps registers at {cap} per thread; "
                     f"below {MIN_REGS_CAP} the decode spills")
@@ -249,14 +240,14 @@ def validate(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | N
         if not cfg.x_smem:
             return "smem_stages > 0 stages x in shared memory with the weights; it needs x_smem=True"
         need = _smem_bytes(cfg)
-        if need > SMEM_MAX:
+        if need > SMEM_PER_CTA:
             return (f"smem_stages={cfg.smem_stages} needs {need} bytes of shared memory per CTA "
-                    f"(limit {SMEM_MAX}); use fewer stages, warps or tiles per warp, or a smaller m_max")
+                    f"(limit {SMEM_PER_CTA}); use fewer stages, warps or tiles per warp, or a smaller m_max")
     regs = _register_estimate(cfg)
     if regs > 255:
         return (f"about {regs} registers per thread needed (m_max={cfg.m_max}, tiles_per_warp="
                 f"{cfg.tiles_per_warp}, prefetch={cfg.prefetch}); the limit is 255")
-    if regs * 32 * cfg.warps > 65536:
+    if regs * 32 * cfg.warps > REGS_PER_SM:
         return (f"a CTA of {cfg.warps} warps x about {regs} registers per thread exceeds the "
                 f"64K-register file; use fewer warps or a smaller m_max")
     return None
@@ -289,13 +280,6 @@ def _register_estimate(cfg: DecodeConfig) -> int:
     if cfg.smem_stages:  # a chunk and the scales of each tile at a time
         buffers = 8 * cfg.tiles_per_warp
     return 32 + buffers + 8 * nt + 4 * nt * cfg.tiles_per_warp
-
-
-def default_config(n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> DecodeConfig:
-    """The default config for ``(n, k)`` at ``m`` tokens (:mod:`autofp4.backends.sm90_heuristics`)."""
-    from ..backends import sm90_heuristics
-
-    return sm90_heuristics.decode_default(n, k, fmt, dtype, m)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -370,8 +354,8 @@ def pack_weight(w: Any) -> DecodePacked:
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     n, k = int(w.shape[-2]), int(w.shape[-1])
-    if k % BLOCK[fmt]:
-        raise ValueError(f"k must be a multiple of {BLOCK[fmt]} for {fmt}, got {k}")
+    if k % BLOCK_SIZE[fmt]:
+        raise ValueError(f"k must be a multiple of {BLOCK_SIZE[fmt]} for {fmt}, got {k}")
     dev = w.data.device
     tiles, groups = _tiles(n), _groups(k)
     n_pad, k_pad = tiles * TILE_N, groups * GROUP_K
@@ -392,8 +376,8 @@ def pack_weight(w: Any) -> DecodePacked:
                 word |= ((code >> b) & 1).to(torch.int32) << word_bit(r, e, b)
     data = word.contiguous().view(torch.uint8).reshape(-1)
 
-    nb = k // BLOCK[fmt]
-    per_group = GROUP_K // BLOCK[fmt]  # 32 (nvfp4) or 16 (mxfp4) blocks per group
+    nb = k // BLOCK_SIZE[fmt]
+    per_group = GROUP_K // BLOCK_SIZE[fmt]  # 32 (nvfp4) or 16 (mxfp4) blocks per group
     raw = w.scale
     sc = torch.zeros(n_pad, groups * per_group, dtype=torch.uint8, device=dev)
     unsupported: list[str | None] = [None, None]

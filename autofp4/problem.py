@@ -1,0 +1,92 @@
+"""What autofp4 computes, named once: the formats, activation dtypes and ops, the key of one
+tuned problem, and the token-count (M) buckets tuning rows are stored under.
+
+A leaf module: it imports nothing of autofp4, so every layer (formats, kernels, backends, the DB,
+the dispatcher, the tuner) can share these definitions without import loops.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "OPS",
+    "FORMATS",
+    "DTYPES",
+    "BLOCK_SIZE",
+    "DEFAULT_M_BUCKETS",
+    "ProblemKey",
+    "dtype_name",
+    "bucket_for",
+]
+
+OPS = ("linear", "moe")
+FORMATS = ("nvfp4", "mxfp4")
+#: activation dtypes, by their torch names
+DTYPES = ("bfloat16", "float16")
+#: FP4 values per block scale along K
+BLOCK_SIZE: dict[str, int] = {"nvfp4": 16, "mxfp4": 32}
+#: the M buckets the dispatcher looks tuned rows up by (a call with M tokens uses the smallest
+#: bucket >= M; the largest bucket also serves every larger M)
+DEFAULT_M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``; rejects what autofp4 does not run."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise TypeError(f"activations must be bfloat16 or float16, got {dtype}")
+    return name
+
+
+def bucket_for(m: int, buckets: Sequence[int] = DEFAULT_M_BUCKETS) -> int:
+    """The smallest bucket ``>= m``; the largest bucket when ``m`` exceeds all of them.
+
+    ``buckets`` must be sorted ascending and non-empty; ``m`` must be ``>= 1``.
+    """
+    if m < 1:
+        raise ValueError(f"m (the token count) must be >= 1, got {m}")
+    if not buckets:
+        raise ValueError("bucket_for needs at least one bucket, got none")
+    i = bisect_left(buckets, m)
+    return buckets[i] if i < len(buckets) else buckets[-1]
+
+
+@dataclass(frozen=True)
+class ProblemKey:
+    """Everything a compiled kernel depends on, except M (one kernel serves every M).
+
+    For ``op == "moe"``: ``n`` is the gate/up width ``2 * intermediate``, ``k`` the hidden
+    size, ``experts`` the number of experts and ``topk`` the experts per token.
+    """
+
+    op: str
+    fmt: str
+    dtype: str
+    n: int
+    k: int
+    experts: int = 0
+    topk: int = 0
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {self.op!r}")
+        if self.fmt not in FORMATS:
+            raise ValueError(f"fmt must be one of {FORMATS}, got {self.fmt!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.n <= 0 or self.k <= 0:
+            raise ValueError(f"n and k must be positive, got n={self.n}, k={self.k}")
+        if self.op == "moe" and (self.experts <= 0 or self.topk <= 0 or self.topk > self.experts):
+            raise ValueError(
+                f"moe needs 0 < topk <= experts, got experts={self.experts}, topk={self.topk}"
+            )
+        if self.op == "linear" and (self.experts or self.topk):
+            raise ValueError("linear problems have no experts/topk")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
