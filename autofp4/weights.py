@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .formats import check_fmt, dequantize_blocks, quantize_mxfp4, quantize_nvfp4
+from .formats import E8M0_NAN, check_fmt, dequantize_blocks, quantize_mxfp4, quantize_nvfp4
 from .problem import BLOCK_SIZE, FORMATS
 
 __all__ = ["FP4Weight", "quantize", "dequantize"]
@@ -154,7 +154,7 @@ class FP4Weight:
             g = self.global_scale
             checks.append(("a global_scale that is not finite and positive", (torch.isfinite(g) & (g > 0)).all()))
         else:
-            checks.append(("an E8M0 scale of 255 (NaN)", self.scale.max() < formats.E8M0_NAN))
+            checks.append(("an E8M0 scale of 255 (NaN)", self.scale.max() < E8M0_NAN))
         if self.input_scale is not None:
             s = self.input_scale
             checks.append(("an input_scale that is not finite and positive", (torch.isfinite(s) & (s > 0)).all()))

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 from typing import Optional
@@ -158,6 +159,7 @@ def test_runner_compiled_once_for_every_m(monkeypatch, gen):
     assert out.shape == (12, KEY.n) and err < 1e-2
 
 
+@dataclasses.dataclass(frozen=True)
 class SmallMConfig(ReferenceConfig):
     m_max: Optional[int] = None  # the largest M this config serves (None: any)
 
@@ -166,7 +168,7 @@ class SmallMBackend(ReferenceBackend):
     """A backend whose configs may declare the largest M they serve; its default never does."""
 
     name = "test_small_m"
-    config_model = SmallMConfig
+    config_types = {None: SmallMConfig}
 
     def default(self, key, m=None):
         return SmallMConfig(chunk_n=32)

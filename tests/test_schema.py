@@ -154,7 +154,7 @@ def test_created_at_is_normalized_utc():
     (dict(op="conv"), "op"),
     (dict(fmt="int4"), "fmt"),
     (dict(dtype="float32"), "dtype"),
-    (dict(config={"chunk_n": 1024, "stages": 3}), "Extra inputs are not permitted"),
+    (dict(config={"chunk_n": 1024, "stages": 3}), "takes no stages"),
     (dict(config={"chunk_n": [1, 2]}), "config"),
     (dict(config={"chunk_n": 1024, "name": "x" * 65}), "config"),
     (dict(config={"chunk_n": 5000}), "does not split"),  # backend.is_valid rejects it
