@@ -9,6 +9,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import autofp4  # noqa: E402
 from autofp4.kernels import w4a16_decode as D  # noqa: E402
+from autofp4.backends import sm90_heuristics as H  # noqa: E402
 from autofp4.kernels import _fp4_bits as fp4_bits  # noqa: E402
 from autofp4.weights import FP4Weight  # noqa: E402
 
@@ -205,13 +206,13 @@ def test_invalid_config_rejected_before_compiling(monkeypatch):
 def test_default_config_valid(n, k):
     for fmt in ("nvfp4", "mxfp4"):
         for m in (None, 1, 3, 8, 9, 16, 17, 33, 64):
-            cfg = D.default_config(n, k, fmt, "bfloat16", m)
+            cfg = H.decode_default(n, k, fmt, "bfloat16", m)
             assert D.validate(cfg, n, k, fmt, "bfloat16") is None
             assert cfg.m_max >= (m or 16)
 
 
 def test_config_space_values_are_checked():
-    space = D.config_space(4096, 4096, "nvfp4", "bfloat16")
+    space = H.decode_config_space(4096, 4096, "nvfp4", "bfloat16")
     valid = invalid = 0
     for ks in space["k_split"]:
         for w in space["warps"]:

@@ -11,11 +11,13 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 pytest.importorskip("cutlass")
 
-from pydantic import ValidationError  # noqa: E402
+import dataclasses  # noqa: E402
 
 from autofp4.backends import get_backend
 from autofp4.problem import ProblemKey  # noqa: E402
-from autofp4.backends.sm90_w4a16 import DECODE_MAX_M, SM90Config  # noqa: E402
+from autofp4.backends.sm90_heuristics import DECODE_MAX_M  # noqa: E402
+from autofp4.kernels.sm90_w4a16_gemm import Sm90GemmConfig  # noqa: E402
+from autofp4.kernels.w4a16_decode import DecodeConfig  # noqa: E402
 
 LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
@@ -25,20 +27,32 @@ def backend():
     return get_backend("sm90_w4a16")
 
 
-def test_config_model_rejects_mixed_or_missing_fields(backend):
+def test_stored_configs_parse_to_the_kernels_dataclasses(backend):
+    """A stored config is ``kernel`` plus the fields of that kernel's frozen dataclass: fields of
+    the other kernel, values of the wrong type and unknown kernels are refused, naming them;
+    a field left out takes the dataclass's default; out-of-range values parse and are refused
+    by the kernel's validity rules before anything compiles."""
     ok = backend.parse_config({"kernel": "gemm", "tile_n": 128, "tile_m": 64, "tile_k": 128, "stages": 4,
                                "split_k": 1, "cluster_n": 1, "raster": "n"})
-    assert ok.kernel == "gemm" and "warps" not in ok.model_dump()
-    with pytest.raises(ValidationError, match="takes no tile_n"):
+    assert ok == Sm90GemmConfig(128, 64, 128, 4) and ok.kernel == "gemm" and "warps" not in backend.config_dict(ok)
+    with pytest.raises(ValueError, match="takes no tile_n"):
         backend.parse_config({"kernel": "decode", "warps": 4, "k_split": 1, "m_max": 16, "prefetch": False,
                               "split_reduce": "kernel", "tiles_per_warp": 1, "tile_n": 64})
-    with pytest.raises(ValidationError, match="needs"):
-        backend.parse_config({"kernel": "decode", "warps": 4})
-    with pytest.raises(ValidationError):
-        backend.parse_config({"kernel": "gemm", "tile_n": 10**9, "tile_m": 64, "tile_k": 128, "stages": 4,
-                              "split_k": 1, "cluster_n": 1, "raster": "n"})
-    with pytest.raises(ValidationError):
+    assert backend.parse_config({"kernel": "decode", "warps": 8}) == DecodeConfig(warps=8)
+    with pytest.raises(ValueError, match="warps must be int"):
+        backend.parse_config({"kernel": "decode", "warps": True})
+    with pytest.raises(ValueError, match="raster must be str"):
+        backend.parse_config({"kernel": "gemm", "raster": 1})
+    huge = backend.parse_config({"kernel": "gemm", "tile_n": 10**9, "tile_m": 64, "tile_k": 128, "stages": 4,
+                                 "split_k": 1, "cluster_n": 1, "raster": "n"})
+    assert "tile_n" in backend.is_valid(huge, ProblemKey("linear", "nvfp4", "bfloat16", 4096, 4096))
+    with pytest.raises(ValueError, match="'kernel' in"):
         backend.parse_config({"kernel": "evil"})
+    with pytest.raises(ValueError, match="'kernel' in"):
+        backend.parse_config({"tile_n": 128})
+    for cfg in (ok, DecodeConfig(warps=8, x_smem=True)):
+        assert backend.parse_config(backend.config_dict(cfg)) == cfg
+        assert backend.config_dict(cfg) == {"kernel": cfg.kernel, **dataclasses.asdict(cfg)}
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -70,18 +84,18 @@ def test_the_backend_offers_cluster_configs_where_the_kernel_takes_them(backend)
     from autofp4.kernels import sm90_w4a16_gemm as g
 
     key = ProblemKey("linear", "nvfp4", "bfloat16", 8192, 8192)
-    cl2 = SM90Config(kernel="gemm", tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=2, cluster_n=2, raster="n")
+    cl2 = Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=2, cluster_n=2, raster="n")
     assert backend.is_valid(cl2, key) is None
     kcfg = g.Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=2, cluster_n=2)
     assert g.validate(kcfg, key.n, key.k, key.fmt, key.dtype) is None
     assert any((c.cluster_n or 1) == 2 for c in backend.candidates(key, 512) if c.kernel == "gemm")
     odd = ProblemKey("linear", "nvfp4", "bfloat16", 256 * 3, 8192)  # three 256-row weight tiles
-    assert "must divide the number of weight tiles" in backend.is_valid(cl2.model_copy(update={"tile_n": 256}), odd)
+    assert "must divide the number of weight tiles" in backend.is_valid(dataclasses.replace(cl2, tile_n=256), odd)
 
 
 def test_invalid_configs_are_rejected_before_compiling(backend):
     key = ProblemKey("linear", "nvfp4", "bfloat16", 4096, 4096)
-    bad = SM90Config(kernel="gemm", tile_n=96, tile_m=64, tile_k=128, stages=4, split_k=1, cluster_n=1, raster="n")
+    bad = Sm90GemmConfig(tile_n=96, tile_m=64, tile_k=128, stages=4, split_k=1, cluster_n=1, raster="n")
     assert "tile_n" in backend.is_valid(bad, key)
     with pytest.raises(ValueError, match="tile_n"):
         backend.compile(bad, key)
@@ -109,59 +123,35 @@ def test_a_random_sample_of_the_space_compiles_for_sm90a(backend):
     key = ProblemKey("linear", rng.choice(["nvfp4", "mxfp4"]), rng.choice(["bfloat16", "float16"]), 6144, 4096)
     cands = backend.candidates(key)
     for cfg in rng.sample(cands, 4):
-        print(cfg.model_dump())
+        print(cfg)
         backend.compile_only(cfg, key)
 
 
-def test_x_smem_is_optional_in_stored_configs():
-    """Decode configs stored before x_smem existed still parse (as x_smem=False), and a config
-    without staging serializes exactly as before."""
-    from autofp4.backends.sm90_w4a16 import SM90Config, _from_kernel_config, _to_kernel_config
-    from autofp4.kernels import w4a16_decode as D
-
+def test_configs_stored_before_later_fields_existed_still_parse():
+    """Decode and GEMM configs stored before x_smem, ctas_per_sm, smem_stages, pdl_early,
+    swizzle, scale_select or producer existed parse as those fields' defaults (off), which is
+    what they ran with; a stored config names every field of its kernel."""
+    b = get_backend("sm90_w4a16")
     old = {"kernel": "decode", "warps": 4, "k_split": 8, "m_max": 16, "prefetch": False,
            "split_reduce": "kernel", "tiles_per_warp": 1}
-    cfg = SM90Config(**old)
-    assert _to_kernel_config(cfg) == D.DecodeConfig(4, 8, 16)
-    assert _from_kernel_config("decode", D.DecodeConfig(4, 8, 16)).model_dump(exclude_none=True) == old
-    staged = _from_kernel_config("decode", D.DecodeConfig(4, 8, 16, x_smem=True))
-    assert staged.x_smem is True and _to_kernel_config(staged).x_smem is True
-    assert staged.ctas_per_sm is None  # omitted at its default, like x_smem=False
-    capped = _from_kernel_config("decode", D.DecodeConfig(4, 8, 16, x_smem=True, ctas_per_sm=6))
-    assert capped.ctas_per_sm == 6 and _to_kernel_config(capped) == D.DecodeConfig(4, 8, 16, x_smem=True, ctas_per_sm=6)
-    staged3 = _from_kernel_config("decode", D.DecodeConfig(4, 8, 16, x_smem=True, smem_stages=3))
-    assert staged3.smem_stages == 3 and capped.smem_stages is None
-    assert _to_kernel_config(staged3) == D.DecodeConfig(4, 8, 16, x_smem=True, smem_stages=3)
-    # GEMM configs share ctas_per_sm: stored ones without it parse as 0 and serialize as before
-    from autofp4.kernels import sm90_w4a16_gemm as G
-
+    assert b.parse_config(old) == DecodeConfig(4, 8, 16)
+    assert b.parse_config({**old, "x_smem": True, "ctas_per_sm": 6}) == DecodeConfig(4, 8, 16, x_smem=True, ctas_per_sm=6)
+    assert b.parse_config({**old, "x_smem": True, "smem_stages": 3}) == DecodeConfig(4, 8, 16, x_smem=True, smem_stages=3)
+    full = b.config_dict(DecodeConfig(4, 8, 16))
+    assert {k: v for k, v in full.items() if k in old} == old
+    assert {k: full[k] for k in full if k not in old} == {"x_smem": False, "ctas_per_sm": 0, "smem_stages": 0,
+                                                         "pdl": False, "pdl_early": False}
     gold = {"kernel": "gemm", "tile_n": 128, "tile_m": 64, "tile_k": 128, "stages": 4, "split_k": 1,
             "cluster_n": 1, "raster": "n"}
-    assert _to_kernel_config(SM90Config(**gold)) == G.Sm90GemmConfig(128, 64, 128, 4)
-    assert _from_kernel_config("gemm", G.Sm90GemmConfig(128, 64, 128, 4)).model_dump(exclude_none=True) == gold
-    two = _from_kernel_config("gemm", G.Sm90GemmConfig(128, 64, 128, 4, ctas_per_sm=2))
-    assert two.ctas_per_sm == 2 and _to_kernel_config(two).ctas_per_sm == 2
-    # swizzle, GEMM only: stored configs without it mean 1
-    assert _to_kernel_config(SM90Config(**gold)).swizzle == 1
-    band = _from_kernel_config("gemm", G.Sm90GemmConfig(128, 64, 128, 4, swizzle=8))
-    assert band.swizzle == 8 and _to_kernel_config(band) == G.Sm90GemmConfig(128, 64, 128, 4, swizzle=8)
-    # scale_select, GEMM only: stored configs without it mean False
-    assert _to_kernel_config(SM90Config(**gold)).scale_select is False and band.scale_select is None
-    sel = _from_kernel_config("gemm", G.Sm90GemmConfig(128, 64, 128, 4, scale_select=True))
-    assert sel.scale_select is True and _to_kernel_config(sel) == G.Sm90GemmConfig(128, 64, 128, 4, scale_select=True)
-    # producer, GEMM only: stored configs without it mean False
-    assert _to_kernel_config(SM90Config(**gold)).producer is False and sel.producer is None
-    prod = _from_kernel_config("gemm", G.Sm90GemmConfig(128, 64, 128, 4, producer=True))
-    assert prod.producer is True and _to_kernel_config(prod) == G.Sm90GemmConfig(128, 64, 128, 4, producer=True)
-    with pytest.raises(ValueError, match="takes no scale_select"):
-        SM90Config(kernel="decode", warps=4, k_split=8, m_max=16, prefetch=False, split_reduce="kernel",
-                   tiles_per_warp=1, scale_select=True)
-    with pytest.raises(ValueError, match="takes no swizzle"):
-        SM90Config(kernel="decode", warps=4, k_split=8, m_max=16, prefetch=False, split_reduce="kernel",
-                   tiles_per_warp=1, swizzle=4)
-    with pytest.raises(ValueError, match="takes no x_smem"):
-        SM90Config(kernel="gemm", tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=1, cluster_n=1,
-                   raster="n", x_smem=True)
+    g = b.parse_config(gold)
+    assert g == Sm90GemmConfig(128, 64, 128, 4)
+    assert (g.swizzle, g.scale_select, g.producer, g.ctas_per_sm, g.pdl) == (1, False, False, 0, False)
+    for extra in ({"ctas_per_sm": 2}, {"swizzle": 8}, {"scale_select": True}, {"producer": True}):
+        assert b.parse_config({**gold, **extra}) == Sm90GemmConfig(128, 64, 128, 4, **extra)
+    for stray, kernel in (("scale_select", "decode"), ("swizzle", "decode"), ("x_smem", "gemm")):
+        base = old if kernel == "decode" else gold
+        with pytest.raises(ValueError, match=f"takes no {stray}"):
+            b.parse_config({**base, stray: True})
 
 
 def test_seeds_follow_the_default_and_are_valid():
@@ -188,7 +178,7 @@ def test_seeds_follow_the_default_and_are_valid():
                         assert not seeds[2].producer and seeds[2].tile_m == default.tile_m
                 if m == 16:
                     # after the decode default with the late trigger and without PDL
-                    assert [(c.pdl, c.pdl_early) for c in seeds[:2]] == [(True, None), (None, None)]
+                    assert [(c.pdl, c.pdl_early) for c in seeds[:2]] == [(True, False), (False, False)]
                     assert default.pdl and default.pdl_early
                     assert any(c.kernel == "gemm" and c.tile_m == 16 for c in seeds[2:4])
 
@@ -201,22 +191,22 @@ def test_a_stale_gemm_winner_is_retried_with_scale_select_flipped(backend):
     from autofp4.tuner import _first_candidates
 
     key = ProblemKey("linear", "nvfp4", "bfloat16", 6144, 4096)
-    old = SM90Config(kernel="gemm", tile_n=128, tile_m=64, tile_k=256, stages=4, split_k=2, cluster_n=1,
-                     raster="n", pdl=True)
+    old = Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=256, stages=4, split_k=2, cluster_n=1,
+                         raster="n", pdl=True)
     flipped, prod, cl2 = backend.variants(old, key, 64)
     assert flipped.scale_select is True and prod.producer is True
-    assert cl2.model_dump(exclude={"cluster_n"}) == old.model_dump(exclude={"cluster_n"}) and cl2.cluster_n == 2
+    assert dataclasses.replace(cl2, cluster_n=1) == old and cl2.cluster_n == 2
     assert backend.is_valid(cl2, key) is None
     assert backend.variants(cl2, key, 64)[2] == old
-    banded = old.model_copy(update={"raster": "m", "swizzle": 4})
+    banded = dataclasses.replace(old, raster="m", swizzle=4)
     assert backend.variants(banded, key, 64)[2] == cl2  # a cluster's CTAs share one token tile
-    assert flipped.model_dump(exclude={"scale_select"}) == old.model_dump(exclude={"scale_select"})
-    assert prod.model_dump(exclude={"producer"}) == old.model_dump(exclude={"producer"})
+    assert dataclasses.replace(flipped, scale_select=False) == old
+    assert dataclasses.replace(prod, producer=False) == old
     back = backend.variants(flipped, key, 64)[0]
-    assert back == old and back.scale_select is None  # off is stored as absent
+    assert back == old and back.scale_select is False
     # two warpgroups at two CTAs per SM leave no registers for a producer warp: the tuner does
     # not try that variant, only the scale_select one
-    two = SM90Config(kernel="gemm", tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=1, cluster_n=1,
+    two = Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=128, stages=4, split_k=1, cluster_n=1,
                      raster="n", ctas_per_sm=2)
     tried = [c.config for c in _first_candidates(key, 64, [backend], [(backend, two)])][1:3]
     assert tried[0] == two and [c.scale_select for c in tried[1:]] == [True]
@@ -224,9 +214,9 @@ def test_a_stale_gemm_winner_is_retried_with_scale_select_flipped(backend):
                    (c.config for c in _first_candidates(key, 64, [backend], [(backend, two)])))
     dec = backend.default(key, 1)
     assert dec.kernel == "decode" and dec.pdl and dec.pdl_early
-    late = dec.model_copy(update={"pdl_early": None})
+    late = dataclasses.replace(dec, pdl_early=False)
     assert backend.variants(dec, key, 1) == [late]
-    off = dec.model_copy(update={"pdl": None, "pdl_early": None})  # stored before PDL: off
+    off = dataclasses.replace(dec, pdl=False, pdl_early=False)  # stored before PDL: off
     assert backend.variants(off, key, 1) == [dec, late]
     assert all(backend.is_valid(c, key) is None for c in backend.variants(off, key, 1))
     firsts = [c.config for c in _first_candidates(key, 64, [backend], [(backend, old)])]
@@ -247,11 +237,11 @@ def test_each_kernel_has_its_own_source_hash(backend, monkeypatch):
     h_dec, h_gemm = backend.source_hash(dec), backend.source_hash(gemm)
     assert len({h_dec, h_gemm, backend.source_hash()}) == 3
     assert dispatch.backend_source_hashes(backend) == {h_dec, h_gemm}
-    assert backend.source_hash(dec.model_dump(exclude_none=True)) == h_dec  # a stored config dict
+    assert backend.source_hash(backend.config_dict(dec)) == h_dec  # a stored config dict
 
     def row(cfg, source):
         return TuningRecord(op="linear", fmt="nvfp4", dtype="bfloat16", backend=backend.name, m_bucket=1,
-                            n=4096, k=4096, config=cfg.model_dump(exclude_none=True), median_us=5.0,
+                            n=4096, k=4096, config=backend.config_dict(cfg), median_us=5.0,
                             spread_us=0.1, samples=10, backend_source=source, env=current_environment("cpu"))
 
     rows = [row(dec, h_dec), row(gemm, h_gemm)]
@@ -266,26 +256,24 @@ def test_each_kernel_has_its_own_source_hash(backend, monkeypatch):
 
 
 def test_the_backend_module_is_plumbing_outside_the_source_hash(backend):
-    """A row's provenance is its kernel's module only: this backend module maps stored configs
-    to the kernels' config dataclasses field by field, and the values a stored config may omit
-    are the dataclasses' own defaults (in the hashed kernel modules), so that editing the
-    backend module cannot change what a stored row means."""
-    import dataclasses
-
+    """A row's provenance is its kernel's module only: a stored config is the fields of that
+    kernel's config dataclass (in the hashed kernel module, defaults included), so this backend
+    module cannot change what a stored row means."""
     from autofp4.backends import sm90_w4a16 as S
     from autofp4.kernels import sm90_w4a16_gemm as G
     from autofp4.kernels import w4a16_decode as D
 
     assert S.__name__ not in {m.__name__ for p in (None, *backend.source_parts) for m in backend.source_modules(p)}
+    assert backend.config_types == {"decode": D.DecodeConfig, "gemm": G.Sm90GemmConfig}
+    assert {m.__name__ for m in backend.source_modules("decode")} == {D.__name__}
+    assert {m.__name__ for m in backend.source_modules("gemm")} == {G.__name__}
     key = ProblemKey("linear", "nvfp4", "bfloat16", 4096, 4096)
-    for kernel, cls, required in (("decode", D.DecodeConfig, S._DECODE_FIELDS), ("gemm", G.Sm90GemmConfig, S._GEMM_FIELDS)):
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-        assert S._optional(kernel) == {n: v for n, v in defaults.items() if n not in required}
+    for kernel, cls in (("decode", D.DecodeConfig), ("gemm", G.Sm90GemmConfig)):
         for cfg in backend.candidates(key, 1 if kernel == "decode" else 512)[:200]:
             if cfg.kernel == kernel:
-                stored = cfg.model_dump()
-                assert S._to_kernel_config(backend.parse_config(stored)) == cls(
-                    **{**defaults, **{n: v for n, v in stored.items() if n != "kernel"}})
+                stored = backend.config_dict(cfg)
+                assert type(cfg) is cls and backend.parse_config(stored) == cfg
+                assert backend.source_part(stored) == kernel
 
 
 def test_heuristics_are_outside_the_source_hash():
@@ -297,13 +285,15 @@ def test_heuristics_are_outside_the_source_hash():
     names = {m.__name__ for m in b.source_modules()}
     assert sm90_heuristics.__name__ not in names
     assert {"autofp4.kernels.w4a16_decode", "autofp4.kernels.sm90_w4a16_gemm"} <= names
-    # the kernel modules reach the heuristics only through their thin default_config wrappers
+    # the kernels never import the heuristics (the heuristics import the kernels)
+    import inspect
+
     from autofp4.kernels import sm90_w4a16_gemm as G
     from autofp4.kernels import w4a16_decode as D
 
+    for mod in (G, D):
+        assert "heuristics" not in inspect.getsource(mod)
     key = ProblemKey("linear", "nvfp4", "bfloat16", 4096, 4096)
-    assert G.default_config(4096, 4096, "nvfp4", "bfloat16", 512) == sm90_heuristics.gemm_default(
-        4096, 4096, "nvfp4", "bfloat16", 512)
-    assert D.default_config(4096, 4096, "nvfp4", "bfloat16", 1) == sm90_heuristics.decode_default(
-        4096, 4096, "nvfp4", "bfloat16", 1)
+    assert b.default(key, 512) == sm90_heuristics.with_pdl(sm90_heuristics.gemm_default(4096, 4096, "nvfp4", "bfloat16", 512))
+    assert b.default(key, 1) == sm90_heuristics.with_pdl(sm90_heuristics.decode_default(4096, 4096, "nvfp4", "bfloat16", 1))
     assert b.default(key, 1).kernel == "decode" and b.default(key, 512).kernel == "gemm"

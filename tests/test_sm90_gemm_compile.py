@@ -10,6 +10,7 @@ import torch
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from autofp4.weights import quantize  # noqa: E402
+from autofp4.backends import sm90_heuristics as H  # noqa: E402
 from autofp4.kernels import sm90_w4a16_gemm as g  # noqa: E402
 from autofp4.kernels import _fp4_bits as fp4_bits  # noqa: E402
 
@@ -220,22 +221,22 @@ def test_default_config_is_valid_for_llama_shapes():
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (64, 64)]:
         for fmt in ("nvfp4", "mxfp4"):
             for m in (None, 1, 64, 512, 8192):
-                cfg = g.default_config(n, k, fmt, "bfloat16", m)
+                cfg = H.gemm_default(n, k, fmt, "bfloat16", m)
                 assert g.validate(cfg, n, k, fmt, "bfloat16") is None, (n, k, fmt, m, cfg)
 
 
 def test_default_streams_from_a_producer_warp_from_m_64_where_the_tile_allows():
     for m, want in ((16, False), (32, False), (64, True), (128, True), (8192, False)):
-        cfg = g.default_config(4096, 4096, "nvfp4", "bfloat16", m)
+        cfg = H.gemm_default(4096, 4096, "nvfp4", "bfloat16", m)
         assert cfg.producer is want, (m, cfg)
     # the large-M tile (128 x 256) has no registers left for one
-    assert g.validate(dataclasses.replace(g.default_config(4096, 4096, "nvfp4", "bfloat16", 8192), producer=True),
+    assert g.validate(dataclasses.replace(H.gemm_default(4096, 4096, "nvfp4", "bfloat16", 8192), producer=True),
                       4096, 4096, "nvfp4", "bfloat16") is not None
 
 
 def test_default_broadcasts_scales_by_operand_select_up_to_m_128():
     for m, want in ((16, True), (64, True), (128, True), (512, False), (8192, False), (None, False)):
-        assert g.default_config(4096, 4096, "nvfp4", "bfloat16", m).scale_select is want, m
+        assert H.gemm_default(4096, 4096, "nvfp4", "bfloat16", m).scale_select is want, m
 
 
 @needs_cute
@@ -262,8 +263,8 @@ def test_scale_select_replaces_the_permutes_in_ptx(dtype, mul, tmp_path):
 
 
 def test_config_space_values_are_known():
-    space = g.config_space(4096, 4096, "nvfp4", "bfloat16")
-    names = {f for f in g.Sm90GemmConfig.__dataclass_fields__}
+    space = H.gemm_config_space(4096, 4096, "nvfp4", "bfloat16")
+    names = {f.name for f in dataclasses.fields(g.Sm90GemmConfig)}
     assert set(space) == names
 
 

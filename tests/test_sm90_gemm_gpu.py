@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from autofp4.weights import quantize
+from autofp4.backends import sm90_heuristics as H  # noqa: E402
 from autofp4.kernels import sm90_w4a16_gemm as g
 
 pytestmark = pytest.mark.gpu
@@ -153,7 +154,7 @@ def test_default_config_llama_shape_and_graph_capture(gen):
     dev = torch.device("cuda")
     w = _weight(n, k, "nvfp4", gen, dev)
     packed = g.pack_weight(w)
-    cfg = g.default_config(n, k, "nvfp4", "bfloat16", 512)
+    cfg = H.gemm_default(n, k, "nvfp4", "bfloat16", 512)
     run = _runner(cfg, n, k, "nvfp4", "bfloat16")
     x = torch.randn(512, k, generator=gen).to(dev, torch.bfloat16)
     out = run(x, packed, None)

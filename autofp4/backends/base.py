@@ -25,7 +25,7 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Sequenc
 
 import torch
 
-from ..kernel_cache import kernel_source
+from .. import kernel_cache
 from ..problem import ProblemKey
 
 Runner = Callable[..., torch.Tensor]
@@ -60,7 +60,7 @@ def config_from_dict(cls: type, data: Mapping[str, Any]) -> Any:
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             ok = True
         if not ok:
-            raise ValueError(f"{cls.__name__}.{name} must be {fields[name].type}, got {value!r}")
+            raise ValueError(f"{cls.__name__}.{name} must be {want.__name__}, got {value!r}")
     try:
         return cls(**data)
     except TypeError as e:  # a required field is missing
@@ -193,7 +193,7 @@ class Backend(ABC):
         return self.part_source_hash(None if config is None else self.source_part(config))
 
     def part_source_hash(self, part: str | None) -> str:
-        return source_digest(kernel_source(mod.__name__) for mod in self.source_modules(part))
+        return source_digest(kernel_cache.kernel_source(mod.__name__) for mod in self.source_modules(part))
 
 
 def source_digest(sources: Iterable[str]) -> str:
