@@ -156,7 +156,7 @@ def _backend_names(args: argparse.Namespace) -> list[str] | None:
 
 
 def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from . import dispatch, tuner
+    from . import dispatch, tuning
 
     if args.model is None and args.from_misses is None:
         raise _UsageError("tune needs --model CONFIG (a config.json) or --from-misses [FILE]")
@@ -199,7 +199,7 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if on_cpu:
             print(cpu_note, file=out)
         try:
-            report = tuner.tune_from_misses(path, device="cpu" if on_cpu else None, **common)
+            report = tuning.tune_from_misses(path, device="cpu" if on_cpu else None, **common)
         except (RuntimeError, ValueError) as e:  # setup: a backend that cannot run here, ...
             raise _UsageError(str(e)) from None
         return _finish(report, db_path, out)
@@ -219,8 +219,8 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.m:
         ms = sorted(set(args.m))
     else:
-        ms = list(dispatch.DEFAULT_M_BUCKETS if not on_cpu else tuner.CPU_M_BUCKETS)
-    jobs = tuner.jobs_for(shapes, ms, args.fmt, args.dtype)
+        ms = list(dispatch.DEFAULT_M_BUCKETS if not on_cpu else tuning.CPU_M_BUCKETS)
+    jobs = tuning.jobs_for(shapes, ms, args.fmt, args.dtype)
     if args.dry_run:
         out.write(shapes_table(shapes))
         print(
@@ -233,7 +233,7 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(cpu_note, file=out)
     print(f"tuning {len(jobs)} (shape, M) jobs into {db_path}", file=out)
     try:
-        report = tuner.tune_jobs(jobs, device="cpu" if on_cpu else None, **common)
+        report = tuning.tune_jobs(jobs, device="cpu" if on_cpu else None, **common)
     except (RuntimeError, ValueError) as e:  # setup: a backend that cannot run here, ...
         raise _UsageError(str(e)) from None
     return _finish(report, db_path, out)
@@ -356,7 +356,7 @@ def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from . import dispatch, tuner
+    from . import dispatch, tuning
     from .kernel_cache import cache_dir, target_arch
     from .models import load_config, model_shapes
 
@@ -384,11 +384,11 @@ def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             raise _UsageError(f"cannot read the tuning DB {args.warm_db}: {e}") from None
     backends = _backend_names(args) or ["sm90_w4a16"]
     ms = sorted(set(args.m)) if args.m else list(dispatch.DEFAULT_M_BUCKETS)
-    jobs = tuner.jobs_for(shapes, ms, args.fmt, args.dtype)
+    jobs = tuning.jobs_for(shapes, ms, args.fmt, args.dtype)
     workers = args.workers or max(1, (os.cpu_count() or 2) - 1)
     try:
-        report = tuner.warm_kernel_cache(jobs, backends, seeds=args.seeds, workers=workers, arch=arch,
-                                         progress=not args.no_progress, stored=stored)
+        report = tuning.warm_kernel_cache(jobs, backends, seeds=args.seeds, workers=workers, arch=arch,
+                                          progress=not args.no_progress, stored=stored)
     except KeyError as e:
         raise _UsageError(f"unknown backend {e}") from None
     print(f"compiled {report.compiled} kernel configs for {arch} ({len(jobs)} (shape, M) jobs, "
