@@ -10,18 +10,18 @@ import queue
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..backends import available_backends, get_backend
-from ..backends.base import ProblemKey
+from ..backends.base import Backend, ProblemKey
 from ..dispatch import DEFAULT_M_BUCKETS, load_misses
 from . import budget
 from .budget import _out_of_time, job_share_deadline
 from .compile_pool import _pool_init, _short_error, _start_pool
 from .job import _Interrupted, _tune_job
-from .jobs import CPU_DEFAULTS, CPU_M_BUCKETS, GPU_DEFAULTS, Job, JobResult, TuneReport, _Ctx, jobs_for
+from .jobs import CPU_DEFAULTS, CPU_M_BUCKETS, GPU_DEFAULTS, Job, JobResult, TuneReport, _Ctx, _Defaults, jobs_for
 from .measurer import _Measurer
 from .search import _ask_lock_path, _open_storage
 
@@ -89,6 +89,124 @@ def _stream_owned_db(q: Any, ctx: _Ctx, db_path: Path, meas: _Measurer, out: dic
         db.close()
 
 
+def _resolve_devices(
+    gpus: Sequence[int] | None, devices: Sequence[torch.device | str] | None, device: torch.device | str | None
+) -> list[torch.device]:
+    """The devices of the run's job streams, from ``gpus``, ``devices`` or ``device``."""
+    if gpus and devices:
+        raise ValueError("give gpus or devices, not both")
+    if gpus:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"gpus={list(gpus)} given, but no CUDA GPU is available")
+        return [torch.device("cuda", int(g)) for g in gpus]
+    if devices:
+        devs = [torch.device(d) for d in devices]
+        if len({d.type for d in devs}) != 1:
+            raise ValueError(f"devices must all be of one type, got {[str(d) for d in devs]}")
+        return devs
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return [dev]
+
+
+def _budgets(budget_per_shape: int | None, budget_total_s: float | None, defaults: _Defaults
+             ) -> tuple[int, float | None]:
+    """Trials per job and the run's time budget in seconds (None: no limit), checked."""
+    per_job = int(budget_per_shape or defaults.budget)
+    if per_job < 1:
+        raise ValueError(f"budget_per_shape must be >= 1, got {per_job}")
+    if budget_total_s is None:
+        budget_total_s = defaults.time_budget_s
+    elif not budget_total_s > 0:
+        raise ValueError(f"budget_total_s must be > 0 (math.inf: no limit), got {budget_total_s}")
+    if budget_total_s is not None and math.isinf(budget_total_s):
+        budget_total_s = None
+    return per_job, budget_total_s
+
+
+def _chosen_backends(backends: Sequence[str] | None, device: torch.device) -> list[Backend]:
+    """The named backends (each must run on ``device``), else every backend available there."""
+    if not backends:
+        return available_backends(device)
+    chosen = [get_backend(n) for n in backends]
+    for b in chosen:
+        why = b.unavailable_reason(device)
+        if why:
+            raise RuntimeError(f"backend {b.name!r} cannot run on {device}: {why}")
+    return chosen
+
+
+def _open_pool(workers: int, on_gpu: bool) -> cf.ProcessPoolExecutor | None:
+    """The compile worker processes, all started (None for ``workers`` 0: compile in-process)."""
+    if workers <= 0:
+        return None
+    from ..kernel_cache import target_arch
+
+    arch = target_arch() if on_gpu else ""
+    pool = cf.ProcessPoolExecutor(
+        max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_pool_init, initargs=(arch,)
+    )
+    _start_pool(pool, workers)
+    return pool
+
+
+def _progress_bar(progress: bool, total: int) -> Any:
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="tuning", unit="job", dynamic_ncols=True, file=sys.stderr)
+
+
+def _job_queue(jobs: Sequence[Job]) -> "queue.Queue[tuple[int, Job]]":
+    """The run's jobs with their indices, shared by its job streams."""
+    q: queue.Queue[tuple[int, Job]] = queue.Queue()
+    for i, j in enumerate(jobs):
+        q.put((i, j))
+    return q
+
+
+def _close_run(pool: cf.ProcessPoolExecutor | None, pbar: Any, db: Any) -> None:
+    """Stop the compile workers (queued compiles cancelled), close the progress bar and ``db``
+    (the DB the run opened, None for one it was given)."""
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
+    if pbar is not None:
+        pbar.close()
+    if db is not None:
+        db.close()
+
+
+def _run_streams(
+    q: "queue.Queue[tuple[int, Job]]", devices: Sequence[torch.device], ctx_for: Callable[[torch.device], _Ctx],
+    main_db: Any, db_path: Path, isolate: bool, timeout: float, out: dict[int, JobResult],
+) -> None:
+    """One job stream per device: on this thread with ``main_db`` for one device, else one
+    thread each with its own DB connection (Ctrl-C waits for them)."""
+    if len(devices) == 1:
+        _stream(q, ctx_for(devices[0]), main_db, _Measurer(devices[0], isolate, timeout), out)
+        return
+    threads = []
+    for dev in devices:
+        ctx = ctx_for(dev)
+        th = threading.Thread(
+            target=_stream_owned_db, args=(q, ctx, db_path, _Measurer(dev, True, timeout), out), daemon=True
+        )
+        th.start()
+        threads.append(th)
+    try:
+        for th in threads:
+            while th.is_alive():
+                th.join(0.5)
+    except KeyboardInterrupt:
+        ctx.stop.set()  # one event, shared by every stream's settings
+        for th in threads:
+            th.join()
+
+
 def tune_jobs(
     jobs: Sequence[Job],
     backends: Sequence[str] | None = None,
@@ -115,42 +233,11 @@ def tune_jobs(
     """
     from ..env import current_environment
 
-    if gpus and devices:
-        raise ValueError("give gpus or devices, not both")
-    if gpus:
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"gpus={list(gpus)} given, but no CUDA GPU is available")
-        devices = [torch.device("cuda", int(g)) for g in gpus]
-    elif devices:
-        devices = [torch.device(d) for d in devices]
-        if len({d.type for d in devices}) != 1:
-            raise ValueError(f"devices must all be of one type, got {[str(d) for d in devices]}")
-    else:
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        devices = [dev]
+    devices = _resolve_devices(gpus, devices, device)
     on_gpu = devices[0].type == "cuda"
     defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
-    per_job = int(budget_per_shape or defaults.budget)
-    if per_job < 1:
-        raise ValueError(f"budget_per_shape must be >= 1, got {per_job}")
-    if budget_total_s is None:
-        budget_total_s = defaults.time_budget_s
-    elif not budget_total_s > 0:
-        raise ValueError(f"budget_total_s must be > 0 (math.inf: no limit), got {budget_total_s}")
-    if budget_total_s is not None and math.isinf(budget_total_s):
-        budget_total_s = None
-    if backends:
-        chosen = [get_backend(n) for n in backends]
-        for b in chosen:
-            why = b.unavailable_reason(devices[0])
-            if why:
-                raise RuntimeError(f"backend {b.name!r} cannot run on {devices[0]}: {why}")
-    else:
-        chosen = available_backends(devices[0])
+    per_job, budget_total_s = _budgets(budget_per_shape, budget_total_s, defaults)
+    chosen = _chosen_backends(backends, devices[0])
     if workers is None:
         workers = max(1, min(16, (os.cpu_count() or 2) - 2)) if on_gpu else 0
     if isolate is None:
@@ -162,27 +249,13 @@ def tune_jobs(
     storage_obj = _open_storage(storage)
     main_db, owned, db_path = _open_db(db)
     main_db.add_environment(env)
-    pool = None
-    if workers > 0:
-        from ..kernel_cache import target_arch
-
-        arch = target_arch() if on_gpu else ""
-        pool = cf.ProcessPoolExecutor(
-            max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_pool_init, initargs=(arch,)
-        )
-        _start_pool(pool, workers)
-    pbar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        pbar = tqdm(total=len(jobs), desc="tuning", unit="job", dynamic_ncols=True, file=sys.stderr)
+    pool = _open_pool(workers, on_gpu)
+    pbar = _progress_bar(progress, len(jobs))
     lock = threading.Lock()
     stop = threading.Event()
     seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
     out: dict[int, JobResult] = {}
-    q: queue.Queue[tuple[int, Job]] = queue.Queue()
-    for i, j in enumerate(jobs):
-        q.put((i, j))
+    q = _job_queue(jobs)
 
     def ctx_for(dev: torch.device) -> _Ctx:
         return _Ctx(
@@ -196,34 +269,11 @@ def tune_jobs(
         )
 
     try:
-        if len(devices) == 1:
-            _stream(q, ctx_for(devices[0]), main_db, _Measurer(devices[0], isolate, timeout), out)
-        else:
-            threads = []
-            for dev in devices:
-                ctx = ctx_for(dev)
-                th = threading.Thread(
-                    target=_stream_owned_db, args=(q, ctx, db_path, _Measurer(dev, True, timeout), out), daemon=True
-                )
-                th.start()
-                threads.append(th)
-            try:
-                for th in threads:
-                    while th.is_alive():
-                        th.join(0.5)
-            except KeyboardInterrupt:
-                stop.set()
-                for th in threads:
-                    th.join()
+        _run_streams(q, devices, ctx_for, main_db, db_path, isolate, timeout, out)
     except KeyboardInterrupt:
         stop.set()
     finally:
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-        if pbar is not None:
-            pbar.close()
-        if owned:
-            main_db.close()
+        _close_run(pool, pbar, main_db if owned else None)
     report.interrupted = stop.is_set()
     for i, j in enumerate(jobs):
         report.results.append(out.get(i) or JobResult(j, "interrupted" if report.interrupted else "out_of_time"))
