@@ -35,7 +35,7 @@ __all__ = [
 def __getattr__(name: str):
     # The tuner pulls in optuna; import it only when asked for.
     if name == "tune":
-        from .tuner import tune
+        from .tuning import tune
 
         return tune
     raise AttributeError(f"module 'autofp4' has no attribute {name!r}")

@@ -156,7 +156,7 @@ def _backend_names(args: argparse.Namespace) -> list[str] | None:
 
 
 def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from . import dispatch, tuner
+    from . import dispatch
 
     if args.model is None and args.from_misses is None:
         raise _UsageError("tune needs --model CONFIG (a config.json) or --from-misses [FILE]")
@@ -166,6 +166,19 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.db:
         dispatch.set_db(args.db)
     db_path = dispatch.user_db_path()
+    on_cpu, cpu_note = _tune_device(args)
+    common: dict[str, Any] = dict(
+        backends=backends, db=db_path, budget_per_shape=args.budget, budget_total_s=args.time_budget,
+        force=args.force, workers=args.workers, progress=not args.no_progress and not args.dry_run,
+        gpus=args.gpus, storage=args.storage,
+    )
+    if args.from_misses is not None:
+        return _tune_misses(args, on_cpu, cpu_note, common, db_path, out)
+    return _tune_model(args, on_cpu, cpu_note, common, db_path, out)
+
+
+def _tune_device(args: argparse.Namespace) -> tuple[bool, str]:
+    """``(on_cpu, note)``: whether ``tune`` runs on the CPU, and the line that says why."""
     cuda = torch.cuda.is_available()
     if args.gpus and not cuda:
         raise _UsageError(f"--gpus {','.join(map(str, args.gpus))} given, but no CUDA GPU is available")
@@ -178,32 +191,38 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         "no CUDA GPU found: tuning the reference backend on the CPU" if not cuda
         else "--device cpu: tuning the reference backend on the CPU"
     )
-    common: dict[str, Any] = dict(
-        backends=backends, db=db_path, budget_per_shape=args.budget, budget_total_s=args.time_budget,
-        force=args.force, workers=args.workers, progress=not args.no_progress and not args.dry_run,
-        gpus=args.gpus, storage=args.storage,
-    )
+    return on_cpu, cpu_note
 
-    if args.from_misses is not None:
-        path = Path(args.from_misses) if args.from_misses else dispatch.misses_path()
-        try:
-            misses = dispatch.load_misses(path)
-        except FileNotFoundError:
-            raise _UsageError(f"no misses file at {path} (run a workload with autofp4 first)") from None
-        if args.dry_run:
-            print(f"{len(misses)} missed (problem, M) pairs in {path}:", file=out)
-            for key, m, c in misses:
-                extra = f" E={key.experts} topk={key.topk}" if key.op == "moe" else ""
-                print(f"  {key.op} {key.fmt} {key.dtype} N={key.n} K={key.k}{extra} M={m}: {c} calls", file=out)
-            return 0
-        if on_cpu:
-            print(cpu_note, file=out)
-        try:
-            report = tuner.tune_from_misses(path, device="cpu" if on_cpu else None, **common)
-        except (RuntimeError, ValueError) as e:  # setup: a backend that cannot run here, ...
-            raise _UsageError(str(e)) from None
-        return _finish(report, db_path, out)
 
+def _tune_misses(args: argparse.Namespace, on_cpu: bool, cpu_note: str, common: dict[str, Any], db_path: Path,
+                 out: TextIO) -> int:
+    """``tune --from-misses``: what a workload missed."""
+    from . import dispatch, tuning
+
+    path = Path(args.from_misses) if args.from_misses else dispatch.misses_path()
+    try:
+        misses = dispatch.load_misses(path)
+    except FileNotFoundError:
+        raise _UsageError(f"no misses file at {path} (run a workload with autofp4 first)") from None
+    if args.dry_run:
+        print(f"{len(misses)} missed (problem, M) pairs in {path}:", file=out)
+        for key, m, c in misses:
+            extra = f" E={key.experts} topk={key.topk}" if key.op == "moe" else ""
+            print(f"  {key.op} {key.fmt} {key.dtype} N={key.n} K={key.k}{extra} M={m}: {c} calls", file=out)
+        return 0
+    if on_cpu:
+        print(cpu_note, file=out)
+    try:
+        report = tuning.tune_from_misses(path, device="cpu" if on_cpu else None, **common)
+    except (RuntimeError, ValueError) as e:  # setup: a backend that cannot run here, ...
+        raise _UsageError(str(e)) from None
+    return _finish(report, db_path, out)
+
+
+def _tune_model(args: argparse.Namespace, on_cpu: bool, cpu_note: str, common: dict[str, Any], db_path: Path,
+                out: TextIO) -> int:
+    """``tune --model CONFIG``: every (shape, M bucket) of a model."""
+    from . import dispatch, tuning
     from .models import load_config, model_shapes, shapes_table
 
     try:
@@ -219,8 +238,8 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.m:
         ms = sorted(set(args.m))
     else:
-        ms = list(dispatch.DEFAULT_M_BUCKETS if not on_cpu else tuner.CPU_M_BUCKETS)
-    jobs = tuner.jobs_for(shapes, ms, args.fmt, args.dtype)
+        ms = list(dispatch.DEFAULT_M_BUCKETS if not on_cpu else tuning.CPU_M_BUCKETS)
+    jobs = tuning.jobs_for(shapes, ms, args.fmt, args.dtype)
     if args.dry_run:
         out.write(shapes_table(shapes))
         print(
@@ -233,7 +252,7 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(cpu_note, file=out)
     print(f"tuning {len(jobs)} (shape, M) jobs into {db_path}", file=out)
     try:
-        report = tuner.tune_jobs(jobs, device="cpu" if on_cpu else None, **common)
+        report = tuning.tune_jobs(jobs, device="cpu" if on_cpu else None, **common)
     except (RuntimeError, ValueError) as e:  # setup: a backend that cannot run here, ...
         raise _UsageError(str(e)) from None
     return _finish(report, db_path, out)
@@ -356,7 +375,7 @@ def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from . import dispatch, tuner
+    from . import dispatch, tuning
     from .kernel_cache import cache_dir, target_arch
     from .models import load_config, model_shapes
 
@@ -384,11 +403,11 @@ def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             raise _UsageError(f"cannot read the tuning DB {args.warm_db}: {e}") from None
     backends = _backend_names(args) or ["sm90_w4a16"]
     ms = sorted(set(args.m)) if args.m else list(dispatch.DEFAULT_M_BUCKETS)
-    jobs = tuner.jobs_for(shapes, ms, args.fmt, args.dtype)
+    jobs = tuning.jobs_for(shapes, ms, args.fmt, args.dtype)
     workers = args.workers or max(1, (os.cpu_count() or 2) - 1)
     try:
-        report = tuner.warm_kernel_cache(jobs, backends, seeds=args.seeds, workers=workers, arch=arch,
-                                         progress=not args.no_progress, stored=stored)
+        report = tuning.warm_kernel_cache(jobs, backends, seeds=args.seeds, workers=workers, arch=arch,
+                                          progress=not args.no_progress, stored=stored)
     except KeyError as e:
         raise _UsageError(f"unknown backend {e}") from None
     print(f"compiled {report.compiled} kernel configs for {arch} ({len(jobs)} (shape, M) jobs, "

@@ -149,7 +149,7 @@ def precompile(fmt, shapes, ms):
     import multiprocessing as mp
 
     from autofp4.kernel_cache import target_arch
-    from autofp4.tuner import _pool_init
+    from autofp4.tuning.compile_pool import _pool_init
 
     jobs = {(c, n, k, fmt) for n, k in shapes.values() for m in ms for c in sweep_configs(n, k, fmt, m)}
     t0 = time.time()

@@ -95,7 +95,7 @@ def main():
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
 
     from autofp4.kernel_cache import target_arch
-    from autofp4.tuner import _pool_init
+    from autofp4.tuning.compile_pool import _pool_init
 
     jobs = sorted({(c, n, k, fmt) for n, k in shapes.values() for m in ms for c in sweep_configs(n, k, fmt, m, args.wide, args.swizzle)},
                   key=str)

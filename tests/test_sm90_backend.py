@@ -188,7 +188,7 @@ def test_a_stale_gemm_winner_is_retried_with_scale_select_flipped(backend):
     ``producer`` and with x multicast over a cluster of two the other way (winners stored before
     the settings existed have them off), where valid; a decode winner is retried with
     dependent launch on, with the early and the late trigger."""
-    from autofp4.tuner import _first_candidates
+    from autofp4.tuning.candidates import _first_candidates
 
     key = ProblemKey("linear", "nvfp4", "bfloat16", 6144, 4096)
     old = Sm90GemmConfig(tile_n=128, tile_m=64, tile_k=256, stages=4, split_k=2, cluster_n=1,

@@ -18,8 +18,9 @@ from autofp4.db import TuningDB
 from autofp4.dispatch import Dispatcher
 from autofp4.env import current_environment
 from autofp4.schema import config_json
-from autofp4 import tuner
-from autofp4.tuner import Job, TOLERANCE, _check, _sibling_records, tune, tune_from_misses, tune_jobs
+from autofp4.tuning import Job, TOLERANCE, tune, tune_from_misses, tune_jobs, warm
+from autofp4.tuning.candidates import _sibling_records
+from autofp4.tuning.trial import _check
 
 CPU = torch.device("cpu")
 KEY = ProblemKey("linear", "nvfp4", "bfloat16", 256, 128)
@@ -272,7 +273,7 @@ def test_a_new_job_first_tries_the_winners_of_its_neighbours(monkeypatch, tmp_pa
     """A job never tuned before tries, right after its default, the stored winners of the same
     problem in the other format at its M and in its format at the nearest stored M buckets
     (configs name neither), then the seeds; so does the kernel-cache warm-up."""
-    from autofp4.tuner import warm_kernel_cache
+    from autofp4.tuning import warm_kernel_cache
 
     _register(monkeypatch, SeededBackend)
     path = tmp_path / "t.db"
@@ -294,7 +295,7 @@ def test_a_new_job_first_tries_the_winners_of_its_neighbours(monkeypatch, tmp_pa
     assert [(r.fmt, r.m_bucket) for r in _sibling_records(stored, other, 16)] == [("nvfp4", 16), ("mxfp4", 2)]
 
     compiled = []
-    monkeypatch.setattr(tuner, "_compile_only", lambda req: compiled.append(json.loads(req["config"])) or None)
+    monkeypatch.setattr(warm, "_compile_only", lambda req: compiled.append(json.loads(req["config"])) or None)
     warm_kernel_cache([Job(other, 16)], ["test_seeded"], progress=False, stored=stored)
     assert 112 in {c["chunk_n"] for c in compiled}
 
@@ -305,7 +306,7 @@ def test_compile_workers_start_before_the_first_job():
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    from autofp4.tuner import _pool_init, _start_pool
+    from autofp4.tuning.compile_pool import _pool_init, _start_pool
 
     with cf.ProcessPoolExecutor(max_workers=2, mp_context=mp.get_context("spawn"), initializer=_pool_init,
                                 initargs=("",)) as pool:
@@ -432,7 +433,7 @@ def test_two_job_streams_share_the_work(tmp_path):
 
 
 def test_timing_plan_bounds_the_time_of_slow_kernels():
-    from autofp4.tuner import MIN_REPS, TRIAL_TARGET_S, _timing_plan
+    from autofp4.tuning.trial import MIN_REPS, TRIAL_TARGET_S, _timing_plan
 
     assert _timing_plan(10.0, 10, 30) == (10, 30)  # fast: everything asked for
     w, r = _timing_plan(200_000.0, 10, 30)  # 0.2 s a pass
@@ -442,7 +443,7 @@ def test_timing_plan_bounds_the_time_of_slow_kernels():
 
 
 def test_job_share_deadline_splits_the_time_left_fairly():
-    from autofp4.tuner import job_share_deadline
+    from autofp4.tuning import job_share_deadline
 
     assert job_share_deadline(100.0, None, 5) is None
     assert job_share_deadline(100.0, 200.0, 4) == 125.0  # 100 s left, 4 jobs
@@ -455,7 +456,7 @@ def test_job_share_deadline_splits_the_time_left_fairly():
 def test_trial_estimate_leaves_out_compiles_already_done():
     """A job's first trial usually waits for a cold compile while the workers compile the next
     candidates too: the estimate for a trial whose kernel is ready is the measuring time only."""
-    from autofp4.tuner import trial_estimate
+    from autofp4.tuning import trial_estimate
 
     assert trial_estimate([1.0, 0.5], [8.0, 0.0], compiled=True) == 0.75
     assert trial_estimate([1.0, 0.5], [8.0, 0.0], compiled=False) == 4.75
@@ -466,20 +467,20 @@ def test_time_budget_is_shared_by_every_job(tmp_path, monkeypatch):
     """With a budget below what the jobs would use, every job still gets a measured result: each
     stops asking for trials when one more would end past its share of the time. A fake clock
     makes every trial take 1 s (and nothing else take time), so the test is deterministic."""
-    from autofp4 import tuner
+    from autofp4.tuning import budget, measurer
     from autofp4.backends.reference import ReferenceBackend
 
     key = ProblemKey("linear", "nvfp4", "bfloat16", 2048, 256)
     assert len(ReferenceBackend().candidates(key, 1)) == 2
     clock = [1000.0]
-    real_run_trial = tuner.run_trial
+    real_run_trial = measurer.run_trial
 
     def one_second_trial(req):
         clock[0] += 1.0
         return real_run_trial(req)
 
-    monkeypatch.setattr(tuner, "_now", lambda: clock[0])
-    monkeypatch.setattr(tuner, "run_trial", one_second_trial)
+    monkeypatch.setattr(budget, "_now", lambda: clock[0])
+    monkeypatch.setattr(measurer, "run_trial", one_second_trial)
     jobs = [Job(key, m) for m in (1, 2, 4, 8, 16, 32)]
     # 9 s for 6 jobs of 2 trials: the first jobs could use it all; the shares leave 1 trial each
     rep = tune_jobs(jobs, db=tmp_path / "t.db", device="cpu", progress=False, budget_total_s=9.0)
@@ -504,7 +505,7 @@ def _reference_pair_on_a_one_second_clock(monkeypatch):
     config (``[config]``), and a fake clock on which every trial takes 1 s and reports fixed
     times: 10 us for the other config, 100 us for the default (no noise, so the outcome does not
     depend on how loaded the machine is)."""
-    from autofp4 import tuner
+    from autofp4.tuning import budget, measurer
     from autofp4.backends.reference import ReferenceBackend
 
     key = ProblemKey("linear", "nvfp4", "bfloat16", 2048, 256)
@@ -512,7 +513,7 @@ def _reference_pair_on_a_one_second_clock(monkeypatch):
     other = [c.model_dump() for c in ReferenceBackend().candidates(key, 1) if c.model_dump() != default]
     assert len(other) == 1
     clock = [1000.0]
-    real_run_trial = tuner.run_trial
+    real_run_trial = measurer.run_trial
 
     def one_second_trial(req):
         clock[0] += 1.0
@@ -522,8 +523,8 @@ def _reference_pair_on_a_one_second_clock(monkeypatch):
             res = {**res, "median_us": 10.0 if fast else 100.0, "spread_us": 0.1}
         return res
 
-    monkeypatch.setattr(tuner, "_now", lambda: clock[0])
-    monkeypatch.setattr(tuner, "run_trial", one_second_trial)
+    monkeypatch.setattr(budget, "_now", lambda: clock[0])
+    monkeypatch.setattr(measurer, "run_trial", one_second_trial)
     return key, default, other
 
 
@@ -573,11 +574,11 @@ def test_a_forced_retune_too_short_to_measure_the_stored_winner_keeps_its_row(tm
 def _setup_then_one_second_trials(monkeypatch, setup_s: float) -> None:
     """A fake clock: the run's first trial reports ``setup_s`` of one-off setup (a problem's
     random weights), every trial takes 1 s on top, nothing else takes time."""
-    from autofp4 import tuner
+    from autofp4.tuning import budget, measurer
 
     clock = [1000.0]
     calls = []
-    real_run_trial = tuner.run_trial
+    real_run_trial = measurer.run_trial
 
     def trial(req):
         res = real_run_trial(req)
@@ -587,8 +588,8 @@ def _setup_then_one_second_trials(monkeypatch, setup_s: float) -> None:
         clock[0] += 1.0 + setup
         return {**res, "setup_s": setup}
 
-    monkeypatch.setattr(tuner, "_now", lambda: clock[0])
-    monkeypatch.setattr(tuner, "run_trial", trial)
+    monkeypatch.setattr(budget, "_now", lambda: clock[0])
+    monkeypatch.setattr(measurer, "run_trial", trial)
 
 
 def test_data_setup_does_not_use_up_the_first_jobs_share(tmp_path, monkeypatch):
@@ -607,7 +608,7 @@ def test_setup_leaves_the_later_jobs_one_trial_each(tmp_path, monkeypatch):
     stretch is capped at the run's deadline less one mean trial per later job, so every job
     gets a result (uncapped, the first job measured both candidates and the last ran out of
     time). Fake clock: 10 s of setup in the first trial, 1 s per trial."""
-    from autofp4 import tuner
+    from autofp4 import tuning
 
     _setup_then_one_second_trials(monkeypatch, 10.0)
     key = ProblemKey("linear", "nvfp4", "bfloat16", 2048, 256)
@@ -615,8 +616,8 @@ def test_setup_leaves_the_later_jobs_one_trial_each(tmp_path, monkeypatch):
     rep = tune_jobs(jobs, db=tmp_path / "t.db", device="cpu", progress=False, budget_total_s=14.0)
     assert [r.status for r in rep.results] == ["tuned"] * 4, [(r.status, r.note) for r in rep.results]
     assert [r.trials_run for r in rep.results] == [1, 1, 1, 1]
-    assert tuner.setup_cap(None, 3, [1.0]) is None
-    assert tuner.setup_cap(100.0, 3, [1.0, 3.0], streams=2) == 97.0
+    assert tuning.setup_cap(None, 3, [1.0]) is None
+    assert tuning.setup_cap(100.0, 3, [1.0, 3.0], streams=2) == 97.0
 
 
 def test_a_compile_is_waited_for_only_while_the_jobs_share_lasts(tmp_path, monkeypatch):
@@ -627,13 +628,13 @@ def test_a_compile_is_waited_for_only_while_the_jobs_share_lasts(tmp_path, monke
     import concurrent.futures as cf
     import time
 
-    from autofp4 import tuner
+    from autofp4.tuning import budget, candidates, measurer, run
     from autofp4.backends.reference import ReferenceBackend
 
     key = ProblemKey("linear", "nvfp4", "bfloat16", 2048, 256)
     default = ReferenceBackend().default(key, 1)
     clock = [1000.0]
-    real_run_trial = tuner.run_trial
+    real_run_trial = measurer.run_trial
 
     def trial(req):
         clock[0] += 0.1
@@ -645,7 +646,7 @@ def test_a_compile_is_waited_for_only_while_the_jobs_share_lasts(tmp_path, monke
 
         def submit(self, fn, req):
             fut = cf.Future()
-            if req["config"] == tuner._cfg_json(default):
+            if req["config"] == candidates._cfg_json(default):
                 fut.set_result(None)
             else:
                 self.pending.append(fut)
@@ -654,10 +655,10 @@ def test_a_compile_is_waited_for_only_while_the_jobs_share_lasts(tmp_path, monke
         def shutdown(self, wait=True, cancel_futures=False):
             pass
 
-    monkeypatch.setattr(tuner, "_now", lambda: clock[0])
-    monkeypatch.setattr(tuner, "run_trial", trial)
-    monkeypatch.setattr(tuner.cf, "ProcessPoolExecutor", Pool)
-    monkeypatch.setattr(tuner, "_start_pool", lambda pool, workers: workers)
+    monkeypatch.setattr(budget, "_now", lambda: clock[0])
+    monkeypatch.setattr(measurer, "run_trial", trial)
+    monkeypatch.setattr(run.cf, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(run, "_start_pool", lambda pool, workers: workers)
     t0 = time.monotonic()
     rep = tune_jobs([Job(key, 1)], db=tmp_path / "t.db", device="cpu", progress=False, workers=1,
                     budget_total_s=0.5, trial_timeout_s=60.0)
@@ -670,7 +671,9 @@ def test_a_compile_is_waited_for_only_while_the_jobs_share_lasts(tmp_path, monke
 
 
 def test_run_trial_reports_its_one_off_setup():
-    from autofp4.tuner import _cfg_json, _spec, run_trial
+    from autofp4.tuning import run_trial
+    from autofp4.tuning.candidates import _cfg_json
+    from autofp4.tuning.compile_pool import _spec
 
     b = get_backend("reference")
     key = ProblemKey("linear", "mxfp4", "bfloat16", 1024, 512)
@@ -683,7 +686,9 @@ def test_run_trial_reports_its_one_off_setup():
 
 def test_isolated_trials_count_the_worker_start_as_setup():
     """Starting the timing process (imports, device context) is a one-off as well."""
-    from autofp4.tuner import _cfg_json, _Measurer, _spec
+    from autofp4.tuning.candidates import _cfg_json
+    from autofp4.tuning.compile_pool import _spec
+    from autofp4.tuning.measurer import _Measurer
 
     b = get_backend("reference")
     key = ProblemKey("linear", "nvfp4", "bfloat16", 512, 256)
@@ -713,7 +718,7 @@ def test_unlimited_time_budget(tmp_path):
 
 def test_reference_backend_is_only_a_fallback_when_backends_are_automatic():
     from autofp4.backends import get_backend
-    from autofp4.tuner import _applicable
+    from autofp4.tuning.candidates import _applicable
 
     sm90, ref = get_backend("sm90_w4a16"), get_backend("reference")
     lin = ProblemKey("linear", "nvfp4", "bfloat16", 4096, 4096)

@@ -1,0 +1,159 @@
+"""The candidate configs of a job: each backend's default, the winners stored for the job and
+for its neighbours, the backends' seeds, then every backend's candidates; which backends apply
+to a problem, and the results already stored for a job."""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Sequence
+
+from ..backends.base import Backend, BackendConfig, ProblemKey
+from ..dispatch import is_stale
+from ..schema import TuningRecord
+from .jobs import _Ctx
+
+
+def _cfg_json(cfg: BackendConfig | dict[str, Any]) -> str:
+    from ..schema import config_json
+
+    return _model_json(cfg) if isinstance(cfg, BackendConfig) else config_json(cfg)
+
+
+@functools.lru_cache(maxsize=1 << 15)
+def _model_json(cfg: BackendConfig) -> str:
+    """The canonical JSON of a (frozen, hashable) config, remembered: every M bucket of a shape
+    lists the same 10-18 thousand Hopper configs."""
+    from ..schema import config_json
+
+    return config_json(cfg)
+
+
+@dataclass(frozen=True)
+class _Cand:
+    backend: Backend
+    config: BackendConfig
+    config_json: str
+    first: bool = False  # the job's default or a backend's seed: tried before sampling
+    prior: bool = False  # a winner stored by an earlier run: measured even past the job's time share
+
+    @property
+    def ident(self) -> str:
+        return f"{self.backend.name}:{self.config_json}"
+
+
+def _valid_defaults(key: ProblemKey, m: int, backends: Sequence[Backend]) -> Iterator[_Cand]:
+    """Each backend's default config for ``(key, m)`` where valid, in backend order: the first
+    is every job's first trial."""
+    for b in backends:
+        cfg = b.default(key, m)
+        if b.is_valid(cfg, key) is None:
+            yield _Cand(b, cfg, _cfg_json(cfg), first=True)
+
+
+def _sibling_records(recs: Iterable[TuningRecord], key: ProblemKey, m: int) -> list[TuningRecord]:
+    """Among ``recs`` (one environment's rows), the winners of the jobs nearest to ``(key, m)``:
+    the same problem in the other formats at the same M bucket, then in the same format at the
+    nearest stored M buckets below and above. Configs do not name the format or M, and the
+    winner of a neighbour is a better first guess than a random sample."""
+    same = [r for r in recs if (r.op, r.dtype, r.n, r.k, r.experts, r.topk)
+            == (key.op, key.dtype, key.n, key.k, key.experts, key.topk)]
+    out = [r for r in same if r.fmt != key.fmt and r.m_bucket == m]
+    mine = {r.m_bucket for r in same if r.fmt == key.fmt}
+    near = [max((b for b in mine if b < m), default=None), min((b for b in mine if b > m), default=None)]
+    out += [r for b in near if b is not None for r in same if r.fmt == key.fmt and r.m_bucket == b]
+    return out
+
+
+def _first_candidates(
+    key: ProblemKey, m: int, backends: Sequence[Backend], stored: Sequence[tuple[Backend, BackendConfig]] = (),
+    seeds: int | None = None, siblings: Sequence[tuple[Backend, BackendConfig]] = (),
+) -> Iterator[_Cand]:
+    """The configs a job tries before any search, in order, valid ones only (repeats possible):
+    the first backend's default, the ``stored`` winners of an earlier run (a re-tune starts from
+    them), each followed by its backend's ``variants`` of it, the winners of neighbouring jobs
+    (``siblings``: :func:`_sibling_records`), the other backends' defaults, then each backend's
+    seeds (its first ``seeds``)."""
+    defaults = list(_valid_defaults(key, m, backends))
+    yield from defaults[:1]
+    for b, cfg in stored:
+        for c in (cfg, *b.variants(cfg, key, m)):
+            if b.is_valid(c, key) is None:
+                yield _Cand(b, c, _cfg_json(c), first=True, prior=c is cfg)
+    for b, cfg in siblings:
+        if b.is_valid(cfg, key) is None:
+            yield _Cand(b, cfg, _cfg_json(cfg), first=True)
+    yield from defaults[1:]
+    for b in backends:
+        for cfg in list(b.seeds(key, m))[:seeds]:
+            if b.is_valid(cfg, key) is None:
+                yield _Cand(b, cfg, _cfg_json(cfg), first=True)
+
+
+def _candidates(
+    key: ProblemKey, m: int, backends: Sequence[Backend], stored: Sequence[tuple[Backend, BackendConfig]] = (),
+    siblings: Sequence[tuple[Backend, BackendConfig]] = (),
+) -> list[_Cand]:
+    """:func:`_first_candidates` (marked ``first``: tried before the search samples), then
+    every backend's candidates (valid ones: ``Backend.candidates`` checks them, so they are not
+    checked twice)."""
+    out: list[_Cand] = []
+    seen: set[str] = set()
+
+    def add(c: _Cand) -> None:
+        if c.ident not in seen:
+            seen.add(c.ident)
+            out.append(c)
+
+    for c in _first_candidates(key, m, backends, stored, siblings=siblings):
+        add(c)
+    for b in backends:
+        for cfg in _backend_candidates(b, key, m):
+            add(_Cand(b, cfg, _cfg_json(cfg)))
+    return out
+
+
+def _backend_candidates(b: Backend, key: ProblemKey, m: int) -> list[BackendConfig]:
+    """``b.candidates(key, m)`` where the backend narrows its grid by M, else ``candidates(key)``."""
+    try:
+        takes_m = "m" in inspect.signature(b.candidates).parameters
+    except (TypeError, ValueError):
+        takes_m = False
+    return list(b.candidates(key, m=m) if takes_m else b.candidates(key))
+
+
+def _applicable(key: ProblemKey, backends: Sequence[Backend], reference_as_fallback: bool = False) -> list[Backend]:
+    """The backends that support ``key``. With ``reference_as_fallback`` (backends chosen
+    automatically) the reference backend, the correctness oracle, is only a candidate where
+    no other backend supports the key: it would cost a trial per job and never win."""
+    out = [b for b in backends if b.supports(key) is None]
+    if reference_as_fallback and any(b.name != "reference" for b in out):
+        out = [b for b in out if b.name != "reference"]
+    return out
+
+
+def _stored_results(db: Any, ctx: _Ctx, key: ProblemKey, m: int, backends: list[Backend]
+                    ) -> tuple[list[TuningRecord], list[TuningRecord], list[TuningRecord]]:
+    """This environment's results for the job: those measured with the current source of their
+    config's kernel, the stale ones (an older source: the job runs again, but their winners
+    are still the best first guesses of the new run), and the rows of the same problem in every
+    format and M bucket (for :func:`_sibling_records`). One query."""
+    by_name = {b.name: b for b in backends}
+    problem = db.results(ctx.env_key, op=key.op, dtype=key.dtype, backend=list(by_name), n=key.n, k=key.k,
+                         experts=key.experts, topk=key.topk)
+    recs = [r for r in problem if r.fmt == key.fmt and r.m_bucket == m]
+    stale = [is_stale(r, by_name[r.backend]) for r in recs]
+    return [r for r, s in zip(recs, stale) if not s], [r for r, s in zip(recs, stale) if s], problem
+
+
+def _parsed(recs: Iterable[TuningRecord], backends: Sequence[Backend]) -> list[tuple[Backend, BackendConfig]]:
+    """The records' configs, parsed by their backends (among ``backends``; records of other
+    backends and configs that no longer parse are left out)."""
+    by_name = {b.name: b for b in backends}
+    out = []
+    for r in recs:
+        try:
+            out.append((by_name[r.backend], by_name[r.backend].parse_config(r.config)))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out

@@ -1,0 +1,402 @@
+"""Tuning one job: its candidates, the trials asked from its study (a window of them in flight,
+compiling in the pool while one is measured), each measured trial recorded, and the choice of
+the winner, which is stored."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+from collections import deque
+from typing import Any, Sequence
+
+from ..backends.base import Backend
+from ..dispatch import backend_source_hash, backend_source_hashes
+from ..schema import TuningRecord
+from ..timing import TimingStats, faster_beyond_noise
+from . import budget
+from .budget import _out_of_time, setup_cap, trial_estimate
+from .candidates import _Cand, _applicable, _candidates, _cfg_json, _parsed, _sibling_records, _stored_results
+from .compile_pool import _compile_only, _prefetch_default, _request, _short_error
+from .jobs import Job, JobResult, _Ctx
+from .measurer import _Measurer
+from .search import _ask, _finished, _make_study, _started, _was_enqueued
+
+#: relative gain a tuned config needs over the default, on top of the noise rule.
+MIN_GAIN = 0.0
+
+
+class _Interrupted(Exception):
+    def __init__(self, result: JobResult) -> None:
+        super().__init__("interrupted")
+        self.result = result
+
+
+def _record_trial(db: Any, ctx: _Ctx, job: Job, cand: _Cand, res: dict[str, Any]) -> None:
+    from ..schema import TrialRecord
+
+    k = job.key
+    ok = res["outcome"] == "ok"
+    config = json.loads(cand.config_json)
+    tr = TrialRecord(
+        op=k.op, fmt=k.fmt, dtype=k.dtype, backend=cand.backend.name, m_bucket=job.m,
+        n=k.n, k=k.k, experts=k.experts, topk=k.topk, m=job.m,
+        config=config, outcome=res["outcome"],
+        median_us=res.get("median_us") if ok else None,
+        spread_us=res.get("spread_us") if ok else None,
+        error=str(res.get("error") or ""), env_key=ctx.env_key,
+        backend_source=backend_source_hash(cand.backend, config),
+    )
+    db.add_trial(tr)
+
+
+def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = None) -> JobResult:
+    """Tune one (key, M bucket). ``then``: the job that follows on this stream; its default
+    config is sent to the compile workers right after this job's first candidates."""
+    key = job.key
+    backends = _applicable(key, ctx.backends, ctx.reference_as_fallback)
+    if not backends:
+        why = "; ".join(f"{b.name}: {b.supports(key)}" for b in ctx.backends)
+        return JobResult(job, "no_valid_config", note=f"no selected backend supports it ({why})")
+    current, stale, problem = _stored_results(db, ctx, key, job.m, backends)
+    if current and not ctx.force:
+        return JobResult(job, "skipped", note="already tuned for this environment")
+    cands = _candidates(key, job.m, backends, _parsed(current + stale, backends),
+                        _parsed(_sibling_records(problem, key, job.m), backends))
+    if not cands:
+        return JobResult(job, "no_valid_config", note="no valid candidate config")
+    return JobTuner(job, ctx, db, meas, backends, current, cands).run(then)
+
+
+class JobTuner:
+    """One job with its candidates (``cands[0]``: the default) and the state of its tuning:
+    the study, the trials in flight, what was measured here and how long measuring took."""
+
+    def __init__(self, job: Job, ctx: _Ctx, db: Any, meas: _Measurer, backends: Sequence[Backend],
+                 current: Sequence[TuningRecord], cands: Sequence[_Cand]) -> None:
+        self.job, self.ctx, self.db, self.meas = job, ctx, db, meas
+        self.cands = cands
+        self.default = cands[0]
+        self.failed = self._failed_configs(backends)
+        self.study, self.space = _make_study(ctx, job, cands)
+        self.grid = self.space is None
+        self.choices = list(range(len(cands)))
+        self.seed = ctx.seed  # one per run: the M buckets of a problem share its random weights
+        self.result = JobResult(
+            job, "tuned", default_backend=self.default.backend.name,
+            default_config=json.loads(self.default.config_json),
+        )
+        self.inflight: deque[tuple[Any, _Cand, cf.Future | None]] = deque()
+        self.asked = 0
+        self.max_asks = 4 * ctx.budget + len(cands)
+        self.measured_here: dict[str, dict[str, Any]] = {}
+        self.run_s: list[float] = []  # per trial measured here: the time spent measuring it
+        self.wait_s: list[float] = []  # and the time spent waiting for its compile worker
+        self.stop_why = ""  # what ended the job at its share of the time (empty: it was not): said in its note
+        self.priors = [c.ident for c in cands if c.prior]
+        # the winners stored for this environment and kernel source (only a forced re-tune gets here
+        # with some): a pick that was not measured against them in this run does not replace them
+        self.current_rows = {_Cand(b, cfg, _cfg_json(cfg)).ident: r for r in current for b, cfg in _parsed([r], backends)}
+
+    def _failed_configs(self, backends: Sequence[Backend]) -> set[str]:
+        """The configs recorded as failed for this environment and kernel source (not run again)."""
+        key = self.job.key
+        failed: set[str] = set()
+        for b in backends:
+            for cj in self.db.failed_configs(
+                key.op, key.fmt, key.dtype, b.name, None, key.n, key.k, key.experts, key.topk,
+                self.ctx.env_key, backend_source=backend_source_hashes(b),
+            ):
+                failed.add(f"{b.name}:{cj}")
+        return failed
+
+    # -- the time share --
+    def has_result(self) -> bool:
+        return any(r["outcome"] == "ok" for r in self.measured_here.values())
+
+    def priors_left(self) -> bool:
+        """Is a stored winner (the best evidence an earlier run left) not measured yet?"""
+        return any(i not in self.measured_here and i not in self.failed for i in self.priors)
+
+    def share_used(self, compiled: bool = False) -> bool:
+        """With a result in hand, would one more trial (its kernel ``compiled`` already or not)
+        end past this job's share of the time? A stored winner not measured yet (it comes right
+        after the default) may take longer, as far as the run's deadline still leaves one trial
+        for every job after this one: a short share must not reduce a re-tune to the default."""
+        ctx = self.ctx
+        if ctx.job_deadline is None or not self.run_s or not self.has_result():
+            return False
+        end = budget._now() + trial_estimate(self.run_s, self.wait_s, compiled)
+        if self.priors_left():
+            cap = setup_cap(ctx.deadline, ctx.jobs_after, ctx.trial_s, ctx.streams)
+            return cap is not None and end > max(ctx.job_deadline, cap)
+        return end > ctx.job_deadline
+
+    def why_share(self, compiled: bool) -> str:
+        est = trial_estimate(self.run_s, self.wait_s, compiled)
+        return (f"the next trial, about {est:.2f} s by this job's mean of {len(self.run_s)} measured"
+                + (f" and {len(self.wait_s)} compile waits" if self.wait_s and not compiled else "")
+                + ", would have ended past it")
+
+    # -- asking the study for trials --
+    def executed(self) -> int:
+        return sum(1 for t in _finished(self.study) if t.user_attrs.get("executed"))
+
+    def exhausted(self) -> bool:
+        from optuna.trial import TrialState
+
+        if self.grid:  # no grid point left waiting (all finished or being measured somewhere)
+            return not self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        return self.executed() + len(self.inflight) >= self.ctx.budget or self.asked >= self.max_asks
+
+    def refill(self) -> None:
+        """Ask the study for trials until the window is full (and send each to the compile pool)."""
+        from optuna.trial import TrialState
+
+        ctx, study, cands = self.ctx, self.study, self.cands
+        while len(self.inflight) < ctx.window and not self.exhausted() and not _out_of_time(ctx):
+            if self.share_used():
+                self.stop_why = self.stop_why or self.why_share(False)
+                break
+            trial = _ask(ctx, study)
+            self.asked += 1
+            if self.grid and not _was_enqueued(study, trial):  # a peer took the last point
+                trial.set_user_attr("outcome", "unused")
+                study.tell(trial, state=TrialState.FAIL)
+                break
+            if self.space is None:
+                cand = cands[trial.suggest_categorical("cand", self.choices)]
+            else:
+                cand = cands[self.space.sample(trial)]
+            trial.set_user_attr("ident", cand.ident)
+            if cand.ident in self.failed:
+                trial.set_user_attr("outcome", "known_failed")
+                study.tell(trial, state=TrialState.FAIL)
+                continue
+            prev = self.measured_here.get(cand.ident)
+            if prev is not None:  # TPE asked for a point it already has
+                if prev["outcome"] == "ok":
+                    study.tell(trial, prev["median_us"])
+                else:
+                    study.tell(trial, state=TrialState.FAIL)
+                continue
+            fut = None
+            if ctx.pool is not None:
+                fut = ctx.pool.submit(_compile_only, _request(ctx, self.job, cand, self.seed))
+            self.inflight.append((trial, cand, fut))
+
+    # -- measuring --
+    def run(self, then: Job | None = None) -> JobResult:
+        """Measure the job's trials, then choose and store its winner (``then``: see
+        :func:`_tune_job`). Ctrl-C gives up the trials in flight and raises :class:`_Interrupted`."""
+        try:
+            self.refill()
+            if then is not None:
+                _prefetch_default(self.ctx, then)
+            while self.inflight:
+                self._step()
+        except KeyboardInterrupt:
+            self._abandon()
+            self.result.status = "interrupted"
+            raise _Interrupted(self.result) from None
+        return self._choose()
+
+    def _step(self) -> None:
+        """Measure the oldest trial in flight (or give it up: out of time, past the job's share),
+        then ask for more."""
+        from optuna.trial import TrialState
+
+        ctx = self.ctx
+        trial, cand, fut = self.inflight.popleft()
+        ready = fut is None or fut.done()
+        late = _out_of_time(ctx)
+        if late or self.share_used(compiled=ready):
+            if not late:
+                self.stop_why = self.stop_why or self.why_share(ready)
+            if fut is not None:
+                fut.cancel()
+            self.study.tell(trial, state=TrialState.FAIL)
+            return
+        t_trial = budget._now()
+        res: dict[str, Any] | None = None
+        if fut is not None:
+            gave_up, res = self._await_compile(trial, cand, fut, t_trial)
+            if gave_up:
+                return
+        t_ready = budget._now()
+        if fut is not None:
+            self.wait_s.append(t_ready - t_trial)
+        if res is None:
+            res = self.meas.run(_request(ctx, self.job, cand, self.seed))
+        self._account(res, t_trial, t_ready)
+        self._record(trial, cand, res)
+        self.refill()
+
+    def _await_compile(self, trial: Any, cand: _Cand, fut: cf.Future, t_trial: float
+                       ) -> tuple[bool, dict[str, Any] | None]:
+        """Wait for ``cand``'s compile: ``(gave_up, res)``; ``res``: the trial's outcome when the
+        compile failed or timed out (None: compiled); ``gave_up``: the trial was given up."""
+        from optuna.trial import TrialState
+
+        ctx = self.ctx
+        res: dict[str, Any] | None = None
+        # with a result in hand, wait for a compile only as long as the job's share
+        # lasts (a cold compile can take longer than a whole share; it still lands in
+        # the kernel cache for a later run)
+        wait = ctx.compile_timeout_s
+        if ctx.job_deadline is not None and self.has_result() and not cand.prior:
+            wait = min(wait, max(0.0, ctx.job_deadline - t_trial))
+        try:
+            err = fut.result(timeout=wait)
+        except cf.TimeoutError:
+            if wait < ctx.compile_timeout_s:
+                self.stop_why = self.stop_why or f"a kernel compile outlasted the {wait:.2f} s left of it"
+                self.study.tell(trial, state=TrialState.FAIL)
+                return True, None
+            err = None
+            res = {"outcome": "timeout", "error": f"compilation took more than {ctx.compile_timeout_s:.0f} s"}
+        except Exception as e:  # the pool process died
+            err = f"compile worker failed: {_short_error(e)}"
+        if err is not None:
+            res = {"outcome": "invalid" if err.startswith("invalid: ") else "compile_error", "error": err}
+        return False, res
+
+    def _account(self, res: dict[str, Any], t_trial: float, t_ready: float) -> None:
+        """Count the trial's time (its one-off setup aside) and stretch the share by that setup."""
+        ctx = self.ctx
+        setup = res.get("setup_s", 0.0)
+        self.run_s.append(max(0.0, budget._now() - t_ready - setup))
+        ctx.trial_s.append(max(0.0, budget._now() - t_trial - setup))
+        if ctx.job_deadline is not None and setup > 0:
+            # a problem's random weights serve all its M buckets: building them does not
+            # use up the share of the job that happens to come first (as far as the jobs
+            # after it keep time for one trial each)
+            cap = setup_cap(ctx.deadline, ctx.jobs_after, ctx.trial_s, ctx.streams)
+            ctx.job_deadline = max(ctx.job_deadline, min(ctx.job_deadline + setup, cap))
+
+    def _record(self, trial: Any, cand: _Cand, res: dict[str, Any]) -> None:
+        """Store the trial's outcome in the DB and tell it to the study."""
+        from optuna.trial import TrialState
+
+        ctx, result, key = self.ctx, self.result, self.job.key
+        self.measured_here[cand.ident] = res
+        with ctx.lock:
+            _record_trial(self.db, ctx, self.job, cand, res)
+        result.trials_run += 1
+        trial.set_user_attr("executed", True)
+        trial.set_user_attr("outcome", res["outcome"])
+        if res["outcome"] == "ok":
+            trial.set_user_attr("spread_us", res["spread_us"])
+            trial.set_user_attr("samples", res["samples"])
+            self.study.tell(trial, res["median_us"])
+        else:
+            result.trials_failed += 1
+            self.failed.add(cand.ident)
+            self.study.tell(trial, state=TrialState.FAIL)
+        if ctx.pbar is not None:
+            with ctx.lock:
+                ctx.pbar.set_postfix_str(
+                    f"{self.job.name or key.op} N={key.n} K={key.k} M={self.job.m} trials={result.trials_run}",
+                    refresh=False,
+                )
+
+    def _abandon(self) -> None:
+        """Give up the trials in flight (interrupted)."""
+        from optuna.trial import TrialState
+
+        for trial, _, fut in self.inflight:
+            if fut is not None:
+                fut.cancel()
+            try:
+                self.study.tell(trial, state=TrialState.FAIL)
+            except Exception:
+                pass
+
+    # -- the choice (over every process's measurements of this study) --
+    def _choose(self) -> JobResult:
+        """The fastest correct candidate, where it beats the default beyond the noise (else the
+        default); stored, unless a stored winner not measured again keeps its row."""
+        ctx, result = self.ctx, self.result
+        self._wait_for_peers()
+        stats = self._stats()
+        by_ident = {c.ident: c for c in self.cands}
+        oks = [by_ident[i] for i in stats if i in by_ident and i not in self.failed]
+        if not oks:
+            result.status = "out_of_time" if _out_of_time(ctx) else "no_valid_config"
+            result.note = "no candidate passed the correctness check" if not _out_of_time(ctx) else "stopped before a config was measured"
+            return result
+        best = min(oks, key=lambda c: (stats[c.ident].median_us, c.backend.name, c.config_json))
+        d_stats = stats.get(self.default.ident)
+        winner, result.note = self._winner(best, stats, d_stats)
+        unmeasured = [i for i in self.current_rows if i not in stats and i not in self.failed]
+        if unmeasured and winner.ident not in self.current_rows:
+            return self._keep(self.current_rows[unmeasured[0]])
+        return self._store(winner, stats[winner.ident], d_stats)
+
+    def _wait_for_peers(self) -> None:
+        ctx = self.ctx
+        if ctx.storage is not None:  # let live peers finish the points they are measuring
+            limit = time.monotonic() + 2 * ctx.compile_timeout_s
+            while time.monotonic() < limit and not ctx.stop.is_set():
+                if _started(self.study, ctx.compile_timeout_s) <= len(_finished(self.study)):
+                    break  # nothing running anywhere (stale trials of dead processes aside)
+                time.sleep(0.1)
+
+    def _stats(self) -> dict[str, TimingStats]:
+        """The timing of every candidate measured (by any process) in this study."""
+        from optuna.trial import TrialState
+
+        stats: dict[str, TimingStats] = {}
+        for t in _finished(self.study):
+            if t.state == TrialState.COMPLETE and t.user_attrs.get("executed") and t.value is not None:
+                ident = t.user_attrs.get("ident")
+                if ident and ident not in stats:
+                    stats[ident] = TimingStats(
+                        float(t.value), float(t.user_attrs.get("spread_us", 0.0)), int(t.user_attrs.get("samples", 1)), float(t.value)
+                    )
+        return stats
+
+    def _winner(self, best: _Cand, stats: dict[str, TimingStats], d_stats: TimingStats | None) -> tuple[_Cand, str]:
+        """The winner (``best`` or the default) and the job's note."""
+        default = self.default
+        notes = []
+        if self.stop_why:
+            notes.append(f"stopped at its share of the time budget after {self.result.trials_run} trials: {self.stop_why}")
+        if d_stats is None:
+            winner = best
+            notes.append("default config failed or was not measured")
+        elif best is not default and faster_beyond_noise(stats[best.ident], d_stats, MIN_GAIN):
+            winner = best
+        else:
+            winner = default
+            if best is not default:
+                notes.append("no config beat the default beyond the noise")
+        return winner, "; ".join(notes)
+
+    def _keep(self, row: TuningRecord) -> JobResult:
+        """The stored winner ``row`` was not measured again: it stays (status ``kept``)."""
+        result = self.result
+        result.status = "kept"
+        result.backend, result.config = row.backend, dict(row.config)
+        result.median_us, result.spread_us = row.median_us, row.spread_us  # as stored
+        result.note = (f"the stored winner was not measured again ({result.trials_run} trials in this job's "
+                       "share of the time); its row stays")
+        return result
+
+    def _store(self, winner: _Cand, w_stats: TimingStats, d_stats: TimingStats | None) -> JobResult:
+        """Report ``winner`` and store it as the job's result."""
+        key, result = self.job.key, self.result
+        result.backend = winner.backend.name
+        result.config = json.loads(winner.config_json)
+        result.median_us = w_stats.median_us
+        result.spread_us = w_stats.spread_us
+        result.default_us = d_stats.median_us if d_stats is not None else None
+        rec = TuningRecord(
+            op=key.op, fmt=key.fmt, dtype=key.dtype, backend=winner.backend.name, m_bucket=self.job.m,
+            n=key.n, k=key.k, experts=key.experts, topk=key.topk, config=result.config,
+            median_us=w_stats.median_us, spread_us=w_stats.spread_us, samples=max(1, w_stats.samples),
+            default_median_us=result.default_us, backend_source=backend_source_hash(winner.backend, result.config),
+            env=self.ctx.env,
+        )
+        with self.ctx.lock:
+            self.db.upsert_result(rec)
+        return result

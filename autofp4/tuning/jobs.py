@@ -1,0 +1,179 @@
+"""The units of a tuning run and what it reports: :class:`Job`, :class:`JobResult`,
+:class:`TuneReport` (with its table), :func:`jobs_for`, the run defaults on the GPU and the
+CPU, and the settings one job stream runs with."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ..backends.base import Backend, ProblemKey
+
+#: M buckets tuned on the CPU (the reference backend; the CPU is a fallback, not a target).
+CPU_M_BUCKETS: tuple[int, ...] = (1, 16, 128)
+
+
+@dataclass(frozen=True)
+class _Defaults:
+    budget: int
+    warmup: int
+    reps: int
+    trial_timeout_s: float
+    time_budget_s: float | None  # wall clock of a whole run, shared fairly by its jobs
+
+
+# 32 trials per job and 15 minutes per run: Llama-3.1-8B (4 shapes x 14 M buckets) fits
+GPU_DEFAULTS = _Defaults(budget=32, warmup=10, reps=30, trial_timeout_s=300.0, time_budget_s=900.0)
+# on the CPU the correctness check's call is the warm-up
+CPU_DEFAULTS = _Defaults(budget=3, warmup=0, reps=3, trial_timeout_s=600.0, time_budget_s=None)
+
+
+# -----------------------------------------------------------------------------------------
+# public data
+# -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    """One unit of tuning: a problem at one M bucket (``name``: the model's layer names)."""
+
+    key: ProblemKey
+    m: int
+    name: str = ""
+
+
+@dataclass
+class JobResult:
+    """What tuning one job found (``status``: tuned | skipped | kept | no_valid_config |
+    interrupted | out_of_time; ``kept``: a forced re-tune that did not get to measure the
+    stored winner again, whose row therefore stays)."""
+
+    job: Job
+    status: str
+    backend: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
+    median_us: float | None = None
+    spread_us: float | None = None
+    default_backend: str = ""
+    default_config: dict[str, Any] = field(default_factory=dict)
+    default_us: float | None = None
+    trials_run: int = 0
+    trials_failed: int = 0
+    note: str = ""
+
+    @property
+    def speedup(self) -> float | None:
+        if self.median_us and self.default_us:
+            return self.default_us / self.median_us
+        return None
+
+
+@dataclass
+class TuneReport:
+    """Everything a tuning run did, one :class:`JobResult` per job, in job order."""
+
+    device: str
+    env_key: str
+    results: list[JobResult] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    interrupted: bool = False
+
+    @property
+    def tuned(self) -> list[JobResult]:
+        return [r for r in self.results if r.status == "tuned"]
+
+    @property
+    def trials_run(self) -> int:
+        return sum(r.trials_run for r in self.results)
+
+    @property
+    def trials_failed(self) -> int:
+        return sum(r.trials_failed for r in self.results)
+
+    def table(self) -> str:
+        """A fixed-width summary table (shape, N, K, E, topk, M, winner, times, speedup), then the
+        note of every job that has one (what cut it short, why the default stayed, ...; the
+        already tuned jobs aside)."""
+        head = ("shape", "op", "N", "K", "E", "topk", "M", "status", "winner", "us", "default us", "speedup", "trials", "failed")
+        rows = [head]
+        for r in self.results:
+            k = r.job.key
+            cfg = json.dumps(r.config, sort_keys=True, separators=(",", ":")) if r.config else ""
+            winner = f"{r.backend} {cfg}".strip()
+            rows.append((
+                r.job.name or "-", k.op, str(k.n), str(k.k),
+                str(k.experts) if k.op == "moe" else "-", str(k.topk) if k.op == "moe" else "-",
+                str(r.job.m), r.status, winner or "-",
+                _fmt_us(r.median_us), _fmt_us(r.default_us),
+                f"{r.speedup:.2f}x" if r.speedup else "-", str(r.trials_run), str(r.trials_failed),
+            ))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+        lines = []
+        for j, row in enumerate(rows):
+            cells = [c.ljust(w) if i in (0, 1, 7, 8) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+            lines.append("  ".join(cells).rstrip())
+            if j == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        notes = [f"  {r.job.name or r.job.key.op} N={r.job.key.n} K={r.job.key.k} M={r.job.m}: {r.note}"
+                 for r in self.results if r.note and r.status != "skipped"]
+        if notes:
+            lines += ["", "notes:", *notes]
+        return "\n".join(lines) + "\n"
+
+
+def _fmt_us(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
+def jobs_for(
+    shapes: Iterable[Any], m_buckets: Sequence[int], fmt: str = "nvfp4", dtype: str = "bfloat16"
+) -> list[Job]:
+    """One :class:`Job` per (shape, M bucket); shapes are ModelShapes or ProblemKeys."""
+    out: list[Job] = []
+    seen: set[tuple[ProblemKey, int]] = set()
+    for s in shapes:
+        if isinstance(s, ProblemKey):
+            key, name = s, ""
+        elif hasattr(s, "problem_key"):
+            key, name = s.problem_key(fmt, dtype), getattr(s, "name", "")
+        else:
+            raise TypeError(f"expected a ModelShape or a ProblemKey, got {type(s).__name__}")
+        for m in m_buckets:
+            if (key, m) not in seen:
+                seen.add((key, m))
+                out.append(Job(key, int(m), name))
+    return out
+
+
+# -----------------------------------------------------------------------------------------
+# the settings of one job stream
+# -----------------------------------------------------------------------------------------
+@dataclass
+class _Ctx:
+    device: torch.device
+    env: Any
+    env_key: str
+    backends: list[Backend]
+    budget: int
+    warmup: int
+    reps: int
+    deadline: float | None
+    force: bool
+    storage: Any  # None (in memory) or one optuna RDBStorage shared by the run's job streams
+    ask_lock: str | None  # SQLite storage: a lock file that serializes study.ask() across processes
+    window: int
+    pool: cf.ProcessPoolExecutor | None
+    compile_timeout_s: float
+    stop: threading.Event
+    pbar: Any
+    lock: threading.Lock
+    seed: int
+    streams: int = 1  # job streams (devices) sharing the run's time budget
+    reference_as_fallback: bool = False  # backends chosen automatically: see candidates._applicable
+    job_deadline: float | None = None  # this stream's current job stops asking for trials here
+    jobs_after: int = 0  # jobs queued behind the current one when it started
+    trial_s: list[float] = field(default_factory=list)  # this stream's trials: wall time, setup excluded

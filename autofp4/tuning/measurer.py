@@ -1,0 +1,123 @@
+"""The timing process of a device: trials run in-process, or in one persistent child process
+per device (:func:`_worker_main`), restarted when it dies, hangs or reports a CUDA fault."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+import time
+from typing import Any
+
+import torch
+
+from .compile_pool import _preload_compiler
+from .trial import run_trial
+
+
+# -----------------------------------------------------------------------------------------
+# the timing process: in-process, or a persistent child per device
+# -----------------------------------------------------------------------------------------
+def _worker_main(conn: Any, device: str, sys_path: list[str]) -> None:  # pragma: no cover - child
+    for p in sys_path:
+        if p not in sys.path:
+            sys.path.append(p)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        torch.zeros(1, device=dev)
+    from .. import formats, weights  # noqa: F401  (imported before the first trial's clock starts)
+    from ..backends import reference  # noqa: F401
+
+    if dev.type == "cuda":
+        _preload_compiler()
+
+    conn.send("ready")
+    while True:
+        try:
+            req = conn.recv()
+        except (EOFError, OSError):
+            return
+        if req is None:
+            return
+        conn.send(run_trial(req))
+
+
+class _Measurer:
+    """Runs trials; ``isolate`` puts them in a child process restarted after a fault or hang."""
+
+    def __init__(self, device: torch.device, isolate: bool, timeout_s: float) -> None:
+        self.device = device
+        self.isolate = isolate
+        self.timeout_s = timeout_s
+        self.proc: Any = None
+        self.conn: Any = None
+        self.restarts = 0
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_worker_main, args=(child, str(self.device), list(sys.path)), daemon=True)
+        p.start()
+        child.close()
+        if not parent.poll(max(120.0, self.timeout_s)):
+            p.kill()
+            raise RuntimeError(f"the timing worker for {self.device} did not start")
+        try:
+            if parent.recv() != "ready":
+                raise RuntimeError("unexpected handshake")
+        except EOFError:
+            raise RuntimeError(f"the timing worker for {self.device} died while starting (exit code {p.exitcode})") from None
+        self.proc, self.conn = p, parent
+
+    def _stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(10)
+        finally:
+            try:
+                self.conn.close()
+            except OSError:
+                pass
+            self.proc, self.conn = None, None
+
+    def run(self, req: dict[str, Any]) -> dict[str, Any]:
+        if not self.isolate:
+            return run_trial(req)
+        start_s = 0.0
+        if self.proc is None or not self.proc.is_alive():
+            self._stop()
+            t0 = time.perf_counter()
+            self._start()
+            start_s = time.perf_counter() - t0  # a one-off: the trial reports it as setup
+        try:
+            self.conn.send(req)
+            if not self.conn.poll(self.timeout_s):
+                self._stop()
+                self.restarts += 1
+                return {"outcome": "timeout", "error": f"no answer within {self.timeout_s:.0f} s; worker restarted"}
+            res = self.conn.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            code = self.proc.exitcode if self.proc is not None else None
+            if self.proc is not None:
+                self.proc.join(5)
+                code = self.proc.exitcode
+            self._stop()
+            self.restarts += 1
+            return {"outcome": "runtime_fault", "error": f"the timing worker process died (exit code {code}); restarted"}
+        if res.get("fatal"):
+            self._stop()
+            self.restarts += 1
+        if start_s:
+            res["setup_s"] = res.get("setup_s", 0.0) + start_s
+        return res
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.is_alive():
+            try:
+                self.conn.send(None)
+                self.proc.join(5)
+            except (OSError, BrokenPipeError):
+                pass
+        self._stop()

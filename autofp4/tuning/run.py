@@ -1,0 +1,349 @@
+"""Running jobs: :func:`tune_jobs` (one job stream per device, sharing one job queue, the
+compile pool and the time budget), :func:`tune` and :func:`tune_from_misses`."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import multiprocessing as mp
+import os
+import queue
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..backends import available_backends, get_backend
+from ..backends.base import Backend, ProblemKey
+from ..dispatch import DEFAULT_M_BUCKETS, load_misses
+from . import budget
+from .budget import _out_of_time, job_share_deadline
+from .compile_pool import _pool_init, _short_error, _start_pool
+from .job import _Interrupted, _tune_job
+from .jobs import CPU_DEFAULTS, CPU_M_BUCKETS, GPU_DEFAULTS, Job, JobResult, TuneReport, _Ctx, _Defaults, jobs_for
+from .measurer import _Measurer
+from .search import _ask_lock_path, _open_storage
+
+
+def _open_db(db: Any) -> tuple[Any, bool, Path]:
+    """``(TuningDB, owned, path)`` for a TuningDB, a path or None (the user DB)."""
+    from ..db import TuningDB
+    from ..dispatch import user_db_path
+
+    if db is None:
+        t = TuningDB(user_db_path())
+        return t, True, t.path
+    if isinstance(db, (str, os.PathLike)):
+        t = TuningDB(db)
+        return t, True, t.path
+    return db, False, Path(db.path)
+
+
+def _stream(
+    jobs: "queue.Queue[tuple[int, Job]]", ctx: _Ctx, db: Any, meas: _Measurer, out: dict[int, JobResult]
+) -> None:
+    """Work through the job queue on one device (one thread per device)."""
+    try:
+        while True:
+            try:
+                i, job = jobs.get_nowait()
+            except queue.Empty:
+                return
+            if ctx.stop.is_set():
+                out[i] = JobResult(job, "interrupted", note="not started")
+            elif _out_of_time(ctx):
+                out[i] = JobResult(job, "out_of_time", note="time budget used up")
+            else:
+                with jobs.mutex:  # peek: the next job's first compile overlaps this job
+                    nxt = jobs.queue[0][1] if jobs.queue else None
+                ctx.jobs_after = jobs.qsize()
+                ctx.job_deadline = job_share_deadline(budget._now(), ctx.deadline, ctx.jobs_after + 1, ctx.streams)
+                try:
+                    out[i] = _tune_job(job, ctx, db, meas, then=nxt)
+                except _Interrupted as e:
+                    out[i] = e.result
+                    ctx.stop.set()
+                except Exception as e:  # a DB or optuna failure ends this job, not the run
+                    out[i] = JobResult(job, "error", note=_short_error(e))
+            if ctx.pbar is not None:
+                with ctx.lock:
+                    ctx.pbar.update(1)
+    finally:
+        meas.close()
+
+
+def _stream_owned_db(q: Any, ctx: _Ctx, db_path: Path, meas: _Measurer, out: dict[int, JobResult]) -> None:
+    """A job stream on its own thread, with its own DB connection (SQLite connections stay
+    on the thread that opened them)."""
+    from ..db import TuningDB
+
+    try:
+        db = TuningDB(db_path)
+    except Exception:
+        meas.close()
+        raise
+    try:
+        _stream(q, ctx, db, meas, out)
+    finally:
+        db.close()
+
+
+def _resolve_devices(
+    gpus: Sequence[int] | None, devices: Sequence[torch.device | str] | None, device: torch.device | str | None
+) -> list[torch.device]:
+    """The devices of the run's job streams, from ``gpus``, ``devices`` or ``device``."""
+    if gpus and devices:
+        raise ValueError("give gpus or devices, not both")
+    if gpus:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"gpus={list(gpus)} given, but no CUDA GPU is available")
+        return [torch.device("cuda", int(g)) for g in gpus]
+    if devices:
+        devs = [torch.device(d) for d in devices]
+        if len({d.type for d in devs}) != 1:
+            raise ValueError(f"devices must all be of one type, got {[str(d) for d in devs]}")
+        return devs
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return [dev]
+
+
+def _budgets(budget_per_shape: int | None, budget_total_s: float | None, defaults: _Defaults
+             ) -> tuple[int, float | None]:
+    """Trials per job and the run's time budget in seconds (None: no limit), checked."""
+    per_job = int(budget_per_shape or defaults.budget)
+    if per_job < 1:
+        raise ValueError(f"budget_per_shape must be >= 1, got {per_job}")
+    if budget_total_s is None:
+        budget_total_s = defaults.time_budget_s
+    elif not budget_total_s > 0:
+        raise ValueError(f"budget_total_s must be > 0 (math.inf: no limit), got {budget_total_s}")
+    if budget_total_s is not None and math.isinf(budget_total_s):
+        budget_total_s = None
+    return per_job, budget_total_s
+
+
+def _chosen_backends(backends: Sequence[str] | None, device: torch.device) -> list[Backend]:
+    """The named backends (each must run on ``device``), else every backend available there."""
+    if not backends:
+        return available_backends(device)
+    chosen = [get_backend(n) for n in backends]
+    for b in chosen:
+        why = b.unavailable_reason(device)
+        if why:
+            raise RuntimeError(f"backend {b.name!r} cannot run on {device}: {why}")
+    return chosen
+
+
+def _open_pool(workers: int, on_gpu: bool) -> cf.ProcessPoolExecutor | None:
+    """The compile worker processes, all started (None for ``workers`` 0: compile in-process)."""
+    if workers <= 0:
+        return None
+    from ..kernel_cache import target_arch
+
+    arch = target_arch() if on_gpu else ""
+    pool = cf.ProcessPoolExecutor(
+        max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_pool_init, initargs=(arch,)
+    )
+    _start_pool(pool, workers)
+    return pool
+
+
+def _progress_bar(progress: bool, total: int) -> Any:
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="tuning", unit="job", dynamic_ncols=True, file=sys.stderr)
+
+
+def _job_queue(jobs: Sequence[Job]) -> "queue.Queue[tuple[int, Job]]":
+    """The run's jobs with their indices, shared by its job streams."""
+    q: queue.Queue[tuple[int, Job]] = queue.Queue()
+    for i, j in enumerate(jobs):
+        q.put((i, j))
+    return q
+
+
+def _close_run(pool: cf.ProcessPoolExecutor | None, pbar: Any, db: Any) -> None:
+    """Stop the compile workers (queued compiles cancelled), close the progress bar and ``db``
+    (the DB the run opened, None for one it was given)."""
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
+    if pbar is not None:
+        pbar.close()
+    if db is not None:
+        db.close()
+
+
+def _run_streams(
+    q: "queue.Queue[tuple[int, Job]]", devices: Sequence[torch.device], ctx_for: Callable[[torch.device], _Ctx],
+    main_db: Any, db_path: Path, isolate: bool, timeout: float, out: dict[int, JobResult],
+) -> None:
+    """One job stream per device: on this thread with ``main_db`` for one device, else one
+    thread each with its own DB connection (Ctrl-C waits for them)."""
+    if len(devices) == 1:
+        _stream(q, ctx_for(devices[0]), main_db, _Measurer(devices[0], isolate, timeout), out)
+        return
+    threads = []
+    for dev in devices:
+        ctx = ctx_for(dev)
+        th = threading.Thread(
+            target=_stream_owned_db, args=(q, ctx, db_path, _Measurer(dev, True, timeout), out), daemon=True
+        )
+        th.start()
+        threads.append(th)
+    try:
+        for th in threads:
+            while th.is_alive():
+                th.join(0.5)
+    except KeyboardInterrupt:
+        ctx.stop.set()  # one event, shared by every stream's settings
+        for th in threads:
+            th.join()
+
+
+def tune_jobs(
+    jobs: Sequence[Job],
+    backends: Sequence[str] | None = None,
+    db: Any = None,
+    device: torch.device | str | None = None,
+    budget_per_shape: int | None = None,
+    budget_total_s: float | None = None,
+    force: bool = False,
+    workers: int | None = None,
+    progress: bool = True,
+    *,
+    gpus: Sequence[int] | None = None,
+    storage: str | None = None,
+    isolate: bool | None = None,
+    trial_timeout_s: float | None = None,
+    warmup: int | None = None,
+    reps: int | None = None,
+    devices: Sequence[torch.device | str] | None = None,
+) -> TuneReport:
+    """Tune explicit :class:`Job` s (see :func:`tune` for the parameters).
+
+    ``devices`` generalizes ``gpus``: one job stream (a thread driving its own timing
+    worker process and DB connection) per entry; entries may repeat (``["cpu", "cpu"]``).
+    """
+    from ..env import current_environment
+
+    devices = _resolve_devices(gpus, devices, device)
+    on_gpu = devices[0].type == "cuda"
+    defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
+    per_job, budget_total_s = _budgets(budget_per_shape, budget_total_s, defaults)
+    chosen = _chosen_backends(backends, devices[0])
+    if workers is None:
+        workers = max(1, min(16, (os.cpu_count() or 2) - 2)) if on_gpu else 0
+    if isolate is None:
+        isolate = on_gpu
+    timeout = float(trial_timeout_s or defaults.trial_timeout_s)
+    env = current_environment(devices[0])
+    t0 = budget._now()
+    report = TuneReport(device=", ".join(str(d) for d in devices), env_key=env.key())
+    storage_obj = _open_storage(storage)
+    main_db, owned, db_path = _open_db(db)
+    main_db.add_environment(env)
+    pool = _open_pool(workers, on_gpu)
+    pbar = _progress_bar(progress, len(jobs))
+    lock = threading.Lock()
+    stop = threading.Event()
+    seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+    out: dict[int, JobResult] = {}
+    q = _job_queue(jobs)
+
+    def ctx_for(dev: torch.device) -> _Ctx:
+        return _Ctx(
+            device=dev, env=current_environment(dev), env_key=env.key(), backends=chosen, budget=per_job,
+            warmup=int(warmup if warmup is not None else defaults.warmup),
+            reps=int(reps if reps is not None else defaults.reps),
+            deadline=None if budget_total_s is None else t0 + float(budget_total_s),
+            force=force, storage=storage_obj, ask_lock=_ask_lock_path(storage), window=max(1, workers), pool=pool,
+            compile_timeout_s=timeout, stop=stop, pbar=pbar, lock=lock, seed=seed, streams=len(devices),
+            reference_as_fallback=not backends,
+        )
+
+    try:
+        _run_streams(q, devices, ctx_for, main_db, db_path, isolate, timeout, out)
+    except KeyboardInterrupt:
+        stop.set()
+    finally:
+        _close_run(pool, pbar, main_db if owned else None)
+    report.interrupted = stop.is_set()
+    for i, j in enumerate(jobs):
+        report.results.append(out.get(i) or JobResult(j, "interrupted" if report.interrupted else "out_of_time"))
+    report.elapsed_s = budget._now() - t0
+    return report
+
+
+def tune(
+    shapes: Sequence[Any],
+    m_buckets: Sequence[int] | None = None,
+    backends: Sequence[str] | None = None,
+    db: Any = None,
+    device: torch.device | str | None = None,
+    budget_per_shape: int | None = None,
+    budget_total_s: float | None = None,
+    force: bool = False,
+    workers: int | None = None,
+    progress: bool = True,
+    *,
+    fmt: str = "nvfp4",
+    dtype: str = "bfloat16",
+    gpus: Sequence[int] | None = None,
+    storage: str | None = None,
+    isolate: bool | None = None,
+    trial_timeout_s: float | None = None,
+    warmup: int | None = None,
+    reps: int | None = None,
+    devices: Sequence[torch.device | str] | None = None,
+) -> TuneReport:
+    """Tune every (shape, M bucket) and store the winners in the tuning DB.
+
+    ``shapes``: :class:`~autofp4.models.ModelShape` s (with ``fmt``/``dtype``) or
+    :class:`ProblemKey` s. ``m_buckets``: default ``DEFAULT_M_BUCKETS`` on the GPU,
+    ``CPU_M_BUCKETS`` on the CPU. ``backends``: backend names (default: every backend that
+    applies to the device). ``db``: a TuningDB, a path, or None for the user DB.
+    ``budget_per_shape``: trials per (shape, bucket) (default 32 GPU / 3 CPU);
+    ``budget_total_s``: wall-clock budget of the whole run (default 900 s on the GPU, none on
+    the CPU; ``math.inf``: none). Each job gets an equal share of the time left when it starts
+    and stops asking for trials at the end of it once it has a measured result; jobs that
+    cannot start in time are reported as ``out_of_time``. ``force``: re-tune jobs that already
+    have a result, starting from the stored winner. ``workers``: compile worker processes
+    (default: CPU count based on the GPU, 0 on the CPU = compile in-process). ``gpus``: CUDA
+    device indices, one job stream each (``devices``: the same with explicit devices, e.g.
+    ``["cpu", "cpu"]``). ``storage``: an optuna RDB URL shared by cooperating processes.
+    ``isolate``: run trials in a restartable child process (default: on the GPU).
+    ``trial_timeout_s``: per-trial limit in the child.
+    """
+    first = devices[0] if devices else (device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = bool(gpus) or torch.device(first).type == "cuda"
+    if m_buckets is None:
+        m_buckets = DEFAULT_M_BUCKETS if on_gpu else CPU_M_BUCKETS
+    ms = sorted({int(m) for m in m_buckets})
+    if not ms or ms[0] < 1:
+        raise ValueError(f"m_buckets must be positive integers, got {list(m_buckets)}")
+    return tune_jobs(
+        jobs_for(shapes, ms, fmt, dtype), backends, db, device, budget_per_shape, budget_total_s, force,
+        workers, progress, gpus=gpus, storage=storage, isolate=isolate, trial_timeout_s=trial_timeout_s,
+        warmup=warmup, reps=reps, devices=devices,
+    )
+
+
+def tune_from_misses(misses_path: str | os.PathLike | None = None, **kwargs: Any) -> TuneReport:
+    """Tune exactly the ``(key, M bucket)`` pairs a workload missed (see :mod:`autofp4.dispatch`).
+
+    ``misses_path`` defaults to the misses file next to the user DB; ``kwargs`` go to
+    :func:`tune_jobs`. Jobs are ordered by how many calls missed them (most first).
+    """
+    misses = load_misses(misses_path)
+    counts: dict[tuple[ProblemKey, int], int] = {}
+    for key, m, c in misses:
+        counts[(key, m)] = counts.get((key, m), 0) + c
+    jobs = [Job(k, m, f"{c} calls") for (k, m), c in sorted(counts.items(), key=lambda kv: -kv[1])]
+    return tune_jobs(jobs, **kwargs)

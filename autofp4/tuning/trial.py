@@ -1,0 +1,256 @@
+"""One trial, in the timing process (in-process or a worker): random data for the job, the
+check against the reference backend, the timing plan, and :func:`run_trial`."""
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from ..backends import get_backend
+from ..backends.base import Backend, ProblemKey
+from ..timing import TimingStats, copies_for_cold_l2, l2_cache_bytes, time_cpu, time_cuda
+from .compile_pool import _backend_from, _key_from, _short_error
+
+#: relative Frobenius error bound of a candidate's output vs. the reference backend's.
+TOLERANCE: dict[str, float] = {"bfloat16": 1e-2, "float16": 5e-3}
+#: kernels faster than this (eager estimate) are timed by CUDA-graph replay.
+GRAPH_BELOW_US = 200.0
+#: calls slower than this are timed on two argument copies only (no cold-L2 rotation).
+SLOW_CALL_US = 1000.0
+#: the timed samples of one trial aim at this much GPU time (fewer reps for slow kernels).
+TRIAL_TARGET_S = 2.0
+#: but never fewer samples than this.
+MIN_REPS = 5
+
+
+# -----------------------------------------------------------------------------------------
+# one trial: data, check, time (runs in the timing process: in-process or a worker)
+# -----------------------------------------------------------------------------------------
+class _TrialData:
+    """Random weights / activations / reference outputs of the job being tuned (one at a time)."""
+
+    def __init__(self) -> None:
+        self.ident: tuple | None = None
+        self.weights: list[Any] = []  # per copy: FP4Weight (linear) or (w13, w2) (moe)
+        self.prepared: dict[tuple[str, int], Any] = {}
+        self.acts: dict[int, list[tuple]] = {}  # m -> per copy: (x, bias) or (x, tw, ti)
+        self.refs: dict[int, torch.Tensor] = {}
+
+
+_DATA = _TrialData()
+
+
+def _random_fp4(shape: tuple[int, ...], fmt: str, device: torch.device, gen: torch.Generator) -> Any:
+    """A random FP4 weight of ``shape`` (quantized in expert chunks to bound fp32 memory)."""
+    from ..formats import quantize
+    from ..weights import FP4Weight
+
+    if len(shape) == 2:
+        w = torch.randn(shape, generator=gen, device="cpu").to(device)
+        return quantize(w, fmt)
+    e, n, k = shape
+    per = max(1, (1 << 27) // max(1, n * k))
+    parts = []
+    for s in range(0, e, per):
+        c = min(per, e - s)
+        w = torch.randn((c, n, k), generator=gen, device="cpu").to(device)
+        parts.append(quantize(w, fmt))
+        del w
+    if len(parts) == 1:
+        return parts[0]
+    gs = None if parts[0].global_scale is None else torch.cat([p.global_scale for p in parts])
+    return FP4Weight(
+        fmt, torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts]), gs, check_values=False
+    )
+
+
+def _weights_for(key: ProblemKey, device: torch.device, gen: torch.Generator) -> Any:
+    if key.op == "linear":
+        return _random_fp4((key.n, key.k), key.fmt, device, gen)
+    inter = key.n // 2
+    return (
+        _random_fp4((key.experts, key.n, key.k), key.fmt, device, gen),
+        _random_fp4((key.experts, key.k, inter), key.fmt, device, gen),
+    )
+
+
+def _weight_bytes(w: Any) -> int:
+    ws = w if isinstance(w, tuple) else (w,)
+    return sum(x.nbytes for x in ws)
+
+
+def _acts_for(key: ProblemKey, m: int, device: torch.device, gen: torch.Generator) -> tuple:
+    dt = key.torch_dtype
+    x = torch.randn((m, key.k), generator=gen).to(device=device, dtype=dt)
+    if key.op == "linear":
+        bias = torch.randn((key.n,), generator=gen).to(device=device, dtype=dt)
+        return (x, bias)
+    logits = torch.randn((m, key.experts), generator=gen)
+    tw, ti = torch.topk(torch.softmax(logits, dim=-1), key.topk, dim=-1)
+    tw = (tw / tw.sum(-1, keepdim=True)).float().to(device)
+    return (x, tw, ti.to(torch.int32).to(device))
+
+
+def _call(key: ProblemKey, runner: Callable, prepared: Any, act: tuple, with_bias: bool = True) -> torch.Tensor:
+    if key.op == "linear":
+        x, bias = act
+        return runner(x, prepared, bias if with_bias else None)
+    x, tw, ti = act
+    p13, p2 = prepared
+    return runner(x, p13, p2, tw, ti, "silu")
+
+
+def _prepare(b: Backend, w: Any) -> Any:
+    if isinstance(w, tuple):
+        return tuple(wi.packed(b.name, b.prepare) for wi in w)
+    return w.packed(b.name, b.prepare)
+
+
+#: the rotated weight copies of one job never take more device memory than this.
+ROTATION_MAX_BYTES = 16 * 2**30
+
+
+def _copies(key: ProblemKey, m: int, weight_bytes: int, device: torch.device) -> int:
+    """Argument copies that make one rotation read more than twice the L2 (cold-L2 timing).
+
+    A MoE call reads only the experts its tokens are routed to: about
+    ``min(E, m * topk) / E`` of the weights.
+    """
+    touched = weight_bytes
+    if key.op == "moe":
+        touched = max(1, weight_bytes * min(key.experts, m * key.topk) // key.experts)
+    per = touched + 2 * m * key.k
+    n = copies_for_cold_l2(per, l2_cache_bytes(device))
+    return max(1, min(n, ROTATION_MAX_BYTES // max(1, weight_bytes)))
+
+
+def _setup_data(key: ProblemKey, m: int, seed: int, device: torch.device, copies_hint: bool) -> _TrialData:
+    d = _DATA
+    ident = (key, seed, str(device))
+    if d.ident != ident:
+        d.ident = None
+        d.weights, d.prepared, d.acts, d.refs = [], {}, {}, {}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        gen = torch.Generator().manual_seed(seed)
+        d.weights.append(_weights_for(key, device, gen))
+        if device.type == "cuda" and copies_hint:
+            for _ in range(_copies(key, m, _weight_bytes(d.weights[0]), device) - 1):
+                d.weights.append(_weights_for(key, device, gen))
+        d.ident = ident
+    if m not in d.acts:
+        gen = torch.Generator().manual_seed(seed * 7919 + m)
+        d.acts[m] = [_acts_for(key, m, device, gen) for _ in d.weights]
+        ref = get_backend("reference")
+        runner = ref.compile(ref.default(key, m), key)
+        d.refs[m] = _call(key, runner, _prepare(ref, d.weights[0]), d.acts[m][0])
+    return d
+
+
+def _timing_plan(pass_us: float, warmup: int, reps: int) -> tuple[int, int]:
+    """``(warmup, reps)`` so that the samples take about ``TRIAL_TARGET_S`` (``pass_us``: one
+    pass over the argument copies), between ``MIN_REPS`` and the requested ``reps``."""
+    fit = int(TRIAL_TARGET_S * 1e6 / max(pass_us, 1e-3))
+    r = max(min(MIN_REPS, reps), min(reps, fit))
+    return min(warmup, max(1, r // 3)), r
+
+
+def _check(out: Any, ref: torch.Tensor, dtype: str) -> str | None:
+    """``None`` when ``out`` matches ``ref`` within ``TOLERANCE[dtype]``, else why not."""
+    if not isinstance(out, torch.Tensor):
+        return f"runner returned {type(out).__name__}, expected a tensor"
+    if tuple(out.shape) != tuple(ref.shape) or out.dtype != ref.dtype:
+        return f"output is {tuple(out.shape)} {out.dtype}, expected {tuple(ref.shape)} {ref.dtype}"
+    o = out.detach().double().cpu()
+    r = ref.detach().double().cpu()
+    if not torch.isfinite(o).all():
+        return f"output has {int((~torch.isfinite(o)).sum())} non-finite values"
+    denom = float(torch.linalg.vector_norm(r)) or 1.0
+    err = float(torch.linalg.vector_norm(o - r)) / denom
+    tol = TOLERANCE[dtype]
+    if not err <= tol:
+        return f"relative Frobenius error {err:.3e} exceeds {tol:.0e} ({dtype})"
+    return None
+
+
+def _is_cuda_fault(e: BaseException) -> bool:
+    s = str(e)
+    return any(t in s for t in ("CUDA error", "illegal memory access", "device-side assert", "unspecified launch failure", "CUBLAS_STATUS"))
+
+
+def run_trial(req: dict[str, Any]) -> dict[str, Any]:
+    """Compile, check and time one candidate; never raises (the outcome says what happened).
+
+    ``req``: ``backend``, ``spec``, ``config`` (JSON), ``key`` (dict), ``m``, ``seed``,
+    ``device``, ``warmup``, ``reps``, ``graph`` (allow CUDA graphs). Returns ``outcome``,
+    ``median_us``, ``spread_us``, ``samples``, ``error`` and ``fatal`` (the CUDA context
+    may be dead: restart the process).
+    """
+    res: dict[str, Any] = {"outcome": "ok", "median_us": None, "spread_us": None, "samples": 0, "error": "", "fatal": False}
+    device = torch.device(req["device"])
+    try:
+        key = _key_from(req["key"])
+        b = _backend_from(req["backend"], req["spec"])
+        cfg = b.parse_config(json.loads(req["config"]))
+        reason = b.is_valid(cfg, key)
+    except Exception as e:
+        return {**res, "outcome": "invalid", "error": _short_error(e)}
+    if reason:
+        return {**res, "outcome": "invalid", "error": reason}
+    m = int(req["m"])
+    try:
+        runner = b.compile(cfg, key)
+    except Exception as e:
+        return {**res, "outcome": "compile_error", "error": _short_error(e)}
+    stage = "preparing data"
+    try:
+        t_setup = time.perf_counter()
+        d = _setup_data(key, m, int(req["seed"]), device, copies_hint=True)
+        stage = "preparing the weight"
+        prepared = [_prepare(b, w) for w in d.weights]
+        # one-off work (random weights for a new problem, a layout packed for a new kernel):
+        # the job's time share must not take it for the cost of every trial
+        res["setup_s"] = time.perf_counter() - t_setup
+        stage = "running"
+        out = _call(key, runner, prepared[0], d.acts[m][0])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        why = _check(out, d.refs[m], key.dtype)
+        if why:
+            return {**res, "outcome": "wrong_result", "error": why}
+        stage = "timing"
+        args = [(p, a) for p, a in zip(prepared, d.acts[m])]
+
+        def fn(p: Any, a: tuple) -> Any:
+            return _call(key, runner, p, a, with_bias=False)
+
+        if device.type == "cuda":
+            est = time_cuda(fn, args[:1], warmup=1, reps=3, use_graph=False)
+            if est.median_us > SLOW_CALL_US:  # L2 reuse is noise next to such a call
+                args = args[:2]
+            warmup, reps = _timing_plan(est.median_us * len(args), req["warmup"], req["reps"])
+            st: TimingStats | None = None
+            if req.get("graph", True) and est.median_us < GRAPH_BELOW_US:
+                try:
+                    with warnings.catch_warnings():  # a failed capture warns "graph is empty"
+                        warnings.simplefilter("ignore", UserWarning)
+                        st = time_cuda(fn, args, warmup=warmup, reps=reps, use_graph=True)
+                except Exception as ge:  # not capturable (host syncs): time eagerly
+                    if _is_cuda_fault(ge):
+                        raise
+                    torch.cuda.synchronize(device)
+                    st = None
+            if st is None:
+                st = time_cuda(fn, args, warmup=warmup, reps=reps, use_graph=False)
+        else:
+            st = time_cpu(fn, args, warmup=req["warmup"], reps=req["reps"])
+    except Exception as e:
+        fatal = device.type == "cuda" and _is_cuda_fault(e)
+        return {**res, "outcome": "runtime_fault", "error": f"{stage}: {_short_error(e)}", "fatal": fatal}
+    if not (st.median_us > 0 and math.isfinite(st.median_us)):
+        return {**res, "outcome": "runtime_fault", "error": f"timing returned {st.median_us} us"}
+    return {**res, "median_us": st.median_us, "spread_us": st.spread_us, "samples": st.samples}
