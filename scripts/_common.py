@@ -11,6 +11,7 @@
   ``docs/results/<device>/`` (e.g. ``docs/results/nvidia-h200/``).
 * :func:`provenance`: what a result file records about the run (date, GPU, software versions,
   the command line that reproduces it); :func:`provenance_line` says it in one sentence.
+* :func:`interleaved_medians`: CUDA-graph times of several variants in interleaved rounds.
 * :func:`require_gpu`, :func:`geomean`, :func:`rel_err`.
 
 Importing it puts the repository root on ``sys.path``, so ``python scripts/<name>.py`` runs
@@ -23,6 +24,7 @@ import datetime
 import math
 import re
 import shlex
+import statistics
 import sys
 from pathlib import Path
 
@@ -126,6 +128,20 @@ def require_gpu(script: str, alternatives: str = "") -> int | None:
         return None
     print(f"{script} needs a CUDA GPU" + (f" (or {alternatives})" if alternatives else ""), file=sys.stderr)
     return 2
+
+
+def interleaved_medians(variants: dict, rounds: int, reps: int, warmup: int = 2) -> dict:
+    """``{label: us per call}`` of each ``{label: (fn, args_list)}``: the median over ``rounds``
+    interleaved rounds (every variant once per round, in order) of the median CUDA-graph time
+    (:func:`autofp4.timing.time_cuda`, one graph over every argument set of ``args_list``), so
+    that a GPU that drifts during the measurement (clocks, temperature) favours no variant."""
+    from autofp4.timing import time_cuda
+
+    times: dict = {t: [] for t in variants}
+    for _ in range(rounds):
+        for t, (fn, args) in variants.items():
+            times[t].append(time_cuda(fn, args, warmup=warmup, reps=reps, use_graph=True).median_us)
+    return {t: statistics.median(v) for t, v in times.items()}
 
 
 def shape_weights(n: int, k: int, fmts: list[str], l2: int, dev: torch.device):
