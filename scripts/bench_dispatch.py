@@ -1,29 +1,37 @@
 #!/usr/bin/env python
 """Host-side cost of dispatch: ``Dispatcher.resolve`` and ``autofp4.linear`` vs. the bare runner.
 
-    python scripts/bench_dispatch.py [--device cuda] [--calls 20000]
+What it measures: microseconds of host time per call of the dispatcher's lookups
+(``Dispatcher.resolve``, ``pick``, ``get_dispatcher``), of the eager public path
+``autofp4.linear`` and of the runner it calls directly, with bf16 ``F.linear`` for scale and,
+where the decode kernel serves the problem, its bare compiled launch.
 
-Prints one table row per measurement: microseconds of host time per call (see
-:func:`per_call_us`). On the GPU the kernels are asynchronous, so the eager numbers are the
-launch-side overhead the dispatcher adds, which is what matters for decode; each GPU call is
-timed on its own with the launch queue kept short, so the GPU's speed does not leak in. A
-benchmark, not a test.
+How (:func:`per_call_us`): host-only lookups as the median over rounds of the mean of many
+calls (``time.perf_counter``); calls that launch GPU work one by one, with the GPU drained every
+16 calls so that the launch queue stays short and the GPU's speed does not leak in. On the GPU
+the kernels are asynchronous, so the eager numbers are the launch-side overhead the dispatcher
+adds, which is what matters for decode.
+
+Writes ``dispatch.json`` and ``dispatch.md`` (the table) to ``--out`` (default
+``docs/results/<device>/``).
+
+    python scripts/bench_dispatch.py                      # CUDA if present, else CPU
+    python scripts/bench_dispatch.py --device cpu --calls 2000
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+from _common import provenance, provenance_line, results_dir
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import autofp4  # noqa: E402
-from autofp4.backends import ProblemKey  # noqa: E402
-from autofp4.dispatch import Dispatcher, get_dispatcher  # noqa: E402
+import autofp4
+from autofp4.backends import ProblemKey
+from autofp4.dispatch import Dispatcher, get_dispatcher
 
 
 def per_call_us(fn, calls: int, rounds: int = 5, sync=None, drain_every: int = 16) -> float:
@@ -88,6 +96,7 @@ def main() -> int:
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--m", type=int, default=1)
+    p.add_argument("--out", help="results directory (default: docs/results/<device>/)")
     args = p.parse_args()
     dev = torch.device(args.device)
     key = ProblemKey("linear", "nvfp4", "bfloat16", args.n, args.k)
@@ -122,12 +131,17 @@ def main() -> int:
         if bare is not None:  # the same config launched bare: the issue's "added per eager call"
             rows.append(("  autofp4.linear over the bare launch (same config)", full - bare))
 
+    doc = {**provenance(dev), "n": args.n, "k": args.k, "m": args.m,
+           "rows": [{"measurement": name, "host_us_per_call": us} for name, us in rows]}
     width = max(len(r[0]) for r in rows)
-    print(f"device={dev}  N={args.n} K={args.k} M={args.m}  torch {torch.__version__}")
-    print(f"{'measurement'.ljust(width)}  host us/call")
-    print(f"{'-' * width}  ------------")
-    for name, us in rows:
-        print(f"{name.ljust(width)}  {us:12.3f}")
+    lines = [f"{'measurement'.ljust(width)}  host us/call", f"{'-' * width}  ------------"]
+    lines += [f"{name.ljust(width)}  {us:12.3f}" for name, us in rows]
+    md = (f"Host time per call, N={args.n} K={args.k} M={args.m}. {provenance_line(doc)}\n\n```\n"
+          + "\n".join(lines) + "\n```\n")
+    out = results_dir(args.out, dev)
+    (out / "dispatch.json").write_text(json.dumps(doc, indent=1))
+    (out / "dispatch.md").write_text(md)
+    print(md)
     return 0
 
 

@@ -1,44 +1,46 @@
-"""Side-by-side FP4 linear benchmark on one GPU (a benchmark, not a test).
+"""FP4 linear against bf16 cuBLAS on one GPU: the main benchmark.
 
-For each shape, M and format, in one run: bf16 cuBLAS (``F.linear`` on the unquantized bf16
-weight), autofp4 with its backend's default config, autofp4 as tuned (the dispatcher's pick
-from the tuning DB layers: the user DB and ``tuning_db/*.json``), and the HBM floor of the
-FP4 bytes (weight values + scales, at the copy bandwidth measured in the same run).
+What it measures, for each Llama-3.1-8B / 70B GEMM shape (``scripts/_common.py``), M and format
+(NVFP4, MXFP4), in one run:
 
-Timing: CUDA events after warm-up, medians; weights and inputs rotated through enough copies to
-exceed twice the L2; every variant timed inside a CUDA graph and eagerly (eager autofp4 goes
-through the public ``autofp4.linear``, dispatcher included). The CUDA-graph times of one row are
-taken in ``--rounds`` interleaved rounds (cuBLAS, default, pick, pick without programmatic
-dependent launch) and the median over the rounds kept, so drift during a row favours no variant.
-Five rounds by default: on the H200, bf16 cuBLAS alternates between a fast and a 10-15% slower
-mode in short runs of samples (``scripts/gpu_cublas_variance.py``), which a median of two or three
-rounds can land on.
+* bf16 cuBLAS: ``F.linear`` on the unquantized bf16 weight, the baseline;
+* autofp4 with its backend's default config;
+* autofp4 as tuned: the dispatcher's pick from the tuning DB layers (the user DB and
+  ``tuning_db/*.json``), with and without programmatic dependent launch (PDL);
+* the public eager path ``autofp4.linear`` (dispatcher included), for the host overhead;
+* the HBM floor: the FP4 bytes (weight values + scales) at the copy bandwidth measured in the
+  same run.
 
-    python scripts/bench_linear.py --out out/                       # on the GPU: JSON + table
-    python scripts/bench_linear.py --plot out/bench_linear.json     # anywhere: PNG + markdown
+How: CUDA events after warm-up, medians; weights and inputs rotated through enough copies to
+exceed twice the L2 (cold L2); every variant timed inside a CUDA graph and eagerly. The
+CUDA-graph times of one row are taken in ``--rounds`` interleaved rounds (cuBLAS, default,
+pick, pick without PDL) and the median over the rounds is kept, so that drift during a row
+favours no variant. Five rounds by default: on the H200, bf16 cuBLAS alternates between a fast
+and a 10-15% slower mode in short runs of samples, which a median of two or three rounds can
+land on. Every output is checked against the dequantized weight (relative error < 2e-2, else
+the row is flagged).
+
+Writes ``linear.json``, ``linear.md`` (the tables) and ``linear.png`` (speedup per M) to
+``--out`` (default ``docs/results/<gpu>/``, e.g. ``docs/results/nvidia-h200/``).
+
+    python scripts/bench_linear.py                                   # on the GPU
+    python scripts/bench_linear.py --fmt nvfp4 --m 1,16 --shapes "8B qkv,8B o" --out /tmp/r
+    python scripts/bench_linear.py --plot docs/results/nvidia-h200/linear.json   # anywhere: re-render
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import (SHAPES, geomean, provenance, provenance_line, rel_err, require_gpu, results_dir, select_shapes,
+                     shape_weights)
 
-SHAPES = {
-    "8B qkv": (6144, 4096),
-    "8B o": (4096, 4096),
-    "8B gate_up": (28672, 4096),
-    "8B down": (4096, 14336),
-    "70B gate_up": (57344, 8192),
-    "70B down": (8192, 28672),
-}
 MS = (1, 16, 64, 128, 512, 2048, 8192)
 TARGETS = [((1, 16), 2.5), ((64, 128, 512), 1.3), ((2048, 8192), 1.1)]
 
@@ -51,27 +53,6 @@ def measure_copy_bandwidth() -> float:
     b = torch.empty_like(a)
     st = time_cuda(lambda: b.copy_(a), [()], warmup=5, reps=20)
     return 2 * a.numel() * 4 / (st.median_us * 1e-6)
-
-
-def shape_weights(n: int, k: int, fmts: list[str], l2: int, dev: torch.device):
-    """One shape's random weights, as many copies as rotate beyond the L2 (``l2`` bytes): the
-    generator they came from (seeded by the shape; rows draw their inputs from it next), the bf16
-    copies, and per format the FP4 copies (the bf16 ones quantized, then fresh ones) with the
-    FP4 bytes of one copy (values + block scales)."""
-    import autofp4
-    from autofp4.timing import copies_for_cold_l2
-
-    gen = torch.Generator(device=dev).manual_seed(1234 + n + k)
-    nd = copies_for_cold_l2(n * k * 2, l2, max_copies=8)
-    dense = [torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(nd)]
-    quantized = {}
-    for fmt in fmts:
-        ws = [autofp4.quantize(d, fmt) for d in dense]
-        fp4_bytes = ws[0].data.numel() + ws[0].scale.numel() * ws[0].scale.element_size()
-        while len(ws) < copies_for_cold_l2(fp4_bytes, l2, max_copies=32):
-            ws.append(autofp4.quantize(torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02, fmt))
-        quantized[fmt] = (ws, fp4_bytes)
-    return gen, dense, quantized
 
 
 def bench(args) -> dict:
@@ -92,12 +73,10 @@ def bench(args) -> dict:
     ms = sorted(int(v) for v in args.m.split(","))
     # every weight first, then the rows M by M, smallest first, so that a memory-bound row never
     # runs right after the run's largest GEMMs (the 70B rows at M = 8192 keep the GPU at full
-    # power for seconds; the small-M row that followed them, measured shape by shape, ran the same
-    # config up to 12% slower than the tuner and an A/B of the same session did)
+    # power for seconds; a small-M row measured right after them ran the same config up to 12%
+    # slower than the same config timed on its own)
     problems = []
-    for name, (n, k) in SHAPES.items():
-        if args.shapes and name not in args.shapes.split(","):
-            continue
+    for name, (n, k) in select_shapes(args.shapes).items():
         gen, dense, quantized = shape_weights(n, k, fmts, l2, dev)
         for fmt, (ws, fp4_bytes) in quantized.items():
             problems.append((name, n, k, fmt, gen, dense, ws, fp4_bytes))
@@ -119,8 +98,7 @@ def bench(args) -> dict:
             if r["tuned_config"] is not None:
                 runs["tuned"] = disp.runner(tb, tcfg, key)
             for label, run in runs.items():
-                out = run(*qargs[0]).float()
-                err = float((out - ref).norm() / ref.norm())
+                err = rel_err(run(*qargs[0]), ref)
                 r[f"{label}_rel_err"] = err
                 if not err < 2e-2:  # recorded, and flagged in the table
                     print(f"WRONG RESULT {name} M={m} {fmt} {label}: relative error {err:.3g}", flush=True)
@@ -159,16 +137,10 @@ def bench(args) -> dict:
             )
             del xs, cargs, qargs, pargs
             if args.partial:  # keep what was measured if the run is cut short
-                Path(args.partial).write_text(json.dumps({"partial": True, "rows": rows}, indent=1))
+                (args.out / "linear.json").write_text(json.dumps({"partial": True, "rows": rows}, indent=1))
     del problems
     torch.cuda.empty_cache()
-    return {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(dev),
-        "torch": torch.__version__,
-        "copy_bandwidth_tbs": bw / 1e12,
-        "rows": rows,
-    }
+    return {**provenance(dev), "copy_bandwidth_tbs": bw / 1e12, "rows": rows}
 
 
 def derive(r: dict) -> dict:
@@ -197,11 +169,6 @@ def against_fastest_cublas(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def geomean(xs):
-    xs = list(xs)
-    return math.exp(sum(math.log(v) for v in xs) / len(xs)) if xs else float("nan")
-
-
 def _table_order(rows: list[dict]) -> list[dict]:
     """Rows by shape (in ``SHAPES`` order), format (as first measured) and M, whatever order they
     were measured in."""
@@ -213,8 +180,8 @@ def _table_order(rows: list[dict]) -> list[dict]:
 def markdown(doc: dict) -> str:
     rows = _table_order(doc["rows"])
     out = [
-        f"FP4 linear vs bf16 cuBLAS on {doc['gpu']}, {doc['date']} (torch {doc['torch']}, copy bandwidth "
-        f"{doc['copy_bandwidth_tbs']:.2f} TB/s). Times in us, CUDA-graph medians, cold L2; each graph runs "
+        f"FP4 linear vs bf16 cuBLAS. {provenance_line(doc)} Copy bandwidth "
+        f"{doc['copy_bandwidth_tbs']:.2f} TB/s. Times in us, CUDA-graph medians, cold L2; each graph runs "
         "the op back to back on rotating weights and inputs. autofp4 launches with programmatic dependent "
         "launch (PDL), so a call may overlap the end of the one before; \"tuned, PDL off\" is the same pick "
         "without it, as cuBLAS runs.",
@@ -275,36 +242,43 @@ def plot(doc: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
+def render(doc: dict, json_path: Path) -> str:
+    """Write ``doc`` to ``json_path`` and its tables (``.md``) and plot (``.png``, when
+    matplotlib is installed) next to it; return the tables."""
+    json_path.write_text(json.dumps(doc, indent=1))
+    md = markdown(doc)
+    json_path.with_suffix(".md").write_text(md)
+    try:
+        plot(doc, json_path.with_suffix(".png"))
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install autofp4[plot])", file=sys.stderr)
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    p.add_argument("--out", help="results directory (default: docs/results/<gpu>/)")
     p.add_argument("--fmt", default="nvfp4,mxfp4")
     p.add_argument("--m", default=",".join(map(str, MS)))
     p.add_argument("--shapes", default="", help="comma-separated subset of: " + ", ".join(SHAPES))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the CUDA-graph timings")
-    p.add_argument("--partial", metavar="JSON", help="rewrite the rows measured so far here after each one")
-    p.add_argument("--plot", metavar="JSON", help="only render the table and plot from a saved run")
-    args = p.parse_args()
+    p.add_argument("--partial", action="store_true",
+                   help="rewrite linear.json with the rows measured so far after each one")
+    p.add_argument("--plot", metavar="JSON", help="only re-render the tables and plot of a saved run, next to it")
+    args = p.parse_args(argv)
     if args.plot:
         doc = json.loads(Path(args.plot).read_text())
         doc["rows"] = against_fastest_cublas([derive(r) for r in doc["rows"]])  # by the current rules
-        Path(args.plot).write_text(json.dumps(doc, indent=1))
-        base = Path(args.plot).with_suffix("")
-        base.with_suffix(".md").write_text(markdown(doc))
-        plot(doc, base.with_suffix(".png"))
-        print(markdown(doc))
+        print(render(doc, Path(args.plot)))
         return 0
-    if not torch.cuda.is_available():
-        print("bench_linear needs a CUDA GPU", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    no_gpu = require_gpu("bench_linear", "--plot")
+    if no_gpu is not None:
+        return no_gpu
+    args.out = results_dir(args.out)
     doc = bench(args)
     against_fastest_cublas(doc["rows"])
-    (out / "bench_linear.json").write_text(json.dumps(doc, indent=1))
-    (out / "bench_linear.md").write_text(markdown(doc))
-    print(markdown(doc))
+    print(render(doc, args.out / "linear.json"))
     return 0
 
 

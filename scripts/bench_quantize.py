@@ -1,30 +1,30 @@
-"""Time ``autofp4.quantize`` for NVFP4 and MXFP4 (a benchmark, not a test).
+"""Time ``autofp4.quantize`` for NVFP4 and MXFP4: how long quantizing one weight takes.
 
 The target: a [28672, 4096] bf16 weight (an 8B model's fused gate_up) quantizes in under 0.5 s
-on an H200. On CUDA every repetition is timed with CUDA events after warm-up; on the CPU with
-``time.perf_counter``. The table shows the median, min and max, the bytes moved per second
-(input read + packed values and scales written) and the peak extra device memory.
+on an H200 (exit code 1 when a CUDA median is over ``--limit``). On CUDA every repetition is
+timed with CUDA events after warm-up; on the CPU with ``time.perf_counter``. The table shows the
+median, min and max, the bytes moved per second (input read + packed values and scales written)
+and the peak extra device memory.
+
+Writes ``quantize.json`` and ``quantize.md`` (the table) to ``--out`` (default
+``docs/results/<device>/``, e.g. ``docs/results/nvidia-h200/``, ``docs/results/cpu/``).
 
     python scripts/bench_quantize.py                          # CUDA if present, else CPU
     python scripts/bench_quantize.py --device cpu --reps 3
     python scripts/bench_quantize.py --shape 32 2880 5760 --dtype bfloat16   # stacked experts
-    python scripts/bench_quantize.py --json out/bench_quantize.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+from _common import provenance, provenance_line, results_dir
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from autofp4.formats import BLOCK_SIZE, FORMATS, quantize  # noqa: E402
+from autofp4.formats import BLOCK_SIZE, FORMATS, quantize
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=None, help="default: 20 on CUDA, 3 on the CPU")
     p.add_argument("--limit", type=float, default=0.5,
                    help="seconds a CUDA median must stay under (exit code 1 otherwise); 0 disables")
-    p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    p.add_argument("--out", help="results directory (default: docs/results/<device>/)")
     args = p.parse_args(argv)
 
     dev = torch.device(args.device)
@@ -125,11 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     w = torch.randn(*args.shape, generator=g, device=dev, dtype=torch.float32).to(DTYPES[args.dtype])
     rows = [bench_one(w, fmt, warmup, reps) for fmt in args.formats]
     limit = args.limit if (cuda and args.limit > 0) else None
-    print(f"autofp4.quantize, torch {torch.__version__}, warm-up {warmup}, {reps} reps")
-    print(table(rows, limit))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"limit_s": limit, "rows": rows}, indent=2))
+    doc = {**provenance(dev), "warmup": warmup, "reps": reps, "limit_s": limit, "rows": rows}
+    md = f"autofp4.quantize. {provenance_line(doc)} Warm-up {warmup}, {reps} reps.\n\n```\n{table(rows, limit)}\n```\n"
+    out = results_dir(args.out, dev)
+    (out / "quantize.json").write_text(json.dumps(doc, indent=2))
+    (out / "quantize.md").write_text(md)
+    print(md)
     return 1 if limit and any(r["median_s"] >= limit for r in rows) else 0
 
 

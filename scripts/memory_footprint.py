@@ -1,13 +1,17 @@
 """Bytes per weight of each form an FP4 weight takes in memory: the checkpoint layout
 (``FP4Weight``: packed E2M1 values, block scales, global scale) and the copy each Hopper kernel
 packs for itself on first use (cached on the weight; ``FP4Weight.clear_packed`` drops them).
-Pure torch on the CPU; the numbers do not depend on the device.
+
+How: a random N x K weight is quantized and packed by each kernel's ``pack_weight``, and the
+bytes of the resulting tensors are counted. Pure torch on the CPU; the numbers do not depend on
+the device, so it prints them and writes nothing.
 
     python scripts/memory_footprint.py --shape 4096x4096
 """
 import argparse
 
 import torch
+from _common import ROOT  # noqa: F401  (puts the repository root on sys.path)
 
 from autofp4.formats import quantize
 from autofp4.kernels import sm90_w4a16_gemm as gemm
@@ -19,7 +23,7 @@ def tensor_bytes(*ts) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="4096x4096", help="N x K")
     args = ap.parse_args()
     n, k = (int(v) for v in args.shape.split("x"))

@@ -1,11 +1,13 @@
 """Opcode mix of one kernel from Nsight Compute's per-instruction SASS view.
 
-    ncu -i REPORT.ncu-rep --page source --print-source sass --csv > sass.csv
-    python3 scripts/sass_mix.py sass.csv --nk 57344,8192 [--hot 60]
+What it reports: executed warp instructions per opcode (and per weight word step when
+``--words``, the number of 32-lane warp steps over the weight words, is given), then with
+``--hot N`` the N SASS lines executed most often, in address order, with their stall samples:
+the inner loop. It reads a CSV export of a saved report, so it runs anywhere (no GPU);
+``scripts/profile_kernels.py --ncu --full`` runs it on every report it saves.
 
-Prints executed warp instructions per opcode (and per weight word step when ``--words``, the
-number of 32-lane warp steps over the weight words, is given), then with ``--hot N`` the N SASS
-lines executed most often, in address order, with their stall samples: the inner loop.
+    ncu -i REPORT.ncu-rep --page source --print-source sass --csv > sass.csv
+    python scripts/sass_mix.py sass.csv --nk 57344,8192 [--hot 60]
 """
 import argparse
 import csv
@@ -38,7 +40,7 @@ def opcode(src: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv")
     ap.add_argument("--words", type=float, default=0.0, help="warp word steps (N*K/8/32)")
     ap.add_argument("--nk", default="", help="N,K of the weight: sets --words to N*K/256")

@@ -1,5 +1,5 @@
-"""CPU checks of ``scripts/bench_linear.py``'s derived columns and tables (the timing itself
-needs a GPU and is a benchmark, not a test)."""
+"""CPU checks of ``scripts/bench_linear.py``'s derived columns and tables and of the weights it
+rotates (``scripts/_common.py``); the timing itself needs a GPU and is a benchmark, not a test."""
 import math
 import os
 import random
@@ -7,6 +7,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
+import _common  # noqa: E402
 import bench_linear as B  # noqa: E402
 
 
@@ -47,7 +48,7 @@ def test_shape_weights_rotate_beyond_the_l2_and_quantize_the_dense_copies():
     import autofp4
 
     n, k, l2 = 64, 256, 40_000  # bf16 copy 32 KiB, FP4 copies ~9 KiB: 3 and 9 copies exceed 2 x l2
-    gen, dense, quantized = B.shape_weights(n, k, ["nvfp4", "mxfp4"], l2, torch.device("cpu"))
+    gen, dense, quantized = _common.shape_weights(n, k, ["nvfp4", "mxfp4"], l2, torch.device("cpu"))
     assert len(dense) == 3 and len(dense) * n * k * 2 > 2 * l2
     assert not torch.equal(dense[0], dense[1])
     for fmt, (ws, fp4_bytes) in quantized.items():
