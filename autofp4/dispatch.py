@@ -33,7 +33,7 @@ import threading
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 

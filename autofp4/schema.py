@@ -7,7 +7,6 @@ model. Nothing read from a file is ever executed or evaluated.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from datetime import datetime, timezone

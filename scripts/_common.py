@@ -177,15 +177,16 @@ def stored_winners(records, kernel: str, fmt: str, n: int, k: int, ms=None, dtyp
     ``"gemm"``) that ``records`` (:func:`autofp4.db.read_records`) store for ``(fmt, n, k)``, at
     the M buckets ``ms`` (every bucket when None), with programmatic dependent launch off (as
     cuBLAS runs); a config stored at several buckets once per bucket."""
-    from autofp4.backends.sm90_w4a16 import SM90Config, _to_kernel_config
+    from autofp4.backends import get_backend
 
+    backend = get_backend("sm90_w4a16")
     out = []
     for r in records:
         if (r.fmt, r.dtype, r.n, r.k, r.config.get("kernel")) != (fmt, dtype, n, k, kernel):
             continue
         if ms is not None and r.m_bucket not in ms:
             continue
-        item = (r.m_bucket, without_pdl(_to_kernel_config(SM90Config(**r.config))))
+        item = (r.m_bucket, without_pdl(backend.parse_config(r.config)))
         if item not in out:
             out.append(item)
     return out

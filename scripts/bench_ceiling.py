@@ -50,11 +50,11 @@ def tflops(m: int, n: int, k: int, us: float) -> float:
 def picked_gemm(records, fmt: str, n: int, k: int, m: int):
     """The stored GEMM winner of ``(fmt, n, k)`` at bucket ``m`` as a kernel config (dependent
     launch off, as cuBLAS runs), or the GEMM default when the DB has none."""
-    from autofp4.kernels import sm90_w4a16_gemm as G
+    from autofp4.backends import sm90_heuristics as H
 
     for _, cfg in stored_winners(records, "gemm", fmt, n, k, (m,)):
         return cfg, "tuned"
-    return without_pdl(G.default_config(n, k, fmt, "bfloat16", m)), "default"
+    return without_pdl(H.gemm_default(n, k, fmt, "bfloat16", m)), "default"
 
 
 def fp8_operands(x: torch.Tensor, w: torch.Tensor):

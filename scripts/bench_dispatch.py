@@ -30,7 +30,7 @@ import torch
 from _common import provenance, provenance_line, results_dir
 
 import autofp4
-from autofp4.backends import ProblemKey
+from autofp4.problem import ProblemKey
 from autofp4.dispatch import Dispatcher, get_dispatcher
 
 
@@ -69,22 +69,20 @@ def per_call_us(fn, calls: int, rounds: int = 5, sync=None, drain_every: int = 1
 def _decode_layers(w, cfg, x, calls, sync) -> list[tuple[str, float]]:
     """The decode kernel's layers: the bare compiled launch (preallocated tensors), then the
     kernel module's ``run`` (argument checks, output and split-K workspace allocation)."""
-    from autofp4.backends.sm90_w4a16 import _to_kernel_config
     from autofp4.kernels import w4a16_decode as D
 
-    kcfg = _to_kernel_config(cfg)
     n, k = w.n, w.k
-    fn = D._compile(kcfg, n, k, w.fmt, "bfloat16", False)
+    fn = D._compile(cfg, n, k, w.fmt, "bfloat16", False)
     p = D.pack_weight(w)
     m = x.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    ws = (torch.empty(kcfg.k_split, m, -(-n // 16) * 16, dtype=torch.float32, device=x.device)
-          if D._needs_workspace(kcfg) else torch.empty(1, dtype=torch.float32, device=x.device))
+    ws = (torch.empty(cfg.k_split, m, -(-n // 16) * 16, dtype=torch.float32, device=x.device)
+          if D._needs_workspace(cfg) else torch.empty(1, dtype=torch.float32, device=x.device))
     cnt = torch.zeros(-(-n // 16), dtype=torch.int32, device=x.device)
     dummy = torch.zeros(1, dtype=x.dtype, device=x.device)
-    run = D.compile_kernel(kcfg, n, k, w.fmt, "bfloat16")
+    run = D.compile_kernel(cfg, n, k, w.fmt, "bfloat16")
     return [
-        (f"bare decode launch {kcfg}", per_call_us(lambda: fn(x, p.data, p.scales, p.alpha, out, dummy, ws, cnt, p.scale_add[0], 0), calls, sync=sync)),
+        (f"bare decode launch {cfg}", per_call_us(lambda: fn(x, p.data, p.scales, p.alpha, out, dummy, ws, cnt, p.scale_add[0], 0), calls, sync=sync)),
         ("decode run(x, packed)", per_call_us(lambda: run(x, p, None), calls, sync=sync)),
     ]
 

@@ -57,7 +57,8 @@ def measure_copy_bandwidth() -> float:
 
 def bench(args) -> dict:
     import autofp4
-    from autofp4.backends import ProblemKey, available_backends
+    from autofp4.backends import available_backends
+    from autofp4.problem import ProblemKey
     from autofp4.dispatch import get_dispatcher
     from autofp4.pdl import pdl, pdl_enabled
     from autofp4.timing import l2_cache_bytes, time_cuda
@@ -90,8 +91,8 @@ def bench(args) -> dict:
             # autofp4: default config, and the dispatcher's (tuned) pick
             dcfg = backend.default(key, m)
             tb, tcfg = disp.pick(key, m)
-            r["default_config"] = dcfg.model_dump(mode="json")
-            r["tuned_config"] = tcfg.model_dump(mode="json") if (tb is backend and tcfg != dcfg) else None
+            r["default_config"] = backend.config_dict(dcfg)
+            r["tuned_config"] = backend.config_dict(tcfg) if (tb is backend and tcfg != dcfg) else None
             qargs = [(xs[i % len(xs)], ws[i].packed(backend.name, backend.prepare), None) for i in range(nq)]
             ref = F.linear(xs[0].float(), ws[0].dequantize(torch.float32))
             runs = {"default": disp.runner(backend, dcfg, key)}

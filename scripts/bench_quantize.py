@@ -24,7 +24,8 @@ import time
 import torch
 from _common import provenance, provenance_line, results_dir
 
-from autofp4.formats import BLOCK_SIZE, FORMATS, quantize
+from autofp4.problem import BLOCK_SIZE, FORMATS
+from autofp4.weights import quantize
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

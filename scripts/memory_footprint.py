@@ -13,7 +13,7 @@ import argparse
 import torch
 from _common import ROOT  # noqa: F401  (puts the repository root on sys.path)
 
-from autofp4.formats import quantize
+from autofp4.weights import quantize
 from autofp4.kernels import sm90_w4a16_gemm as gemm
 from autofp4.kernels import w4a16_decode as decode
 

@@ -51,12 +51,13 @@ def run_case(case: str, shape: str, fmt: str, config: str) -> int:
     from autofp4 import quantize
     from autofp4.kernels import sm90_w4a16_gemm as G
     from autofp4.kernels import w4a16_decode as D
+    from autofp4.backends import sm90_heuristics as H
 
     kernel, m = parse_case(case)
     mod = {"decode": D, "gemm": G}[kernel]
     n, k = SHAPES[shape]
     w = quantize(torch.randn(n, k, device="cuda") * 0.05, fmt)
-    cfg = without_pdl(mod.default_config(n, k, fmt, "bfloat16", m))
+    cfg = without_pdl((H.decode_default if mod.__name__.endswith("decode") else H.gemm_default)(n, k, fmt, "bfloat16", m))
     if config:
         cfg = dataclasses.replace(cfg, **json.loads(config))
     run = mod.compile_kernel(cfg, n, k, fmt, "bfloat16")

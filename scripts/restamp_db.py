@@ -36,7 +36,6 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from autofp4.backends import get_backend  # noqa: E402
 from autofp4.db import export_json, read_export  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +49,7 @@ from pathlib import Path
 from autofp4.backends import get_backend
 try:
     from autofp4.problem import ProblemKey
-except ImportError:
+except ImportError:  # a revision from before autofp4.problem
     from autofp4.backends import ProblemKey
 rows = json.load(sys.stdin)
 dump = Path(os.environ["CUTE_DSL_DUMP_DIR"])

@@ -59,6 +59,8 @@ import torch.nn.functional as F
 from _common import (SHAPES, SHIPPED_DB, geomean, interleaved_medians, provenance, provenance_line, rel_err,
                      require_gpu, results_dir, select_shapes, shape_weights, stored_winners, without_pdl)
 
+from autofp4.backends import sm90_heuristics as H  # noqa: E402  (the defaults the grids start from)
+
 GRIDS = {"decode": ("default",), "gemm": ("default", "wide", "swizzle")}
 DTYPE = "bfloat16"
 
@@ -73,7 +75,7 @@ def _kernels():
 def decode_grid(n: int, k: int, fmt: str, m: int) -> list:
     """The decode default at ``m``, then the grid around it (module docstring)."""
     D = _kernels()["decode"]
-    base = without_pdl(D.default_config(n, k, fmt, DTYPE, m))
+    base = without_pdl(H.decode_default(n, k, fmt, DTYPE, m))
     out = [base]
     for stages in (0, 2, 3, 4):
         for warps in (2, 4, 8):
@@ -118,7 +120,7 @@ def gemm_grid(n: int, k: int, fmt: str, m: int, grid: str = "default") -> list:
             for tm in tms:
                 for sk in (1, 2, 4, 8) if m <= 32 else (1, 2, 4):
                     points.append(_deepest(n, k, fmt, depths, tile_n=tn, tile_m=tm, split_k=sk))
-    return [without_pdl(G.default_config(n, k, fmt, DTYPE, m))] + [c for c in points if c is not None]
+    return [without_pdl(H.gemm_default(n, k, fmt, DTYPE, m))] + [c for c in points if c is not None]
 
 
 def parse_vary(specs: list[str]) -> list[dict]:
@@ -214,7 +216,7 @@ def measure_point(kernel, name, n, k, fmt, m, cfgs, weights, args) -> list[dict]
     variants = {"cublas": (F.linear, [(x, d) for d in dense])}
     rows = {"cublas": dict(label="cuBLAS bf16")}
     if kernel == "gemm" and m <= max(mods["decode"].M_MAX_CHOICES) and not args.vary:
-        dcfg = without_pdl(mods["decode"].default_config(n, k, fmt, DTYPE, m))
+        dcfg = without_pdl(H.decode_default(n, k, fmt, DTYPE, m))
         dpacks = packs.setdefault("decode", [mods["decode"].pack_weight(w) for w in ws])
         run = mods["decode"].compile_kernel(dcfg, n, k, fmt, DTYPE)
         variants["decode default"] = (run, [(x, p, None) for p in dpacks])

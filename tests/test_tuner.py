@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from autofp4 import backends as registry
-from autofp4.backends import ProblemKey, get_backend
-from autofp4.backends.reference import ReferenceBackend
+from autofp4.backends import get_backend
+from autofp4.backends.reference import ReferenceBackend, ReferenceConfig
 from autofp4.db import TuningDB
 from autofp4.dispatch import Dispatcher
 from autofp4.env import current_environment
+from autofp4.problem import ProblemKey
 from autofp4.schema import config_json
 from autofp4.tuning import Job, TOLERANCE, tune, tune_from_misses, tune_jobs, warm
 from autofp4.tuning.candidates import _sibling_records
@@ -203,7 +204,7 @@ class SeededBackend(WideBackend):
     name = "test_seeded"
 
     def seeds(self, key, m=None):
-        return [self.config_model(chunk_n=240), self.config_model(chunk_n=208)]
+        return [ReferenceConfig(chunk_n=240), ReferenceConfig(chunk_n=208)]
 
 
 def test_seeds_run_right_after_the_default(monkeypatch, tmp_path):
@@ -251,7 +252,7 @@ class VariedBackend(SeededBackend):
     name = "test_varied"
 
     def variants(self, config, key, m=None):
-        return [self.config_model(chunk_n=config.chunk_n + 16)]
+        return [ReferenceConfig(chunk_n=config.chunk_n + 16)]
 
 
 def test_a_stale_winner_is_followed_by_its_variants(monkeypatch, tmp_path):
@@ -509,8 +510,9 @@ def _reference_pair_on_a_one_second_clock(monkeypatch):
     from autofp4.backends.reference import ReferenceBackend
 
     key = ProblemKey("linear", "nvfp4", "bfloat16", 2048, 256)
-    default = ReferenceBackend().default(key, 1).model_dump()
-    other = [c.model_dump() for c in ReferenceBackend().candidates(key, 1) if c.model_dump() != default]
+    ref = ReferenceBackend()
+    default = ref.config_dict(ref.default(key, 1))
+    other = [ref.config_dict(c) for c in ref.candidates(key, 1) if ref.config_dict(c) != default]
     assert len(other) == 1
     clock = [1000.0]
     real_run_trial = measurer.run_trial

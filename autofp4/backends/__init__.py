@@ -5,7 +5,7 @@ import importlib
 
 import torch
 
-from .base import Backend, BackendConfig, Runner  # noqa: F401
+from .base import Backend
 
 # name -> "module:Class"; order is preference order when several apply.
 _REGISTRY: dict[str, str] = {

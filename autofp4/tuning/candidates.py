@@ -8,25 +8,18 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
-from ..backends.base import Backend, BackendConfig, ProblemKey
+from ..backends.base import Backend, BackendConfig
 from ..dispatch import is_stale
-from ..schema import TuningRecord
+from ..problem import ProblemKey
+from ..schema import TuningRecord, config_json
 from .jobs import _Ctx
 
 
-def _cfg_json(cfg: BackendConfig | dict[str, Any]) -> str:
-    from ..schema import config_json
-
-    return _model_json(cfg) if isinstance(cfg, BackendConfig) else config_json(cfg)
-
-
 @functools.lru_cache(maxsize=1 << 15)
-def _model_json(cfg: BackendConfig) -> str:
-    """The canonical JSON of a (frozen, hashable) config, remembered: every M bucket of a shape
-    lists the same 10-18 thousand Hopper configs."""
-    from ..schema import config_json
-
-    return config_json(cfg)
+def _cfg_json(backend: Backend, cfg: BackendConfig) -> str:
+    """The canonical JSON of ``backend``'s (frozen, hashable) config as stored, remembered: every
+    M bucket of a shape lists the same 10-18 thousand Hopper configs."""
+    return config_json(backend.config_dict(cfg))
 
 
 @dataclass(frozen=True)
@@ -48,7 +41,7 @@ def _valid_defaults(key: ProblemKey, m: int, backends: Sequence[Backend]) -> Ite
     for b in backends:
         cfg = b.default(key, m)
         if b.is_valid(cfg, key) is None:
-            yield _Cand(b, cfg, _cfg_json(cfg), first=True)
+            yield _Cand(b, cfg, _cfg_json(b, cfg), first=True)
 
 
 def _sibling_records(recs: Iterable[TuningRecord], key: ProblemKey, m: int) -> list[TuningRecord]:
@@ -79,15 +72,15 @@ def _first_candidates(
     for b, cfg in stored:
         for c in (cfg, *b.variants(cfg, key, m)):
             if b.is_valid(c, key) is None:
-                yield _Cand(b, c, _cfg_json(c), first=True, prior=c is cfg)
+                yield _Cand(b, c, _cfg_json(b, c), first=True, prior=c is cfg)
     for b, cfg in siblings:
         if b.is_valid(cfg, key) is None:
-            yield _Cand(b, cfg, _cfg_json(cfg), first=True)
+            yield _Cand(b, cfg, _cfg_json(b, cfg), first=True)
     yield from defaults[1:]
     for b in backends:
         for cfg in list(b.seeds(key, m))[:seeds]:
             if b.is_valid(cfg, key) is None:
-                yield _Cand(b, cfg, _cfg_json(cfg), first=True)
+                yield _Cand(b, cfg, _cfg_json(b, cfg), first=True)
 
 
 def _candidates(
@@ -109,7 +102,7 @@ def _candidates(
         add(c)
     for b in backends:
         for cfg in _backend_candidates(b, key, m):
-            add(_Cand(b, cfg, _cfg_json(cfg)))
+            add(_Cand(b, cfg, _cfg_json(b, cfg)))
     return out
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ..backends import get_backend
-from ..backends.base import Backend, ProblemKey
+from ..backends.base import Backend
+from ..problem import ProblemKey
 from .candidates import _Cand, _applicable, _valid_defaults
 from .jobs import Job, _Ctx
 

@@ -95,7 +95,7 @@ class JobTuner:
         self.priors = [c.ident for c in cands if c.prior]
         # the winners stored for this environment and kernel source (only a forced re-tune gets here
         # with some): a pick that was not measured against them in this run does not replace them
-        self.current_rows = {_Cand(b, cfg, _cfg_json(cfg)).ident: r for r in current for b, cfg in _parsed([r], backends)}
+        self.current_rows = {_Cand(b, cfg, _cfg_json(b, cfg)).ident: r for r in current for b, cfg in _parsed([r], backends)}
 
     def _failed_configs(self, backends: Sequence[Backend]) -> set[str]:
         """The configs recorded as failed for this environment and kernel source (not run again)."""

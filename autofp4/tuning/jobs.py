@@ -11,7 +11,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..backends.base import Backend, ProblemKey
+from ..backends.base import Backend
+from ..problem import ProblemKey
 
 #: M buckets tuned on the CPU (the reference backend; the CPU is a fallback, not a target).
 CPU_M_BUCKETS: tuple[int, ...] = (1, 16, 128)

@@ -15,7 +15,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..backends import available_backends, get_backend
-from ..backends.base import Backend, ProblemKey
+from ..backends.base import Backend
+from ..problem import ProblemKey
 from ..dispatch import DEFAULT_M_BUCKETS, load_misses
 from . import budget
 from .budget import _out_of_time, job_share_deadline

@@ -11,7 +11,8 @@ from typing import Any, Callable
 import torch
 
 from ..backends import get_backend
-from ..backends.base import Backend, ProblemKey
+from ..backends.base import Backend
+from ..problem import ProblemKey
 from ..timing import TimingStats, copies_for_cold_l2, l2_cache_bytes, time_cpu, time_cuda
 from .compile_pool import _backend_from, _key_from, _short_error
 
@@ -46,8 +47,7 @@ _DATA = _TrialData()
 
 def _random_fp4(shape: tuple[int, ...], fmt: str, device: torch.device, gen: torch.Generator) -> Any:
     """A random FP4 weight of ``shape`` (quantized in expert chunks to bound fp32 memory)."""
-    from ..formats import quantize
-    from ..weights import FP4Weight
+    from ..weights import FP4Weight, quantize
 
     if len(shape) == 2:
         w = torch.randn(shape, generator=gen, device="cpu").to(device)
