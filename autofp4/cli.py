@@ -15,6 +15,8 @@ from typing import Any, Sequence, TextIO
 
 import torch
 
+from .problem import DTYPES, FORMATS
+
 __all__ = ["main", "build_parser"]
 
 
@@ -87,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tune", help="tune the GEMM / MoE shapes of a model on this GPU")
     t.add_argument("--model", metavar="CONFIG", help="Hugging Face config.json (or its folder)")
-    t.add_argument("--fmt", choices=("nvfp4", "mxfp4"), default="nvfp4")
-    t.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    t.add_argument("--fmt", choices=FORMATS, default="nvfp4")
+    t.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     t.add_argument("--m", type=_m_list, metavar="M1,M2,...",
                    help="M buckets (token counts); default 1..8192 (powers of two) on the GPU, 1,16,128 on the CPU")
     t.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
@@ -121,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--clear", action="store_true", help="delete every cached kernel")
     c.add_argument("--warm", metavar="CONFIG",
                    help="compile the default kernels of a model (a Hugging Face config.json) into the cache")
-    c.add_argument("--fmt", choices=("nvfp4", "mxfp4"), default="nvfp4")
-    c.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    c.add_argument("--fmt", choices=FORMATS, default="nvfp4")
+    c.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     c.add_argument("--m", type=_m_list, metavar="M1,M2,...", help="M buckets (default: the tuner's)")
     c.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
     c.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")

@@ -18,6 +18,7 @@ from .db import (
     TuningFileError,
     default_db_path,
 )
+from .problem import DTYPES, FORMATS
 from .schema import TuningRecord, config_json
 
 SUBCOMMANDS = ("list", "show", "export", "import", "merge", "diff", "prune")
@@ -37,8 +38,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def _add_key_filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", choices=("linear", "moe"))
-    p.add_argument("--fmt", choices=("nvfp4", "mxfp4"))
-    p.add_argument("--dtype", choices=("bfloat16", "float16"))
+    p.add_argument("--fmt", choices=FORMATS)
+    p.add_argument("--dtype", choices=DTYPES)
     p.add_argument("--backend")
     p.add_argument("--m", "--m-bucket", dest="m_bucket", type=int, metavar="M", help="M bucket")
     p.add_argument("--n", type=int)

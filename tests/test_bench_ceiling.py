@@ -46,8 +46,8 @@ def test_table_ratios_need_and_geomean():
 
 
 def test_picked_gemm_takes_the_stored_winner_without_pdl():
+    from autofp4.backends import sm90_heuristics as H
     from autofp4.db import read_records
-    from autofp4.kernels import sm90_w4a16_gemm as G
 
     _, records = read_records(C.SHIPPED)
     gemm = [r for r in records if r.config.get("kernel") == "gemm" and r.m_bucket == 2048 and r.dtype == "bfloat16"]
@@ -59,7 +59,7 @@ def test_picked_gemm_takes_the_stored_winner_without_pdl():
     # a shape the DB does not hold falls back to the GEMM's default
     cfg, source = C.picked_gemm(records, "nvfp4", 1024, 1024, 2048)
     assert source == "default"
-    assert cfg == dataclasses.replace(G.default_config(1024, 1024, "nvfp4", "bfloat16", 2048), pdl=False)
+    assert cfg == dataclasses.replace(H.gemm_default(1024, 1024, "nvfp4", "bfloat16", 2048), pdl=False)
 
 
 def test_compile_only_builds_the_pick(tmp_path, monkeypatch, capsys):

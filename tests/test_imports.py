@@ -59,7 +59,9 @@ def _resolve(importer: str, node: ast.ImportFrom | ast.Import, mods: dict[str, P
             pkg = importer.split(".") if _is_package(importer, mods) else importer.split(".")[:-1]
             pkg = pkg[: len(pkg) - (node.level - 1)]
             base = ".".join(pkg + ([base] if base else []))
-        names = [base] + [f"{base}.{a.name}" for a in node.names]
+        subs = [f"{base}.{a.name}" for a in node.names]
+        # ``from pkg import mod`` imports the submodule; ``from pkg import name`` needs pkg itself
+        names = subs + ([base] if any(sub not in mods for sub in subs) else [])
     for name in names:
         # the longest known module that the dotted name starts with
         parts = name.split(".")
@@ -202,6 +204,23 @@ def test_a_planted_loop_is_found_and_named(tmp_path):
     assert all(b in g[a] for a, b in zip(path, path[1:])), path  # each step is a real import
     with pytest.raises(AssertionError, match="pkg.a -> pkg.b"):
         assert not loops, "import loops: " + "; ".join(" -> ".join(p) for p in loops)
+
+
+def test_a_name_from_the_own_package_init_is_a_loop_a_submodule_is_not(tmp_path):
+    root = _write_pkg(tmp_path, {
+        "__init__.py": "from .run import go\n", "run.py": "from . import util\nfrom .util import f\n",
+        "util.py": "def f(): pass\n", "late.py": "def g():\n    from . import go  # a name of the package\n",
+    })
+    g = import_graph(root)
+    assert g["pkg.run"] == {"pkg.util"} and not import_loops(g)
+    assert g["pkg.late"] == set()  # the root package itself is the API face: not counted
+    root2 = _write_pkg(tmp_path / "two", {
+        "__init__.py": "", "sub/__init__.py": "from .run import go\n",
+        "sub/run.py": "def go():\n    from . import helper\n    from autofp4_x import y\n",
+        "sub/other.py": "from . import go\n", "sub/helper.py": "from . import other\n",
+    })
+    assert [set(p) for p in import_loops(import_graph(root2))] == [{"pkg.sub", "pkg.sub.run", "pkg.sub.helper",
+                                                                    "pkg.sub.other"}]
 
 
 def test_a_loop_free_package_passes_and_a_package_init_counts(tmp_path):

@@ -15,6 +15,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import _common  # noqa: E402
 import sweep_configs as S  # noqa: E402
 
+from autofp4.backends import sm90_heuristics as H  # noqa: E402
+
 
 @pytest.mark.parametrize("kernel,grid,m", [("decode", "default", 1), ("decode", "default", 16),
                                            ("gemm", "default", 16), ("gemm", "default", 128),
@@ -25,7 +27,8 @@ def test_grids_start_at_the_default_and_hold_valid_distinct_configs(kernel, grid
         n, k = _common.SHAPES[name]
         [(mm, cfgs)] = S.cases(kernel, grid, "nvfp4", n, k, [m])
         assert mm == m and len(cfgs) > 1
-        assert cfgs[0] == _common.without_pdl(mod.default_config(n, k, "nvfp4", "bfloat16", m))
+        default = (H.decode_default if kernel == "decode" else H.gemm_default)(n, k, "nvfp4", "bfloat16", m)
+        assert cfgs[0] == _common.without_pdl(default)
         assert len(set(cfgs)) == len(cfgs)
         assert all(mod.validate(c, n, k, "nvfp4", "bfloat16") is None and not c.pdl for c in cfgs)
 
