@@ -1,5 +1,6 @@
 """Programmatic dependent launch: the switch (CPU) and, on a GPU, that a kernel started early
 still reads what the kernel before it wrote."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -82,8 +83,8 @@ def _layers(ws, m, pdl_on, early=True):
         cfg = b.default(key, m)
         update = {"pdl": pdl_on}
         if cfg.kernel == "decode":
-            update["pdl_early"] = (pdl_on and early) or None
-        cfg = cfg.model_copy(update=update)
+            update["pdl_early"] = bool(pdl_on and early)
+        cfg = dataclasses.replace(cfg, **update)
         out.append((b.compile(cfg, key), w.packed(b.name, b.prepare)))
     return out
 

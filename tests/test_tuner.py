@@ -648,7 +648,7 @@ def test_a_compile_is_waited_for_only_while_the_jobs_share_lasts(tmp_path, monke
 
         def submit(self, fn, req):
             fut = cf.Future()
-            if req["config"] == candidates._cfg_json(default):
+            if req["config"] == candidates._cfg_json(ReferenceBackend(), default):
                 fut.set_result(None)
             else:
                 self.pending.append(fut)
@@ -679,7 +679,7 @@ def test_run_trial_reports_its_one_off_setup():
 
     b = get_backend("reference")
     key = ProblemKey("linear", "mxfp4", "bfloat16", 1024, 512)
-    req = {"backend": b.name, "spec": _spec(b), "config": _cfg_json(b.default(key, 1)), "key": asdict(key),
+    req = {"backend": b.name, "spec": _spec(b), "config": _cfg_json(b, b.default(key, 1)), "key": asdict(key),
            "m": 1, "seed": int.from_bytes(os.urandom(3), "little"), "device": "cpu", "warmup": 1, "reps": 3}
     first, again = run_trial(req), run_trial(req)
     assert first["outcome"] == again["outcome"] == "ok"
@@ -694,7 +694,7 @@ def test_isolated_trials_count_the_worker_start_as_setup():
 
     b = get_backend("reference")
     key = ProblemKey("linear", "nvfp4", "bfloat16", 512, 256)
-    req = {"backend": b.name, "spec": _spec(b), "config": _cfg_json(b.default(key, 1)), "key": asdict(key),
+    req = {"backend": b.name, "spec": _spec(b), "config": _cfg_json(b, b.default(key, 1)), "key": asdict(key),
            "m": 1, "seed": int.from_bytes(os.urandom(3), "little"), "device": "cpu", "warmup": 1, "reps": 3}
     meas = _Measurer(torch.device("cpu"), isolate=True, timeout_s=120.0)
     try:
