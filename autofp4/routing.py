@@ -1,0 +1,103 @@
+"""MoE routing metadata on the device, with no host synchronization.
+
+A grouped MoE kernel works on blocks of ``block_m`` token rows that all go to one expert. From
+the router's ``topk_ids [T, top_k]`` this module builds, with fixed-size torch ops only (no
+``.item()``, no ``.tolist()``, no data-dependent shapes; CUDA-graph capturable and traceable by
+``torch.compile(fullgraph=True)``):
+
+* ``counts [E]``: how many (token, slot) pairs each local expert received;
+* ``sorted_rows [max_rows]``: the pairs (as flat indices ``t * top_k + j`` into ``topk_ids``)
+  sorted by expert, each expert's run padded with ``-1`` to a multiple of ``block_m``;
+* ``block_expert [max_blocks]``: the expert of each block of ``block_m`` rows, ``-1`` for the
+  blocks past the last used one (a kernel's CTA for such a block exits at once);
+* ``num_blocks [1]``: how many blocks are used.
+
+Every size depends on ``T * top_k``, ``E`` and ``block_m`` only: ``max_rows`` is
+``T * top_k + E * (block_m - 1)`` rounded up to ``block_m`` (each expert's run wastes at most
+``block_m - 1`` rows), ``max_blocks = max_rows // block_m``.
+
+Expert parallelism: with ``expert_map`` (``[E_global]`` int, the local index of each global
+expert or ``-1`` where another rank holds it), pairs routed to experts elsewhere are left out
+(not in ``sorted_rows``, not counted); ``E`` is then the number of local experts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MoERouting", "moe_routing", "routing_sizes"]
+
+
+@dataclass(frozen=True)
+class MoERouting:
+    """The routing metadata of one MoE call (all int32, on ``topk_ids``'s device)."""
+
+    counts: torch.Tensor  # [E]
+    sorted_rows: torch.Tensor  # [max_rows]: flat pair index, -1 for padding
+    block_expert: torch.Tensor  # [max_blocks]: local expert of each block, -1 past the used ones
+    num_blocks: torch.Tensor  # [1]
+    block_m: int
+    top_k: int
+
+
+def routing_sizes(pairs: int, experts: int, block_m: int) -> tuple[int, int]:
+    """``(max_rows, max_blocks)`` for ``pairs = T * top_k`` routed pairs over ``experts``."""
+    if block_m < 1 or experts < 1 or pairs < 0:
+        raise ValueError(f"need block_m >= 1, experts >= 1, pairs >= 0; got {block_m}, {experts}, {pairs}")
+    rows = pairs + experts * (block_m - 1)
+    rows = -(-rows // block_m) * block_m
+    return rows, rows // block_m
+
+
+def moe_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                expert_map: torch.Tensor | None = None) -> MoERouting:
+    """The routing metadata of ``topk_ids`` ``[T, top_k]`` (int32/int64, values in
+    ``[0, num_experts)`` or, with ``expert_map``, in ``[0, len(expert_map))``) for kernels that
+    work on blocks of ``block_m`` rows. ``num_experts``: the local experts (``E``)."""
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be a 2-D tensor [T, top_k], got {getattr(topk_ids, 'shape', topk_ids)!r}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if not isinstance(block_m, int) or block_m < 1:
+        raise ValueError(f"block_m must be a positive int, got {block_m!r}")
+    dev = topk_ids.device
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()
+    pairs = flat.numel()
+    max_rows, max_blocks = routing_sizes(pairs, num_experts, block_m)
+    if expert_map is not None:
+        local = expert_map.to(device=dev, dtype=torch.long)[flat]
+        local = torch.where(local < 0, torch.full_like(local, num_experts), local)  # elsewhere: a last bin
+    else:
+        local = flat
+    # counts by scatter (bincount's output size would depend on the data: a host sync)
+    counts_all = torch.zeros(num_experts + 1, dtype=torch.long, device=dev)
+    counts_all.scatter_add_(0, local, torch.ones_like(local))
+    counts = counts_all[:num_experts]
+    padded = (counts + (block_m - 1)) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)  # inclusive end of each expert's padded run
+    pad_start = pad_end - padded
+    raw_start = torch.cumsum(counts_all, 0) - counts_all  # start of each expert in the sorted pairs
+    order = torch.sort(local, stable=True).indices  # pairs by expert, in token order within one
+    e_sorted = local[order]
+    rank = torch.arange(pairs, device=dev) - raw_start[e_sorted]
+    valid = e_sorted < num_experts
+    dest = torch.where(valid, pad_start[e_sorted.clamp(max=num_experts - 1)] + rank,
+                       torch.full_like(rank, max_rows))  # elsewhere: a dropped slot
+    rows = torch.full((max_rows + 1,), -1, dtype=torch.long, device=dev)
+    rows.scatter_(0, dest, order)
+    total = pad_end[-1:]
+    starts = torch.arange(max_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(pad_end, starts, right=True)
+    block_expert = torch.where(starts < total, block_expert, torch.full_like(block_expert, -1))
+    return MoERouting(
+        counts=counts.to(torch.int32),
+        sorted_rows=rows[:max_rows].to(torch.int32),
+        block_expert=block_expert.to(torch.int32),
+        num_blocks=(total // block_m).to(torch.int32),
+        block_m=block_m,
+        top_k=top_k,
+    )

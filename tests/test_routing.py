@@ -1,0 +1,134 @@
+"""MoE routing metadata (autofp4.routing) against a plain-Python reference, on fresh random
+routings: ragged counts, experts that get no pair, one expert that gets every pair, top-k 1..8,
+expert-parallel slices; fixed sizes; traceable without graph breaks."""
+import os
+import random
+
+import pytest
+import torch
+
+from autofp4.routing import moe_routing, routing_sizes
+
+SEED = int.from_bytes(os.urandom(4), "little")
+
+
+def reference(ids: list[list[int]], experts: int, block_m: int, expert_map=None):
+    """Per local expert, its pairs (flat index t * top_k + j) in token order; then the padded
+    rows and the expert of each block."""
+    top_k = len(ids[0]) if ids else 0
+    per = [[] for _ in range(experts)]
+    for t, row in enumerate(ids):
+        for j, e in enumerate(row):
+            le = e if expert_map is None else expert_map[e]
+            if le >= 0:
+                per[le].append(t * top_k + j)
+    rows, blocks = [], []
+    for e, pairs in enumerate(per):
+        n = -(-len(pairs) // block_m) * block_m
+        rows += pairs + [-1] * (n - len(pairs))
+        blocks += [e] * (n // block_m)
+    return [len(p) for p in per], rows, blocks
+
+
+def _ids(rng: random.Random, t: int, k: int, e_global: int, mode: str) -> list[list[int]]:
+    if mode == "one_hot":  # every pair to the same expert (top-k distinct per token is not required)
+        hot = rng.randrange(e_global)
+        return [[hot] + rng.sample([x for x in range(e_global) if x != hot], k - 1) for _ in range(t)]
+    if mode == "skewed":  # a few hot experts
+        hot = rng.sample(range(e_global), max(1, e_global // 8))
+        out = []
+        for _ in range(t):
+            pool = list(dict.fromkeys(rng.sample(hot, min(k, len(hot))) + rng.sample(range(e_global), k)))
+            out.append(pool[:k])
+        return out
+    return [rng.sample(range(e_global), k) for _ in range(t)]
+
+
+CASES = [(t, k, e, bm, mode) for (t, k, e) in [(1, 1, 4), (1, 8, 128), (3, 2, 8), (16, 4, 64), (64, 8, 16),
+                                                (257, 2, 8), (1000, 8, 256)]
+         for bm in (1, 8, 16, 64) for mode in ("uniform", "skewed", "one_hot")]
+
+
+@pytest.mark.parametrize("t,k,e,bm,mode", CASES)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_routing_matches_the_reference(t, k, e, bm, mode, dtype):
+    rng = random.Random(SEED + t * 7 + k * 13 + e + bm)
+    ids = _ids(rng, t, k, e, mode)
+    r = moe_routing(torch.tensor(ids, dtype=dtype), e, bm)
+    counts, rows, blocks = reference(ids, e, bm)
+    max_rows, max_blocks = routing_sizes(t * k, e, bm)
+    assert r.counts.tolist() == counts and sum(counts) == t * k
+    assert r.sorted_rows.shape == (max_rows,) and r.block_expert.shape == (max_blocks,)
+    assert r.sorted_rows.tolist() == rows + [-1] * (max_rows - len(rows))
+    assert r.block_expert.tolist() == blocks + [-1] * (max_blocks - len(blocks))
+    assert r.num_blocks.tolist() == [len(blocks)]
+    assert all(x.dtype == torch.int32 for x in (r.counts, r.sorted_rows, r.block_expert, r.num_blocks))
+    # each used block's rows all go to its expert
+    flat = [x for row in ids for x in row]
+    for b, be in enumerate(r.block_expert.tolist()[: len(blocks)]):
+        got = [flat[i] for i in r.sorted_rows[b * bm:(b + 1) * bm].tolist() if i >= 0]
+        assert got and all(x == be for x in got)
+
+
+@pytest.mark.parametrize("t,k,e_global,ranks", [(1, 8, 256, 8), (33, 8, 256, 8), (200, 2, 8, 2), (5, 4, 16, 16)])
+def test_expert_parallel_slices_skip_pairs_routed_elsewhere(t, k, e_global, ranks):
+    rng = random.Random(SEED + t + e_global)
+    ids = _ids(rng, t, k, e_global, "uniform")
+    per = e_global // ranks
+    seen = 0
+    for rank in range(ranks):
+        emap = [g - rank * per if rank * per <= g < (rank + 1) * per else -1 for g in range(e_global)]
+        r = moe_routing(torch.tensor(ids), per, 8, expert_map=torch.tensor(emap, dtype=torch.int32))
+        counts, rows, blocks = reference(ids, per, 8, emap)
+        assert r.counts.tolist() == counts
+        assert r.sorted_rows.tolist()[: len(rows)] == rows and set(r.sorted_rows.tolist()[len(rows):]) <= {-1}
+        assert r.block_expert.tolist()[: len(blocks)] == blocks
+        seen += sum(counts)
+    assert seen == t * k  # every pair is on exactly one rank
+
+
+def test_sizes_depend_on_the_shapes_only():
+    a = moe_routing(torch.zeros(10, 2, dtype=torch.int32), 8, 16)  # every pair to expert 0
+    b = moe_routing(torch.arange(20, dtype=torch.int32).reshape(10, 2) % 8, 8, 16)
+    assert a.sorted_rows.shape == b.sorted_rows.shape and a.block_expert.shape == b.block_expert.shape
+    assert routing_sizes(20, 8, 16) == (144, 9)
+    assert a.num_blocks.tolist() == [2] and b.num_blocks.tolist() == [8]
+
+
+def test_traces_without_graph_breaks():
+    fn = torch.compile(lambda ids: moe_routing(ids, 16, 8).sorted_rows, backend="eager", fullgraph=True)
+    ids = torch.randint(0, 16, (12, 4), generator=torch.Generator().manual_seed(SEED))
+    want = moe_routing(ids, 16, 8).sorted_rows
+    assert torch.equal(fn(ids), want)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(topk_ids=torch.zeros(4, dtype=torch.int32)), "2-D"),
+    (dict(topk_ids=torch.zeros(4, 2)), "int32 or int64"),
+    (dict(num_experts=0), "num_experts"),
+    (dict(block_m=0), "block_m"),
+])
+def test_bad_arguments_are_named(bad, match):
+    args = dict(topk_ids=torch.zeros(4, 2, dtype=torch.int32), num_experts=4, block_m=8) | bad
+    with pytest.raises((TypeError, ValueError), match=match):
+        moe_routing(**args)
+
+
+@pytest.mark.gpu
+def test_routing_on_the_gpu_matches_the_cpu_and_captures_in_a_graph():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gen = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, 64, (300, 8), generator=gen).cuda()
+    want = moe_routing(ids.cpu(), 64, 16)
+    got = moe_routing(ids, 64, 16)
+    assert torch.equal(got.sorted_rows.cpu(), want.sorted_rows) and torch.equal(got.block_expert.cpu(), want.block_expert)
+    static = ids.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = moe_routing(static, 64, 16)
+    for _ in range(3):  # new routings replayed through the same graph
+        static.copy_(torch.randint(0, 64, (300, 8), generator=gen))
+        g.replay()
+        ref = moe_routing(static.cpu(), 64, 16)
+        assert torch.equal(out.sorted_rows.cpu(), ref.sorted_rows) and torch.equal(out.num_blocks.cpu(), ref.num_blocks)
