@@ -11,7 +11,8 @@
   ``docs/results/<device>/`` (e.g. ``docs/results/nvidia-h200/``).
 * :func:`provenance`: what a result file records about the run (date, GPU, software versions,
   the command line that reproduces it); :func:`provenance_line` says it in one sentence.
-* :func:`interleaved_medians`: CUDA-graph times of several variants in interleaved rounds.
+* :func:`interleaved_medians`: CUDA-graph times of several variants in interleaved rounds;
+  :func:`measure_copy_bandwidth`: the device copy bandwidth the HBM floors are taken at.
 * :func:`require_gpu`, :func:`geomean`, :func:`rel_err`.
 
 Importing it puts the repository root on ``sys.path``, so ``python scripts/<name>.py`` runs
@@ -128,6 +129,16 @@ def require_gpu(script: str, alternatives: str = "") -> int | None:
         return None
     print(f"{script} needs a CUDA GPU" + (f" (or {alternatives})" if alternatives else ""), file=sys.stderr)
     return 2
+
+
+def measure_copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), 1 GiB buffers."""
+    from autofp4.timing import time_cuda
+
+    a = torch.randn(2**28, device="cuda")
+    b = torch.empty_like(a)
+    st = time_cuda(lambda: b.copy_(a), [()], warmup=5, reps=20)
+    return 2 * a.numel() * 4 / (st.median_us * 1e-6)
 
 
 def interleaved_medians(variants: dict, rounds: int, reps: int, warmup: int = 2) -> dict:

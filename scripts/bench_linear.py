@@ -38,21 +38,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import (SHAPES, geomean, provenance, provenance_line, rel_err, require_gpu, results_dir, select_shapes,
-                     shape_weights)
+from _common import (SHAPES, geomean, measure_copy_bandwidth, provenance, provenance_line, rel_err, require_gpu,
+                     results_dir, select_shapes, shape_weights)
 
 MS = (1, 16, 64, 128, 512, 2048, 8192)
 TARGETS = [((1, 16), 2.5), ((64, 128, 512), 1.3), ((2048, 8192), 1.1)]
-
-
-def measure_copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), 1 GiB buffers."""
-    from autofp4.timing import time_cuda
-
-    a = torch.randn(2**28, device="cuda")
-    b = torch.empty_like(a)
-    st = time_cuda(lambda: b.copy_(a), [()], warmup=5, reps=20)
-    return 2 * a.numel() * 4 / (st.median_us * 1e-6)
 
 
 def bench(args) -> dict:

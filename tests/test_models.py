@@ -335,6 +335,7 @@ PUBLISHED_PARAMS = {  # total parameters (billions) as published, embeddings inc
     "qwen3-30b-a3b": 30.5,
     "deepseek-v3": 671.0,  # without the multi-token-prediction module
     "gpt-oss-20b": 20.9,
+    "gpt-oss-120b": 116.8,
 }
 
 

@@ -1,0 +1,291 @@
+"""FP4 mixture-of-experts layers against a bf16 MoE in plain torch, on one GPU.
+
+For each model's MoE layer (Qwen3-30B-A3B, gpt-oss-120b, Mixtral-8x7B, DeepSeek-V3 with its
+experts split over 8 ranks: one rank's slice), each format and each token count T, in one run:
+
+* **bf16**: the MoE in plain torch with no host synchronization: the routing metadata of
+  :mod:`autofp4.routing`, the tokens gathered in expert order, ``torch._grouped_mm`` for the
+  gate/up and the down projection (per-expert offsets on the device), SiLU-gated, the router
+  weights applied and the top-k summed with ``index_add_``; CUDA-graph timing;
+* **autofp4**: ``autofp4.moe`` on the FP4 weights (what the dispatcher runs: its tuned pick, else
+  the backend's default). Where ``autofp4.moe`` cannot be captured in a CUDA graph (the
+  reference backend reads the expert counts on the host) it is timed eagerly, which the table
+  says (up to ``--max-t-eager`` tokens); a layer sliced for expert parallelism is not timed
+  until ``autofp4.moe`` takes an expert map;
+* **HBM floor**: the FP4 bytes (values + block scales) of the experts the batch hits, at the
+  device-copy bandwidth measured in the same run; useful TFLOP/s = 2 x T x top-k x 3 x H x I /
+  time (the pairs routed to the rank's experts, for a slice).
+
+Routing: fixed-seed uniform random top-k (softmax weights, renormalized), a different routing
+per rotated input set; the weights too are rotated, in as many copies as make one rotation read
+more than twice the L2 (at most 4). Times are medians of interleaved rounds.
+
+    python scripts/bench_moe.py                       # the four models, both formats, T = 1 .. 4096
+    python scripts/bench_moe.py --models mixtral-8x7b --fmt nvfp4 --t 1,16
+    python scripts/bench_moe.py --plot docs/results/nvidia-h200/moe.json   # tables and plot again
+
+Writes ``moe.json``, ``moe.md`` and ``moe.png`` to ``--out`` (default ``docs/results/<gpu>/``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from _common import (ROOT, geomean, measure_copy_bandwidth, provenance, provenance_line, require_gpu,
+                     results_dir)
+
+#: model name (examples/<name>.json) -> expert-parallel ranks of the layer measured
+MODELS: dict[str, int] = {"qwen3-30b-a3b": 1, "gpt-oss-120b": 1, "mixtral-8x7b": 1, "deepseek-v3": 8}
+T_DEFAULT = "1,4,16,64,256,1024,4096"
+
+
+def moe_shape(model: str, ep: int) -> dict:
+    """``E`` (experts of the slice), ``E_global``, ``top_k``, ``H``, ``I`` of the model's MoE layer."""
+    from autofp4.models import load_config, model_shapes
+
+    cfg = load_config(ROOT / "examples" / f"{model}.json")
+    whole = [s for s in model_shapes(cfg) if s.op == "moe"]
+    part = [s for s in model_shapes(cfg, ep=ep) if s.op == "moe"]
+    if not whole:
+        raise SystemExit(f"{model} has no MoE layer")
+    return {"E": part[0].experts, "E_global": whole[0].experts, "top_k": whole[0].topk,
+            "H": whole[0].hidden, "I": whole[0].intermediate}
+
+
+def routing(t: int, e_global: int, top_k: int, gen: torch.Generator, dev: torch.device):
+    """Uniform random top-k routing of ``t`` tokens: (weights fp32 [t, k], ids int32 [t, k])."""
+    logits = torch.randn(t, e_global, generator=gen, device=dev)
+    w, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    return (w / w.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
+
+
+def hit_experts(ids: torch.Tensor, lo: int, e: int) -> int:
+    """Distinct experts of the slice ``[lo, lo + e)`` that ``ids`` routes to."""
+    u = torch.unique(ids)
+    return int(((u >= lo) & (u < lo + e)).sum())
+
+
+def expert_fp4_bytes(h: int, i: int, fmt: str) -> int:
+    """FP4 bytes (values + block scales) of one expert's w13 [2I, H] and w2 [H, I]."""
+    from autofp4.problem import BLOCK_SIZE
+
+    scale_bytes = 1  # E4M3 or E8M0: one byte per block
+    per_value = 0.5 + scale_bytes / BLOCK_SIZE[fmt]
+    return int(round((2 * i * h + h * i) * per_value))
+
+
+def useful_flops(pairs: int, h: int, i: int) -> float:
+    return 2.0 * pairs * 3 * h * i
+
+
+def bf16_moe(x, w13t, w2t, tw, ti, e: int, expert_map=None):
+    """The bf16 MoE in plain torch (see the module docstring): ``w13t [E, H, 2I]``, ``w2t [E, I, H]``
+    (the transposed weights ``torch._grouped_mm`` multiplies by)."""
+    from autofp4.routing import moe_routing
+
+    r = moe_routing(ti, e, 1, expert_map=expert_map)
+    top_k = ti.shape[1]
+    rows = r.sorted_rows.long()
+    valid = rows >= 0
+    rows_c = rows.clamp(min=0)
+    tok = rows_c // top_k
+    offs = torch.cumsum(r.counts, 0).to(torch.int32)
+    xs = x[tok]
+    gu = torch._grouped_mm(xs, w13t, offs=offs)
+    inter = w13t.shape[-1] // 2
+    act = F.silu(gu[:, :inter]) * gu[:, inter:]
+    y = torch._grouped_mm(act, w2t, offs=offs)
+    # rows past the last expert's (pairs routed to other ranks) are not computed: masked, not weighted
+    contrib = torch.where(valid[:, None], y.float() * tw.reshape(-1)[rows_c, None].float(), 0.0)
+    out = torch.zeros(x.shape[0], w2t.shape[-1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok, contrib)
+    return out.to(x.dtype)
+
+
+def _time(fn, args, rounds: int, reps: int, graph: bool) -> float:
+    """Median over ``rounds`` of the median time per call (CUDA graph or eager)."""
+    from autofp4.timing import time_cuda
+
+    return statistics.median(time_cuda(fn, args, warmup=2 if graph else 1, reps=reps, use_graph=graph).median_us
+                             for _ in range(rounds))
+
+
+def bench_model(model: str, ep: int, fmts: list[str], ts: list[int], args, bw: float, l2: int) -> list[dict]:
+    import autofp4
+    from autofp4.dispatch import get_dispatcher
+    from autofp4.problem import ProblemKey
+    from autofp4.timing import copies_for_cold_l2
+
+    dev = torch.device("cuda")
+    s = moe_shape(model, ep)
+    e, eg, k, h, i = s["E"], s["E_global"], s["top_k"], s["H"], s["I"]
+    gen = torch.Generator(device=dev).manual_seed(4321 + eg + h)
+    expert_map = None
+    if ep > 1:  # rank 0 holds experts [0, e)
+        expert_map = torch.full((eg,), -1, dtype=torch.int32, device=dev)
+        expert_map[:e] = torch.arange(e, dtype=torch.int32, device=dev)
+    rows = []
+    for fmt in fmts:
+        per_expert = expert_fp4_bytes(h, i, fmt)
+        copies = copies_for_cold_l2(e * per_expert, l2, max_copies=4)
+        dense = [(torch.randn(e, 2 * i, h, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02,
+                  torch.randn(e, h, i, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02) for _ in range(copies)]
+        fp4 = [(autofp4.quantize(a, fmt), autofp4.quantize(b, fmt)) for a, b in dense]
+        dense_t = [(a.transpose(1, 2).contiguous(), b.transpose(1, 2).contiguous()) for a, b in dense]
+        del dense
+        for t in ts:
+            picked = get_dispatcher(dev).pick(ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, k), t)[0].name
+            sets = max(copies, 4)
+            inputs = [(torch.randn(t, h, device=dev, generator=gen, dtype=torch.bfloat16), *routing(t, eg, k, gen, dev))
+                      for _ in range(sets)]
+            hits = statistics.mean(hit_experts(ti, 0, e) for _, _, ti in inputs)
+            pairs = statistics.mean(int(((ti >= 0) & (ti < e)).sum()) for _, _, ti in inputs)
+            floor_us = hits * per_expert / bw * 1e6
+            b_args = [(x, *dense_t[j % copies], tw, ti) for j, (x, tw, ti) in enumerate(inputs)]
+            bf16_us = _time(lambda x, a, b, tw, ti: bf16_moe(x, a, b, tw, ti, e, expert_map), b_args,
+                            args.rounds, args.reps, graph=True)
+            row = {"model": model, "ep": ep, "fmt": fmt, "T": t, "E": e, "top_k": k, "H": h, "I": i,
+                   "hit_experts": hits, "pairs": pairs, "floor_us": floor_us, "bf16_us": bf16_us,
+                   "autofp4_us": None, "autofp4_timing": None}
+            graph = picked != "reference"  # the reference backend syncs with the host: not capturable
+            if expert_map is None and (graph or t <= args.max_t_eager):
+                q_args = [(x, *fp4[j % copies], tw, ti) for j, (x, tw, ti) in enumerate(inputs)]
+                fn = lambda x, a, b, tw, ti: autofp4.moe(x, a, b, tw, ti, activation="silu")  # noqa: E731
+                reps = args.reps if graph else max(1, args.reps // 5)
+                row["autofp4_us"] = _time(fn, q_args, args.rounds, reps, graph=graph)
+                row["autofp4_timing"] = "graph" if graph else "eager"
+                row["autofp4_backend"] = picked
+            rows.append(row)
+            print(_row_line(row), flush=True)
+        del fp4, dense_t
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _row_line(r: dict) -> str:
+    f = f"{r['model']} ep{r['ep']} {r['fmt']} T={r['T']}: bf16 {r['bf16_us']:.1f} us"
+    if r["autofp4_us"] is not None:
+        f += f", autofp4 {r['autofp4_us']:.1f} us ({r['autofp4_timing']})"
+    return f + f", floor {r['floor_us']:.1f} us"
+
+
+def derive(r: dict) -> dict:
+    """The row's speedup over bf16, percent of the HBM floor and useful TFLOP/s (of autofp4 where
+    timed, and of the bf16 MoE)."""
+    out = dict(r)
+    flops = useful_flops(r["pairs"], r["H"], r["I"])
+    out["bf16_tflops"] = flops / (r["bf16_us"] * 1e-6) / 1e12
+    a = r.get("autofp4_us")
+    out["speedup"] = r["bf16_us"] / a if a else None
+    out["floor_pct"] = 100.0 * r["floor_us"] / a if a else None
+    out["autofp4_tflops"] = flops / (a * 1e-6) / 1e12 if a else None
+    return out
+
+
+def render(doc: dict) -> str:
+    rows = [derive(r) for r in doc["rows"]]
+    lines = [f"FP4 MoE layers against a bf16 MoE in plain torch. {provenance_line(doc)} Copy bandwidth "
+             f"{doc['copy_bandwidth_tbs']:.2f} TB/s. Times in us (bf16: CUDA graph; autofp4: as marked).", "",
+             "| model | EP | fmt | T | hit experts | bf16 | autofp4 | timing | speedup | HBM floor | % of floor | "
+             "autofp4 TFLOP/s | bf16 TFLOP/s |",
+             "|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        a = r["autofp4_us"]
+        lines.append(f"| {r['model']} | {r['ep']} | {r['fmt']} | {r['T']} | {r['hit_experts']:.1f} | {r['bf16_us']:.1f} | "
+                     + (f"{a:.1f} | {r['autofp4_timing']} | {r['speedup']:.2f}x | " if a else "- | - | - | ")
+                     + f"{r['floor_us']:.1f} | " + (f"{r['floor_pct']:.0f}% | {r['autofp4_tflops']:.1f} | " if a else "- | - | ")
+                     + f"{r['bf16_tflops']:.1f} |")
+    timed = [r for r in rows if r["speedup"]]
+    if timed:
+        lines += ["", "Geomean speedup of autofp4 over bf16, per format (timed rows):", ""]
+        for fmt in sorted({r["fmt"] for r in timed}):
+            sel = [r for r in timed if r["fmt"] == fmt]
+            lines.append(f"- {fmt}: {geomean(r['speedup'] for r in sel):.3f}x over {len(sel)} rows")
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'autofp4[plot]')", file=sys.stderr)
+        return
+    rows = [derive(r) for r in doc["rows"]]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 3.4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for fmt in sorted({r["fmt"] for r in rows}):
+            sel = [r for r in rows if r["model"] == model and r["fmt"] == fmt]
+            ax.plot([r["T"] for r in sel], [r["bf16_us"] / r["floor_us"] for r in sel], "k--", alpha=0.4,
+                    label="bf16 / FP4 floor" if fmt == "nvfp4" else None)
+            pts = [(r["T"], r["speedup"]) for r in sel if r["speedup"]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"autofp4 {fmt}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(model, fontsize=9)
+        ax.set_xlabel("tokens T")
+    axes[0][0].set_ylabel("speedup over bf16 MoE")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"MoE layer, {doc.get('gpu', '')}, {doc.get('date', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def write(doc: dict, out: Path) -> None:
+    (out / "moe.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / "moe.md").write_text(render(doc))
+    plot(doc, out / "moe.png")
+    print(render(doc))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    ap.add_argument("--fmt", default="nvfp4,mxfp4")
+    ap.add_argument("--t", default=T_DEFAULT, help="token counts")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per timing")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--max-t-eager", type=int, default=1024,
+                    help="largest T at which a backend that cannot be captured in a CUDA graph is timed "
+                         "(eagerly, slow)")
+    ap.add_argument("--out", help="results directory (default: docs/results/<gpu>/)")
+    ap.add_argument("--plot", metavar="JSON", help="only re-render the tables and plot of a saved run, next to it")
+    args = ap.parse_args()
+    if args.plot:
+        doc = json.loads(Path(args.plot).read_text())
+        write(doc, Path(args.plot).parent)
+        return 0
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise SystemExit(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
+    code = require_gpu("bench_moe.py", "--plot JSON to render a saved run")
+    if code is not None:
+        return code
+    from autofp4.timing import l2_cache_bytes
+
+    out = results_dir(args.out)
+    bw = measure_copy_bandwidth()
+    l2 = l2_cache_bytes(torch.device("cuda"))
+    doc = {**provenance(), "copy_bandwidth_tbs": bw / 1e12, "rows": []}
+    ts = sorted(int(v) for v in args.t.split(","))
+    for m in models:
+        doc["rows"] += bench_model(m, MODELS[m], args.fmt.split(","), ts, args, bw, l2)
+        (out / "moe.json").write_text(json.dumps(doc, indent=1) + "\n")
+    write(doc, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
