@@ -100,7 +100,7 @@ def test_invalid_configs_are_rejected_before_compiling(backend):
     with pytest.raises(ValueError, match="tile_n"):
         backend.compile(bad, key)
     moe = ProblemKey("moe", "nvfp4", "bfloat16", 512, 256, 8, 2)
-    assert "linear only" in backend.is_valid(backend.default(ProblemKey("linear", "nvfp4", "bfloat16", 512, 256)), moe)
+    assert "cannot run a moe problem" in backend.is_valid(backend.default(ProblemKey("linear", "nvfp4", "bfloat16", 512, 256)), moe)
 
 
 @pytest.mark.slow
@@ -236,7 +236,8 @@ def test_each_kernel_has_its_own_source_hash(backend, monkeypatch):
     assert (dec.kernel, gemm.kernel) == ("decode", "gemm")
     h_dec, h_gemm = backend.source_hash(dec), backend.source_hash(gemm)
     assert len({h_dec, h_gemm, backend.source_hash()}) == 3
-    assert dispatch.backend_source_hashes(backend) == {h_dec, h_gemm}
+    moe = backend.default(ProblemKey("moe", "nvfp4", "bfloat16", 1024, 512, 8, 2), 1)
+    assert dispatch.backend_source_hashes(backend) == {h_dec, h_gemm, backend.source_hash(moe)}
     assert backend.source_hash(backend.config_dict(dec)) == h_dec  # a stored config dict
 
     def row(cfg, source):
@@ -264,7 +265,10 @@ def test_the_backend_module_is_plumbing_outside_the_source_hash(backend):
     from autofp4.kernels import w4a16_decode as D
 
     assert S.__name__ not in {m.__name__ for p in (None, *backend.source_parts) for m in backend.source_modules(p)}
-    assert backend.config_types == {"decode": D.DecodeConfig, "gemm": G.Sm90GemmConfig}
+    from autofp4.kernels import w4a16_moe as MO
+
+    assert backend.config_types == {"decode": D.DecodeConfig, "gemm": G.Sm90GemmConfig,
+                                    "moe_decode": MO.MoEDecodeConfig}
     assert {m.__name__ for m in backend.source_modules("decode")} == {D.__name__}
     assert {m.__name__ for m in backend.source_modules("gemm")} == {G.__name__}
     key = ProblemKey("linear", "nvfp4", "bfloat16", 4096, 4096)

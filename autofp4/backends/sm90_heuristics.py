@@ -360,3 +360,26 @@ def _sweep_seeds(n: int, k: int, fmt: str, dtype: str, m: int | None) -> list[An
         pts += [gm(128, 128, 128, 5, swizzle=8), gm(128, 128, 64, 4, ctas_per_sm=2), gm(256, 128, 64, 4)]
     ranked = _medium_ranking(n, k, fmt, dtype, m_) if 32 < m_ <= 1024 else []
     return out + pts + ranked[1:4]
+
+
+# ----------------------------------------------------------------------------- MoE
+def _moe_kernel():
+    from ..kernels import w4a16_moe
+
+    return w4a16_moe
+
+
+def moe_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
+    """Values of the grouped MoE kernels worth sweeping."""
+    M = _moe_kernel()
+    return {"m_block": list(M.M_BLOCKS), "warps": [2, 4, 8], "k_split": [1, 2, 4], "pdl": [False, True]}
+
+
+def moe_default(n: int, k: int, fmt: str, dtype: str, experts: int, topk: int, m: int | None = None) -> Any:
+    """The MoE default: token blocks of 16 rows where the batch gives a hit expert more than 8
+    (token, slot) pairs on average (uniform routing), else of 8; 4 warps; K of the down GEMM not
+    split. Not yet fitted to measurements."""
+    M = _moe_kernel()
+    pairs = (m if m is not None else 1) * topk
+    per_expert = pairs / min(experts, pairs) if pairs else 0
+    return M.MoEDecodeConfig(m_block=16 if per_expert > 8 else 8, warps=4, k_split=1)

@@ -8,6 +8,9 @@ validates and runs), told apart by the dataclass's ``kernel`` tag:
   ``M <= m_max``.
 * ``"gemm"`` (:class:`~autofp4.kernels.sm90_w4a16_gemm.Sm90GemmConfig`): TMA + multi-stage
   pipeline + wgmma with the weights as the register operand (``out^T = W x^T``); serves any M.
+* ``"moe_decode"`` (:class:`~autofp4.kernels.w4a16_moe.MoEDecodeConfig`): the MoE layer, both
+  expert GEMMs grouped over the routing's (expert, token block) list with warp-level MMA, the
+  activation and the router weights fused; serves any T, CUDA-graph capturable.
 
 A decode config asked to run ``M > m_max`` runs the GEMM's default config for that M instead,
 so every config answers every M; the dispatcher does not send such calls to a decode config
@@ -28,22 +31,32 @@ import torch
 from ..problem import ProblemKey, bucket_for
 from . import sm90_heuristics
 from .base import Backend, BackendConfig, Runner, grid
-from .reference import reference_linear
+from .reference import reference_linear, reference_moe
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    """The two kernel modules, imported on first use (they import CuTeDSL)."""
+    """The two linear kernel modules, imported on first use (they import CuTeDSL)."""
     from ..kernels import sm90_w4a16_gemm as gemm
     from ..kernels import w4a16_decode as decode
 
     return decode, gemm
 
 
+@functools.lru_cache(maxsize=None)
+def _moe():
+    """The MoE kernel module, imported on first use."""
+    from ..kernels import w4a16_moe
+
+    return w4a16_moe
+
+
 def _module(config: Any):
-    """The kernel module that runs ``config`` (a DecodeConfig or an Sm90GemmConfig)."""
+    """The kernel module that runs ``config`` (a DecodeConfig, an Sm90GemmConfig or a MoEDecodeConfig)."""
     decode, gemm = _kernels()
-    return decode if isinstance(config, decode.DecodeConfig) else gemm
+    if isinstance(config, decode.DecodeConfig):
+        return decode
+    return gemm if isinstance(config, gemm.Sm90GemmConfig) else _moe()
 
 
 @functools.lru_cache(maxsize=64)
@@ -74,6 +87,14 @@ class SM90Prepared:
         self.weight = weight
         self._decode = None
         self._gemm = None
+        self._moe: dict[bool, Any] = {}
+
+    def moe(self, gate_up: bool):
+        """Stacked experts in the MoE kernel's layout (``gate_up``: w13, gate and up rows interleaved)."""
+        packed = self._moe.get(gate_up)
+        if packed is None:
+            packed = self._moe[gate_up] = _moe().pack_experts(self.weight, gate_up)
+        return packed
 
     @property
     def decode(self):
@@ -97,12 +118,12 @@ def _fp16_range_problem(prep: SM90Prepared, kernel: str) -> str | None:
 
 class SM90W4A16Backend(Backend):
     name = "sm90_w4a16"
-    ops = frozenset({"linear"})
+    ops = frozenset({"linear", "moe"})
 
     @property
     def config_types(self) -> Mapping[str | None, type]:  # type: ignore[override]
         decode, gemm = _kernels()
-        return {"decode": decode.DecodeConfig, "gemm": gemm.Sm90GemmConfig}
+        return {"decode": decode.DecodeConfig, "gemm": gemm.Sm90GemmConfig, "moe_decode": _moe().MoEDecodeConfig}
 
     # -- where it runs ------------------------------------------------------------------
     def unavailable_reason(self, device: torch.device) -> str | None:
@@ -125,6 +146,8 @@ class SM90W4A16Backend(Backend):
     def config_space(self, key: ProblemKey) -> Mapping[str, Sequence[Any]]:
         """Both kernels' fields and values (``sm90_heuristics``), ``kernel`` first; a field the
         two share lists the union of their values."""
+        if key.op == "moe":
+            return {"kernel": ["moe_decode"], **sm90_heuristics.moe_config_space(key.n, key.k, key.fmt, key.dtype)}
         space: dict[str, list] = {"kernel": ["decode", "gemm"]}
         for fn in (sm90_heuristics.decode_config_space, sm90_heuristics.gemm_config_space):
             for name, values in fn(key.n, key.k, key.fmt, key.dtype).items():
@@ -133,16 +156,20 @@ class SM90W4A16Backend(Backend):
 
     def is_valid(self, config: BackendConfig, key: ProblemKey) -> str | None:
         if type(config) not in self.config_types.values():
-            return f"expected a DecodeConfig or an Sm90GemmConfig, got {type(config).__name__}"
-        if key.op != "linear":
-            return f"{self.name} implements linear only, not {key.op}"
+            return f"expected a DecodeConfig, an Sm90GemmConfig or a MoEDecodeConfig, got {type(config).__name__}"
+        if (config.kernel == "moe_decode") != (key.op == "moe"):
+            return f"a {config.kernel} config cannot run a {key.op} problem"
         return _module(config).validate(config, key.n, key.k, key.fmt, key.dtype)
 
     def default(self, key: ProblemKey, m: int | None = None) -> BackendConfig:
+        if key.op == "moe":
+            return sm90_heuristics.moe_default(key.n, key.k, key.fmt, key.dtype, key.experts, key.topk, m)
         return sm90_heuristics.default(key.n, key.k, key.fmt, key.dtype, m)
 
     def seeds(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
         """Valid configs worth trying right after the default (``sm90_heuristics.seeds``)."""
+        if key.op == "moe":
+            return []
         out: list[BackendConfig] = []
         default = self.default(key, m)
         for cfg in sm90_heuristics.seeds(key.n, key.k, key.fmt, key.dtype, m):
@@ -159,7 +186,7 @@ class SM90W4A16Backend(Backend):
         needs) or off; a decode config with dependent launch on and its trigger early (``pdl_early``)
         and late, less itself; winners stored before these settings existed have them off. The
         tuner drops the invalid ones."""
-        if type(config) not in self.config_types.values():
+        if type(config) not in self.config_types.values() or config.kernel == "moe_decode":
             return []
         if config.kernel == "decode":
             return [c for c in (replace(config, pdl=True, pdl_early=True), replace(config, pdl=True, pdl_early=False))
@@ -175,6 +202,8 @@ class SM90W4A16Backend(Backend):
 
         The GEMM grid is large; the tuner samples it (optuna TPE) when it exceeds its budget.
         """
+        if key.op == "moe":
+            return super().candidates(key, m)
         out: list[BackendConfig] = [self.default(key, m)]
         out += [c for c in self.seeds(key, m) if c not in out]
         seen = set(out)
@@ -199,6 +228,8 @@ class SM90W4A16Backend(Backend):
         n, k, fmt, dtype = key.n, key.k, key.fmt, key.dtype
         run = _compiled(config, n, k, fmt, dtype)
         check_fp16 = fmt == "mxfp4" and dtype == "float16"
+        if config.kernel == "moe_decode":
+            return _moe_runner(run, check_fp16)
         if config.kernel == "gemm":
 
             def runner(x: torch.Tensor, prep: SM90Prepared, bias: torch.Tensor | None) -> torch.Tensor:
@@ -231,7 +262,7 @@ class SM90W4A16Backend(Backend):
     # a row's provenance: its config's kernel module (and the helpers it names), which holds the
     # config dataclass too. This module is plumbing (dispatch to the kernels, fallbacks), so
     # editing it keeps the rows
-    source_parts = ("decode", "gemm")
+    source_parts = ("decode", "gemm", "moe_decode")
 
     def source_part(self, config: Mapping[str, Any] | BackendConfig | None) -> str | None:
         kernel = config.get("kernel") if isinstance(config, Mapping) else getattr(config, "kernel", None)
@@ -239,7 +270,8 @@ class SM90W4A16Backend(Backend):
 
     def source_modules(self, part: str | None = None) -> list[Any]:
         decode, gemm = _kernels()
-        return [decode, gemm] if part is None else [decode if part == "decode" else gemm]
+        by_part = {"decode": decode, "gemm": gemm, "moe_decode": _moe()}
+        return list(by_part.values()) if part is None else [by_part[part]]
 
 
 @functools.lru_cache(maxsize=None)
@@ -248,12 +280,30 @@ def _gemm_default(n: int, k: int, fmt: str, dtype: str, m: int):
     return _compiled(sm90_heuristics.gemm_default(n, k, fmt, dtype, m), n, k, fmt, dtype)
 
 
+def _moe_runner(run: Runner, check_fp16: bool) -> Runner:
+    """The MoE runner: both GEMMs on the experts' MoE layout (fp16 with MXFP4 experts whose
+    exponents span too much for fp16 runs on the reference backend, as the linear kernels do)."""
+
+    def runner(x, p13: SM90Prepared, p2: SM90Prepared, topk_weights, topk_ids, activation):
+        m13, m2 = p13.moe(True), p2.moe(False)
+        if check_fp16 and (why := m13.unsupported[1] or m2.unsupported[1]):
+            _warn_once(why)
+            return reference_moe(x, p13.weight, p2.weight, topk_weights, topk_ids, activation)
+        return run(x, m13, m2, topk_weights, topk_ids, activation)
+
+    return runner
+
+
 _WARNED: set[str] = set()
 
 
-def _reference_fallback(x, prep: SM90Prepared, bias, why: str | None) -> torch.Tensor:
+def _warn_once(why: str) -> None:
     if why not in _WARNED:
-        _WARNED.add(why or "")
-        warnings.warn(f"autofp4 sm90_w4a16: {why}; running this weight with the reference backend", stacklevel=3)
+        _WARNED.add(why)
+        warnings.warn(f"autofp4 sm90_w4a16: {why}; running these weights with the reference backend", stacklevel=4)
+
+
+def _reference_fallback(x, prep: SM90Prepared, bias, why: str | None) -> torch.Tensor:
+    _warn_once(why or "")
     return reference_linear(x, prep.weight, bias)
 

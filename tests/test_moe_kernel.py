@@ -1,0 +1,180 @@
+"""The grouped MoE kernels of the Hopper backend (autofp4.kernels.w4a16_moe).
+
+CPU: the experts' packed layout decodes to the dequantized weights (gate and up rows
+interleaved for w13), the validity rules, and every default config (plus a sample of the space)
+compiles for sm_90a. GPU (H200): autofp4.moe through the dispatcher against the reference
+backend on fresh random data: both formats and dtypes, ragged token counts, experts that get no
+pair, one expert that gets every token, top-k 1 to 8, both activations, CUDA-graph replay with
+changing routing.
+"""
+import os
+import random
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import autofp4  # noqa: E402
+from autofp4.backends import get_backend  # noqa: E402
+from autofp4.backends.reference import reference_moe  # noqa: E402
+from autofp4.problem import ProblemKey  # noqa: E402
+
+M = pytest.importorskip("autofp4.kernels.w4a16_moe")
+from autofp4.kernels import w4a16_decode as D  # noqa: E402
+
+SEED = int.from_bytes(os.urandom(4), "little")
+MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "gpt-oss-120b": (128, 4, 2880, 2880),
+          "mixtral-8x7b": (8, 2, 4096, 14336), "deepseek-v3-ep8": (32, 8, 7168, 2048)}
+
+
+def _experts(e, n, k, fmt, gen, device="cpu"):
+    w = torch.randn(e, n, k, generator=gen) * torch.exp(torch.randn(e, 1, 1, generator=gen))
+    return autofp4.quantize(w.to(device), fmt)
+
+
+def _unpack_expert(p, e, dtype="bfloat16"):
+    """Expert ``e`` of a MoEPacked, decoded by the decode kernel's reference unpacker."""
+    one = D.DecodePacked(p.fmt, p.n, p.k, p.data[e * p.data_stride:(e + 1) * p.data_stride],
+                         p.scales[e * p.scale_stride:(e + 1) * p.scale_stride], p.alpha[e],
+                         tuple(int(v) for v in p.scale_add[e]), (None, None))
+    return D.unpack_reference(one, dtype)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("gate_up", [True, False])
+def test_packed_experts_decode_to_the_weights(fmt, gate_up):
+    gen = torch.Generator().manual_seed(SEED)
+    e, n, k = 3, 96, 640  # K not a multiple of the 512 K group: padded
+    w = _experts(e, n, k, fmt, gen)
+    p = M.pack_experts(w, gate_up)
+    order = M.gate_up_order(n) if gate_up else torch.arange(n)
+    assert sorted(order.tolist()) == list(range(n))
+    for i in range(e):
+        want = w.expert(i).dequantize(torch.float32)[order]
+        assert torch.equal(_unpack_expert(p, i), want), i
+
+
+def test_gate_up_order_pairs_the_same_rows():
+    order = M.gate_up_order(64).tolist()
+    assert order[:16] == list(range(16)) and order[16:32] == list(range(32, 48))
+    assert order[32:48] == list(range(16, 32)) and order[48:] == list(range(48, 64))
+
+
+@pytest.mark.parametrize("cfg,n,k,match", [
+    (M.MoEDecodeConfig(m_block=4), 1536, 2048, "m_block"),
+    (M.MoEDecodeConfig(warps=3), 1536, 2048, "warps"),
+    (M.MoEDecodeConfig(k_split=4), 1536, 2048, "k_split=4 exceeds"),
+    (M.MoEDecodeConfig(), 1528, 2048, "multiple of 32"),
+    (M.MoEDecodeConfig(), 1536, 2040, "multiple of 32"),
+])
+def test_invalid_configs_are_refused_before_compiling(cfg, n, k, match):
+    assert match in M.validate(cfg, n, k, "nvfp4", "bfloat16")
+    with pytest.raises(ValueError, match="invalid MoEDecodeConfig"):
+        M.compile_only(cfg, n, k, "nvfp4", "bfloat16")
+
+
+def test_the_backend_serves_moe_with_its_own_configs():
+    b = get_backend("sm90_w4a16")
+    key = ProblemKey("moe", "nvfp4", "bfloat16", 1536, 2048, 128, 8)
+    cands = b.candidates(key, 16)
+    assert cands and all(c.kernel == "moe_decode" and b.is_valid(c, key) is None for c in cands)
+    assert b.default(key, 1).m_block == 8 and b.default(key, 4096).m_block == 16
+    assert "cannot run a linear problem" in b.is_valid(b.default(key, 1), ProblemKey("linear", "nvfp4", "bfloat16", 1536, 2048))
+    assert b.source_part(b.config_dict(b.default(key, 1))) == "moe_decode"
+    assert {m.__name__ for m in b.source_modules("moe_decode")} == {M.__name__}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_default_configs_of_the_models_compile_for_sm90a(fmt):
+    b = get_backend("sm90_w4a16")
+    seen = set()
+    for e, topk, h, i in MODELS.values():
+        key = ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, topk)
+        for t in (1, 4096):
+            cfg = b.default(key, t)
+            if (cfg, key) not in seen:
+                seen.add((cfg, key))
+                b.compile_only(cfg, key)
+
+
+@pytest.mark.slow
+def test_a_random_sample_of_the_space_compiles_for_sm90a():
+    rng = random.Random(SEED)
+    b = get_backend("sm90_w4a16")
+    e, topk, h, i = rng.choice(list(MODELS.values()))
+    key = ProblemKey("moe", rng.choice(["nvfp4", "mxfp4"]), rng.choice(["bfloat16", "float16"]), 2 * i, h, e, topk)
+    for cfg in rng.sample(b.candidates(key), 2):
+        print(key, cfg)
+        b.compile_only(cfg, key)
+
+
+# ----------------------------------------------------------------------------- GPU
+def _routing(t, e, k, mode, gen):
+    logits = torch.randn(t, e, generator=gen)
+    if mode == "one_expert":  # every token's first choice is expert 0
+        logits[:, 0] += 100.0
+    if mode == "few_experts":  # only experts 0 .. k+1 get tokens: the others get none
+        logits[:, k + 2:] -= 100.0
+    w, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    return (w / w.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
+
+
+CASES = [  # (T, E, top_k, H, I, routing)
+    (1, 8, 2, 512, 256, "uniform"), (3, 16, 4, 640, 96, "uniform"), (16, 8, 1, 512, 256, "uniform"),
+    (33, 64, 8, 1024, 384, "few_experts"), (100, 8, 2, 512, 768, "one_expert"), (257, 16, 4, 512, 256, "uniform"),
+    (1000, 32, 8, 256, 128, "uniform"), (4096, 8, 2, 512, 256, "uniform"),
+]
+
+
+def _gpu():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES)
+def test_moe_matches_the_reference_backend(fmt, dtype, case):
+    _gpu()
+    t, e, k, h, i, mode = case
+    gen = torch.Generator().manual_seed(SEED + t + e)
+    w13 = _experts(e, 2 * i, h, fmt, gen, "cuda")
+    w2 = _experts(e, h, i, fmt, gen, "cuda")
+    x = (torch.randn(t, h, generator=gen) * 0.5).to("cuda", dtype)
+    tw, ti = _routing(t, e, k, mode, gen)
+    tw, ti = tw.cuda(), ti.cuda()
+    for act in ("silu", "gelu") if t <= 100 else ("silu",):
+        got = autofp4.moe(x, w13, w2, tw, ti, activation=act)
+        want = reference_moe(x.float(), w13, w2, tw, ti, act).float()
+        assert got.dtype == dtype and got.shape == (t, h)
+        err = float((got.float() - want).norm() / want.norm())
+        assert err < 2e-2, (act, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_graph_replay_with_changing_routing_matches_eager(fmt):
+    _gpu()
+    gen = torch.Generator().manual_seed(SEED)
+    t, e, k, h, i = 24, 16, 4, 512, 256
+    w13 = _experts(e, 2 * i, h, fmt, gen, "cuda")
+    w2 = _experts(e, h, i, fmt, gen, "cuda")
+    x = torch.randn(t, h, generator=gen).cuda().bfloat16()
+    tw, ti = (a.cuda() for a in _routing(t, e, k, "uniform", gen))
+    autofp4.moe(x, w13, w2, tw, ti)  # compile and pack outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = autofp4.moe(x, w13, w2, tw, ti)
+    for mode in ("uniform", "one_expert", "few_experts"):
+        ntw, nti = _routing(t, e, k, mode, gen)
+        x.copy_(torch.randn(t, h, generator=gen).bfloat16())
+        tw.copy_(ntw)
+        ti.copy_(nti)
+        g.replay()
+        want = autofp4.moe(x, w13, w2, tw, ti)
+        torch.cuda.synchronize()
+        # the top-k sums meet in fp32 atomics, in no fixed order: equal up to rounding
+        assert float((out.float() - want.float()).norm() / want.float().norm()) < 2e-3, mode
