@@ -72,10 +72,14 @@ _MIDPOINTS_INCLUSIVE = (0.75, 1.75, 3.5)  # tie moves to the upper (even) code
 _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def check_fmt(fmt: str) -> None:
-    """Raise ``ValueError`` unless ``fmt`` is one of :data:`~autofp4.problem.FORMATS`."""
+def check_fmt(fmt: str, what: str = "") -> None:
+    """Raise ``TypeError`` unless ``fmt`` is a str and ``ValueError`` unless it is one of
+    :data:`~autofp4.problem.FORMATS`; ``what`` (the calling function) prefixes the message."""
+    pre = f"{what}: " if what else ""
+    if not isinstance(fmt, str):
+        raise TypeError(f"{pre}fmt must be a str, one of {FORMATS}, got {type(fmt).__name__}")
     if fmt not in BLOCK_SIZE:
-        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+        raise ValueError(f"{pre}fmt must be one of {FORMATS}, got {fmt!r}")
 
 
 # ------------------------------------------------------------------------------ E2M1
@@ -169,21 +173,23 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------ quantize
 def _check_weight(w: torch.Tensor, fmt: str) -> None:
     if not isinstance(w, torch.Tensor):
-        raise TypeError(f"quantize expects a torch.Tensor, got {type(w).__name__}")
+        raise TypeError(f"quantize: w must be a torch.Tensor, got {type(w).__name__}")
     if w.dtype not in _FLOAT_INPUTS:
-        raise TypeError(f"quantize expects a bfloat16, float16 or float32 weight, got {w.dtype}")
+        raise TypeError(f"quantize: w must be a bfloat16, float16 or float32 weight, got {w.dtype}")
     if w.dim() not in (2, 3):
         raise ValueError(
-            f"quantize expects a weight [N, K] or stacked experts [E, N, K], got {w.dim()}-D shape {tuple(w.shape)}"
+            f"quantize: w must be a weight [N, K] or stacked experts [E, N, K], got {w.dim()}-D shape {tuple(w.shape)}"
         )
     if w.numel() == 0:
-        raise ValueError(f"quantize got an empty weight of shape {tuple(w.shape)}")
+        raise ValueError(f"quantize: w must not be empty, got an empty weight of shape {tuple(w.shape)}")
     bs = BLOCK_SIZE[fmt]
     if w.shape[-1] % bs:
         raise ValueError(
-            f"{fmt} needs K (the last dimension) to be a multiple of its block size {bs}, "
+            f"quantize: {fmt} needs K (the last dimension of w) to be a multiple of its block size {bs}, "
             f"got K={w.shape[-1]} (shape {tuple(w.shape)})"
         )
+    if w.is_meta:
+        raise ValueError(f"quantize: w is on the meta device, which holds no values to quantize (shape {tuple(w.shape)})")
 
 
 def _blocks_abs(w: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +213,7 @@ def _const(v: float, like: torch.Tensor) -> torch.Tensor:
 
 def _raise_non_finite(w: torch.Tensor) -> None:
     raise ValueError(
-        f"quantize expects finite weights, got NaN or inf in a weight of shape {tuple(w.shape)} ({w.dtype})"
+        f"quantize: w must hold finite weights, got NaN or inf in a weight of shape {tuple(w.shape)} ({w.dtype})"
     )
 
 

@@ -21,29 +21,40 @@ import torch
 
 from .weights import FP4Weight
 
-__all__ = ["from_modelopt", "fuse_modelopt", "from_mxfp4_blocks", "load_state_dict_weight"]
+__all__ = ["from_modelopt", "fuse_modelopt", "from_mxfp4_blocks", "load_state_dict_weight", "MissingKeyError"]
+
+
+class MissingKeyError(KeyError, ValueError):
+    """A state dict lacks a key the layout needs (a KeyError, and a ValueError of the state dict)."""
 
 
 def _desc(t: object) -> str:
     if isinstance(t, torch.Tensor):
         return f"{t.dtype} {tuple(t.shape)}"
+    if isinstance(t, (str, int, float)) and not isinstance(t, bool):
+        return f"{type(t).__name__} {t!r}"
     return type(t).__name__
 
 
-def _as_e4m3(scale: torch.Tensor, what: str) -> torch.Tensor:
+def _to(t: torch.Tensor, device: torch.device, label: str, what: str, **kw) -> torch.Tensor:
+    """``t`` on ``device``: a meta tensor has no values to move to a real device."""
+    if t.is_meta and device.type != "meta":
+        raise ValueError(f"{what}: {label} is on the meta device (no values) but the weight is on {device}")
+    return t.to(device=device, **kw)
+
+
+def _as_e4m3(scale: object, label: str, what: str) -> torch.Tensor:
     if not isinstance(scale, torch.Tensor):
-        raise TypeError(f"{what}: weight_scale must be a tensor, got {type(scale).__name__}")
+        raise TypeError(f"{what}: {label} must be a float8_e4m3fn tensor (or its bytes as uint8), got {_desc(scale)}")
     if scale.dtype == torch.float8_e4m3fn:
         return scale
     if scale.dtype == torch.uint8:
         return scale.view(torch.float8_e4m3fn)
-    raise TypeError(
-        f"{what}: weight_scale must be float8_e4m3fn (or its bytes as uint8), got {_desc(scale)}"
-    )
+    raise TypeError(f"{what}: {label} must be float8_e4m3fn (or its bytes as uint8), got {_desc(scale)}")
 
 
 def _per_tensor(
-    s: object, lead: tuple[int, ...], name: str, what: str, device: torch.device, keep_scalar: bool = False
+    s: object, lead: tuple[int, ...], label: str, what: str, device: torch.device, keep_scalar: bool = False
 ) -> torch.Tensor:
     """A checkpoint's per-tensor scale as fp32 of shape () (2-D) or (E,) (stacked experts; a
     single value is broadcast to every expert unless ``keep_scalar``), on ``device``."""
@@ -53,8 +64,8 @@ def _per_tensor(
         not isinstance(s, torch.Tensor)
         or s.dtype not in (torch.float32, torch.bfloat16, torch.float16)
     ):
-        raise TypeError(f"{what}: {name} must be a float32 (or bf16/fp16) tensor, got {_desc(s)}")
-    s = s.to(device=device, dtype=torch.float32)
+        raise TypeError(f"{what}: {label} must be a float32 (or bf16/fp16) tensor, got {_desc(s)}")
+    s = _to(s, device, label, what, dtype=torch.float32)
     if s.numel() == 1 and (not lead or keep_scalar):
         return s.reshape(())
     if lead and s.numel() == 1:
@@ -62,19 +73,22 @@ def _per_tensor(
     if lead and s.numel() == lead[0] and s.dim() <= 2:
         return s.reshape(lead)
     want = "a scalar (shape () or (1,))" if not lead else f"a scalar or one per expert ({lead[0]} values)"
-    raise ValueError(f"{what}: {name} must be {want}, got shape {tuple(s.shape)}")
+    raise ValueError(f"{what}: {label} must be {want}, got shape {tuple(s.shape)}")
 
 
-def _check_packed(weight: object, what: str) -> torch.Tensor:
+def _check_packed(weight: object, label: str, what: str) -> torch.Tensor:
     if not isinstance(weight, torch.Tensor) or weight.dtype != torch.uint8:
-        raise TypeError(f"{what}: weight must be uint8 packed E2M1 codes [N, K/2], got {_desc(weight)}")
+        raise TypeError(f"{what}: {label} must be uint8 packed E2M1 codes [N, K/2], got {_desc(weight)}")
     if weight.dim() not in (2, 3):
         raise ValueError(
-            f"{what}: weight must be [N, K/2] or [E, N, K/2], got {weight.dim()}-D shape {tuple(weight.shape)}"
+            f"{what}: {label} must be [N, K/2] or [E, N, K/2], got {weight.dim()}-D shape {tuple(weight.shape)}"
         )
     if weight.numel() == 0:
-        raise ValueError(f"{what}: weight is empty (shape {tuple(weight.shape)})")
+        raise ValueError(f"{what}: {label} is empty (shape {tuple(weight.shape)})")
     return weight
+
+
+_MODELOPT_ARGS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 
 
 def from_modelopt(
@@ -89,15 +103,21 @@ def from_modelopt(
     ``[N, K/16]``; weight_scale_2: fp32 scalar (``[E]`` for stacked experts); input_scale:
     optional fp32 scalar, kept as ``FP4Weight.input_scale``.
     """
-    what = "from_modelopt"
-    weight = _check_packed(weight, what)
-    scale = _as_e4m3(weight_scale, what)
+    return _from_modelopt(weight, weight_scale, weight_scale_2, input_scale, "from_modelopt",
+                          {a: a for a in _MODELOPT_ARGS})
+
+
+def _from_modelopt(weight, weight_scale, weight_scale_2, input_scale, what: str, label: dict[str, str]) -> FP4Weight:
+    weight = _check_packed(weight, label["weight"], what)
+    scale = _to(_as_e4m3(weight_scale, label["weight_scale"], what), weight.device, label["weight_scale"], what)
     lead = tuple(weight.shape[:-2])
-    gs = _per_tensor(weight_scale_2, lead, "weight_scale_2", what, weight.device)
+    gs = _per_tensor(weight_scale_2, lead, label["weight_scale_2"], what, weight.device)
     ins = None
     if input_scale is not None:
-        ins = _per_tensor(input_scale, lead, "input_scale", what, weight.device, keep_scalar=True)
-    return FP4Weight("nvfp4", weight, scale.to(weight.device), gs, ins)
+        ins = _per_tensor(input_scale, lead, label["input_scale"], what, weight.device, keep_scalar=True)
+    labels = {"data": label["weight"], "scale": label["weight_scale"], "global_scale": label["weight_scale_2"],
+              "input_scale": label["input_scale"]}
+    return FP4Weight._build("nvfp4", weight, scale, gs, ins, what=what, labels=labels)
 
 
 def fuse_modelopt(
@@ -122,22 +142,29 @@ def fuse_modelopt(
     scale, e.g. the max of the parts' input scales) is kept as given.
     """
     what = "fuse_modelopt"
-    if not isinstance(parts, (list, tuple)) or not parts:
-        raise ValueError(f"{what}: expected a non-empty list of (weight, weight_scale, weight_scale_2), got {parts!r}")
+    if not isinstance(parts, (list, tuple)):
+        raise TypeError(
+            f"{what}: parts must be a non-empty list of (weight, weight_scale, weight_scale_2), got {_desc(parts)}"
+        )
+    if not parts:
+        raise ValueError(f"{what}: parts must be a non-empty list of (weight, weight_scale, weight_scale_2), got {parts!r}")
     weights: list[FP4Weight] = []
     scales: list[torch.Tensor] = []
     for i, part in enumerate(parts):
         if not isinstance(part, (list, tuple)) or len(part) != 3:
             size = f" of length {len(part)}" if hasattr(part, "__len__") else ""
-            raise ValueError(
-                f"{what}: part {i} must be (weight, weight_scale, weight_scale_2), got {type(part).__name__}{size}"
+            exc = ValueError if isinstance(part, (list, tuple)) else TypeError
+            raise exc(
+                f"{what}: part {i} must be (weight, weight_scale, weight_scale_2), "
+                f"got {type(part).__name__}{size} (parts[{i}])"
             )
-        weights.append(from_modelopt(*part))  # validates the part on its own
+        label = {a: f"parts[{i}] {a}" for a in _MODELOPT_ARGS}
+        weights.append(_from_modelopt(*part, None, what, label))  # validates the part on its own
     first = weights[0]
     for i, w in enumerate(weights[1:], 1):
         if w.k != first.k or w.experts != first.experts or w.device != first.device:
             raise ValueError(
-                f"{what}: every part needs the same K, experts and device as part 0 "
+                f"{what}: every part of parts needs the same K, experts and device as part 0 "
                 f"(K={first.k}, experts={first.experts}, {first.device}); part {i} has "
                 f"K={w.k}, experts={w.experts}, {w.device}"
             )
@@ -156,7 +183,7 @@ def fuse_modelopt(
     if input_scale is not None:
         lead = (first.experts,) if first.experts else ()
         ins = _per_tensor(input_scale, lead, "input_scale", what, first.device, keep_scalar=True)
-    return FP4Weight("nvfp4", data, scale, gmax.contiguous(), ins)
+    return FP4Weight._build("nvfp4", data, scale, gmax.contiguous(), ins, what=what, labels={})
 
 
 def from_mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> FP4Weight:
@@ -167,28 +194,32 @@ def from_mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> FP4Weight:
     127). The layout is told apart by ``blocks.dim() == scales.dim() + 1``. gpt-oss's fused
     ``gate_up_proj`` interleaves gate and up rows; that order is kept as stored.
     """
-    what = "from_mxfp4_blocks"
+    return _from_mxfp4_blocks(blocks, scales, "from_mxfp4_blocks", "blocks", "scales")
+
+
+def _from_mxfp4_blocks(blocks, scales, what: str, b_label: str, s_label: str) -> FP4Weight:
     if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8:
-        raise TypeError(f"{what}: blocks must be uint8, got {_desc(blocks)}")
+        raise TypeError(f"{what}: {b_label} must be uint8, got {_desc(blocks)}")
     if not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8:
-        raise TypeError(f"{what}: scales must be uint8 E8M0 exponents, got {_desc(scales)}")
+        raise TypeError(f"{what}: {s_label} must be uint8 E8M0 exponents, got {_desc(scales)}")
     if scales.dim() not in (2, 3):
-        raise ValueError(f"{what}: scales must be [N, K/32] or [E, N, K/32], got shape {tuple(scales.shape)}")
+        raise ValueError(f"{what}: {s_label} must be [N, K/32] or [E, N, K/32], got shape {tuple(scales.shape)}")
     if blocks.dim() == scales.dim() + 1:
         if blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
             raise ValueError(
-                f"{what}: gpt-oss blocks must be {tuple(scales.shape) + (16,)} for scales of shape "
+                f"{what}: gpt-oss {b_label} must be {tuple(scales.shape) + (16,)} for {s_label} of shape "
                 f"{tuple(scales.shape)}, got {tuple(blocks.shape)}"
             )
         blocks = blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * 16)
     elif blocks.dim() != scales.dim():
         raise ValueError(
-            f"{what}: blocks must be [..., N, K/2] or [..., N, K/32, 16] for scales {tuple(scales.shape)}, "
+            f"{what}: {b_label} must be [..., N, K/2] or [..., N, K/32, 16] for {s_label} {tuple(scales.shape)}, "
             f"got {tuple(blocks.shape)}"
         )
     if blocks.numel() == 0:
-        raise ValueError(f"{what}: blocks are empty (shape {tuple(blocks.shape)})")
-    return FP4Weight("mxfp4", blocks, scales.to(blocks.device))
+        raise ValueError(f"{what}: {b_label} are empty (shape {tuple(blocks.shape)})")
+    scales = _to(scales, blocks.device, s_label, what)
+    return FP4Weight._build("mxfp4", blocks, scales, what=what, labels={"data": b_label, "scale": s_label})
 
 
 def load_state_dict_weight(state_dict: Mapping[str, torch.Tensor], prefix: str) -> FP4Weight:
@@ -201,8 +232,15 @@ def load_state_dict_weight(state_dict: Mapping[str, torch.Tensor], prefix: str) 
       ``[N, K/32]``, no ``weight_scale_2``);
     - gpt-oss MXFP4: ``prefix_blocks`` and ``prefix_scales`` (e.g. prefix
       ``model.layers.0.mlp.experts.gate_up_proj``).
+
+    A missing key raises :class:`MissingKeyError` (a KeyError that is also a ValueError);
+    a wrong tensor raises TypeError/ValueError naming its key.
     """
     what = "load_state_dict_weight"
+    if not isinstance(state_dict, Mapping) and not (hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__")):
+        raise TypeError(f"{what}: state_dict must be a mapping of names to tensors, got {_desc(state_dict)}")
+    if not isinstance(prefix, str):
+        raise TypeError(f"{what}: prefix must be a str (the module's name in the state dict), got {_desc(prefix)}")
     prefix = prefix.rstrip(".")
     w_key, s_key, s2_key, in_key = (f"{prefix}.{n}" for n in ("weight", "weight_scale", "weight_scale_2", "input_scale"))
     b_key, e_key = f"{prefix}_blocks", f"{prefix}_scales"
@@ -212,11 +250,11 @@ def load_state_dict_weight(state_dict: Mapping[str, torch.Tensor], prefix: str) 
         raise ValueError(f"{what}: both {w_key!r} and {b_key!r} exist; cannot tell which layout {prefix!r} uses")
     if has_oss:
         if e_key not in state_dict:
-            raise KeyError(f"{what}: found {b_key!r} but not {e_key!r}")
-        return from_mxfp4_blocks(state_dict[b_key], state_dict[e_key])
+            raise MissingKeyError(f"{what}: found {b_key!r} but not {e_key!r}")
+        return _from_mxfp4_blocks(state_dict[b_key], state_dict[e_key], what, repr(b_key), repr(e_key))
     if not has_mo:
-        near = sorted(k for k in state_dict if k.startswith(prefix))[:8]
-        raise KeyError(
+        near = sorted(k for k in state_dict.keys() if isinstance(k, str) and k.startswith(prefix))[:8]
+        raise MissingKeyError(
             f"{what}: no FP4 weight under {prefix!r}: expected {w_key!r} (ModelOpt) or {b_key!r} (gpt-oss); "
             f"keys starting with the prefix: {near}"
         )
@@ -226,16 +264,16 @@ def load_state_dict_weight(state_dict: Mapping[str, torch.Tensor], prefix: str) 
             f"{what}: {w_key!r} must be uint8 packed FP4 values, got {_desc(weight)} (not an FP4 checkpoint weight?)"
         )
     if s_key not in state_dict:
-        raise KeyError(f"{what}: found {w_key!r} but not {s_key!r}")
+        raise MissingKeyError(f"{what}: found {w_key!r} but not {s_key!r}")
     scale = state_dict[s_key]
     if s2_key in state_dict:
-        ins = state_dict.get(in_key)
-        return from_modelopt(weight, scale, state_dict[s2_key], ins)
+        label = dict(zip(_MODELOPT_ARGS, (repr(w_key), repr(s_key), repr(s2_key), repr(in_key))))
+        return _from_modelopt(weight, scale, state_dict[s2_key], state_dict.get(in_key), what, label)
     k = weight.shape[-1] * 2 if weight.dim() else 0
     if isinstance(scale, torch.Tensor) and scale.dtype == torch.uint8 and k % 32 == 0 \
             and tuple(scale.shape) == tuple(weight.shape[:-1]) + (k // 32,):
-        return from_mxfp4_blocks(weight, scale)
-    raise KeyError(
+        return _from_mxfp4_blocks(weight, scale, what, repr(w_key), repr(s_key))
+    raise MissingKeyError(
         f"{what}: {w_key!r} has no {s2_key!r} (needed for NVFP4) and {s_key!r} ({_desc(scale)}) "
         f"is not an MXFP4 uint8 scale of shape {tuple(weight.shape[:-1]) + (k // 32,)}"
     )

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 from torch import nn
 
 from . import ops
 from .problem import BLOCK_SIZE
-from .weights import FP4Weight, quantize
+from .formats import check_fmt
+from .weights import FP4Weight, _describe, quantize
 
 __all__ = ["FP4Linear", "ConversionReport", "quantize_model"]
 
@@ -24,8 +25,19 @@ class FP4Linear(nn.Module):
 
     def __init__(self, weight: FP4Weight, bias: Optional[torch.Tensor] = None) -> None:
         super().__init__()
-        if not isinstance(weight, FP4Weight) or weight.experts:
-            raise TypeError(f"FP4Linear needs a 2-D FP4Weight, got {type(weight).__name__} {getattr(weight, 'shape', '')}")
+        if not isinstance(weight, FP4Weight):
+            raise TypeError(f"FP4Linear: weight must be a 2-D FP4Weight [N, K] (see autofp4.quantize), got {_describe(weight)}")
+        if weight.experts:
+            raise ValueError(f"FP4Linear: weight must be a 2-D FP4Weight [N, K], got stacked experts {tuple(weight.shape)}")
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor):
+                raise TypeError(f"FP4Linear: bias must be a torch.Tensor [{weight.n}] or None, got {_describe(bias)}")
+            if bias.shape != (weight.n,):
+                raise ValueError(f"FP4Linear: bias must be [{weight.n}], got {tuple(bias.shape)}")
+            if not bias.is_floating_point():
+                raise ValueError(f"FP4Linear: bias must be a floating-point tensor, got {bias.dtype}")
+            if bias.device != weight.device:
+                raise ValueError(f"FP4Linear: bias is on {bias.device} but weight is on {weight.device}; move one of them")
         self.in_features = weight.k
         self.out_features = weight.n
         self.fmt = weight.fmt
@@ -33,8 +45,6 @@ class FP4Linear(nn.Module):
         self.register_buffer("weight_scale", weight.scale)
         self.register_buffer("weight_global_scale", weight.global_scale)
         if bias is not None:
-            if bias.shape != (weight.n,):
-                raise ValueError(f"bias must be [{weight.n}], got {tuple(bias.shape)}")
             self.bias = nn.Parameter(bias.detach(), requires_grad=False)
         else:
             self.register_parameter("bias", None)
@@ -44,7 +54,8 @@ class FP4Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, fmt: str) -> "FP4Linear":
         """Quantize ``linear``'s weight to ``fmt`` ("nvfp4" or "mxfp4"); the bias is kept as is."""
         if not isinstance(linear, nn.Linear):
-            raise TypeError(f"from_linear expects a torch.nn.Linear, got {type(linear).__name__}")
+            raise TypeError(f"FP4Linear.from_linear: linear must be a torch.nn.Linear, got {_describe(linear)}")
+        check_fmt(fmt, "FP4Linear.from_linear")
         w = quantize(linear.weight.detach(), fmt)
         return cls(w, None if linear.bias is None else linear.bias.detach().clone())
 
@@ -70,6 +81,25 @@ class FP4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, bias={self.bias is not None}"
+
+
+def _skip_patterns(skip: Iterable[str]) -> list[str]:
+    """``skip`` as a list of glob patterns (an iterable of str; a lone str is refused: it would
+    iterate as one pattern per character)."""
+    if isinstance(skip, (str, bytes, Mapping)):
+        raise TypeError(
+            f"quantize_model: skip must be an iterable of glob patterns such as ['lm_head'], got {_describe(skip)}"
+        )
+    try:
+        patterns = list(skip)
+    except TypeError:
+        raise TypeError(
+            f"quantize_model: skip must be an iterable of glob patterns such as ['lm_head'], got {_describe(skip)}"
+        ) from None
+    for i, p in enumerate(patterns):
+        if not isinstance(p, str):
+            raise TypeError(f"quantize_model: skip must hold str glob patterns, got {_describe(p)} at position {i}")
+    return patterns
 
 
 @dataclass
@@ -104,13 +134,15 @@ def quantize_model(
     """Replace the ``torch.nn.Linear`` layers of ``model`` by :class:`FP4Linear` in place.
 
     ``skip`` holds glob patterns matched against each layer's qualified name (``"lm_head"``,
-    ``"*.mlp.gate"``). Layers whose input size is not a multiple of the format's block size,
+    ``"*.mlp.gate"``): an iterable of str, such as a list (a lone str is refused, it would
+    match single characters). Layers whose input size is not a multiple of the format's block size,
     or whose weight is not bf16/fp16/fp32 or lives on the meta device, are skipped with a
     reason in the returned report.
     """
-    if fmt not in BLOCK_SIZE:
-        raise ValueError(f"fmt must be one of {tuple(BLOCK_SIZE)}, got {fmt!r}")
-    patterns = list(skip)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_model: model must be a torch.nn.Module, got {_describe(model)}")
+    check_fmt(fmt, "quantize_model")
+    patterns = _skip_patterns(skip)
     report = ConversionReport(fmt)
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, FP4Linear)]
     for name, lin in targets:

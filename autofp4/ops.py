@@ -8,6 +8,7 @@ the custom-op dispatch, to add as little host time as possible.
 """
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Optional
 
@@ -15,7 +16,7 @@ import torch
 
 from .dispatch import get_dispatcher
 from .problem import ProblemKey, dtype_name
-from .weights import FP4Weight
+from .weights import FP4Weight, _describe, _values_readable
 
 __all__ = ["linear", "moe", "route"]
 
@@ -42,7 +43,7 @@ def _weight_from_tensors(
 
 def _check_act(x: torch.Tensor, w: FP4Weight, what: str) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{what}: x must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{what}: x must be a torch.Tensor, got {_describe(x)}")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"{what}: x must be bfloat16 or float16, got {x.dtype}")
     if x.dim() == 0 or x.shape[-1] != w.k:
@@ -66,6 +67,12 @@ def _problem_key(w: FP4Weight, op: str, dtype: torch.dtype, topk: int = 0) -> Pr
     return key
 
 
+def _check_tensor_args(what: str, **args) -> None:
+    for name, t in args.items():
+        if not isinstance(t, torch.Tensor) and not (name == "bias" and t is None):
+            raise TypeError(f"{what}: {name} must be a torch.Tensor{' or None' if name == 'bias' else ''}, got {_describe(t)}")
+
+
 # ----------------------------------------------------------------------------- linear
 _FAST_MAX = 64  # (dtype, device, M) entries kept per weight
 
@@ -84,19 +91,33 @@ def _linear_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) ->
             and ent[0] is get_dispatcher(dev)
             and x.shape[1] == w.k
             and x.is_contiguous()
-            and (bias is None or (bias.shape == ent[3] and bias.dtype == x.dtype and bias.device == dev))
+            and (
+                bias is None
+                or (
+                    isinstance(bias, torch.Tensor)
+                    and bias.shape == ent[3]
+                    and bias.dtype == x.dtype
+                    and bias.device == dev
+                    and bias.is_contiguous()
+                )
+            )
         ):
             if ent[4] is not None:
                 ent[0].count_miss(ent[4])
             return ent[1](x, ent[2], bias)
     _check_act(x, w, "linear")
     if w.experts:
-        raise ValueError(f"linear: expected a 2-D weight [N, K], got a stacked MoE weight {tuple(w.shape)}")
+        raise ValueError(f"linear: w must be a 2-D weight [N, K], got a stacked MoE weight {tuple(w.shape)}")
     n, k = w.n, w.k
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.device != x.device):
-        raise ValueError(
-            f"linear: bias must be [{n}] {x.dtype} on {x.device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}"
-        )
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"linear: bias must be a torch.Tensor [{n}] or None, got {_describe(bias)}")
+        if bias.shape != (n,) or bias.dtype != x.dtype or bias.device != x.device:
+            raise ValueError(
+                f"linear: bias must be [{n}] {x.dtype} on {x.device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}"
+            )
+        if not bias.is_contiguous():
+            bias = bias.contiguous()
     flat = x.dim() == 2  # the common case skips the reshape/view round trip (host time)
     x2 = x if flat else x.reshape(-1, k)
     if not x2.is_contiguous():
@@ -134,10 +155,18 @@ def _linear_fake(x, data, scale, global_scale, bias, fmt):
 
 
 def linear(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ W^T + bias`` with an FP4 weight ``W`` [N, K]; x [..., K] bf16/fp16 -> [..., N]."""
+    """``x @ W^T + bias`` with an FP4 weight ``W`` [N, K]; x [..., K] bf16/fp16 -> [..., N].
+
+    ``bias`` is None or [N] in x's dtype on x's device. Any strides work (non-contiguous
+    inputs are copied). The values of ``x`` are not inspected: NaN or inf in a row of x gives
+    NaN/inf in that row of the output, as a dense matmul would. Wrong types, shapes, dtypes
+    and devices raise TypeError/ValueError naming the argument; these checks are attribute
+    reads only (no device sync), so the call stays capturable in a CUDA graph."""
     if not isinstance(w, FP4Weight):
-        raise TypeError(f"linear: w must be an FP4Weight (see autofp4.quantize), got {type(w).__name__}")
+        raise TypeError(f"linear: w must be an FP4Weight (see autofp4.quantize), got {_describe(w)}")
     if torch.compiler.is_compiling():
+        # traced once: the Python types here, the shapes in the op when it runs
+        _check_tensor_args("linear", x=x, bias=bias)
         return torch.ops.autofp4.linear(x, w.data, w.scale, w.global_scale, bias, w.fmt)
     _register(w)
     return _linear_impl(x, w, bias)
@@ -150,9 +179,11 @@ ACTIVATIONS = ("silu", "gelu")
 def _check_moe(x, w13: FP4Weight, w2: FP4Weight, topk_weights, topk_ids, activation, check_ids: bool):
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, FP4Weight):
-            raise TypeError(f"moe: {name} must be an FP4Weight, got {type(w).__name__}")
+            raise TypeError(f"moe: {name} must be an FP4Weight, got {_describe(w)}")
         if not w.experts:
             raise ValueError(f"moe: {name} must be stacked [E, N, K], got {tuple(w.shape)}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"moe: x must be a torch.Tensor [T, H], got {_describe(x)}")
     if x.dim() != 2:
         raise ValueError(f"moe: x must be [T, H], got shape {tuple(x.shape)}")
     _check_act(x, w13, "moe")
@@ -163,6 +194,11 @@ def _check_moe(x, w13: FP4Weight, w2: FP4Weight, topk_weights, topk_ids, activat
         raise ValueError(f"moe: w2 must be [E, H, I] = {(e, h, two_i // 2)} to match w13 {tuple(w13.shape)}, got {tuple(w2.shape)}")
     if w2.fmt != w13.fmt:
         raise ValueError(f"moe: w13 and w2 must share a format, got {w13.fmt} and {w2.fmt}")
+    if w2.device != w13.device:
+        raise ValueError(f"moe: w2 is on {w2.device} but w13 is on {w13.device}; move one of them")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"moe: {name} must be a torch.Tensor [T, top_k], got {_describe(t)}")
     t = x.shape[0]
     if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"moe: topk_ids must be int32/int64 [T={t}, top_k], got {tuple(topk_ids.shape)} {topk_ids.dtype}")
@@ -170,11 +206,21 @@ def _check_moe(x, w13: FP4Weight, w2: FP4Weight, topk_weights, topk_ids, activat
         raise ValueError(
             f"moe: topk_weights must be a float tensor shaped like topk_ids {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)} {topk_weights.dtype}"
         )
-    if topk_ids.shape[1] > e:
-        raise ValueError(f"moe: top_k={topk_ids.shape[1]} exceeds the number of experts E={e}")
+    if not 0 < topk_ids.shape[1] <= e:
+        raise ValueError(
+            f"moe: topk_ids must have top_k columns with 1 <= top_k <= E={e} (the number of experts), "
+            f"got top_k={topk_ids.shape[1]} (shape {tuple(topk_ids.shape)})"
+        )
+    for name, tt in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if tt.device != x.device:
+            raise ValueError(f"moe: {name} is on {tt.device} but x is on {x.device}; move one of them")
+    if x.is_meta:
+        raise ValueError("moe: x is on the meta device; moe routes by the values of topk_ids, which meta tensors lack")
+    if not isinstance(activation, str):
+        raise TypeError(f"moe: activation must be a str, one of {ACTIVATIONS}, got {_describe(activation)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if check_ids and topk_ids.numel() and not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if check_ids and topk_ids.numel() and _values_readable(topk_ids):
         lo, hi = torch.aminmax(topk_ids)
         lo, hi = int(lo), int(hi)
         if lo < 0 or hi >= e:
@@ -232,27 +278,74 @@ def moe(
 ) -> torch.Tensor:
     """The fused MoE layer: for each token, ``sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``
     with ``FFN_e(x) = W2_e @ (act(W1_e x) * (W3_e x))``; ``w13`` is [E, 2I, H] (gate rows first,
-    then up), ``w2`` is [E, H, I]; x is [T, H] bf16/fp16."""
+    then up), ``w2`` is [E, H, I]; x is [T, H] bf16/fp16; ``topk_ids`` int32/int64 [T, top_k]
+    with values in [0, E) (checked with one device sync, skipped during CUDA graph capture) and
+    ``topk_weights`` a float tensor of the same shape, both on x's device. The values of x and
+    topk_weights are not inspected: a NaN there gives NaN in that token's output row."""
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not isinstance(w, FP4Weight):
+            raise TypeError(f"moe: {name} must be an FP4Weight, got {_describe(w)}")
     if torch.compiler.is_compiling():
+        _check_tensor_args("moe", x=x, topk_weights=topk_weights, topk_ids=topk_ids)
+        if not isinstance(activation, str):
+            raise TypeError(f"moe: activation must be a str, one of {ACTIVATIONS}, got {_describe(activation)}")
         return torch.ops.autofp4.moe(
             x, w13.data, w13.scale, w13.global_scale, w2.data, w2.scale, w2.global_scale,
             topk_weights, topk_ids, w13.fmt, activation,
         )
-    for w in (w13, w2):
-        if isinstance(w, FP4Weight):
-            _register(w)
+    _register(w13)
+    _register(w2)
     return _moe_impl(x, w13, w2, topk_weights, topk_ids, activation)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax routing: ``(topk_weights fp32 [T, top_k], topk_ids int32 [T, top_k])``."""
+    """Softmax routing: ``(topk_weights fp32 [T, top_k], topk_ids int32 [T, top_k])``.
+
+    ``router_logits`` is a float tensor [T, E]; ``-inf`` masks an expert out (it gets weight 0),
+    so every row needs at least one finite logit. NaN, ``+inf`` or a row of ``-inf`` has no
+    meaningful routing (the softmax is NaN and the ids arbitrary) and raises ValueError. That
+    check reads the result on the host (one device sync on CUDA); it is skipped while a CUDA
+    graph is being captured, under torch.compile and for meta tensors, where such rows give NaN
+    weights instead."""
+    if not isinstance(router_logits, torch.Tensor):
+        raise TypeError(f"route: router_logits must be a torch.Tensor [T, E], got {_describe(router_logits)}")
     if router_logits.dim() != 2:
         raise ValueError(f"route: router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
+    if not router_logits.is_floating_point():
+        raise ValueError(f"route: router_logits must be a floating-point tensor, got {router_logits.dtype}")
+    k = _as_int(top_k)
+    if k is None:
+        raise TypeError(f"route: top_k must be an int, got {_describe(top_k)}")
     e = router_logits.shape[1]
-    if not 0 < top_k <= e:
-        raise ValueError(f"route: top_k must be in [1, E={e}], got {top_k}")
+    if not 0 < k <= e:
+        raise ValueError(f"route: top_k must be in [1, E={e}], got {k}")
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"route: renormalize must be True or False, got {_describe(renormalize)}")
     probs = torch.softmax(router_logits.float(), dim=-1)
-    w, ids = torch.topk(probs, top_k, dim=-1)
+    w, ids = torch.topk(probs, k, dim=-1)
     if renormalize:
         w = w / w.sum(dim=-1, keepdim=True)
+    # a row is NaN in probs (so in w) exactly when it has a NaN or +inf logit or no finite one
+    if w.numel() and not torch.compiler.is_compiling() and _values_readable(w) and bool(torch.isnan(w).any()):
+        _raise_bad_logits(router_logits, w)
     return w, ids.to(torch.int32)
+
+
+def _as_int(v) -> Optional[int]:
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
+def _raise_bad_logits(router_logits: torch.Tensor, w: torch.Tensor) -> None:
+    rows = torch.isnan(w).any(dim=-1).nonzero().flatten().tolist()
+    r = rows[0]
+    vals = router_logits[r].float().tolist()
+    shown = ", ".join(f"{v:g}" for v in vals[:8]) + (", ..." if len(vals) > 8 else "")
+    raise ValueError(
+        f"route: router_logits must be finite (-inf masks an expert, but each row needs a finite logit); "
+        f"{len(rows)} of {router_logits.shape[0]} rows are not, the first is row {r} (in float32): [{shown}]"
+    )

@@ -62,7 +62,13 @@ def _as_index(i: Any) -> Optional[int]:
 def _describe(t: Any) -> str:
     if isinstance(t, torch.Tensor):
         return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+    if isinstance(t, (str, int, float)) and not isinstance(t, bool):
+        return f"{type(t).__name__} {t!r}"
     return type(t).__name__
+
+
+_DENSE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_DENSE_NAMES = tuple(str(d).removeprefix("torch.") for d in _DENSE_DTYPES)
 
 
 class FP4Weight:
@@ -82,91 +88,121 @@ class FP4Weight:
         *,
         check_values: bool = True,
     ) -> None:
+        self._init(fmt, data, scale, global_scale, input_scale, check_values, "FP4Weight", {})
+
+    @classmethod
+    def _build(
+        cls, fmt, data, scale, global_scale=None, input_scale=None, *, what: str, labels: dict[str, str]
+    ) -> "FP4Weight":
+        """The constructor, checked as usual, with errors that say ``what`` (the calling
+        function) and call the tensors by ``labels`` (field -> the caller's argument name)."""
+        w = cls.__new__(cls)
+        w._init(fmt, data, scale, global_scale, input_scale, True, what, labels)
+        return w
+
+    def _init(self, fmt, data, scale, global_scale, input_scale, check_values, what, labels) -> None:
+        if check_values is not True and check_values is not False:
+            raise TypeError(f"{what}: check_values must be True or False, got {type(check_values).__name__}")
         self.fmt = fmt
         self.data = data
         self.scale = scale
         self.global_scale = global_scale
         self.input_scale = input_scale
         self._packed: dict[str, Any] = {}
-        self._check_structure()
+        self._check_structure(what, labels)
         if check_values and _values_readable(data):
-            self._check_values()
+            self._check_values(what, labels)
 
     # -- validation -----------------------------------------------------------------
-    def _check_structure(self) -> None:
+    def _check_structure(self, what: str, labels: dict[str, str]) -> None:
         fmt, data, scale = self.fmt, self.data, self.scale
+        name = lambda field: labels.get(field, field)  # noqa: E731
+        if not isinstance(fmt, str):
+            raise TypeError(f"{what}: fmt must be a str, one of {FORMATS}, got {type(fmt).__name__}")
         if fmt not in FORMATS:
-            raise ValueError(f"FP4Weight: fmt must be one of {FORMATS}, got {fmt!r}")
+            raise ValueError(f"{what}: fmt must be one of {FORMATS}, got {fmt!r}")
         if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
-            raise TypeError(f"FP4Weight: data must be a uint8 tensor (two E2M1 codes a byte), got {_describe(data)}")
+            raise TypeError(
+                f"{what}: {name('data')} must be a uint8 tensor (two E2M1 codes a byte), got {_describe(data)}"
+            )
         if data.dim() not in (2, 3):
             raise ValueError(
-                f"FP4Weight: data must be [N, K/2] or [E, N, K/2], got {data.dim()}-D shape {tuple(data.shape)}"
+                f"{what}: {name('data')} must be [N, K/2] or [E, N, K/2], got {data.dim()}-D shape {tuple(data.shape)}"
             )
         if data.numel() == 0:
-            raise ValueError(f"FP4Weight: data is empty (shape {tuple(data.shape)})")
+            raise ValueError(f"{what}: {name('data')} is empty (shape {tuple(data.shape)})")
         bs = BLOCK_SIZE[fmt]
         k = data.shape[-1] * 2
         if k % bs:
             raise ValueError(
-                f"FP4Weight: {fmt} needs K to be a multiple of its block size {bs}, "
-                f"got K={k} (data shape {tuple(data.shape)})"
+                f"{what}: {fmt} needs K to be a multiple of its block size {bs}, "
+                f"got K={k} ({name('data')} shape {tuple(data.shape)})"
             )
         want_scale_dtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8
         if not isinstance(scale, torch.Tensor) or scale.dtype != want_scale_dtype:
             hint = ""
             if fmt == "nvfp4" and isinstance(scale, torch.Tensor) and scale.dtype == torch.uint8:
                 hint = " (a uint8 checkpoint tensor can be reinterpreted with .view(torch.float8_e4m3fn))"
-            raise TypeError(f"FP4Weight: {fmt} scales must be {want_scale_dtype}, got {_describe(scale)}{hint}")
+            raise TypeError(f"{what}: {fmt} {name('scale')} must be {want_scale_dtype}, got {_describe(scale)}{hint}")
         want = tuple(data.shape[:-1]) + (k // bs,)
         if tuple(scale.shape) != want:
             raise ValueError(
-                f"FP4Weight: {fmt} scales must have shape {want} (one per {bs} values of K={k}) "
-                f"for data of shape {tuple(data.shape)}, got {tuple(scale.shape)}"
+                f"{what}: {fmt} {name('scale')} must have shape {want} (one per {bs} values of K={k}) "
+                f"for {name('data')} of shape {tuple(data.shape)}, got {tuple(scale.shape)}"
             )
         lead = tuple(data.shape[:-2])  # () or (E,)
         gs = self.global_scale
         if fmt == "nvfp4":
             if not isinstance(gs, torch.Tensor) or gs.dtype != torch.float32:
-                raise TypeError(f"FP4Weight: nvfp4 needs a float32 global_scale tensor, got {_describe(gs)}")
+                raise TypeError(f"{what}: nvfp4 needs a float32 {name('global_scale')} tensor, got {_describe(gs)}")
             if tuple(gs.shape) != lead:
-                what = "a scalar tensor (shape ())" if not lead else f"one per expert (shape {lead})"
-                raise ValueError(f"FP4Weight: nvfp4 global_scale must be {what}, got shape {tuple(gs.shape)}")
+                want_gs = "a scalar tensor (shape ())" if not lead else f"one per expert (shape {lead})"
+                raise ValueError(
+                    f"{what}: nvfp4 {name('global_scale')} must be {want_gs}, got shape {tuple(gs.shape)}"
+                )
         elif gs is not None:
-            raise ValueError(f"FP4Weight: mxfp4 has no global scale, got {_describe(gs)}")
+            raise ValueError(f"{what}: mxfp4 has no global scale, so {name('global_scale')} must be None, got {_describe(gs)}")
         ins = self.input_scale
         if ins is not None:
             if not isinstance(ins, torch.Tensor) or ins.dtype != torch.float32:
-                raise TypeError(f"FP4Weight: input_scale must be a float32 tensor or None, got {_describe(ins)}")
+                raise TypeError(f"{what}: {name('input_scale')} must be a float32 tensor or None, got {_describe(ins)}")
             if tuple(ins.shape) not in ((), lead):
-                what = "()" if not lead else f"() or {lead}"
-                raise ValueError(f"FP4Weight: input_scale must have shape {what}, got {tuple(ins.shape)}")
-        for name in ("scale", "global_scale", "input_scale"):
-            t = getattr(self, name)
+                want_in = "()" if not lead else f"() or {lead}"
+                raise ValueError(f"{what}: {name('input_scale')} must have shape {want_in}, got {tuple(ins.shape)}")
+        for field in ("scale", "global_scale", "input_scale"):
+            t = getattr(self, field)
             if t is not None and t.device != data.device:
-                raise ValueError(f"FP4Weight: {name} is on {t.device} but data is on {data.device}; all tensors must share a device")
+                raise ValueError(
+                    f"{what}: {name(field)} is on {t.device} but {name('data')} is on {data.device}; "
+                    "all tensors must share a device"
+                )
 
-    def _check_values(self) -> None:
-        checks = []
+    def _check_values(self, what: str, labels: dict[str, str]) -> None:
+        name = lambda field: labels.get(field, field)  # noqa: E731
+        checks = []  # (field, what is wrong, good: bool tensor)
         if self.fmt == "nvfp4":
             # E4M3 bytes: sign bit 0x80, NaN 0x7F/0xFF -> valid non-negative scales are < 0x7F
-            checks.append(("a negative or NaN E4M3 block scale", self.scale.view(torch.uint8).max() < 0x7F))
+            checks.append(("scale", "a negative or NaN E4M3 block scale", self.scale.view(torch.uint8).max() < 0x7F))
             g = self.global_scale
-            checks.append(("a global_scale that is not finite and positive", (torch.isfinite(g) & (g > 0)).all()))
+            checks.append(("global_scale", "not finite and positive", (torch.isfinite(g) & (g > 0)).all()))
         else:
-            checks.append(("an E8M0 scale of 255 (NaN)", self.scale.max() < E8M0_NAN))
+            checks.append(("scale", "an E8M0 scale of 255 (NaN)", self.scale.max() < E8M0_NAN))
         if self.input_scale is not None:
             s = self.input_scale
-            checks.append(("an input_scale that is not finite and positive", (torch.isfinite(s) & (s > 0)).all()))
-        ok = torch.stack([c for _, c in checks]).cpu().tolist()  # one device sync for all checks
-        for (what, _), good in zip(checks, ok):
-            if not good:
-                detail = ""
-                if "global" in what:
-                    detail = f": {self.global_scale.cpu().tolist()}"
-                elif "input" in what:
-                    detail = f": {self.input_scale.cpu().tolist()}"
-                raise ValueError(f"FP4Weight: {self.fmt} weight has {what}{detail}")
+            checks.append(("input_scale", "not finite and positive", (torch.isfinite(s) & (s > 0)).all()))
+        ok = torch.stack([c for _, _, c in checks]).cpu().tolist()  # one device sync for all checks
+        for (field, wrong, _), good in zip(checks, ok):
+            if good:
+                continue
+            t = getattr(self, field)
+            if field == "scale":
+                b = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+                bad = (b >= 0x7F) if self.fmt == "nvfp4" else (b == E8M0_NAN)
+                at = tuple(int(i) for i in bad.nonzero()[0])
+                byte = int(b[at])
+                raise ValueError(f"{what}: {self.fmt} weight has {wrong}: {name(field)}{list(at)} is {byte:#04x}")
+            an = "an" if name(field)[0] in "aeiou" else "a"
+            raise ValueError(f"{what}: {self.fmt} weight has {an} {name(field)} that is {wrong}: {t.cpu().tolist()}")
 
     # -- shape ------------------------------------------------------------------------
     @property
@@ -207,7 +243,12 @@ class FP4Weight:
 
     # -- views and copies --------------------------------------------------------------
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The dense weight ``[..., N, K]`` in ``dtype`` (computed in fp32)."""
+        """The dense weight ``[..., N, K]`` in ``dtype`` (float32, float64, bfloat16 or float16;
+        computed in fp32)."""
+        if type(dtype) is not torch.dtype:
+            raise TypeError(f"dequantize: dtype must be a torch.dtype, one of {_DENSE_NAMES}, got {_describe(dtype)}")
+        if dtype not in _DENSE_DTYPES:
+            raise ValueError(f"dequantize: dtype must be one of {_DENSE_NAMES}, got {dtype}")
         return dequantize_blocks(self.fmt, self.data, self.scale, self.global_scale, dtype)
 
     def _derived(self, data, scale, gs, ins) -> "FP4Weight":
@@ -266,7 +307,7 @@ def quantize(w: torch.Tensor, fmt: str) -> FP4Weight:
     """Quantize a weight ``[N, K]`` or stacked experts ``[E, N, K]`` (bf16/fp16/fp32, any device)
     to ``fmt`` ("nvfp4" or "mxfp4"). For ``[E, N, K]`` NVFP4 the global scale is per expert, so
     each expert equals quantizing it alone."""
-    check_fmt(fmt)
+    check_fmt(fmt, "quantize")
     if fmt == "nvfp4":
         data, scale, gs = quantize_nvfp4(w)
         return FP4Weight("nvfp4", data, scale, gs, check_values=False)
@@ -275,7 +316,9 @@ def quantize(w: torch.Tensor, fmt: str) -> FP4Weight:
 
 
 def dequantize(w: FP4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The dense weight ``[..., N, K]`` of an FP4Weight, computed in fp32 and cast to ``dtype``."""
+    """The dense weight ``[..., N, K]`` of an FP4Weight, computed in fp32 and cast to ``dtype``
+    (float32, float64, bfloat16 or float16)."""
     if not isinstance(w, FP4Weight):
-        raise TypeError(f"dequantize expects an FP4Weight, got {type(w).__name__}")
+        hint = " (an FP4Linear's is .fp4_weight())" if hasattr(w, "fp4_weight") else ""
+        raise TypeError(f"dequantize: w must be an FP4Weight, got {_describe(w)}{hint}")
     return w.dequantize(dtype)

@@ -495,7 +495,7 @@ def test_quantize_rejects_non_finite(gen, fmt, bad):
 
 
 def test_quantize_rejects_non_tensor():
-    with pytest.raises(TypeError, match="expects a torch.Tensor, got list"):
+    with pytest.raises(TypeError, match="w must be a torch.Tensor, got list"):
         quantize([[1.0] * 16], "nvfp4")
 
 
