@@ -47,6 +47,30 @@ def mul_x2(a, b, bf16: bool):
     return _asm_u32(f"{op} $0, $1, $2;", "=r,r,r", Uint32(a), Uint32(b))
 
 
+def ld_global_v4(addr, pred, stream: bool):
+    """The four 32-bit words at global address ``addr`` (16-byte aligned) where ``pred`` is
+    non-zero, else zeros (``ld.global.nc``; ``stream``: not kept in L1)."""
+    hint = ".L1::no_allocate" if stream else ""
+    r = asm(llvm.StructType.get_literal([T.i32()] * 4), [Int64(addr), Int32(pred)],
+            "{ .reg .pred p; setp.ne.b32 p, $5, 0;\n"
+            "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;\n"
+            f"@p ld.global.nc{hint}.v4.u32 {{$0,$1,$2,$3}}, [$4]; }}",
+            "=r,=r,=r,=r,l,r")
+    return [Uint32(llvm.extractvalue(T.i32(), r, [i])) for i in range(4)]
+
+
+def mma_m16n8k16(a, b0, b1, c, bf16: bool):
+    """``mma.sync.m16n8k16`` with fp32 accumulators ``c`` (4), A fragment ``a`` (4 registers of
+    bf16x2 or f16x2) and B fragment ``b0, b1``; returns the 4 new accumulators."""
+    text = ("mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, "
+            "{{$8,$9}}, {{$10,$11,$12,$13}};").format(t="bf16" if bf16 else "f16")
+    r = asm(llvm.StructType.get_literal([T.f32()] * 4),
+            [Uint32(a[0]), Uint32(a[1]), Uint32(a[2]), Uint32(a[3]), Uint32(b0), Uint32(b1),
+             Float32(c[0]), Float32(c[1]), Float32(c[2]), Float32(c[3])],
+            text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+    return [Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
+
+
 def decode_pair(word, terms):
     """``OR(rotl(word, rot) & mask)`` over ``terms`` (:func:`._fp4_bits.decode_terms`), each term
     with its cheapest op: an AND, a shift and an AND, or a funnel shift and an AND."""

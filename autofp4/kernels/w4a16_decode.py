@@ -466,7 +466,7 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
     from cutlass import Float32, Int32, Int64, Uint32
 
     from ._ptx import (asm, asm_void, decode_pair, griddep_launch_dependents, griddep_wait, ld_dsmem_f32,
-                       mul_x2, prefetch_l2)
+                       ld_global_v4, mma_m16n8k16, mul_x2, prefetch_l2)
 
     WARPS, KS, NT = cfg.warps, cfg.k_split, cfg.m_max // 8
     PREFETCH, LAST_WARP = cfg.prefetch, cfg.split_reduce == "last_warp"
@@ -487,24 +487,12 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
     BF16 = dtype == "bfloat16"
     ALPHA_IDX = 0 if BF16 else 1
     SCALE_MUL = (_NV_MUL if fmt == "nvfp4" else _MX_MUL)[dtype]
-    MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, "
-           "{{$8,$9}}, {{$10,$11,$12,$13}};").format(t="bf16" if BF16 else "f16")
 
     def ld16(addr, pred, stream: bool):
-        hint = ".L1::no_allocate" if stream else ""
-        r = asm(llvm.StructType.get_literal([T.i32()] * 4), [Int64(addr), Int32(pred)],
-                "{ .reg .pred p; setp.ne.b32 p, $5, 0;\n"
-                "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;\n"
-                f"@p ld.global.nc{hint}.v4.u32 {{$0,$1,$2,$3}}, [$4]; }}",
-                "=r,=r,=r,=r,l,r")
-        return [Uint32(llvm.extractvalue(T.i32(), r, [i])) for i in range(4)]
+        return ld_global_v4(addr, pred, stream)
 
     def mma(a, b0, b1, c):
-        r = asm(llvm.StructType.get_literal([T.f32()] * 4),
-                [Uint32(a[0]), Uint32(a[1]), Uint32(a[2]), Uint32(a[3]), Uint32(b0), Uint32(b1),
-                 Float32(c[0]), Float32(c[1]), Float32(c[2]), Float32(c[3])],
-                MMA, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-        return [Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
+        return mma_m16n8k16(a, b0, b1, c, BF16)
 
     def scale_pairs(bits16, sadd):
         """Low 16 bits = (row g, row g+8) scale codes -> replicated (S_g, S_g), (S_g8, S_g8)."""

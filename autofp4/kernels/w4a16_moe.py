@@ -159,7 +159,8 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
     from cutlass import Float32, Int32, Int64, Uint32
 
     from ._fp4_bits import decode_terms
-    from ._ptx import asm, asm_void, decode_pair, griddep_launch_dependents, griddep_wait, mul_x2
+    from ._ptx import (asm, asm_void, decode_pair, griddep_launch_dependents, griddep_wait, ld_global_v4,
+                       mma_m16n8k16, mul_x2)
 
     inter, hidden = n // 2, k
     WARPS, NT, BM, KS = cfg.warps, cfg.m_block // 8, cfg.m_block, cfg.k_split
@@ -169,8 +170,6 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
     DI = 0 if BF16 else 1
     SCALE_MUL = (_NV_MUL if fmt == "nvfp4" else _MX_MUL)[dtype]
     NBUF = 4 + CHUNKS * 4
-    MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, "
-           "{{$8,$9}}, {{$10,$11,$12,$13}};").format(t="bf16" if BF16 else "f16")
     # the two GEMMs: (weight rows, K, tiles, K groups, per-expert packed bytes)
     T13, G13 = _tiles(n), _groups(hidden)
     T2, G2 = _tiles(hidden), _groups(inter)
@@ -179,20 +178,10 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
     GPS2 = -(-G2 // KS)
 
     def ld16(addr, pred, stream: bool):
-        hint = ".L1::no_allocate" if stream else ""
-        r = asm(llvm.StructType.get_literal([T.i32()] * 4), [Int64(addr), Int32(pred)],
-                "{ .reg .pred p; setp.ne.b32 p, $5, 0;\n"
-                "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;\n"
-                f"@p ld.global.nc{hint}.v4.u32 {{$0,$1,$2,$3}}, [$4]; }}",
-                "=r,=r,=r,=r,l,r")
-        return [Uint32(llvm.extractvalue(T.i32(), r, [i])) for i in range(4)]
+        return ld_global_v4(addr, pred, stream)
 
     def mma(a, b0, b1, c):
-        r = asm(llvm.StructType.get_literal([T.f32()] * 4),
-                [Uint32(a[0]), Uint32(a[1]), Uint32(a[2]), Uint32(a[3]), Uint32(b0), Uint32(b1),
-                 Float32(c[0]), Float32(c[1]), Float32(c[2]), Float32(c[3])],
-                MMA, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-        return [Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
+        return mma_m16n8k16(a, b0, b1, c, BF16)
 
     def red_add(addr, v):
         asm_void("red.global.add.f32 [$0], $1;", "l,f", Int64(addr), Float32(v))
