@@ -155,6 +155,15 @@ def _m2_lookup_indexes(db: sqlite_utils.Database) -> None:
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial, _m2_lookup_indexes]
 SCHEMA_VERSION = len(MIGRATIONS)
 
+#: indexes that speed up reads without changing what a file holds: created when a file is
+#: opened writable without them (no new schema version, so older autofp4 still reads the file).
+#: ``results_problem``: the rows of one problem in one environment, what the dispatcher reads
+#: the first time it meets a problem and the tuner before each job, in the order
+#: :meth:`TuningDB.results` returns them (so SQLite needs no sort and prefers this index).
+EXTRA_INDEXES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "results_problem": ("results", ("env_key", "op", "fmt", "dtype", "n", "k", "experts", "topk", "backend", "m_bucket")),
+}
+
 
 # --------------------------------------------------------------------------------------
 # reports
@@ -331,12 +340,36 @@ def read_records(source: "TuningDB | str | Path") -> tuple[str, list[TuningRecor
         return str(path), o.results()
 
 
-def _read_export_for_env(path: Path, env_key: str) -> list[TuningRecord]:
-    """The records of ``env_key`` in an export; records of other environments are not parsed.
+_PROBLEM_FIELDS = ("op", "fmt", "dtype", "n", "k", "experts", "topk")
 
-    The header must be valid (else :class:`TuningFileError`); an invalid record of this
-    environment is skipped with a warning.
-    """
+
+def _raw_problem(rec: Mapping[str, Any]) -> tuple:
+    """The problem fields of a raw export record (``experts``/``topk`` default to 0, as in the model)."""
+    return tuple(rec.get(f, 0) if f in ("experts", "topk") else rec.get(f) for f in _PROBLEM_FIELDS)
+
+
+@dataclass
+class _ExportIndex:
+    """A read export's environments and its records by environment and problem (raw: a record is
+    only validated when its environment and problem are asked for)."""
+
+    environments: dict[str, Any]
+    by_env: dict[str, list[tuple[int, dict]]]
+    by_problem: dict[tuple[str, tuple], list[tuple[int, dict]]]
+
+
+#: the exports read in this process: path -> (size, mtime, inode) of the file read, its index
+_EXPORTS: dict[Path, tuple[tuple[int, int, int], _ExportIndex]] = {}
+
+
+def _export_index(path: Path) -> _ExportIndex:
+    """The index of an export, read once per process (again when the file changes). The header
+    must be valid, else :class:`TuningFileError`."""
+    st = path.stat()
+    sig = (st.st_size, st.st_mtime_ns, st.st_ino)
+    hit = _EXPORTS.get(path)
+    if hit is not None and hit[0] == sig:
+        return hit[1]
     raw = _read_json(path)
     if not isinstance(raw, dict):
         raise TuningFileError(f"{path}: expected a JSON object, got a {type(raw).__name__}")
@@ -346,18 +379,43 @@ def _read_export_for_env(path: Path, env_key: str) -> list[TuningRecord]:
     envs, records = raw.get("environments"), raw.get("records")
     if not isinstance(envs, dict) or not isinstance(records, list):
         raise TuningFileError(f"{path}: expected 'environments' (object) and 'records' (list)")
-    if env_key not in envs:
+    index = _ExportIndex(envs, {}, {})
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict) or not isinstance(rec.get("env_key"), str):
+            continue
+        item = (i, rec)
+        index.by_env.setdefault(rec["env_key"], []).append(item)
+        try:
+            index.by_problem.setdefault((rec["env_key"], _raw_problem(rec)), []).append(item)
+        except TypeError:  # an unhashable field: the record is invalid, found (and reported) per environment
+            pass
+    _EXPORTS[path] = (sig, index)
+    return index
+
+
+def _read_export_for_env(path: Path, env_key: str, problem: Any = None) -> list[TuningRecord]:
+    """The records of ``env_key`` in an export (of one ``problem`` only: a
+    :class:`~autofp4.problem.ProblemKey`; None: all); records of other environments and
+    problems are not parsed.
+
+    The header must be valid (else :class:`TuningFileError`); an invalid record of this
+    environment is skipped with a warning.
+    """
+    index = _export_index(path)
+    if env_key not in index.environments:
         return []
     try:
-        env = Environment.model_validate(envs[env_key])
+        env = Environment.model_validate(index.environments[env_key])
     except ValidationError as e:
         raise TuningFileError(f"{path}: environment {env_key}: {e}") from None
     if env.key() != env_key:
         raise TuningFileError(f"{path}: environment {env_key} hashes to {env.key()}")
+    if problem is None:
+        items = index.by_env.get(env_key, [])
+    else:
+        items = index.by_problem.get((env_key, tuple(getattr(problem, f) for f in _PROBLEM_FIELDS)), [])
     out = []
-    for i, rec in enumerate(records):
-        if not isinstance(rec, dict) or rec.get("env_key") != env_key:
-            continue
+    for i, rec in items:
         try:
             out.append(ExportedRecord.model_validate(rec).to_record(env))
         except (ValidationError, ValueError) as e:
@@ -448,6 +506,8 @@ class TuningDB:
                     self._db.enable_wal()
                     self._conn.execute("PRAGMA synchronous = NORMAL")
                 self._migrate()
+                if not readonly:
+                    self._ensure_indexes()
                 return
             except sqlite3.OperationalError as e:
                 msg = str(e).lower()
@@ -525,6 +585,20 @@ class TuningDB:
                     "INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", [str(i + 1)]
                 )
 
+    def _ensure_indexes(self) -> None:
+        """Create the :data:`EXTRA_INDEXES` this file lacks (a write only when one is missing).
+        A file that cannot be written now (read-only, locked past the timeout) is read without
+        them."""
+        have = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        if set(EXTRA_INDEXES) <= have:
+            return
+        try:
+            with self._write():
+                for name, (table, cols) in EXTRA_INDEXES.items():
+                    self._conn.execute(f"CREATE INDEX IF NOT EXISTS [{name}] ON [{table}] ({', '.join(cols)})")
+        except sqlite3.OperationalError:
+            pass
+
     # -- environments -----------------------------------------------------------------
     def add_environment(self, env: Environment) -> None:
         with self._write():
@@ -539,8 +613,16 @@ class TuningDB:
 
     def environments(self) -> dict[str, Environment]:
         """env_key -> Environment for every environment stored (invalid rows are skipped)."""
+        return self._environments()
+
+    def _environments(self, keys: Collection[str] | None = None) -> dict[str, Environment]:
+        """:meth:`environments`, only those of ``keys`` (all when None or many)."""
+        sql, params = "SELECT env_key, env FROM environments", []
+        if keys is not None and len(keys) <= 256:
+            params = sorted(keys)
+            sql += f" WHERE env_key IN ({', '.join('?' * len(params))})"
         out: dict[str, Environment] = {}
-        for key, text in self._conn.execute("SELECT env_key, env FROM environments ORDER BY env_key"):
+        for key, text in self._conn.execute(sql + " ORDER BY env_key", params):
             try:
                 env = Environment.model_validate_json(text)
             except ValidationError as e:
@@ -568,16 +650,62 @@ class TuningDB:
         self._put_env(rec.env)
         self._db["results"].insert(self._result_row(rec), replace=True)
 
-    def upsert_result(self, rec: TuningRecord) -> None:
-        """Store ``rec``, replacing the row with the same unique key (and environment)."""
-        with self._write():
-            self._upsert(rec)
+    def _upsert_faster(self, rec: TuningRecord, replacing: TuningRecord | None = None) -> bool:
+        """Inside a write: store ``rec`` unless the row with its unique key (and environment) was
+        measured faster with the same kernel source. ``replacing``: the row ``rec`` deliberately
+        replaces (a re-tune that measured it again), replaced while it is still the stored one.
+        One statement, so the comparison and the write see the same row."""
+        self._put_env(rec.env)
+        row = self._result_row(rec)
+        cols = list(row)
+        keep = set(_UNIQUE)
+        sets = ", ".join(f"[{c}] = excluded.[{c}]" for c in cols if c not in keep)
+        cond = ("excluded.median_us < results.median_us"
+                " OR excluded.backend_source IS NOT results.backend_source")
+        params = [row[c] for c in cols]
+        if replacing is not None:
+            old = self._result_row(replacing)
+            # the measurement identifies the row (its text fields may be spelled differently)
+            cond += (" OR (results.median_us = ? AND results.spread_us = ? AND results.samples = ?"
+                     " AND results.backend_source IS ?)")
+            params += [old["median_us"], old["spread_us"], old["samples"], old["backend_source"]]
+        sql = (
+            f"INSERT INTO results ({', '.join(f'[{c}]' for c in cols)}) VALUES ({', '.join('?' * len(cols))})"
+            f" ON CONFLICT ({', '.join(_UNIQUE)}) DO UPDATE SET {sets} WHERE {cond}"
+        )
+        return self._conn.execute(sql, params).rowcount > 0
 
-    def upsert_results(self, recs: Iterable[TuningRecord]) -> None:
-        """Store several records in one transaction (all or none)."""
+    def upsert_result(
+        self, rec: TuningRecord, *, replace: bool = False, replacing: TuningRecord | None = None
+    ) -> bool:
+        """Store ``rec`` where it is the faster measurement: a row with the same unique key (and
+        environment) stays when it was measured with the same kernel source (``backend_source``)
+        and is at least as fast (equal ``median_us``: the stored row stays). The comparison and
+        the write are one transaction, so concurrent writers keep the fastest row.
+
+        ``replacing``: the stored row that ``rec`` deliberately replaces (a re-tune that
+        measured that config again in this run); it is replaced, faster or not, while it is still
+        the stored row; once another writer replaced it, the faster row wins again.
+        ``replace=True``: replace unconditionally. Returns whether ``rec`` was written.
+        """
+        with self._write():
+            if replace:
+                self._upsert(rec)
+                return True
+            return self._upsert_faster(rec, replacing)
+
+    def upsert_results(self, recs: Iterable[TuningRecord], *, replace: bool = False) -> int:
+        """Store several records in one transaction (all or none), each as :meth:`upsert_result`
+        does (``replace=True``: unconditionally). Returns how many were written."""
+        written = 0
         with self._write():
             for rec in recs:
-                self._upsert(rec)
+                if replace:
+                    self._upsert(rec)
+                    written += 1
+                else:
+                    written += self._upsert_faster(rec)
+        return written
 
     def add_trial(self, tr: TrialRecord) -> None:
         """Append one tuner trial (its environment should be stored with :meth:`add_environment`)."""
@@ -648,7 +776,7 @@ class TuningDB:
         where, params = self._where(KEY_FIELDS, env_key, filters)
         order = " ORDER BY env_key, op, fmt, dtype, n, k, experts, topk, backend, m_bucket"
         rows = self._rows(f"SELECT * FROM results{where}{order}", params)
-        envs = self.environments()
+        envs = self._environments({row["env_key"] for row in rows})
         return [r for r in (self._record_from_row(row, envs) for row in rows) if r is not None]
 
     def get_result(
@@ -881,8 +1009,12 @@ def _warn_skip(path: Path, e: BaseException) -> None:
     warnings.warn(f"skipping tuning layer {path}: {e}", TuningDBWarning, stacklevel=3)
 
 
-def load_layers(env: Environment, user_path: str | Path | None = None) -> list[TuningRecord]:
+def load_layers(env: Environment, user_path: str | Path | None = None, problem: Any = None) -> list[TuningRecord]:
     """Every result of ``env``: the user DB first, then each shipped ``tuning_db/*.json``.
+
+    ``problem`` (a :class:`~autofp4.problem.ProblemKey`): only the rows of that problem (an
+    indexed query; what the dispatcher reads the first time it meets a problem). The shipped
+    exports are read and indexed once per process (again when a file changes).
 
     When several layers hold the same key (op, fmt, dtype, backend, m_bucket, n, k, experts,
     topk), the first layer wins. A layer that cannot be read (missing permissions, corrupt or
@@ -890,12 +1022,13 @@ def load_layers(env: Environment, user_path: str | Path | None = None) -> list[T
     the file; this function never raises for bad files.
     """
     key = env.key()
+    filters = {} if problem is None else {f: getattr(problem, f) for f in _PROBLEM_FIELDS}
     layers: list[list[TuningRecord]] = []
     user = Path(user_path).expanduser() if user_path is not None else default_db_path()
     if user.exists():
         try:
             with TuningDB(user) as db:
-                layers.append(db.results(key))
+                layers.append(db.results(key, **filters))
         except (TuningDBError, sqlite3.Error, OSError) as e:
             _warn_skip(user, e)
     shipped = shipped_db_dir()
@@ -906,7 +1039,7 @@ def load_layers(env: Environment, user_path: str | Path | None = None) -> list[T
         files = []
     for f in files:
         try:
-            layers.append(_read_export_for_env(f, key))
+            layers.append(_read_export_for_env(f, key, problem))
         except (TuningFileError, OSError) as e:
             _warn_skip(f, e)
     seen: set[tuple] = set()

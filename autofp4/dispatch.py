@@ -1,8 +1,11 @@
 """The dispatcher: ``(ProblemKey, M) -> (backend, config, runner)`` on every call.
 
-The hot path (:meth:`Dispatcher.resolve`) is a dict lookup: tuned rows are loaded once into
-memory, ``(key, M)`` answers are memoized, runners are compiled once per
-``(backend, config, key)`` and serve every M. No SQL, no file access, no tensor hashing.
+The hot path (:meth:`Dispatcher.resolve`) is a dict lookup: ``(key, M)`` answers are memoized,
+runners are compiled once per ``(backend, config, key)`` and serve every M. No SQL, no file
+access, no tensor hashing. The process-wide dispatchers (:func:`get_dispatcher`) read the tuned
+rows of a problem the first time they are asked about it, from every layer: the rows of the
+running environment and that problem only (an indexed query of the user DB; the shipped exports
+are read once per process), so the size of the DB does not show in the start-up time.
 
 M buckets
 ---------
@@ -33,7 +36,7 @@ import threading
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -116,11 +119,14 @@ class Dispatcher:
 
     ``records`` are :class:`~autofp4.schema.TuningRecord` s in priority order. Several rows
     can answer one ``(key, bucket)`` (one per backend); the fastest measured one wins, the
-    earlier one on ties (the user DB comes before the shipped files). Rows measured in another environment than ``env`` (default:
-    the current environment of ``device``), rows measured with another version of their
-    backend's kernel source (``backend_source``; counted in ``stale_rows``: run the tuner again),
-    rows whose backend does not run on ``device`` and rows whose config its backend rejects are
-    ignored (one warning for the latter two).
+    earlier one on ties (the user DB comes before the shipped files). ``rows_for``: a callable
+    ``(ProblemKey) -> records`` (in priority order) asked once per problem, the first time the
+    dispatcher is asked about it (with ``records``: for the problems they hold no row of);
+    :func:`get_dispatcher` passes one that reads the DB layers. Rows measured in another
+    environment than ``env`` (default: the current environment of ``device``), rows measured
+    with another version of their backend's kernel source (``backend_source``; counted in
+    ``stale_rows``: run the tuner again), rows whose backend does not run on ``device`` and rows
+    whose config its backend rejects are ignored (one warning for the latter two).
     """
 
     def __init__(
@@ -129,6 +135,7 @@ class Dispatcher:
         records: Iterable[Any] = (),
         env: Any = None,
         misses_file: str | os.PathLike | None = None,
+        rows_for: Callable[[ProblemKey], Iterable[Any]] | None = None,
     ) -> None:
         self.device = _norm_device(device)
         if env is None:
@@ -149,6 +156,9 @@ class Dispatcher:
         self.ignored: list[str] = []
         self.other_env_rows = 0
         self.stale_rows = 0
+        self._rows_for = rows_for
+        self._asked: set[ProblemKey] = set()  # the problems rows_for was asked about
+        self._load_lock = threading.Lock()
         self._load(records)
 
     # -- loading ---------------------------------------------------------------------
@@ -168,8 +178,10 @@ class Dispatcher:
             self._applies[name] = ok
         return b if ok else None
 
-    def _load(self, records: Iterable[Any]) -> None:
+    def _load(self, records: Iterable[Any], only: ProblemKey | None = None) -> None:
+        """Put ``records`` in the table (``only``: the rows of that problem; others are left out)."""
         staged: dict[ProblemKey, dict[int, tuple[float, Backend, BackendConfig]]] = {}
+        ignored_before = len(self.ignored)
         for rec in records:
             rec_env = getattr(rec, "env_key", None)
             if rec_env is not None and rec_env != self.env_key:
@@ -179,6 +191,8 @@ class Dispatcher:
                 key = ProblemKey(rec.op, rec.fmt, rec.dtype, rec.n, rec.k, rec.experts, rec.topk)
             except ValueError as e:
                 self.ignored.append(f"row {rec.op} {rec.n}x{rec.k}: {e}")
+                continue
+            if only is not None and key != only:
                 continue
             by_bucket = staged.setdefault(key, {})
             prev = by_bucket.get(rec.m_bucket)
@@ -204,21 +218,35 @@ class Dispatcher:
         for key, by_bucket in staged.items():
             if by_bucket:
                 self._table[key] = (sorted(by_bucket), {m: (b, c) for m, (_, b, c) in by_bucket.items()})
-        if self.ignored:
+        new = self.ignored[ignored_before:]
+        if new:
             warnings.warn(
-                f"autofp4: ignored {len(self.ignored)} tuning row(s) that cannot run on {self.device} "
-                f"(first: {self.ignored[0]})",
+                f"autofp4: ignored {len(new)} tuning row(s) that cannot run on {self.device} "
+                f"(first: {new[0]})",
                 RuntimeWarning,
                 stacklevel=3,
             )
 
+    def _entry(self, key: ProblemKey) -> tuple[list[int], dict[int, tuple[Backend, BackendConfig]]] | None:
+        """The table entry of ``key``, its rows read first (once) where ``rows_for`` gives them."""
+        entry = self._table.get(key)
+        if entry is None and self._rows_for is not None and key not in self._asked:
+            with self._load_lock:
+                if key not in self._asked:
+                    self._load(self._rows_for(key), only=key)
+                    self._asked.add(key)
+            entry = self._table.get(key)
+        return entry
+
     # -- lookups ---------------------------------------------------------------------
     def tuned(self, key: ProblemKey) -> dict[int, tuple[Backend, BackendConfig]]:
         """The tuned ``{bucket: (backend, config)}`` of ``key`` (empty when untuned)."""
-        entry = self._table.get(key)
+        entry = self._entry(key)
         return dict(entry[1]) if entry else {}
 
     def __len__(self) -> int:
+        """The tuned ``(key, bucket)`` pairs in memory (with ``rows_for``: of the problems asked
+        about so far)."""
         return sum(len(e[0]) for e in self._table.values())
 
     def _fallback(self, key: ProblemKey, m: int) -> tuple[Backend, BackendConfig]:
@@ -232,7 +260,7 @@ class Dispatcher:
 
     def _pick(self, key: ProblemKey, m: int) -> tuple[Backend, BackendConfig, bool]:
         std = bucket_for(m, DEFAULT_M_BUCKETS)
-        entry = self._table.get(key)
+        entry = self._entry(key)
         if entry is not None:
             buckets, by_bucket = entry
             b = bucket_for(m, buckets)
@@ -404,7 +432,8 @@ def _register_pending(d: Dispatcher) -> None:
 
 
 def get_dispatcher(device: torch.device | str | int) -> Dispatcher:
-    """The process-wide :class:`Dispatcher` of ``device`` (built on first use from the DB layers)."""
+    """The process-wide :class:`Dispatcher` of ``device`` (built on first use; it reads a problem's
+    rows from the DB layers, :func:`autofp4.db.load_layers`, the first time it is asked about it)."""
     d = _DISPATCHERS.get(device)  # fast path: tensors' devices carry an index
     if d is not None:
         return d
@@ -417,8 +446,11 @@ def get_dispatcher(device: torch.device | str | int) -> Dispatcher:
 
             env = current_environment(dev)
             db_path = user_db_path()
-            records = load_layers(env, user_path=db_path)
-            d = Dispatcher(dev, records, env=env, misses_file=db_path.with_suffix(".misses.json"))
+
+            def rows_for(key: ProblemKey, env: Any = env, db_path: Path = db_path) -> list[Any]:
+                return load_layers(env, user_path=db_path, problem=key)
+
+            d = Dispatcher(dev, env=env, misses_file=db_path.with_suffix(".misses.json"), rows_for=rows_for)
             _DISPATCHERS[dev] = d
     if isinstance(device, torch.device) and device == dev:
         _DISPATCHERS[device] = d

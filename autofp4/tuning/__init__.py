@@ -45,10 +45,13 @@ whose share ends before the stored winner was measured again keeps its row: stat
 measured with an older source of its kernel is re-tuned, and its winner is tried right
 after the default too (re-measured: a changed kernel usually keeps its best configs). They scale
 out: ``gpus=[0, 1, ...]`` runs one job stream per GPU, and
-several hosts can run the same command against one optuna storage and one shared DB.
+several hosts can run the same command against one optuna storage and one shared DB. Runs
+that write one DB at once keep the faster row of each job; without a shared storage they
+split the jobs through lock files beside the DB (:mod:`.claims`).
 
 Modules, each importing only those above it: :mod:`.jobs` (jobs, results, reports, run
-defaults), :mod:`.budget` (the clock and the time shares), :mod:`.candidates`,
+defaults), :mod:`.budget` (the clock and the time shares), :mod:`.claims` (one process per
+job), :mod:`.candidates`,
 :mod:`.compile_pool` (compile workers, trial requests, backend specs), :mod:`.trial` (one
 trial: data, check, timing), :mod:`.measurer` (the timing process), :mod:`.search` (optuna),
 :mod:`.job` (tuning one job), :mod:`.run` (:func:`tune_jobs`, :func:`tune`,

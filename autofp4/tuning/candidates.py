@@ -10,7 +10,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from ..backends.base import Backend, BackendConfig
 from ..dispatch import is_stale
-from ..problem import ProblemKey
+from ..problem import FORMATS, ProblemKey
 from ..schema import TuningRecord, config_json
 from .jobs import _Ctx
 
@@ -130,10 +130,11 @@ def _stored_results(db: Any, ctx: _Ctx, key: ProblemKey, m: int, backends: list[
     """This environment's results for the job: those measured with the current source of their
     config's kernel, the stale ones (an older source: the job runs again, but their winners
     are still the best first guesses of the new run), and the rows of the same problem in every
-    format and M bucket (for :func:`_sibling_records`). One query."""
+    format and M bucket (for :func:`_sibling_records`). One query (every format named: the
+    DB's problem index serves it)."""
     by_name = {b.name: b for b in backends}
-    problem = db.results(ctx.env_key, op=key.op, dtype=key.dtype, backend=list(by_name), n=key.n, k=key.k,
-                         experts=key.experts, topk=key.topk)
+    problem = db.results(ctx.env_key, op=key.op, fmt=list(FORMATS), dtype=key.dtype, backend=list(by_name), n=key.n,
+                         k=key.k, experts=key.experts, topk=key.topk)
     recs = [r for r in problem if r.fmt == key.fmt and r.m_bucket == m]
     stale = [is_stale(r, by_name[r.backend]) for r in recs]
     return [r for r, s in zip(recs, stale) if not s], [r for r, s in zip(recs, stale) if s], problem

@@ -60,6 +60,8 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = 
     current, stale, problem = _stored_results(db, ctx, key, job.m, backends)
     if current and not ctx.force:
         return JobResult(job, "skipped", note="already tuned for this environment")
+    if current and ctx.started_at and any(r.created_at >= ctx.started_at for r in current):
+        return JobResult(job, "skipped", note="tuned by another run since this one started")
     cands = _candidates(key, job.m, backends, _parsed(current + stale, backends),
                         _parsed(_sibling_records(problem, key, job.m), backends))
     if not cands:
@@ -179,10 +181,42 @@ class JobTuner:
                 else:
                     study.tell(trial, state=TrialState.FAIL)
                 continue
+            if not self.grid and self._taken_elsewhere(trial, cand):
+                continue
             fut = None
             if ctx.pool is not None:
                 fut = ctx.pool.submit(_compile_only, _request(ctx, self.job, cand, self.seed))
             self.inflight.append((trial, cand, fut))
+
+    def _taken_elsewhere(self, trial: Any, cand: _Cand) -> bool:
+        """With a shared storage, TPE asked for a point that another trial of the study (a
+        peer's, or one of ours in flight) measured or is measuring: ``trial`` is told that
+        trial's value (a failure: not run here either) and True returned."""
+        from optuna.trial import TrialState
+
+        if self.ctx.storage is None:
+            return False
+        import datetime as _dt
+
+        now = _dt.datetime.now()
+        for t in self.study.get_trials(deepcopy=False):
+            if t.number == trial.number or t.user_attrs.get("ident") != cand.ident:
+                continue
+            if t.state == TrialState.COMPLETE and t.user_attrs.get("executed") and t.value is not None:
+                trial.set_user_attr("outcome", "measured_elsewhere")
+                self.study.tell(trial, float(t.value))
+                return True
+            if t.state == TrialState.FAIL and t.user_attrs.get("executed"):
+                self.failed.add(cand.ident)
+                trial.set_user_attr("outcome", "known_failed")
+                self.study.tell(trial, state=TrialState.FAIL)
+                return True
+            live = t.datetime_start is None or (now - t.datetime_start).total_seconds() < 2 * self.ctx.compile_timeout_s
+            if t.state == TrialState.RUNNING and live:
+                trial.set_user_attr("outcome", "measured_elsewhere")
+                self.study.tell(trial, state=TrialState.FAIL)
+                return True
+        return False
 
     # -- measuring --
     def run(self, then: Job | None = None) -> JobResult:
@@ -397,6 +431,14 @@ class JobTuner:
             default_median_us=result.default_us, backend_source=backend_source_hash(winner.backend, result.config),
             env=self.ctx.env,
         )
+        # a forced re-tune replaces the row it measured again, also with a slower measurement;
+        # any other write keeps the faster row (of a peer that stored one meanwhile)
+        replacing = next((r for r in self.current_rows.values() if r.backend == rec.backend), None)
         with self.ctx.lock:
-            self.db.upsert_result(rec)
+            written = self.db.upsert_result(rec, replacing=replacing)
+            stored = None if written else self.db.get_result(*rec.key_tuple(), rec.env_key)
+        if stored is not None:
+            note = (f"the row another run stored meanwhile is as fast or faster and stays ({stored.backend} "
+                    f"{json.dumps(stored.config, sort_keys=True, separators=(',', ':'))} {stored.median_us:.2f} us)")
+            result.note = "; ".join(n for n in (result.note, note) if n)
         return result

@@ -178,3 +178,5 @@ class _Ctx:
     job_deadline: float | None = None  # this stream's current job stops asking for trials here
     jobs_after: int = 0  # jobs queued behind the current one when it started
     trial_s: list[float] = field(default_factory=list)  # this stream's trials: wall time, setup excluded
+    started_at: str = ""  # when the run started (UTC, as rows' created_at): rows from then on are this run's or a peer's
+    claims: Any = None  # JobClaims of the DB (no shared storage): one process per job at a time

@@ -9,6 +9,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -20,6 +21,7 @@ from ..problem import ProblemKey
 from ..dispatch import DEFAULT_M_BUCKETS, load_misses
 from . import budget
 from .budget import _out_of_time, job_share_deadline
+from .claims import JobClaims
 from .compile_pool import _pool_init, _short_error, _start_pool
 from .job import _Interrupted, _tune_job
 from .jobs import CPU_DEFAULTS, CPU_M_BUCKETS, GPU_DEFAULTS, Job, JobResult, TuneReport, _Ctx, _Defaults, jobs_for
@@ -41,37 +43,61 @@ def _open_db(db: Any) -> tuple[Any, bool, Path]:
     return db, False, Path(db.path)
 
 
+#: a job stream whose queue holds only jobs other processes are tuning polls it this often
+CLAIM_POLL_S = 0.2
+
+
 def _stream(
     jobs: "queue.Queue[tuple[int, Job]]", ctx: _Ctx, db: Any, meas: _Measurer, out: dict[int, JobResult]
 ) -> None:
-    """Work through the job queue on one device (one thread per device)."""
+    """Work through the job queue on one device (one thread per device). A job another process
+    holds the claim of (:mod:`.claims`) goes back to the end of the queue."""
+    busy = 0  # jobs put back in a row
     try:
         while True:
             try:
                 i, job = jobs.get_nowait()
             except queue.Empty:
                 return
+            claim = None
             if ctx.stop.is_set():
                 out[i] = JobResult(job, "interrupted", note="not started")
             elif _out_of_time(ctx):
                 out[i] = JobResult(job, "out_of_time", note="time budget used up")
+            elif ctx.claims is not None and (claim := ctx.claims.take(ctx.env_key, job)) is None:
+                jobs.put((i, job))  # another process is tuning it: after the others
+                busy += 1
+                if busy > jobs.qsize():  # every job left is another process's now
+                    time.sleep(CLAIM_POLL_S)
+                    busy = 0
+                continue
             else:
-                with jobs.mutex:  # peek: the next job's first compile overlaps this job
-                    nxt = jobs.queue[0][1] if jobs.queue else None
-                ctx.jobs_after = jobs.qsize()
-                ctx.job_deadline = job_share_deadline(budget._now(), ctx.deadline, ctx.jobs_after + 1, ctx.streams)
+                busy = 0
                 try:
-                    out[i] = _tune_job(job, ctx, db, meas, then=nxt)
-                except _Interrupted as e:
-                    out[i] = e.result
-                    ctx.stop.set()
-                except Exception as e:  # a DB or optuna failure ends this job, not the run
-                    out[i] = JobResult(job, "error", note=_short_error(e))
+                    out[i] = _run_job(jobs, job, ctx, db, meas)
+                finally:
+                    if claim is not None:
+                        claim.release(done=i in out and out[i].status in ("tuned", "skipped", "kept"))
             if ctx.pbar is not None:
                 with ctx.lock:
                     ctx.pbar.update(1)
     finally:
         meas.close()
+
+
+def _run_job(jobs: "queue.Queue[tuple[int, Job]]", job: Job, ctx: _Ctx, db: Any, meas: _Measurer) -> JobResult:
+    """Tune ``job`` with its share of the time (the jobs still queued after it share the rest)."""
+    with jobs.mutex:  # peek: the next job's first compile overlaps this job
+        nxt = jobs.queue[0][1] if jobs.queue else None
+    ctx.jobs_after = jobs.qsize()
+    ctx.job_deadline = job_share_deadline(budget._now(), ctx.deadline, ctx.jobs_after + 1, ctx.streams)
+    try:
+        return _tune_job(job, ctx, db, meas, then=nxt)
+    except _Interrupted as e:
+        ctx.stop.set()
+        return e.result
+    except Exception as e:  # a DB or optuna failure ends this job, not the run
+        return JobResult(job, "error", note=_short_error(e))
 
 
 def _stream_owned_db(q: Any, ctx: _Ctx, db_path: Path, meas: _Measurer, out: dict[int, JobResult]) -> None:
@@ -233,6 +259,7 @@ def tune_jobs(
     worker process and DB connection) per entry; entries may repeat (``["cpu", "cpu"]``).
     """
     from ..env import current_environment
+    from ..schema import utc_now
 
     devices = _resolve_devices(gpus, devices, device)
     on_gpu = devices[0].type == "cuda"
@@ -246,10 +273,12 @@ def tune_jobs(
     timeout = float(trial_timeout_s or defaults.trial_timeout_s)
     env = current_environment(devices[0])
     t0 = budget._now()
+    started_at = utc_now()
     report = TuneReport(device=", ".join(str(d) for d in devices), env_key=env.key())
     storage_obj = _open_storage(storage)
     main_db, owned, db_path = _open_db(db)
     main_db.add_environment(env)
+    claims = JobClaims(db_path) if storage_obj is None else None  # a shared storage shares the studies
     pool = _open_pool(workers, on_gpu)
     pbar = _progress_bar(progress, len(jobs))
     lock = threading.Lock()
@@ -266,7 +295,7 @@ def tune_jobs(
             deadline=None if budget_total_s is None else t0 + float(budget_total_s),
             force=force, storage=storage_obj, ask_lock=_ask_lock_path(storage), window=max(1, workers), pool=pool,
             compile_timeout_s=timeout, stop=stop, pbar=pbar, lock=lock, seed=seed, streams=len(devices),
-            reference_as_fallback=not backends,
+            reference_as_fallback=not backends, started_at=started_at, claims=claims,
         )
 
     try:
@@ -275,6 +304,8 @@ def tune_jobs(
         stop.set()
     finally:
         _close_run(pool, pbar, main_db if owned else None)
+        if claims is not None:
+            claims.close()
     report.interrupted = stop.is_set()
     for i, j in enumerate(jobs):
         report.results.append(out.get(i) or JobResult(j, "interrupted" if report.interrupted else "out_of_time"))
