@@ -16,6 +16,10 @@ Every size depends on ``T * top_k``, ``E`` and ``block_m`` only: ``max_rows`` is
 ``T * top_k + E * (block_m - 1)`` rounded up to ``block_m`` (each expert's run wastes at most
 ``block_m - 1`` rows), ``max_blocks = max_rows // block_m``.
 
+:func:`per_pair_routing` is the metadata without sorting, for a batch with fewer pairs than
+experts (decode): one block per pair, holding just that pair (two small ops instead of a sort,
+scans and scatters); an expert that several pairs choose is then read once per pair.
+
 Expert parallelism: with ``expert_map`` (``[E_global]`` int, the local index of each global
 expert or ``-1`` where another rank holds it), pairs routed to experts elsewhere are left out
 (not in ``sorted_rows``, not counted); ``E`` is then the number of local experts.
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MoERouting", "moe_routing", "routing_sizes"]
+__all__ = ["MoERouting", "moe_routing", "per_pair_routing", "routing_sizes"]
 
 
 @dataclass(frozen=True)
@@ -100,4 +104,26 @@ def moe_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         num_blocks=(total // block_m).to(torch.int32),
         block_m=block_m,
         top_k=top_k,
+    )
+
+
+def per_pair_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoERouting:
+    """Routing metadata with one block per (token, slot) pair, in pair order: block ``p`` is
+    pair ``p`` followed by ``block_m - 1`` padding rows, its expert ``topk_ids.flatten()[p]``.
+    ``counts`` is left empty (the kernels do not read it); no expert map."""
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be a 2-D tensor [T, top_k], got {getattr(topk_ids, 'shape', topk_ids)!r}")
+    if not isinstance(block_m, int) or block_m < 1:
+        raise ValueError(f"block_m must be a positive int, got {block_m!r}")
+    dev = topk_ids.device
+    pairs = topk_ids.numel()
+    rows = torch.full((pairs, block_m), -1, dtype=torch.int32, device=dev)
+    rows[:, 0] = torch.arange(pairs, dtype=torch.int32, device=dev)
+    return MoERouting(
+        counts=torch.empty(0, dtype=torch.int32, device=dev),
+        sorted_rows=rows.reshape(-1),
+        block_expert=topk_ids.reshape(-1).to(torch.int32),
+        num_blocks=torch.full((1,), pairs, dtype=torch.int32, device=dev),
+        block_m=block_m,
+        top_k=topk_ids.shape[1],
     )

@@ -160,6 +160,7 @@ def bench_model(model: str, ep: int, fmts: list[str], ts: list[int], args, bw: f
                 row["autofp4_us"] = _time(fn, q_args, args.rounds, reps, graph=graph)
                 row["autofp4_timing"] = "graph" if graph else "eager"
                 row["autofp4_backend"] = picked
+                row["autofp4_config"] = repr(get_dispatcher(dev).pick(ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, k), t)[1])
             rows.append(row)
             print(_row_line(row), flush=True)
         del fp4, dense_t

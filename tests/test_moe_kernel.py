@@ -180,3 +180,26 @@ def test_graph_replay_with_changing_routing_matches_eager(fmt):
         torch.cuda.synchronize()
         # the top-k sums meet in fp32 atomics, in no fixed order: equal up to rounding
         assert float((out.float() - want.float()).norm() / want.float().norm()) < 2e-3, mode
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("t,e,k", [(1, 32, 4), (4, 64, 8), (40, 8, 2)])
+def test_every_config_kind_matches_the_reference(fmt, t, e, k):
+    """Sorted blocks of 8 and 16, one block per pair, split-K of the down GEMM, 2 and 8 warps."""
+    _gpu()
+    b = get_backend("sm90_w4a16")
+    gen = torch.Generator().manual_seed(SEED + t * e)
+    h, i = 512, 512
+    key = ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, k)
+    w13 = _experts(e, 2 * i, h, fmt, gen, "cuda")
+    w2 = _experts(e, h, i, fmt, gen, "cuda")
+    x = torch.randn(t, h, generator=gen).cuda().bfloat16()
+    tw, ti = (a.cuda() for a in _routing(t, e, k, "uniform", gen))
+    want = reference_moe(x.float(), w13, w2, tw, ti, "silu").float()
+    p13, p2 = w13.packed(b.name, b.prepare), w2.packed(b.name, b.prepare)
+    for cfg in (M.MoEDecodeConfig(m_block=8, per_pair=True), M.MoEDecodeConfig(m_block=16, warps=2, k_split=1),
+                M.MoEDecodeConfig(m_block=8, warps=8, k_split=2, per_pair=True)):
+        got = b.compile(cfg, key)(x, p13, p2, tw, ti, "silu")
+        err = float((got.float() - want).norm() / want.norm())
+        assert err < 2e-2, (cfg, err)

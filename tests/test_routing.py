@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from autofp4.routing import moe_routing, routing_sizes
+from autofp4.routing import moe_routing, per_pair_routing, routing_sizes
 
 SEED = int.from_bytes(os.urandom(4), "little")
 
@@ -100,6 +100,15 @@ def test_traces_without_graph_breaks():
     ids = torch.randint(0, 16, (12, 4), generator=torch.Generator().manual_seed(SEED))
     want = moe_routing(ids, 16, 8).sorted_rows
     assert torch.equal(fn(ids), want)
+
+
+@pytest.mark.parametrize("t,k,e,bm", [(1, 8, 128, 8), (3, 2, 8, 16), (5, 4, 64, 8)])
+def test_per_pair_routing_gives_each_pair_its_own_block(t, k, e, bm):
+    ids = torch.randint(0, e, (t, k), generator=torch.Generator().manual_seed(SEED + t), dtype=torch.int32)
+    r = per_pair_routing(ids, e, bm)
+    rows = r.sorted_rows.view(t * k, bm)
+    assert rows[:, 0].tolist() == list(range(t * k)) and set(rows[:, 1:].flatten().tolist()) <= {-1}
+    assert r.block_expert.tolist() == ids.flatten().tolist() and r.num_blocks.tolist() == [t * k]
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -372,14 +372,18 @@ def _moe_kernel():
 def moe_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
     """Values of the grouped MoE kernels worth sweeping."""
     M = _moe_kernel()
-    return {"m_block": list(M.M_BLOCKS), "warps": [2, 4, 8], "k_split": [1, 2, 4], "pdl": [False, True]}
+    return {"m_block": list(M.M_BLOCKS), "warps": [2, 4, 8], "k_split": [1, 2, 4], "pdl": [False, True],
+            "per_pair": [False, True]}
 
 
 def moe_default(n: int, k: int, fmt: str, dtype: str, experts: int, topk: int, m: int | None = None) -> Any:
-    """The MoE default: token blocks of 16 rows where the batch gives a hit expert more than 8
-    (token, slot) pairs on average (uniform routing), else of 8; 4 warps; K of the down GEMM not
-    split. Not yet fitted to measurements."""
+    """The MoE default: one block per pair, unsorted, while the batch has at most half as many
+    (token, slot) pairs as experts (most hit experts get one pair); else the pairs sorted by
+    expert in blocks of 16 rows where a hit expert gets more than 8 pairs on average (uniform
+    routing), of 8 below; 4 warps; K of the down GEMM not split. Not yet fitted to measurements."""
     M = _moe_kernel()
     pairs = (m if m is not None else 1) * topk
+    if 2 * pairs <= experts:
+        return M.MoEDecodeConfig(m_block=8, warps=4, k_split=1, per_pair=True)
     per_expert = pairs / min(experts, pairs) if pairs else 0
     return M.MoEDecodeConfig(m_block=16 if per_expert > 8 else 8, warps=4, k_split=1)

@@ -52,6 +52,9 @@ class MoEDecodeConfig:
     warps:   warps per CTA (each warp: one 16-row tile pair in the up GEMM, one tile in down).
     k_split: CTAs that share the down GEMM's K (= I) range; their sums meet in the fp32 atomics.
     pdl:     launch with programmatic dependent launch (a launch flag, one binary).
+    per_pair: one block per (token, slot) pair, unsorted (:func:`autofp4.routing.per_pair_routing`:
+             no sort or scan on the host stream; an expert chosen by several pairs is read once
+             per pair), instead of the pairs sorted by expert in blocks of ``m_block``.
     """
 
     kernel: ClassVar[str] = "moe_decode"  # the tag of stored configs (not a field)
@@ -59,6 +62,7 @@ class MoEDecodeConfig:
     warps: int = 4
     k_split: int = 1
     pdl: bool = False
+    per_pair: bool = False
 
 
 def validate(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | None:
@@ -84,6 +88,10 @@ def validate(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str 
                 f"(intermediate {n // 2}); some CTAs would have no work")
     if not isinstance(cfg.pdl, bool):
         return f"pdl must be a bool, got {cfg.pdl!r}"
+    if not isinstance(cfg.per_pair, bool):
+        return f"per_pair must be a bool, got {cfg.per_pair!r}"
+    if cfg.per_pair and cfg.m_block != 8:
+        return "per_pair puts one pair in a block: m_block=8 (one n8 MMA tile) is the least padding"
     return None
 
 
@@ -398,7 +406,7 @@ def compile_only(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str) -> 
 
 def compile_kernel(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str) -> Callable:
     """``run(x, packed13, packed2, topk_weights, topk_ids, activation) -> [T, H]``, for any T."""
-    from ..routing import moe_routing
+    from ..routing import moe_routing, per_pair_routing
 
     tdt = getattr(torch, dtype)
     di = DTYPES.index(dtype)
@@ -419,7 +427,8 @@ def compile_kernel(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str) -
         if x.dtype != tdt or x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"expected x [T, {k}] {tdt}, got {tuple(x.shape)} {x.dtype}")
         x = x.contiguous()
-        r = moe_routing(topk_ids, p13.experts, cfg.m_block)
+        route = per_pair_routing if cfg.per_pair else moe_routing
+        r = route(topk_ids, p13.experts, cfg.m_block)
         h = torch.empty(r.sorted_rows.numel(), n // 2, dtype=tdt, device=x.device)
         y = torch.zeros(x.shape[0], k, dtype=torch.float32, device=x.device)
         if x.shape[0] == 0:
