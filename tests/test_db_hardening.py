@@ -178,7 +178,7 @@ def record_cases(rng: random.Random) -> list[Case]:
         for j, value in enumerate(bad):
             d = json.loads(json.dumps(doc))
             d["records"][i][field] = value
-            cases.append(_doc_case(f"record.{field}={type(value).__name__}#{j}", d, (f"record #{i}",)))
+            cases.append(_doc_case(f"record.{field}={type(value).__name__}#{j}", d, (f"record #{i}", field)))
         if field in REQUIRED_FIELDS:
             d = json.loads(json.dumps(doc))
             del d["records"][i][field]
