@@ -9,6 +9,7 @@ import argparse
 import math
 import os
 import re
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
@@ -328,8 +329,12 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 total = db.counts()["results"]
                 old = stale(db.results())
             print(f"  user     {user}: {mine} / {total}{old}", file=out)
-        except (TuningDBError, OSError) as e:
+        except (TuningDBError, OSError, sqlite3.Error) as e:
             print(f"  user     {user}: unreadable ({e})", file=out)
+    elif user.is_dir():
+        print(f"  user     {user}: unusable (a directory, not a tuning database file)", file=out)
+    elif user.exists():
+        print(f"  user     {user}: unusable (not a regular file)", file=out)
     else:
         print(f"  user     {user}: (not created yet)", file=out)
     shipped = shipped_db_dir()
@@ -453,6 +458,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
 
         if isinstance(e, TuningDBError):
             print(f"error: {e}", file=err)
+            return 2
+        if isinstance(e, sqlite3.Error) and args.command in ("tune", "info"):
+            from .dispatch import user_db_path
+
+            print(f"error: tuning database {user_db_path()}: {e}", file=err)
             return 2
         raise
     parser.error(f"unknown command {args.command!r}")

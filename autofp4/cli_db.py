@@ -1,11 +1,12 @@
 """``autofp4 db``: inspect, export, import, merge, diff and prune the tuning database.
 
 Exit codes: 0 success; 1 nothing found (``show``) or differences found (``diff``);
-2 bad input (missing file, invalid JSON, failed validation, unreadable database).
+2 bad input (missing file, invalid JSON, failed validation, unreadable or read-only database).
 """
 from __future__ import annotations
 
 import argparse
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
@@ -110,6 +111,8 @@ def _open(args: argparse.Namespace, *, write: bool) -> TuningDB:
     path = _db_path(args)
     if write:
         return TuningDB(path)
+    if path.is_dir():
+        raise UsageError(f"{path} is a directory, not a tuning database file")
     if not path.is_file():
         raise UsageError(f"no tuning database at {path}")
     try:
@@ -225,8 +228,7 @@ def _cmd_export(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_import(args: argparse.Namespace, out: TextIO) -> int:
-    if not Path(args.file).is_file():
-        raise UsageError(f"no such file: {args.file}")
+    _check_other(args.file)
     with _open(args, write=True) as db:
         rep = db.import_file(args.file, replace=args.replace)
     _print_report(rep, out)
@@ -234,8 +236,17 @@ def _cmd_import(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _check_other(other: str) -> None:
-    if not Path(other).is_file():
-        raise UsageError(f"no such file: {other}")
+    """An input file must exist and be a regular file (a directory or a device is named as such)."""
+    p = Path(other)
+    if p.is_file():
+        return
+    if p.is_dir():
+        raise UsageError(f"{other} is a directory, not a file")
+    if p.exists():
+        raise UsageError(f"{other} is not a regular file")
+    if p.is_symlink():
+        raise UsageError(f"{other} is a symbolic link to a missing file (or a link loop)")
+    raise UsageError(f"no such file: {other}")
 
 
 def _cmd_merge(args: argparse.Namespace, out: TextIO) -> int:
@@ -305,6 +316,9 @@ def run_db(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | No
         return cmd(args, out)
     except (UsageError, TuningDBError, TuningFileError, ValueError, OSError) as e:
         print(f"error: {e}", file=err)
+        return 2
+    except sqlite3.Error as e:  # a database damaged past what opening it checks
+        print(f"error: {_db_path(args)}: {e}", file=err)
         return 2
 
 

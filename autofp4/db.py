@@ -11,14 +11,17 @@ Tables
 The file runs in WAL mode with a long busy timeout, so several tuner processes can write to
 one database at the same time; every write is one ``BEGIN IMMEDIATE`` transaction, so a
 killed process leaves only complete rows. Exports are sorted, pretty JSON validated with the
-pydantic models on import (never executed).
+pydantic models on import (never executed), read in chunks with bounded memory.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
+import re
 import sqlite3
+import stat
 import time
 import tempfile
 import warnings
@@ -26,14 +29,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable, Iterator, Mapping
+from typing import Any, BinaryIO, Callable, Collection, Iterable, Iterator, Mapping
 
 import sqlite_utils
 from pydantic import ValidationError
 
+from .problem import DEFAULT_M_BUCKETS, bucket_for
 from .schema import (
     EXPORT_SCHEMA_VERSION,
     KEY_FIELDS,
+    MAX_RECORDS,
     SUPPORTED_EXPORT_VERSIONS,
     Environment,
     ExportDoc,
@@ -48,6 +53,16 @@ from .schema import (
 
 BUSY_TIMEOUT_S = 30.0
 MAX_IMPORT_BYTES = 256 * 2**20
+#: an export is read this many bytes at a time
+READ_CHUNK_BYTES = 2**20
+#: the largest record of an export (a valid one is well under 16 KiB), the largest other value
+#: at its top level (``environments``: 10,000 environments fit) and the largest key
+MAX_RECORD_CHARS = 2**20
+MAX_VALUE_CHARS = 8 * 2**20
+MAX_KEY_CHARS = 4096
+#: errors listed for an invalid export; the validation of its records stops there
+MAX_REPORTED_ERRORS = 20
+SQLITE_MAGIC = b"SQLite format 3\x00"
 
 _RESULT_COLUMNS = (
     *KEY_FIELDS,
@@ -85,6 +100,19 @@ class TuningFileError(ValueError):
 
 class TuningDBWarning(UserWarning):
     """A layer (DB or JSON file) or a row that was skipped while loading tuning results."""
+
+
+def _is_readonly_error(e: sqlite3.Error) -> bool:
+    """SQLITE_READONLY and its extended codes (a read-only file, folder, mount or connection)."""
+    code = getattr(e, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF == sqlite3.SQLITE_READONLY
+    return "readonly database" in str(e)
+
+
+def _readonly_message(path: Path, e: sqlite3.Error) -> str:
+    return (f"{path} is read-only: this process cannot write the tuning database (the file or its folder "
+            f"is not writable, is immutable, or is on a read-only file system): {e}")
 
 
 # --------------------------------------------------------------------------------------
@@ -260,29 +288,228 @@ def _key_dict(rec: TuningRecord) -> dict[str, Any]:
     return dict(zip(_UNIQUE, rec.unique_key()))
 
 
+def _unused_bucket(rec: TuningRecord) -> str | None:
+    """Why the dispatcher never runs ``rec`` (None: it runs it for some M).
+
+    A call with M tokens runs the row of the nearest tuned bucket at or above M if that bucket
+    is at most M's standard bucket (:data:`~autofp4.problem.DEFAULT_M_BUCKETS`) and the config
+    serves M (``m_max``); so a row serves M = its bucket when the bucket is at most the largest
+    standard bucket and the config reaches it, and otherwise only M up to ``m_max`` within the
+    bucket's standard range.
+    """
+    top = DEFAULT_M_BUCKETS[-1]
+    if rec.m_bucket > top:
+        return (f"M bucket {rec.m_bucket} is never used: the dispatcher looks rows up by the M buckets "
+                f"{', '.join(map(str, DEFAULT_M_BUCKETS))} (a row tuned at another M from 1 to {top} serves "
+                f"the M of its standard bucket up to its own)")
+    m_max = rec.config.get("m_max")
+    if isinstance(m_max, int) and not isinstance(m_max, bool) and (m_max < 1 or bucket_for(m_max) < rec.m_bucket):
+        return (f"M bucket {rec.m_bucket} is never used: its config serves M <= m_max={m_max}, which the "
+                f"dispatcher looks up in a smaller M bucket")
+    return None
+
+
+def _check_m_buckets(source: str, recs: list[TuningRecord]) -> None:
+    """:class:`TuningFileError` for the first record of ``recs`` that the dispatcher would never run."""
+    for i, rec in enumerate(recs):
+        why = _unused_bucket(rec)
+        if why is not None:
+            n = sum(_unused_bucket(r) is not None for r in recs)
+            raise TuningFileError(
+                f"{source}: record #{i} ({rec.describe()}) field m_bucket: {why}"
+                + (f"; {n} records like this" if n > 1 else "")
+            )
+
+
 # --------------------------------------------------------------------------------------
-# reading export files
+# reading export files: in chunks, one top-level value (or one record) at a time, so a file
+# that is huge, deeply nested or has millions of records is refused after a bounded read
 # --------------------------------------------------------------------------------------
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name} is not allowed")
 
 
-def _read_json(path: Path) -> Any:
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_NOT_SPACE = re.compile(r"[^ \t\n\r]")
+#: a value this close to the end of what was read may go on in the next chunk
+_LOOKAHEAD = 64
+
+
+def _open_export(path: Path) -> BinaryIO:
+    """``path`` opened for reading; :class:`TuningFileError` for a missing file, a directory,
+    a file over :data:`MAX_IMPORT_BYTES` or one that cannot be opened."""
     try:
-        size = path.stat().st_size
-        if size > MAX_IMPORT_BYTES:
-            raise TuningFileError(f"{path}: {size} bytes is larger than the {MAX_IMPORT_BYTES} byte limit")
-        text = path.read_text(encoding="utf-8")
-    except TuningFileError:
-        raise
+        st = path.stat()
     except FileNotFoundError:
+        if path.is_symlink():
+            raise TuningFileError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist") from None
         raise TuningFileError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise TuningFileError(f"{path}: cannot read: {e}") from None
+    except OSError as e:
+        raise TuningFileError(f"{path}: cannot read: {e.strerror or e}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise TuningFileError(f"{path}: is a directory, not a tuning export file")
+    if st.st_size > MAX_IMPORT_BYTES:
+        raise TuningFileError(f"{path}: {st.st_size} bytes is larger than the {MAX_IMPORT_BYTES} byte limit")
     try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:
-        raise TuningFileError(f"{path}: invalid JSON: {e}") from None
+        return open(path, "rb")
+    except OSError as e:
+        raise TuningFileError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+class _ExportReader:
+    """The top level of a JSON export, read in chunks of :data:`READ_CHUNK_BYTES`.
+
+    :meth:`items` yields ``("member", key, value)`` for each top-level member but ``records``,
+    whose list is announced by ``("records", "records", None)`` and then yielded one element at
+    a time as ``("record", index, value)``. Besides what the caller keeps, at most one value
+    (:data:`MAX_VALUE_CHARS`, a record :data:`MAX_RECORD_CHARS`) and one chunk are held.
+    """
+
+    def __init__(self, path: Path, f: BinaryIO) -> None:
+        self.path, self.f = path, f
+        self.decoder = codecs.getincrementaldecoder("utf-8")()
+        self.buf, self.pos, self.base, self.nbytes, self.eof = "", 0, 0, 0, False
+        head = self._read(len(SQLITE_MAGIC))
+        if head == SQLITE_MAGIC:
+            raise TuningFileError(
+                f"{path}: is an SQLite database, not a JSON export; merge it with `autofp4 db merge {path}`"
+            )
+        self._feed(head)
+
+    def _read(self, n: int) -> bytes:
+        try:
+            return self.f.read(n)
+        except OSError as e:
+            raise TuningFileError(f"{self.path}: cannot read: {e.strerror or e}") from None
+
+    def _feed(self, data: bytes) -> None:
+        self.nbytes += len(data)
+        if self.nbytes > MAX_IMPORT_BYTES:
+            raise TuningFileError(f"{self.path}: larger than the {MAX_IMPORT_BYTES} byte limit")
+        try:
+            text = self.decoder.decode(data, final=not data)
+        except UnicodeDecodeError as e:
+            raise TuningFileError(f"{self.path}: not UTF-8 text near byte {self.nbytes - len(data) + e.start}: "
+                                  f"{e.reason}") from None
+        if self.pos:  # drop what was consumed
+            self.base += self.pos
+            self.buf, self.pos = self.buf[self.pos:], 0
+        self.buf += text
+        self.eof = not data
+
+    def _invalid(self, msg: str, pos: int) -> TuningFileError:
+        return TuningFileError(f"{self.path}: invalid JSON at character {self.base + pos}: {msg}")
+
+    def peek(self) -> str:
+        """The next character that is not whitespace (``""`` at the end), skipping to it."""
+        if self.pos < len(self.buf) and self.buf[self.pos] not in " \t\n\r":
+            return self.buf[self.pos]
+        while True:
+            m = _NOT_SPACE.search(self.buf, self.pos)
+            if m is not None:
+                self.pos = m.start()
+                return self.buf[self.pos]
+            self.pos = len(self.buf)
+            if self.eof:
+                return ""
+            self._feed(self._read(READ_CHUNK_BYTES))
+
+    def expect(self, chars: str, after: str, *args: Any) -> str:
+        c = self.peek()
+        if not c or c not in chars:
+            raise self._invalid(f"expected {' or '.join(repr(x) for x in chars)} {after.format(*args)}", self.pos)
+        self.pos += 1
+        return c
+
+    def value(self, limit: int, what: str, *args: Any) -> Any:
+        """The JSON value at the next non-whitespace character (at most ``limit`` characters);
+        ``what.format(*args)`` names it in errors."""
+        self.peek()
+        while True:
+            try:
+                val, end = _DECODER.raw_decode(self.buf, self.pos)
+            except json.JSONDecodeError as e:
+                cut = e.msg.startswith("Unterminated string") or e.pos >= len(self.buf) - _LOOKAHEAD
+                if self.eof or not cut:
+                    raise self._invalid(e.msg, e.pos) from None
+            except RecursionError:
+                raise self._invalid(f"{what.format(*args)} is nested too deeply", self.pos) from None
+            except ValueError as e:  # NaN or Infinity, an integer of too many digits
+                raise self._invalid(str(e), self.pos) from None
+            else:
+                if self.eof or end < len(self.buf) - _LOOKAHEAD:
+                    self.pos = end
+                    return val
+            if len(self.buf) - self.pos > limit:
+                raise TuningFileError(f"{self.path}: {what.format(*args)} is larger than the {limit} character limit")
+            self._feed(self._read(READ_CHUNK_BYTES))
+
+    def items(self) -> Iterator[tuple[str, Any, Any]]:
+        c = self.peek()
+        if c != "{":
+            if not c:
+                raise self._invalid("the file holds no JSON value", self.pos)
+            if c == "\ufeff":
+                raise self._invalid("the file starts with a byte order mark; save it as UTF-8 without one", 0)
+            raw = self.value(MAX_RECORD_CHARS, "the document")
+            raise TuningFileError(f"{self.path}: expected a JSON object, got a {type(raw).__name__}")
+        self.pos += 1
+        if self.peek() == "}":
+            self.pos += 1
+        else:
+            while True:
+                if self.peek() != '"':
+                    raise self._invalid("expected a key in double quotes", self.pos)
+                key = self.value(MAX_KEY_CHARS, "a key")
+                self.expect(":", "after the key {!r:.40}", key)
+                if key == "records" and self.peek() == "[":
+                    yield "records", key, None
+                    yield from self._records()
+                else:
+                    yield "member", key, self.value(MAX_VALUE_CHARS, "the value of {!r:.40}", key)
+                if self.expect(",}", "after the value of {!r:.40}", key) == "}":
+                    break
+        if self.peek():
+            raise self._invalid("extra data after the document", self.pos)
+
+    def _records(self) -> Iterator[tuple[str, Any, Any]]:
+        self.pos += 1  # the '['
+        if self.peek() == "]":
+            self.pos += 1
+            return
+        i = 0
+        while True:
+            if i >= MAX_RECORDS:
+                raise TuningFileError(f"{self.path}: more than {MAX_RECORDS} records; split the file")
+            yield "record", i, self.value(MAX_RECORD_CHARS, "record #{}", i)
+            if self.expect(",]", "after record #{}", i) == "]":
+                return
+            i += 1
+
+
+def _read_json(path: Path, env_key: str | None = None) -> Any:
+    """The top-level object of an export as parsed JSON (read as :func:`read_export` reads it).
+
+    With ``env_key``, a record that is not an object of that environment is kept as ``None``
+    (its index stays), so memory holds only the records of that environment.
+    """
+    raw: dict[str, Any] = {}
+    with _open_export(path) as f:
+        for kind, key, value in _ExportReader(path, f).items():
+            if kind == "record":
+                keep = env_key is None or isinstance(value, dict) and value.get("env_key") == env_key
+                raw["records"].append(value if keep else None)
+            else:
+                raw[key] = [] if kind == "records" else value
+    return raw
+
+
+def _check_version(path: Path, raw: dict[str, Any]) -> None:
+    version = raw.get("schema_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version not in SUPPORTED_EXPORT_VERSIONS:
+        raise TuningFileError(
+            f"{path}: unsupported schema_version {version!r:.40}; this autofp4 reads {sorted(SUPPORTED_EXPORT_VERSIONS)}"
+        )
 
 
 def _describe_raw_record(raw: Any) -> str:
@@ -292,52 +519,110 @@ def _describe_raw_record(raw: Any) -> str:
     return " ".join(parts) or "no key fields"
 
 
-def _format_validation_error(path: Path, raw: Any, e: ValidationError) -> str:
+def _error_lines(e: ValidationError, record: int | None = None, raw: Any = None) -> list[str]:
+    """One line per error: where (``record #i (...) field f`` or a document path) and what."""
     lines = []
-    for err in e.errors()[:20]:
-        loc = list(err["loc"])
-        where = ".".join(str(p) for p in loc) or "<document>"
-        if len(loc) >= 2 and loc[0] == "records" and isinstance(loc[1], int):
-            recs = raw.get("records") if isinstance(raw, dict) else None
-            rec = recs[loc[1]] if isinstance(recs, list) and loc[1] < len(recs) else None
-            rest = ".".join(str(p) for p in loc[2:]) or "<record>"
-            where = f"record #{loc[1]} ({_describe_raw_record(rec)}) field {rest}"
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        if record is not None:
+            where = f"record #{record} ({_describe_raw_record(raw)}) field {loc or '<record>'}"
+        else:
+            where = loc or "<document>"
         msg = str(err["msg"]).removeprefix("Value error, ")
-        lines.append(f"  {where}: {msg}")
-    more = len(e.errors()) - 20
-    if more > 0:
-        lines.append(f"  ... and {more} more errors")
-    return f"{path}: invalid tuning export:\n" + "\n".join(lines)
+        lines.append(f"{where}: {msg if len(msg) <= 500 else msg[:500] + '...'}")
+    return lines
+
+
+def _invalid_export(path: Path, lines: list[str], unchecked: bool) -> TuningFileError:
+    """The first error on the first line (with the file), the others below it."""
+    shown = lines[:MAX_REPORTED_ERRORS]
+    text = f"{path}: invalid tuning export: {shown[0]}" + "".join(f"\n  {line}" for line in shown[1:])
+    if len(lines) > len(shown):
+        text += f"\n  ... and {len(lines) - len(shown)} more errors"
+    if unchecked:
+        text += f"\n  ... (the records after the first {MAX_REPORTED_ERRORS} errors were not checked)"
+    return TuningFileError(text)
 
 
 def read_export(path: str | Path) -> ExportDoc:
-    """Read and fully validate an export file; :class:`TuningFileError` names what is wrong."""
+    """Read and fully validate an export file; :class:`TuningFileError` names what is wrong.
+
+    The file is read in chunks and each record is validated as it is read, so memory holds the
+    validated records plus one bounded value (see :class:`_ExportReader`). An SQLite file, a
+    directory, an unsupported ``schema_version``, invalid JSON and the size limits are reported
+    as such; after :data:`MAX_REPORTED_ERRORS` invalid fields the rest of the records is only
+    parsed.
+    """
     path = Path(path)
-    raw = _read_json(path)
-    if not isinstance(raw, dict):
-        raise TuningFileError(f"{path}: expected a JSON object, got a {type(raw).__name__}")
-    version = raw.get("schema_version")
-    if version not in SUPPORTED_EXPORT_VERSIONS or isinstance(version, bool):
-        raise TuningFileError(
-            f"{path}: unsupported schema_version {version!r}; this autofp4 reads {sorted(SUPPORTED_EXPORT_VERSIONS)}"
-        )
+    header: dict[str, Any] = {}
+    records: list[ExportedRecord] = []
+    record_errors: list[str] = []
+    unchecked = False
+    with _open_export(path) as f:
+        for kind, key, value in _ExportReader(path, f).items():
+            if kind == "record":
+                if len(record_errors) >= MAX_REPORTED_ERRORS:
+                    unchecked = True
+                    continue
+                try:
+                    records.append(ExportedRecord.model_validate(value))
+                except ValidationError as e:
+                    record_errors += _error_lines(e, key, value)
+                continue
+            if key == "records":  # a repeated key: the last one counts, as in json.loads
+                records, record_errors, unchecked = [], [], False
+            header[key] = records if kind == "records" else value
+    _check_version(path, header)
+    if record_errors:
+        try:
+            ExportDoc.model_validate({**header, "records": []})
+            lines = []
+        except ValidationError as e:
+            lines = _error_lines(e)
+        raise _invalid_export(path, lines + record_errors, unchecked)
     try:
-        return ExportDoc.model_validate(raw)
+        return ExportDoc.model_validate(header)
     except ValidationError as e:
-        raise TuningFileError(_format_validation_error(path, raw, e)) from None
+        raise _invalid_export(path, _error_lines(e), False) from None
+
+
+def _is_sqlite_file(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+    except OSError:
+        return False
+
+
+def _looks_like_json(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4096).lstrip()[:1] == b"{"
+    except OSError:
+        return False
 
 
 def read_records(source: "TuningDB | str | Path") -> tuple[str, list[TuningRecord]]:
-    """``(name, every result row)`` of a tuning database, its file, or an export (``.json``)."""
+    """``(name, every result row)`` of a tuning database, its file, or an export (``.json``).
+
+    An SQLite file is read as a database and a file that starts with ``{`` as an export,
+    whatever their names.
+    """
     if isinstance(source, TuningDB):
         return str(source.path), source.results()
     path = Path(source)
-    if path.suffix.lower() == ".json":
+    sqlite_file = _is_sqlite_file(path)
+    if not sqlite_file and (path.suffix.lower() == ".json" or _looks_like_json(path)):
         return str(path), read_export(path).tuning_records()
+    if path.is_dir():
+        raise TuningDBError(f"{path} is a directory, not a tuning database file")
     if not path.is_file():
         raise TuningDBError(f"no tuning database at {path}")
-    with TuningDB(path, readonly=True) as o:
-        return str(path), o.results()
+    try:
+        with TuningDB(path, readonly=True) as o:
+            return str(path), o.results()
+    except sqlite3.Error as e:
+        raise TuningDBError(f"{path} is not a readable tuning database: {e}") from None
 
 
 _PROBLEM_FIELDS = ("op", "fmt", "dtype", "n", "k", "experts", "topk")
@@ -373,9 +658,7 @@ def _export_index(path: Path) -> _ExportIndex:
     raw = _read_json(path)
     if not isinstance(raw, dict):
         raise TuningFileError(f"{path}: expected a JSON object, got a {type(raw).__name__}")
-    version = raw.get("schema_version")
-    if version not in SUPPORTED_EXPORT_VERSIONS or isinstance(version, bool):
-        raise TuningFileError(f"{path}: unsupported schema_version {version!r}")
+    _check_version(path, raw)
     envs, records = raw.get("environments"), raw.get("records")
     if not isinstance(envs, dict) or not isinstance(records, list):
         raise TuningFileError(f"{path}: expected 'environments' (object) and 'records' (list)")
@@ -466,12 +749,26 @@ class TuningDB:
     def __init__(self, path: str | Path | None = None, *, readonly: bool = False) -> None:
         self.path = Path(path).expanduser() if path is not None else default_db_path()
         self.readonly = readonly
+        if self.path.is_dir():
+            raise TuningDBError(f"{self.path} is a directory, not a tuning database file")
+        try:
+            self._open(readonly)
+        except sqlite3.Error as e:
+            if not (readonly and self._wal_without_index(e)):
+                raise TuningDBError(self._open_error(e)) from None
+            try:  # a WAL database in a folder this process cannot write: nothing to fold in
+                self._open(readonly, immutable=True)
+            except sqlite3.Error as e2:
+                raise TuningDBError(self._open_error(e2)) from None
+
+    def _open(self, readonly: bool, immutable: bool = False) -> None:
         try:
             if readonly:
                 if not self.path.is_file():
                     raise TuningDBError(f"no tuning database at {self.path}")
                 conn = sqlite3.connect(
-                    self.path.resolve().as_uri() + "?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S
+                    self.path.resolve().as_uri() + ("?mode=ro&immutable=1" if immutable else "?mode=ro"),
+                    uri=True, timeout=BUSY_TIMEOUT_S,
                 )
             else:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -485,12 +782,38 @@ class TuningDB:
             conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             self._db = sqlite_utils.Database(conn)
             self._setup(readonly)
-        except sqlite3.Error as e:
-            conn.close()
-            raise TuningDBError(f"{self.path} is not a readable tuning database: {e}") from None
         except BaseException:
             conn.close()
             raise
+
+    def _wal_without_index(self, e: sqlite3.Error) -> bool:
+        """Reading a WAL database needs its ``-shm`` index, which SQLite cannot create in a folder
+        this process cannot write; without a write-ahead log to fold in, the file alone is the
+        whole database and can be read as an immutable file."""
+        code = (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF
+        if code not in (sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY):
+            return False
+        wal = self.path.with_name(self.path.name + "-wal")
+        try:
+            return not wal.exists() or wal.stat().st_size == 0
+        except OSError:
+            return False
+
+    def _open_error(self, e: sqlite3.Error) -> str:
+        if _is_readonly_error(e):
+            return _readonly_message(self.path, e)
+        code = (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF
+        folder = self.path.parent
+        if code == sqlite3.SQLITE_CANTOPEN and not os.access(folder, os.W_OK):
+            if not os.access(folder, os.X_OK):
+                return f"cannot open {self.path}: its folder {folder} cannot be entered ({e})"
+            if not self.path.exists():
+                return f"cannot create {self.path}: its folder {folder} is not writable ({e})"
+            if self.readonly:
+                return (f"cannot read {self.path}: it has a write-ahead log ({self.path.name}-wal) that needs "
+                        f"an index file next to it, and its folder {folder} is not writable ({e})")
+            return _readonly_message(self.path, e)
+        return f"{self.path} is not a readable tuning database: {e}"
 
     def _setup(self, readonly: bool) -> None:
         """Check the file, switch it to WAL, migrate. Two processes opening a new file at the
@@ -535,15 +858,20 @@ class TuningDB:
         if self.readonly:
             raise TuningDBError(f"{self.path} was opened read-only")
         conn = self._conn
-        conn.execute("BEGIN IMMEDIATE")
         try:
-            yield self._db
-        except BaseException:
-            if conn.in_transaction:
-                conn.rollback()
-            raise
-        else:
-            conn.commit()
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                if conn.in_transaction:
+                    conn.rollback()
+                raise
+            else:
+                conn.commit()
+        except sqlite3.OperationalError as e:
+            if not _is_readonly_error(e):
+                raise
+            raise TuningDBError(_readonly_message(self.path, e)) from None
 
     # -- schema -----------------------------------------------------------------------
     def _version_now(self) -> int:
@@ -571,6 +899,8 @@ class TuningDB:
         if version == SCHEMA_VERSION:
             return
         if self.readonly:
+            if version == 0 and not self._db.table_names():
+                raise TuningDBError(f"{self.path} is an empty file, not a tuning database")
             raise TuningDBError(
                 f"{self.path} has schema version {version} and needs migrating to {SCHEMA_VERSION}; "
                 "open it writable once"
@@ -580,7 +910,10 @@ class TuningDB:
             if version == 0 and "meta" not in db.table_names():
                 db["meta"].create({"key": str, "value": str}, pk="key")
             for i in range(version, SCHEMA_VERSION):
-                MIGRATIONS[i](db)
+                try:
+                    MIGRATIONS[i](db)
+                except TuningDBError as e:
+                    raise TuningDBError(f"{self.path}: {e}") from None
                 db.execute(
                     "INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", [str(i + 1)]
                 )
@@ -910,11 +1243,13 @@ class TuningDB:
         """
         doc = read_export(path)
         recs = doc.tuning_records()
+        _check_m_buckets(str(path), recs)
         return self._merge_records(recs, ImportReport(source=str(path)), replace=replace)  # type: ignore[return-value]
 
     def merge(self, other: "TuningDB | str | Path") -> MergeReport:
         """Merge another database (or export file) in; per key the better-evidenced row wins."""
         source, recs = read_records(other)
+        _check_m_buckets(source, recs)
         return self._merge_records(recs, MergeReport(source=source))
 
     def diff(self, other: "TuningDB | str | Path") -> list[Difference]:

@@ -56,6 +56,8 @@ _Name = Annotated[str, Strict(), StringConstraints(min_length=1, max_length=64, 
 _Text = Annotated[str, Strict(), StringConstraints(max_length=256)]
 _Hash = Annotated[str, Strict(), StringConstraints(max_length=64, pattern=r"^[A-Za-z0-9_.\-]*$")]
 EnvKey = Annotated[str, Strict(), StringConstraints(pattern=r"^[0-9a-f]{16}$")]
+#: a time in microseconds: a number (an integer is taken as a float), never a string or a bool
+_Micros = Annotated[float, Strict()]
 
 ConfigValue = Union[
     Annotated[bool, Strict()],
@@ -192,10 +194,10 @@ class _KeyFields(BaseModel):
 
 class _ResultFields(_KeyFields):
     config: ConfigDict_
-    median_us: float
-    spread_us: float
+    median_us: _Micros
+    spread_us: _Micros
     samples: Annotated[int, Strict(), Field(ge=1, le=MAX_SAMPLES)]
-    default_median_us: float | None = None
+    default_median_us: _Micros | None = None
     backend_source: _Hash = ""
     created_at: str = Field(default_factory=utc_now)
 
@@ -377,7 +379,7 @@ class ExportDoc(BaseModel):
         for i, r in enumerate(self.records):
             if r.env_key not in self.environments:
                 raise ValueError(
-                    f"records[{i}] ({r.describe()}): env_key {r.env_key!r} is not in environments"
+                    f"record #{i} ({r.describe()}): env_key {r.env_key!r} is not in environments"
                 )
         return self
 
