@@ -1,7 +1,8 @@
 """The ``autofp4`` command: ``tune``, ``db`` and ``info``.
 
-Exit codes: 0 success; 1 some jobs failed with an error; 2 bad input (unknown architecture,
-missing or invalid file, bad option); 130 interrupted (everything measured so far is kept).
+Exit codes: 0 success; 1 some jobs failed with an error; 2 bad input (unknown architecture, a
+missing or invalid field of a model config, missing or invalid file, bad option); 130
+interrupted (everything measured so far is kept).
 """
 from __future__ import annotations
 
@@ -226,18 +227,9 @@ def _tune_model(args: argparse.Namespace, on_cpu: bool, cpu_note: str, common: d
                 out: TextIO) -> int:
     """``tune --model CONFIG``: every (shape, M bucket) of a model."""
     from . import dispatch, tuning
-    from .models import load_config, model_shapes, shapes_table
+    from .models import shapes_table
 
-    try:
-        config = load_config(args.model)
-    except FileNotFoundError as e:
-        raise _UsageError(str(e)) from None
-    except (ValueError, TypeError, OSError, UnicodeDecodeError) as e:
-        raise _UsageError(f"cannot read {args.model}: {e}") from None
-    try:
-        shapes = model_shapes(config, tp=args.tp, ep=args.ep)
-    except (ValueError, TypeError) as e:
-        raise _UsageError(str(e)) from None
+    shapes = _model_shapes(args.model, args)
     if args.m:
         ms = sorted(set(args.m))
     else:
@@ -259,6 +251,30 @@ def _tune_model(args: argparse.Namespace, on_cpu: bool, cpu_note: str, common: d
     except (RuntimeError, ValueError) as e:  # setup: a backend that cannot run here, ...
         raise _UsageError(str(e)) from None
     return _finish(report, db_path, out)
+
+
+def _one_line(text: str, limit: int = 1000) -> str:
+    """``text`` on one line (newlines shown as ``\\n``), cut to ``limit`` characters."""
+    text = text.replace("\r", "\\r").replace("\n", "\\n")
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def _model_shapes(path: str, args: argparse.Namespace) -> list[Any]:
+    """The shapes of the model config at ``path`` for ``args.tp``, ``args.ep`` and ``args.fmt``;
+    any problem with the file or a field of it is a usage error (exit 2) of one line."""
+    from .models import load_config, model_shapes
+
+    try:
+        config = load_config(path)
+    except FileNotFoundError as e:
+        raise _UsageError(_one_line(str(e))) from None
+    except (ValueError, TypeError, OSError) as e:  # the message names the file, or is prefixed with it
+        msg = str(e) if str(path) in str(e) else f"cannot read {_one_line(str(path), 300)}: {e}"
+        raise _UsageError(_one_line(msg)) from None
+    try:
+        return model_shapes(config, tp=args.tp, ep=args.ep, fmt=args.fmt)
+    except (ValueError, TypeError) as e:
+        raise _UsageError(f"{_one_line(str(path), 300)}: {_one_line(str(e))}") from None
 
 
 def _finish(report: Any, db_path: Path, out: TextIO) -> int:
@@ -384,7 +400,6 @@ def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from . import dispatch, tuning
     from .kernel_cache import cache_dir, target_arch
-    from .models import load_config, model_shapes
 
     if cache_dir() is None:
         raise _UsageError("the kernel cache is disabled (AUTOFP4_KERNEL_CACHE=off): nothing to warm")
@@ -393,13 +408,7 @@ def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise _UsageError("no CUDA GPU here: name the target with --arch (e.g. sm_90a)")
     if not re.fullmatch(r"sm_\d+[af]?", arch):
         raise _UsageError(f"--arch must look like sm_90a, got {arch!r}")
-    try:
-        config = load_config(args.warm)
-        shapes = model_shapes(config, tp=args.tp, ep=args.ep)
-    except FileNotFoundError as e:
-        raise _UsageError(str(e)) from None
-    except (ValueError, TypeError, OSError, UnicodeDecodeError) as e:
-        raise _UsageError(f"cannot read {args.warm}: {e}") from None
+    shapes = _model_shapes(args.warm, args)
     stored = []
     if args.warm_db:
         from .db import TuningDBError, TuningFileError, read_records

@@ -19,19 +19,32 @@ will meet. Conventions (the vLLM ones):
 - Shapes are deduplicated by ``(op, n, k, experts, topk)``: ``count`` is the number of
   layers (times per-layer uses) summed over the merged entries, and ``name`` joins the
   distinct names with ``+``. The order is the order of first appearance, layer by layer.
+
+A config is checked before any shape is built: every integer field the architecture reads must
+be an ``int`` (not a float, bool or string) within :data:`LIMITS`, ceilings far above any
+published model; a field the architecture needs (an MoE model's expert count and top-k
+included) must be there. With ``fmt`` given, every K must be a whole number of the format's
+blocks (16 for NVFP4, 32 for MXFP4). Each error names the field. The number of layers only
+scales counts: nothing is built per layer. :func:`load_config` reads at most
+:data:`MAX_CONFIG_BYTES` and rejects nesting deeper than :data:`MAX_CONFIG_DEPTH`.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
-from .problem import ProblemKey
+from .problem import BLOCK_SIZE, FORMATS, ProblemKey
 
 __all__ = [
     "ModelShape",
     "SUPPORTED",
+    "LIMITS",
+    "MAX_CONFIG_BYTES",
+    "MAX_CONFIG_DEPTH",
+    "MAX_PARALLEL",
     "load_config",
     "model_shapes",
     "shapes_table",
@@ -91,6 +104,69 @@ class ModelShape:
 
 
 # ---------------------------------------------------------------------------------------
+# Bounds
+
+#: the largest ``config.json`` :func:`load_config` reads, in bytes (real ones are a few KB; with
+#: label maps, a few hundred KB)
+MAX_CONFIG_BYTES = 2 * 2**20
+#: the deepest nesting of JSON objects and arrays it accepts (real configs nest a few levels)
+MAX_CONFIG_DEPTH = 32
+_MAX_CONTAINERS = 100_000  # JSON objects and arrays in one file (real configs: tens)
+#: the largest ``tp`` and ``ep``
+MAX_PARALLEL = 65536
+_MAX_PATH = 4096  # characters of a path (PATH_MAX)
+
+#: ``field: (smallest, largest)`` accepted for the integer fields the architectures read; the
+#: ceilings are far above every published model's, so only a broken config meets them
+LIMITS: dict[str, tuple[int, int]] = {
+    "hidden_size": (1, 65536),
+    "intermediate_size": (1, 262144),
+    "moe_intermediate_size": (1, 262144),
+    "num_hidden_layers": (1, 2048),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (0, 1024),  # 0 (or null): hidden_size / num_attention_heads
+    "q_lora_rank": (0, 65536),  # 0 (or null): no q LoRA, a plain q_proj
+    "kv_lora_rank": (1, 65536),
+    "qk_nope_head_dim": (1, 1024),
+    "qk_rope_head_dim": (1, 1024),
+    "v_head_dim": (1, 1024),
+    "num_local_experts": (1, 8192),
+    "num_experts": (1, 8192),
+    "n_routed_experts": (1, 8192),
+    "num_experts_per_tok": (1, 256),
+    "experts_per_token": (1, 256),
+    "n_shared_experts": (0, 256),
+    "first_k_dense_replace": (0, 2048),
+    "moe_layer_freq": (1, 2048),
+    "decoder_sparse_step": (1, 2048),
+    "vocab_size": (1, 4194304),
+}
+
+
+def _clip(text: str, limit: int = 40) -> str:
+    """``repr`` of ``text``, cut to ``limit`` characters."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _show(value: Any) -> str:
+    """A short description of a config value for an error message (never all of a big one)."""
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value) if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+    if isinstance(value, float):
+        return f"{value!r} (a float)"
+    if isinstance(value, str):
+        return f"{_clip(value)} (a string)"
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"a {type(value).__name__}"
+
+
+# ---------------------------------------------------------------------------------------
 # Loading
 
 
@@ -98,7 +174,8 @@ def load_config(path_or_dict: Union[str, Path, Mapping[str, Any]]) -> dict:
     """Read a Hugging Face ``config.json``.
 
     Accepts a mapping (returned as a new dict), a path to a JSON file, or a directory that
-    contains ``config.json``.
+    contains ``config.json``. A file is read only up to :data:`MAX_CONFIG_BYTES`, and its
+    nesting is checked against :data:`MAX_CONFIG_DEPTH` before it is parsed.
     """
     if isinstance(path_or_dict, Mapping):
         return dict(path_or_dict)
@@ -106,21 +183,21 @@ def load_config(path_or_dict: Union[str, Path, Mapping[str, Any]]) -> dict:
         raise TypeError(
             f"load_config expects a path or a dict, got {type(path_or_dict).__name__}"
         )
-    path = Path(path_or_dict)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"model config not found: {path} "
-            "(expected a config.json file or a directory containing one)"
-        )
-    text = path.read_text(encoding="utf-8")
+    path = _config_path(path_or_dict)
+    text = _read_bounded(path)
+    _check_depth(text, path)
     try:
         config = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(
             f"invalid JSON in {path}: {exc.msg} at line {exc.lineno}, column {exc.colno}"
         ) from None
+    except RecursionError:  # deep nesting the scan let through: the file is invalid JSON anyway
+        raise ValueError(
+            f"invalid JSON in {path}: objects and arrays nested deeper than {MAX_CONFIG_DEPTH} levels"
+        ) from None
+    except ValueError as exc:  # e.g. a number of more than 4300 digits
+        raise ValueError(f"invalid JSON in {path}: {str(exc)[:200]}") from None
     if not isinstance(config, dict):
         raise ValueError(
             f"{path}: expected a JSON object at the top level, got {type(config).__name__}"
@@ -128,53 +205,206 @@ def load_config(path_or_dict: Union[str, Path, Mapping[str, Any]]) -> dict:
     return config
 
 
+def _config_path(path_or_dir: Union[str, Path]) -> Path:
+    text = str(path_or_dir)
+    if len(text) > _MAX_PATH:
+        raise ValueError(
+            f"config path of {len(text)} characters is longer than a path can be "
+            f"({_MAX_PATH}): {_clip(text)}"
+        )
+    if "\0" in text:
+        raise ValueError(f"config path contains a NUL character: {_clip(text)}")
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        if path.exists():
+            raise ValueError(f"model config {path} is not a regular file")
+        raise FileNotFoundError(
+            f"model config not found: {path} "
+            "(expected a config.json file or a directory containing one)"
+        )
+    return path
+
+
+def _read_bounded(path: Path) -> str:
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(
+            f"{path} is {size} bytes, more than a model config can be "
+            f"(at most {MAX_CONFIG_BYTES} bytes)"
+        )
+    with path.open("rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:  # it grew since stat()
+        raise ValueError(f"{path} is more than {MAX_CONFIG_BYTES} bytes, more than a model config can be")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+_JSON_STRING = re.compile(r'"[^"]*"')  # once escaped quotes are gone
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def _check_depth(text: str, where: Path) -> None:
+    """Reject nesting deeper than :data:`MAX_CONFIG_DEPTH`, and more objects and arrays than a
+    config has, before parsing: strings dropped, then a walk over the brackets that are left."""
+    bare = text.replace("\\\\", "").replace('\\"', "")  # escaped backslashes, escaped quotes
+    if bare.count('"') % 2:
+        return  # a string that never ends: json.loads says where
+    depth = containers = 0
+    for match in _BRACKET.finditer(_JSON_STRING.sub("", bare)):
+        if match.group() in "]}":
+            depth -= 1
+            if depth < 0:
+                return  # more closed than opened: json.loads says where
+            continue
+        depth += 1
+        containers += 1
+        if depth > MAX_CONFIG_DEPTH:
+            raise ValueError(
+                f"{where}: objects and arrays nested deeper than {MAX_CONFIG_DEPTH} levels; "
+                "a model config nests a few"
+            )
+        if containers > _MAX_CONTAINERS:
+            raise ValueError(
+                f"{where}: more than {_MAX_CONTAINERS} JSON objects and arrays; a model config has tens"
+            )
+
+
 # ---------------------------------------------------------------------------------------
-# Config field access
+# Config fields
+
+_ATTENTION = {"hidden_size": True, "num_attention_heads": True, "num_key_value_heads": False,
+              "head_dim": False}  # field: required
+_MLA = {"hidden_size": True, "num_attention_heads": True, "q_lora_rank": False,
+        "kv_lora_rank": True, "qk_nope_head_dim": True, "qk_rope_head_dim": True,
+        "v_head_dim": True}
+_LAYERS = {"num_hidden_layers": True, "vocab_size": False}
+_DENSE = {**_ATTENTION, **_LAYERS, "intermediate_size": True}
+_MIXTRAL = {**_DENSE, "num_local_experts": True, "num_experts_per_tok": True}
+_QWEN3_MOE = {**_ATTENTION, **_LAYERS, "intermediate_size": False, "num_experts": True,
+              "num_experts_per_tok": True, "moe_intermediate_size": True,
+              "decoder_sparse_step": False}
+_DEEPSEEK = {**_MLA, **_LAYERS, "intermediate_size": False, "n_routed_experts": True,
+             "num_experts_per_tok": True, "moe_intermediate_size": True,
+             "n_shared_experts": False, "first_k_dense_replace": False, "moe_layer_freq": False}
+_GPT_OSS = {**_DENSE, "num_local_experts": True, "num_experts_per_tok": False,
+            "experts_per_token": False}  # one of the two spellings of top-k
 
 
-def _get_int(cfg: Mapping[str, Any], key: str, *, default: Any = ...,
-             allow_zero: bool = False) -> int:
-    value = cfg.get(key, None)
-    if value is None:
-        if default is ...:
-            raise ValueError(f"config (model_type={cfg.get('model_type')!r}) lacks {key!r}")
-        return default
+def _check_field(key: str, value: Any) -> int:
+    lo, hi = LIMITS[key]
     if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        else:
-            raise ValueError(f"config field {key!r} must be an integer, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"config field {key!r} must be positive, got {value}")
+        raise ValueError(f"config field {key!r} must be an integer, got {_show(value)}")
+    if not lo <= value <= hi:
+        expected = f"a positive integer up to {hi}" if lo == 1 else f"an integer from {lo} to {hi}"
+        raise ValueError(
+            f"config field {key!r} must be {expected} (real models stay far below), "
+            f"got {_show(value)}"
+        )
     return value
 
 
-def _first_int(cfg: Mapping[str, Any], keys: Sequence[str]) -> int:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return _get_int(cfg, key)
-    raise ValueError(
-        f"config (model_type={cfg.get('model_type')!r}) lacks all of {list(keys)}"
-    )
+def _validate(config: Mapping[str, Any], model_type: str, fields: Mapping[str, bool]) -> dict[str, int]:
+    """The integer fields of ``fields`` present in ``config`` (null counts as absent), checked."""
+    values = {}
+    for key, required in fields.items():
+        value = config.get(key)
+        if value is None:
+            if required:
+                raise ValueError(
+                    f"config (model_type={model_type!r}) lacks {key!r}, "
+                    f"which a {model_type} model needs"
+                )
+            continue
+        values[key] = _check_field(key, value)
+    return values
 
 
-def _split(value: int, parts: int, what: str, by: str) -> int:
+def _layer_set(value: Any, key: str, layers: int) -> frozenset[int]:
+    """A list of layer indices (``mlp_only_layers``), each in ``[0, layers)``."""
+    if value is None:
+        return frozenset()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"config field {key!r} must be a list of layer indices, got {_show(value)}")
+    if len(value) > layers:
+        raise ValueError(
+            f"config field {key!r} lists {len(value)} layers, more than "
+            f"num_hidden_layers={layers}"
+        )
+    for i, x in enumerate(value):
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < layers:
+            raise ValueError(
+                f"config field {key!r} must hold layer indices from 0 to {layers - 1} "
+                f"(num_hidden_layers={layers}), got {_show(x)} at position {i}"
+            )
+    return frozenset(value)
+
+
+def _split(value: int, parts: int, what: str, by: str, key: str = "") -> int:
     if value % parts:
-        raise ValueError(f"{what}={value} is not divisible by {by}={parts}")
+        named = f" (config field {key!r})" if key else ""
+        raise ValueError(f"{what}={value} is not divisible by {by}={parts}{named}")
     return value // parts
+
+
+def _per(tp: int) -> str:
+    return " / tp" if tp > 1 else ""
+
+
+@dataclass
+class _Model:
+    """A config being turned into shapes: its checked integer fields, and the K of every shape
+    built (with the fields it comes from) for the block-size check."""
+
+    config: Mapping[str, Any]
+    model_type: str
+    v: dict[str, int]
+    tp: int
+    ep: int
+    ks: list[tuple[int, str, str]] = field(default_factory=list)  # (K, its fields, of what)
+
+    def need(self, key: str, why: str) -> int:
+        """A field needed by part of the model only (checked already where present)."""
+        if key not in self.v:
+            raise ValueError(f"config (model_type={self.model_type!r}) lacks {key!r}, {why}")
+        return self.v[key]
+
+    def linear(self, name: str, n: int, k: int, k_from: str) -> ModelShape:
+        self.ks.append((k, k_from, name))
+        return ModelShape("linear", name, n, k)
+
+
+def _check_blocks(m: _Model, fmt: str) -> None:
+    bs = BLOCK_SIZE[fmt]
+    for k, k_from, of in m.ks:
+        if k % bs:
+            tp = f", tp={m.tp}" if "/ tp" in k_from else ""
+            raise ValueError(
+                f"{k_from} = {k} (K of {of}{tp}) is not a multiple of {bs}, the {fmt} block "
+                f"size: {fmt} weights need K in whole blocks"
+            )
 
 
 # ---------------------------------------------------------------------------------------
 # Building blocks (each returns the shapes of one layer, count 1)
 
 
-def _attention(cfg: Mapping[str, Any], tp: int) -> list[ModelShape]:
-    hidden = _get_int(cfg, "hidden_size")
-    heads = _get_int(cfg, "num_attention_heads")
-    kv_heads = _get_int(cfg, "num_key_value_heads", default=heads)
-    head_dim = _get_int(cfg, "head_dim", default=0, allow_zero=True) or _split(
-        hidden, heads, "hidden_size", "num_attention_heads"
-    )
+def _attention(m: _Model) -> list[ModelShape]:
+    v, tp = m.v, m.tp
+    hidden, heads = v["hidden_size"], v["num_attention_heads"]
+    kv_heads = v.get("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ValueError(
+            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+    head_dim, head_dim_from = v.get("head_dim", 0), "head_dim"
+    if not head_dim:
+        head_dim = _split(hidden, heads, "hidden_size", "num_attention_heads")
+        head_dim_from = "(hidden_size / num_attention_heads)"
     local_heads = _split(heads, tp, "num_attention_heads", "tp")
     if kv_heads >= tp:
         local_kv = _split(kv_heads, tp, "num_key_value_heads", "tp")
@@ -182,53 +412,60 @@ def _attention(cfg: Mapping[str, Any], tp: int) -> list[ModelShape]:
         _split(tp, kv_heads, "tp", "num_key_value_heads")
         local_kv = 1
     return [
-        ModelShape("linear", "qkv_proj", (local_heads + 2 * local_kv) * head_dim, hidden),
-        ModelShape("linear", "o_proj", hidden, local_heads * head_dim),
+        m.linear("qkv_proj", (local_heads + 2 * local_kv) * head_dim, hidden, "hidden_size"),
+        m.linear("o_proj", hidden, local_heads * head_dim,
+                 f"num_attention_heads{_per(tp)} * {head_dim_from}"),
     ]
 
 
-def _mla_attention(cfg: Mapping[str, Any], tp: int) -> list[ModelShape]:
-    hidden = _get_int(cfg, "hidden_size")
-    heads = _get_int(cfg, "num_attention_heads")
-    q_lora = _get_int(cfg, "q_lora_rank", default=0, allow_zero=True)
-    kv_lora = _get_int(cfg, "kv_lora_rank")
-    nope = _get_int(cfg, "qk_nope_head_dim")
-    rope = _get_int(cfg, "qk_rope_head_dim")
-    v_dim = _get_int(cfg, "v_head_dim")
-    local_heads = _split(heads, tp, "num_attention_heads", "tp")
+def _mla_attention(m: _Model) -> list[ModelShape]:
+    v = m.v
+    hidden, heads = v["hidden_size"], v["num_attention_heads"]
+    q_lora = v.get("q_lora_rank", 0)
+    kv_lora, nope, rope = v["kv_lora_rank"], v["qk_nope_head_dim"], v["qk_rope_head_dim"]
+    v_dim = v["v_head_dim"]
+    local_heads = _split(heads, m.tp, "num_attention_heads", "tp")
     shapes = []
     if q_lora:
-        shapes.append(ModelShape("linear", "q_a_proj", q_lora, hidden))
-        shapes.append(ModelShape("linear", "q_b_proj", local_heads * (nope + rope), q_lora))
+        shapes.append(m.linear("q_a_proj", q_lora, hidden, "hidden_size"))
+        shapes.append(m.linear("q_b_proj", local_heads * (nope + rope), q_lora, "q_lora_rank"))
     else:
-        shapes.append(ModelShape("linear", "q_proj", local_heads * (nope + rope), hidden))
+        shapes.append(m.linear("q_proj", local_heads * (nope + rope), hidden, "hidden_size"))
     shapes += [
-        ModelShape("linear", "kv_a_proj_with_mqa", kv_lora + rope, hidden),
-        ModelShape("linear", "kv_b_proj", local_heads * (nope + v_dim), kv_lora),
-        ModelShape("linear", "o_proj", hidden, local_heads * v_dim),
+        m.linear("kv_a_proj_with_mqa", kv_lora + rope, hidden, "hidden_size"),
+        m.linear("kv_b_proj", local_heads * (nope + v_dim), kv_lora, "kv_lora_rank"),
+        m.linear("o_proj", hidden, local_heads * v_dim, f"num_attention_heads{_per(m.tp)} * v_head_dim"),
     ]
     return shapes
 
 
-def _mlp(hidden: int, intermediate: int, tp: int, prefix: str = "",
+def _mlp(m: _Model, intermediate: int, prefix: str = "",
          what: str = "intermediate_size") -> list[ModelShape]:
-    local = _split(intermediate, tp, what, "tp")
+    local = _split(intermediate, m.tp, what, "tp")
+    hidden = m.v["hidden_size"]
     return [
-        ModelShape("linear", prefix + "gate_up_proj", 2 * local, hidden),
-        ModelShape("linear", prefix + "down_proj", hidden, local),
+        m.linear(prefix + "gate_up_proj", 2 * local, hidden, "hidden_size"),
+        m.linear(prefix + "down_proj", hidden, local, what + _per(m.tp)),
     ]
 
 
-def _moe(hidden: int, intermediate: int, experts: int, topk: int, tp: int, ep: int,
-         what: str) -> ModelShape:
+def _moe(m: _Model, inter_key: str, experts_key: str, topk_key: str) -> ModelShape:
+    v = m.v
+    hidden, intermediate = v["hidden_size"], v[inter_key]
+    experts, topk = v[experts_key], v[topk_key]
     if topk > experts:
-        raise ValueError(f"experts per token ({topk}) exceeds the number of experts ({experts})")
-    if ep > 1:
-        local_experts = _split(experts, ep, "number of experts", "ep")
-        local_inter = intermediate
+        raise ValueError(
+            f"{topk_key}={topk} (experts per token) exceeds {experts_key}={experts} "
+            "(the number of experts)"
+        )
+    if m.ep > 1:
+        local_experts = _split(experts, m.ep, "number of experts", "ep", experts_key)
+        local_inter, inter_from = intermediate, inter_key
     else:
         local_experts = experts
-        local_inter = _split(intermediate, tp, what, "tp")
+        local_inter, inter_from = _split(intermediate, m.tp, inter_key, "tp"), inter_key + _per(m.tp)
+    m.ks.append((hidden, "hidden_size", "the experts' gate/up projection"))
+    m.ks.append((local_inter, inter_from, "the experts' down projection"))
     return ModelShape(
         "moe", "experts", 2 * local_inter, hidden,
         experts=local_experts, topk=min(topk, local_experts),
@@ -237,101 +474,90 @@ def _moe(hidden: int, intermediate: int, experts: int, topk: int, tp: int, ep: i
 
 
 # ---------------------------------------------------------------------------------------
-# Architectures (each returns the list of per-layer shape lists)
+# Architectures (each returns its kinds of layer: (the shapes of one layer, how many layers))
+
+_Groups = list[tuple[list[ModelShape], int]]
 
 
-def _dense_layers(cfg: Mapping[str, Any], tp: int, ep: int) -> list[list[ModelShape]]:
-    layers = _get_int(cfg, "num_hidden_layers")
-    hidden = _get_int(cfg, "hidden_size")
-    layer = _attention(cfg, tp) + _mlp(hidden, _get_int(cfg, "intermediate_size"), tp)
-    return [layer] * layers
+def _dense_layers(m: _Model) -> _Groups:
+    layer = _attention(m) + _mlp(m, m.v["intermediate_size"])
+    return [(layer, m.v["num_hidden_layers"])]
 
 
-def _mixtral_layers(cfg: Mapping[str, Any], tp: int, ep: int) -> list[list[ModelShape]]:
-    layers = _get_int(cfg, "num_hidden_layers")
-    hidden = _get_int(cfg, "hidden_size")
-    moe = _moe(hidden, _get_int(cfg, "intermediate_size"), _get_int(cfg, "num_local_experts"),
-               _get_int(cfg, "num_experts_per_tok"), tp, ep, "intermediate_size")
-    return [_attention(cfg, tp) + [moe]] * layers
+def _mixtral_layers(m: _Model) -> _Groups:
+    moe = _moe(m, "intermediate_size", "num_local_experts", "num_experts_per_tok")
+    return [(_attention(m) + [moe], m.v["num_hidden_layers"])]
 
 
-def _mixed_layers(
-    cfg: Mapping[str, Any], tp: int, layers: int, hidden: int, attention: list[ModelShape],
-    is_moe: Callable[[int], bool], make_moe: Callable[[], list[ModelShape]],
-) -> list[list[ModelShape]]:
-    """Layers that are MoE where ``is_moe(i)`` and a dense MLP of ``intermediate_size`` elsewhere
-    (each kind's shapes built once, on first use, so a config without dense layers needs no
-    ``intermediate_size``)."""
-    moe = dense = None
-    out = []
-    for i in range(layers):
-        if is_moe(i):
-            if moe is None:
-                moe = make_moe()
-            out.append(attention + moe)
+def _mixed_layers(m: _Model, attention: list[ModelShape], n_moe: int, first_is_moe: bool,
+                  make_moe: Callable[[], list[ModelShape]]) -> _Groups:
+    """``n_moe`` MoE layers and a dense MLP of ``intermediate_size`` in the others (each kind's
+    shapes built once, only if a layer has it, so a config without dense layers needs no
+    ``intermediate_size``); the kind of layer 0 comes first."""
+    layers = m.v["num_hidden_layers"]
+    kinds = [("moe", n_moe), ("dense", layers - n_moe)]
+    if not first_is_moe:
+        kinds.reverse()
+    groups = []
+    for kind, count in kinds:
+        if not count:
+            continue
+        if kind == "moe":
+            body = make_moe()
         else:
-            if dense is None:
-                dense = _mlp(hidden, _get_int(cfg, "intermediate_size"), tp)
-            out.append(attention + dense)
-    return out
+            body = _mlp(m, m.need("intermediate_size", "the size of its dense layers' MLP"))
+        groups.append((attention + body, count))
+    return groups
 
 
-def _qwen3_moe_layers(cfg: Mapping[str, Any], tp: int, ep: int) -> list[list[ModelShape]]:
-    layers = _get_int(cfg, "num_hidden_layers")
-    hidden = _get_int(cfg, "hidden_size")
-    experts = _get_int(cfg, "num_experts", default=0, allow_zero=True)
-    step = _get_int(cfg, "decoder_sparse_step", default=1)
-    mlp_only = set(cfg.get("mlp_only_layers") or [])
+def _qwen3_moe_layers(m: _Model) -> _Groups:
+    layers, step = m.v["num_hidden_layers"], m.v.get("decoder_sparse_step", 1)
+    mlp_only = _layer_set(m.config.get("mlp_only_layers"), "mlp_only_layers", layers)
+    # MoE: layers i with (i + 1) % step == 0, except those listed in mlp_only_layers
+    n_moe = layers // step - sum(1 for i in mlp_only if (i + 1) % step == 0)
     return _mixed_layers(
-        cfg, tp, layers, hidden, _attention(cfg, tp),
-        lambda i: experts > 0 and i not in mlp_only and (i + 1) % step == 0,
-        lambda: [_moe(hidden, _get_int(cfg, "moe_intermediate_size"), experts,
-                      _get_int(cfg, "num_experts_per_tok"), tp, ep, "moe_intermediate_size")],
+        m, _attention(m), n_moe, step == 1 and 0 not in mlp_only,
+        lambda: [_moe(m, "moe_intermediate_size", "num_experts", "num_experts_per_tok")],
     )
 
 
-def _deepseek_layers(cfg: Mapping[str, Any], tp: int, ep: int) -> list[list[ModelShape]]:
-    layers = _get_int(cfg, "num_hidden_layers")
-    hidden = _get_int(cfg, "hidden_size")
-    experts = _get_int(cfg, "n_routed_experts", default=0, allow_zero=True)
-    first_dense = _get_int(cfg, "first_k_dense_replace", default=0, allow_zero=True)
-    freq = _get_int(cfg, "moe_layer_freq", default=1)
-    shared = _get_int(cfg, "n_shared_experts", default=0, allow_zero=True)
+def _deepseek_layers(m: _Model) -> _Groups:
+    first_dense = m.v.get("first_k_dense_replace", 0)
+    freq = m.v.get("moe_layer_freq", 1)
+    shared = m.v.get("n_shared_experts", 0)
 
     def make_moe() -> list[ModelShape]:
-        moe_inter = _get_int(cfg, "moe_intermediate_size")
-        shapes = [_moe(hidden, moe_inter, experts, _get_int(cfg, "num_experts_per_tok"),
-                       tp, ep, "moe_intermediate_size")]
+        shapes = [_moe(m, "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")]
         if shared:
-            shapes += _mlp(hidden, shared * moe_inter, tp, prefix="shared_experts.",
+            shapes += _mlp(m, shared * m.v["moe_intermediate_size"], prefix="shared_experts.",
                            what="n_shared_experts * moe_intermediate_size")
         return shapes
 
-    return _mixed_layers(
-        cfg, tp, layers, hidden, _mla_attention(cfg, tp),
-        lambda i: experts > 0 and i >= first_dense and i % freq == 0, make_moe,
-    )
+    # MoE: layers i >= first_k_dense_replace with i % moe_layer_freq == 0
+    layers = m.v["num_hidden_layers"]
+    n_moe = (layers - 1) // freq - (first_dense - 1) // freq if first_dense < layers else 0
+    return _mixed_layers(m, _mla_attention(m), n_moe, first_dense == 0, make_moe)
 
 
-def _gpt_oss_layers(cfg: Mapping[str, Any], tp: int, ep: int) -> list[list[ModelShape]]:
-    layers = _get_int(cfg, "num_hidden_layers")
-    hidden = _get_int(cfg, "hidden_size")
-    moe = _moe(hidden, _get_int(cfg, "intermediate_size"), _get_int(cfg, "num_local_experts"),
-               _first_int(cfg, ("num_experts_per_tok", "experts_per_token")), tp, ep,
-               "intermediate_size")
-    return [_attention(cfg, tp) + [moe]] * layers
+def _gpt_oss_layers(m: _Model) -> _Groups:
+    keys = ("num_experts_per_tok", "experts_per_token")
+    topk_key = next((k for k in keys if k in m.v), None)
+    if topk_key is None:
+        raise ValueError(f"config (model_type={m.model_type!r}) lacks all of {list(keys)}")
+    moe = _moe(m, "intermediate_size", "num_local_experts", topk_key)
+    return [(_attention(m) + [moe], m.v["num_hidden_layers"])]
 
 
-_ARCHS: dict[str, Callable[[Mapping[str, Any], int, int], list[list[ModelShape]]]] = {
-    "llama": _dense_layers,
-    "mistral": _dense_layers,
-    "qwen2": _dense_layers,
-    "qwen3": _dense_layers,
-    "mixtral": _mixtral_layers,
-    "qwen3_moe": _qwen3_moe_layers,
-    "deepseek_v2": _deepseek_layers,
-    "deepseek_v3": _deepseek_layers,
-    "gpt_oss": _gpt_oss_layers,
+_ARCHS: dict[str, tuple[dict[str, bool], Callable[[_Model], _Groups]]] = {
+    "llama": (_DENSE, _dense_layers),
+    "mistral": (_DENSE, _dense_layers),
+    "qwen2": (_DENSE, _dense_layers),
+    "qwen3": (_DENSE, _dense_layers),
+    "mixtral": (_MIXTRAL, _mixtral_layers),
+    "qwen3_moe": (_QWEN3_MOE, _qwen3_moe_layers),
+    "deepseek_v2": (_DEEPSEEK, _deepseek_layers),
+    "deepseek_v3": (_DEEPSEEK, _deepseek_layers),
+    "gpt_oss": (_GPT_OSS, _gpt_oss_layers),
 }
 
 SUPPORTED: tuple[str, ...] = tuple(_ARCHS)
@@ -342,54 +568,86 @@ SUPPORTED: tuple[str, ...] = tuple(_ARCHS)
 
 
 def _check_parallel(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PARALLEL:
+        raise ValueError(
+            f"{name} must be a positive integer (at most {MAX_PARALLEL}), got {_show(value)}"
+        )
     return value
 
 
-def _dedup(shapes: Sequence[ModelShape]) -> list[ModelShape]:
+def _check_fmt(fmt: Any) -> None:
+    if fmt is None:
+        return
+    if not isinstance(fmt, str):
+        raise TypeError(f"fmt must be one of {FORMATS} or None, got {_show(fmt)}")
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS} or None, got {_clip(fmt)}")
+
+
+def _unsupported(config: Mapping[str, Any], model_type: Any) -> str:
+    arch = config.get("architectures")
+    if isinstance(arch, list) and len(arch) <= 8 and all(isinstance(a, str) for a in arch):
+        arch_text = "[" + ", ".join(_clip(a) for a in arch) + "]"
+    else:
+        arch_text = _clip(arch) if isinstance(arch, str) else _show(arch)
+    if model_type is None:
+        what = "config lacks 'model_type'"
+    elif isinstance(model_type, str):
+        what = f"unsupported model_type {_clip(model_type)}"
+    else:
+        what = f"model_type must be a string, got {_show(model_type)}"
+    return f"{what} (architectures={arch_text}); supported model types: {', '.join(SUPPORTED)}"
+
+
+def _dedup(groups: _Groups) -> list[ModelShape]:
     merged: dict[tuple, ModelShape] = {}
-    for s in shapes:
-        prev = merged.get(s.dedup_key)
-        if prev is None:
-            merged[s.dedup_key] = s
-            continue
-        names = prev.name.split("+")
-        name = prev.name if s.name in names else f"{prev.name}+{s.name}"
-        merged[s.dedup_key] = ModelShape(
-            prev.op, name, prev.n, prev.k, prev.experts, prev.topk,
-            prev.count + s.count, prev.intermediate, prev.hidden,
-        )
+    for layer, count in groups:
+        for s in layer:
+            prev = merged.get(s.dedup_key)
+            if prev is None:
+                merged[s.dedup_key] = ModelShape(
+                    s.op, s.name, s.n, s.k, s.experts, s.topk, count, s.intermediate, s.hidden,
+                )
+                continue
+            names = prev.name.split("+")
+            name = prev.name if s.name in names else f"{prev.name}+{s.name}"
+            merged[s.dedup_key] = ModelShape(
+                prev.op, name, prev.n, prev.k, prev.experts, prev.topk,
+                prev.count + count, prev.intermediate, prev.hidden,
+            )
     return list(merged.values())
 
 
 def model_shapes(config: Mapping[str, Any], tp: int = 1, ep: int = 1,
-                 include_lm_head: bool = False) -> list[ModelShape]:
+                 include_lm_head: bool = False, fmt: str | None = None) -> list[ModelShape]:
     """Every FP4 GEMM / MoE shape one rank of the model runs, deduplicated with counts.
 
     ``config`` is a Hugging Face ``config.json`` dict (see :func:`load_config`); ``tp`` the
     tensor-parallel size, ``ep`` the expert-parallel size (MoE experts split across ``ep``
     ranks instead of splitting each expert by ``tp``). ``include_lm_head`` adds the output
     projection (column-parallel, ``ceil(vocab_size / tp)`` rows per rank, as with a padded
-    vocabulary).
+    vocabulary). ``fmt`` (``"nvfp4"`` or ``"mxfp4"``) also checks that every K is a whole
+    number of the format's blocks. A config that breaks any of this raises ``ValueError``
+    naming the field (``TypeError`` for a ``config`` that is not a mapping).
     """
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a dict, got {type(config).__name__}")
     tp = _check_parallel("tp", tp)
     ep = _check_parallel("ep", ep)
+    _check_fmt(fmt)
     model_type = config.get("model_type")
-    if model_type not in _ARCHS:
-        raise ValueError(
-            f"unsupported model_type {model_type!r} "
-            f"(architectures={config.get('architectures')!r}); "
-            f"supported model types: {', '.join(SUPPORTED)}"
-        )
-    flat = [shape for layer in _ARCHS[model_type](config, tp, ep) for shape in layer]
+    if not isinstance(model_type, str) or model_type not in _ARCHS:
+        raise ValueError(_unsupported(config, model_type))
+    fields, build = _ARCHS[model_type]
+    m = _Model(config, model_type, _validate(config, model_type, fields), tp, ep)
+    groups = build(m)
     if include_lm_head:
-        vocab = _get_int(config, "vocab_size")
-        hidden = _get_int(config, "hidden_size")
-        flat.append(ModelShape("linear", "lm_head", -(-vocab // tp), hidden))
-    return _dedup(flat)
+        vocab = m.need("vocab_size", "the size of the lm_head")
+        hidden = m.v["hidden_size"]
+        groups.append(([m.linear("lm_head", -(-vocab // tp), hidden, "hidden_size")], 1))
+    if fmt is not None:
+        _check_blocks(m, fmt)
+    return _dedup(groups)
 
 
 _COLUMNS = ("op", "name", "N", "K", "experts", "topk", "I", "H", "count")
