@@ -176,7 +176,25 @@ def linear(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor] = None) -
 ACTIVATIONS = ("silu", "gelu")
 
 
-def _check_moe(x, w13: FP4Weight, w2: FP4Weight, topk_weights, topk_ids, activation, check_ids: bool):
+def _check_expert_map(expert_map, e: int, device) -> int:
+    """The number of global experts an expert map routes over (``e``: the local experts)."""
+    if not isinstance(expert_map, torch.Tensor):
+        raise TypeError(f"moe: expert_map must be a torch.Tensor [E_global] or None, got {_describe(expert_map)}")
+    if expert_map.dim() != 1 or expert_map.dtype not in (torch.int32, torch.int64) or expert_map.numel() < e:
+        raise ValueError(f"moe: expert_map must be an int32/int64 [E_global >= E={e}] tensor (the local index of "
+                         f"each global expert, -1 where another rank holds it), got {tuple(expert_map.shape)} "
+                         f"{expert_map.dtype}")
+    if expert_map.device != device:
+        raise ValueError(f"moe: expert_map is on {expert_map.device} but x is on {device}; move one of them")
+    if expert_map.numel() and _values_readable(expert_map):
+        lo, hi = torch.aminmax(expert_map)
+        if int(lo) < -1 or int(hi) >= e:
+            raise ValueError(f"moe: expert_map values must lie in [-1, {e}), got [{int(lo)}, {int(hi)}]")
+    return expert_map.numel()
+
+
+def _check_moe(x, w13: FP4Weight, w2: FP4Weight, topk_weights, topk_ids, activation, check_ids: bool,
+               expert_map=None):
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, FP4Weight):
             raise TypeError(f"moe: {name} must be an FP4Weight, got {_describe(w)}")
@@ -206,9 +224,10 @@ def _check_moe(x, w13: FP4Weight, w2: FP4Weight, topk_weights, topk_ids, activat
         raise ValueError(
             f"moe: topk_weights must be a float tensor shaped like topk_ids {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)} {topk_weights.dtype}"
         )
-    if not 0 < topk_ids.shape[1] <= e:
+    e_ids = e if expert_map is None else _check_expert_map(expert_map, e, x.device)
+    if not 0 < topk_ids.shape[1] <= e_ids:
         raise ValueError(
-            f"moe: topk_ids must have top_k columns with 1 <= top_k <= E={e} (the number of experts), "
+            f"moe: topk_ids must have top_k columns with 1 <= top_k <= E={e_ids} (the number of experts), "
             f"got top_k={topk_ids.shape[1]} (shape {tuple(topk_ids.shape)})"
         )
     for name, tt in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
@@ -223,25 +242,21 @@ def _check_moe(x, w13: FP4Weight, w2: FP4Weight, topk_weights, topk_ids, activat
     if check_ids and topk_ids.numel() and _values_readable(topk_ids):
         lo, hi = torch.aminmax(topk_ids)
         lo, hi = int(lo), int(hi)
-        if lo < 0 or hi >= e:
-            raise ValueError(f"moe: topk_ids must lie in [0, {e}), got values in [{lo}, {hi}]")
+        if lo < 0 or hi >= e_ids:
+            raise ValueError(f"moe: topk_ids must lie in [0, {e_ids}), got values in [{lo}, {hi}]")
 
 
-def _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, check_ids=True):
-    _check_moe(x, w13, w2, topk_weights, topk_ids, activation, check_ids)
+def _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, check_ids=True, expert_map=None):
+    _check_moe(x, w13, w2, topk_weights, topk_ids, activation, check_ids, expert_map)
     if x.shape[0] == 0:
         return torch.empty_like(x)
     key = _problem_key(w13, "moe", x.dtype, topk_ids.shape[1])
     backend, _cfg, runner = get_dispatcher(x.device).resolve(key, x.shape[0])
     xc = x if x.is_contiguous() else x.contiguous()
-    return runner(
-        xc,
-        w13.packed(backend.name, backend.prepare),
-        w2.packed(backend.name, backend.prepare),
-        topk_weights.float(),
-        topk_ids,
-        activation,
-    )
+    args = (xc, w13.packed(backend.name, backend.prepare), w2.packed(backend.name, backend.prepare),
+            topk_weights.float(), topk_ids, activation)
+    # a runner takes expert_map only where the layer is a slice (backends without it still serve the rest)
+    return runner(*args) if expert_map is None else runner(*args, expert_map)
 
 
 @torch.library.custom_op("autofp4::moe", mutates_args=())
@@ -257,10 +272,11 @@ def _moe_op(
     topk_ids: torch.Tensor,
     fmt: str,
     activation: str,
+    expert_map: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     w13 = _weight_from_tensors(w13_data, w13_scale, w13_global_scale, fmt)
     w2 = _weight_from_tensors(w2_data, w2_scale, w2_global_scale, fmt)
-    return _moe_impl(x, w13, w2, topk_weights, topk_ids, activation)
+    return _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=expert_map)
 
 
 @_moe_op.register_fake
@@ -275,13 +291,19 @@ def moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    expert_map: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The fused MoE layer: for each token, ``sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``
     with ``FFN_e(x) = W2_e @ (act(W1_e x) * (W3_e x))``; ``w13`` is [E, 2I, H] (gate rows first,
     then up), ``w2`` is [E, H, I]; x is [T, H] bf16/fp16; ``topk_ids`` int32/int64 [T, top_k]
     with values in [0, E) (checked with one device sync, skipped during CUDA graph capture) and
     ``topk_weights`` a float tensor of the same shape, both on x's device. The values of x and
-    topk_weights are not inspected: a NaN there gives NaN in that token's output row."""
+    topk_weights are not inspected: a NaN there gives NaN in that token's output row.
+
+    Expert parallelism: with ``expert_map`` (int32/int64 [E_global], the index into this rank's
+    ``E`` experts of each global expert, -1 where another rank holds it) ``topk_ids`` holds global
+    ids in [0, E_global), pairs routed to other ranks are skipped, and the result is this rank's
+    share of the sum (the ranks' results add up to the whole layer)."""
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, FP4Weight):
             raise TypeError(f"moe: {name} must be an FP4Weight, got {_describe(w)}")
@@ -291,11 +313,11 @@ def moe(
             raise TypeError(f"moe: activation must be a str, one of {ACTIVATIONS}, got {_describe(activation)}")
         return torch.ops.autofp4.moe(
             x, w13.data, w13.scale, w13.global_scale, w2.data, w2.scale, w2.global_scale,
-            topk_weights, topk_ids, w13.fmt, activation,
+            topk_weights, topk_ids, w13.fmt, activation, expert_map,
         )
     _register(w13)
     _register(w2)
-    return _moe_impl(x, w13, w2, topk_weights, topk_ids, activation)
+    return _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=expert_map)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -107,10 +107,12 @@ def moe_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     )
 
 
-def per_pair_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoERouting:
+def per_pair_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                     expert_map: torch.Tensor | None = None) -> MoERouting:
     """Routing metadata with one block per (token, slot) pair, in pair order: block ``p`` is
-    pair ``p`` followed by ``block_m - 1`` padding rows, its expert ``topk_ids.flatten()[p]``.
-    ``counts`` is left empty (the kernels do not read it); no expert map."""
+    pair ``p`` followed by ``block_m - 1`` padding rows, its expert ``topk_ids.flatten()[p]``
+    (with ``expert_map``: that expert's local index, ``-1`` for a pair routed to another rank,
+    whose block is then unused). ``counts`` is left empty (the kernels do not read it)."""
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be a 2-D tensor [T, top_k], got {getattr(topk_ids, 'shape', topk_ids)!r}")
     if not isinstance(block_m, int) or block_m < 1:
@@ -122,7 +124,8 @@ def per_pair_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     return MoERouting(
         counts=torch.empty(0, dtype=torch.int32, device=dev),
         sorted_rows=rows.reshape(-1),
-        block_expert=topk_ids.reshape(-1).to(torch.int32),
+        block_expert=(topk_ids.reshape(-1) if expert_map is None
+                      else expert_map.to(device=dev)[topk_ids.reshape(-1).long()]).to(torch.int32),
         num_blocks=torch.full((1,), pairs, dtype=torch.int32, device=dev),
         block_m=block_m,
         top_k=topk_ids.shape[1],

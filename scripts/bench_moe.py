@@ -10,8 +10,8 @@ experts split over 8 ranks: one rank's slice), each format and each token count 
 * **autofp4**: ``autofp4.moe`` on the FP4 weights (what the dispatcher runs: its tuned pick, else
   the backend's default). Where ``autofp4.moe`` cannot be captured in a CUDA graph (the
   reference backend reads the expert counts on the host) it is timed eagerly, which the table
-  says (up to ``--max-t-eager`` tokens); a layer sliced for expert parallelism is not timed
-  until ``autofp4.moe`` takes an expert map;
+  says (up to ``--max-t-eager`` tokens); a slice for expert parallelism runs with the
+  ``expert_map`` of rank 0;
 * **HBM floor**: the FP4 bytes (values + block scales) of the experts the batch hits, at the
   device-copy bandwidth measured in the same run; useful TFLOP/s = 2 x T x top-k x 3 x H x I /
   time (the pairs routed to the rank's experts, for a slice).
@@ -153,9 +153,10 @@ def bench_model(model: str, ep: int, fmts: list[str], ts: list[int], args, bw: f
                    "hit_experts": hits, "pairs": pairs, "floor_us": floor_us, "bf16_us": bf16_us,
                    "autofp4_us": None, "autofp4_timing": None}
             graph = picked != "reference"  # the reference backend syncs with the host: not capturable
-            if expert_map is None and (graph or t <= args.max_t_eager):
+            if graph or t <= args.max_t_eager:
                 q_args = [(x, *fp4[j % copies], tw, ti) for j, (x, tw, ti) in enumerate(inputs)]
-                fn = lambda x, a, b, tw, ti: autofp4.moe(x, a, b, tw, ti, activation="silu")  # noqa: E731
+                fn = lambda x, a, b, tw, ti: autofp4.moe(x, a, b, tw, ti, activation="silu",  # noqa: E731
+                                                         expert_map=expert_map)
                 reps = args.reps if graph else max(1, args.reps // 5)
                 row["autofp4_us"] = _time(fn, q_args, args.rounds, reps, graph=graph)
                 row["autofp4_timing"] = "graph" if graph else "eager"

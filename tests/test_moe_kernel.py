@@ -204,3 +204,52 @@ def test_every_config_kind_matches_the_reference(fmt, t, e, k):
         got = b.compile(cfg, key)(x, p13, p2, tw, ti, "silu")
         err = float((got.float() - want).norm() / want.norm())
         assert err < 2e-2, (cfg, err)
+
+
+def _ep_case(fmt, device, gen, t=9, eg=16, k=4, h=256, i=128, ranks=4):
+    w13 = _experts(eg, 2 * i, h, fmt, gen, device)
+    w2 = _experts(eg, h, i, fmt, gen, device)
+    x = torch.randn(t, h, generator=gen).to(device, torch.bfloat16)
+    tw, ti = (a.to(device) for a in _routing(t, eg, k, "uniform", gen))
+    per = eg // ranks
+    slices = []
+    for r in range(ranks):
+        emap = torch.full((eg,), -1, dtype=torch.int32, device=device)
+        emap[r * per:(r + 1) * per] = torch.arange(per, dtype=torch.int32, device=device)
+        idx = torch.arange(r * per, (r + 1) * per, device=device)
+        sub = [type(w)(w.fmt, w.data[idx], w.scale[idx], None if w.global_scale is None else w.global_scale[idx],
+                       check_values=False) for w in (w13, w2)]
+        slices.append((sub, emap))
+    return x, w13, w2, tw, ti, slices
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_expert_parallel_slices_add_up_to_the_layer(fmt):
+    """On the CPU (reference backend): each rank's autofp4.moe with its expert map skips the pairs
+    routed elsewhere; the ranks' results add up to the whole layer."""
+    gen = torch.Generator().manual_seed(SEED)
+    x, w13, w2, tw, ti, slices = _ep_case(fmt, "cpu", gen)
+    whole = autofp4.moe(x, w13, w2, tw, ti).float()
+    total = sum(autofp4.moe(x, a, b, tw, ti, expert_map=emap).float() for (a, b), emap in slices)
+    assert float((total - whole).norm() / whole.norm()) < 2e-2
+    (a, b), emap = slices[0]
+    with pytest.raises(ValueError, match="expert_map values"):
+        autofp4.moe(x, a, b, tw, ti, expert_map=torch.full_like(emap, 99))
+    with pytest.raises(ValueError, match="expert_map must be"):
+        autofp4.moe(x, a, b, tw, ti, expert_map=emap[:2])
+    with pytest.raises(TypeError, match="expert_map"):
+        autofp4.moe(x, a, b, tw, ti, expert_map=[0, 1])
+    with pytest.raises(ValueError, match="topk_ids must lie in"):  # global ids beyond the map
+        autofp4.moe(x, a, b, tw, ti + 100, expert_map=emap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_expert_parallel_slices_on_the_gpu_match_the_reference(fmt):
+    _gpu()
+    gen = torch.Generator().manual_seed(SEED)
+    x, w13, w2, tw, ti, slices = _ep_case(fmt, "cuda", gen, t=40, eg=32, k=8, h=512, i=256)
+    for (a, b), emap in slices:
+        got = autofp4.moe(x, a, b, tw, ti, expert_map=emap).float()
+        want = reference_moe(x.float(), a, b, tw, ti, "silu", expert_map=emap).float()
+        assert float((got - want).norm() / want.norm()) < 2e-2

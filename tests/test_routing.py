@@ -109,6 +109,9 @@ def test_per_pair_routing_gives_each_pair_its_own_block(t, k, e, bm):
     rows = r.sorted_rows.view(t * k, bm)
     assert rows[:, 0].tolist() == list(range(t * k)) and set(rows[:, 1:].flatten().tolist()) <= {-1}
     assert r.block_expert.tolist() == ids.flatten().tolist() and r.num_blocks.tolist() == [t * k]
+    emap = torch.where(torch.arange(e) % 2 == 0, torch.arange(e) // 2, -1).to(torch.int32)  # even experts here
+    m = per_pair_routing(ids, e // 2, bm, expert_map=emap)
+    assert m.block_expert.tolist() == [x // 2 if x % 2 == 0 else -1 for x in ids.flatten().tolist()]
 
 
 @pytest.mark.parametrize("bad,match", [

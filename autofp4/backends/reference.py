@@ -57,15 +57,21 @@ def reference_moe(
     topk_ids: torch.Tensor,
     activation: str = "silu",
     chunk_n: int = 0,
+    expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The fused-MoE layer, one expert at a time over the tokens routed to it."""
+    """The fused-MoE layer, one expert at a time over the tokens routed to it (with
+    ``expert_map``: global ids mapped to this slice's experts, pairs routed elsewhere skipped)."""
     t, h = x.shape
+    e_local = w13.shape[0]
     out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1).long()
+    if expert_map is not None:
+        flat_ids = expert_map.to(device=x.device, dtype=torch.long)[flat_ids]
+        flat_ids = torch.where(flat_ids < 0, torch.full_like(flat_ids, e_local), flat_ids)
     flat_w = topk_weights.reshape(-1).float()
     token_of = torch.arange(t, device=x.device).repeat_interleave(topk_ids.shape[1])
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=e_local + 1).tolist()[:e_local]
     start = 0
     for e, c in enumerate(counts):
         if c == 0:
@@ -115,4 +121,5 @@ class ReferenceBackend(Backend):
         chunk = config.chunk_n  # type: ignore[attr-defined]
         if key.op == "linear":
             return lambda x, w, bias: reference_linear(x, w, bias, chunk)
-        return lambda x, w13, w2, tw, ti, act: reference_moe(x, w13, w2, tw, ti, act, chunk)
+        return lambda x, w13, w2, tw, ti, act, expert_map=None: reference_moe(x, w13, w2, tw, ti, act, chunk,
+                                                                              expert_map)

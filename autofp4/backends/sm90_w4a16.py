@@ -284,12 +284,12 @@ def _moe_runner(run: Runner, check_fp16: bool) -> Runner:
     """The MoE runner: both GEMMs on the experts' MoE layout (fp16 with MXFP4 experts whose
     exponents span too much for fp16 runs on the reference backend, as the linear kernels do)."""
 
-    def runner(x, p13: SM90Prepared, p2: SM90Prepared, topk_weights, topk_ids, activation):
+    def runner(x, p13: SM90Prepared, p2: SM90Prepared, topk_weights, topk_ids, activation, expert_map=None):
         m13, m2 = p13.moe(True), p2.moe(False)
         if check_fp16 and (why := m13.unsupported[1] or m2.unsupported[1]):
             _warn_once(why)
-            return reference_moe(x, p13.weight, p2.weight, topk_weights, topk_ids, activation)
-        return run(x, m13, m2, topk_weights, topk_ids, activation)
+            return reference_moe(x, p13.weight, p2.weight, topk_weights, topk_ids, activation, expert_map=expert_map)
+        return run(x, m13, m2, topk_weights, topk_ids, activation, expert_map)
 
     return runner
 

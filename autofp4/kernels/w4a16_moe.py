@@ -405,7 +405,8 @@ def compile_only(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str) -> 
 
 
 def compile_kernel(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str) -> Callable:
-    """``run(x, packed13, packed2, topk_weights, topk_ids, activation) -> [T, H]``, for any T."""
+    """``run(x, packed13, packed2, topk_weights, topk_ids, activation, expert_map=None) -> [T, H]``,
+    for any T (``expert_map``: see :func:`autofp4.moe`)."""
     from ..routing import moe_routing, per_pair_routing
 
     tdt = getattr(torch, dtype)
@@ -414,7 +415,7 @@ def compile_kernel(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str) -
     use_pdl = cfg.pdl
 
     def run(x: torch.Tensor, p13: MoEPacked, p2: MoEPacked, topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor, activation: str) -> torch.Tensor:
+            topk_ids: torch.Tensor, activation: str, expert_map: torch.Tensor | None = None) -> torch.Tensor:
         if (p13.n, p13.k, p2.n, p2.k) != (n, k, k, n // 2) or p13.fmt != fmt or p2.fmt != fmt:
             raise ValueError(f"kernels compiled for 2I={n}, H={k}, {fmt}; got w13 [{p13.n}, {p13.k}] and "
                              f"w2 [{p2.n}, {p2.k}] in {p13.fmt}")
@@ -428,7 +429,7 @@ def compile_kernel(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str) -
             raise ValueError(f"expected x [T, {k}] {tdt}, got {tuple(x.shape)} {x.dtype}")
         x = x.contiguous()
         route = per_pair_routing if cfg.per_pair else moe_routing
-        r = route(topk_ids, p13.experts, cfg.m_block)
+        r = route(topk_ids, p13.experts, cfg.m_block, expert_map=expert_map)
         h = torch.empty(r.sorted_rows.numel(), n // 2, dtype=tdt, device=x.device)
         y = torch.zeros(x.shape[0], k, dtype=torch.float32, device=x.device)
         if x.shape[0] == 0:
