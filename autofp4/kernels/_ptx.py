@@ -1,6 +1,8 @@
 """Inline-PTX helpers shared by the CuTeDSL kernels (imported only where CuTeDSL is installed)."""
 from __future__ import annotations
 
+import cutlass
+import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
@@ -69,6 +71,25 @@ def mma_m16n8k16(a, b0, b1, c, bf16: bool):
              Float32(c[0]), Float32(c[1]), Float32(c[2]), Float32(c[3])],
             text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
     return [Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
+
+
+def make_load_group(slots: int, chunks: int):
+    """The loads of one lane's K group in the decode kernel's packed layout: its 16-byte scale
+    record (``slots`` records per group) into ``buf[off .. off + 3]``, then its ``chunks`` weight
+    chunks (512 bytes apart) into ``buf[off + 4 ..]``, all where ``pred`` is non-zero, streamed
+    past L1."""
+
+    @cute.jit
+    def load_group(buf: cute.Tensor, off: cutlass.Constexpr, w_base, s_base, gi, pred):
+        v = ld_global_v4(s_base + Int64(gi) * (slots * 16), pred, True)
+        for i in cutlass.range_constexpr(4):
+            buf[off + i] = v[i]
+        for c in cutlass.range_constexpr(chunks):
+            v = ld_global_v4(w_base + (Int64(gi) * chunks + c) * 512, pred, True)
+            for i in cutlass.range_constexpr(4):
+                buf[off + 4 + 4 * c + i] = v[i]
+
+    return load_group
 
 
 def decode_pair(word, terms):

@@ -466,7 +466,7 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
     from cutlass import Float32, Int32, Int64, Uint32
 
     from ._ptx import (asm, asm_void, decode_pair, griddep_launch_dependents, griddep_wait, ld_dsmem_f32,
-                       ld_global_v4, mma_m16n8k16, mul_x2, prefetch_l2)
+                       ld_global_v4, make_load_group, mma_m16n8k16, mul_x2, prefetch_l2)
 
     WARPS, KS, NT = cfg.warps, cfg.k_split, cfg.m_max // 8
     PREFETCH, LAST_WARP = cfg.prefetch, cfg.split_reduce == "last_warp"
@@ -545,15 +545,7 @@ def _build(cfg: DecodeConfig, n: int, k: int, fmt: str, dtype: str, has_bias: bo
 
     NBUF = 4 + CHUNKS * 4  # 16 B of scales + 8 x 16 B of weights per lane and K group
 
-    @cute.jit
-    def load_group(buf: cute.Tensor, off: cutlass.Constexpr, w_base, s_base, gi, pred):
-        v = ld16(s_base + Int64(gi) * (SLOTS * 16), pred, True)
-        for i in cutlass.range_constexpr(4):
-            buf[off + i] = v[i]
-        for c in cutlass.range_constexpr(CHUNKS):
-            v = ld16(w_base + (Int64(gi) * CHUNKS + c) * 512, pred, True)
-            for i in cutlass.range_constexpr(4):
-                buf[off + 4 + 4 * c + i] = v[i]
+    load_group = make_load_group(SLOTS, CHUNKS)
 
     def tile_bases(wq, sc, tile0, lane, g, t):
         """Per tile of this warp: its lane's weight and scale addresses, and whether it exists."""

@@ -168,7 +168,7 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
 
     from ._fp4_bits import decode_terms
     from ._ptx import (asm, asm_void, decode_pair, griddep_launch_dependents, griddep_wait, ld_global_v4,
-                       mma_m16n8k16, mul_x2)
+                       make_load_group, mma_m16n8k16, mul_x2)
 
     inter, hidden = n // 2, k
     WARPS, NT, BM, KS = cfg.warps, cfg.m_block // 8, cfg.m_block, cfg.k_split
@@ -206,15 +206,7 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
         inner = Float32(0.7978845608028654) * (gate + Float32(0.044715) * gate * gate * gate)
         return Float32(0.5) * gate * (Float32(1.0) + tanh(inner)) * up
 
-    @cute.jit
-    def load_group(buf: cute.Tensor, off: cutlass.Constexpr, w_base, s_base, gi, pred):
-        v = ld16(s_base + Int64(gi) * (SLOTS * 16), pred, True)
-        for i in cutlass.range_constexpr(4):
-            buf[off + i] = v[i]
-        for c in cutlass.range_constexpr(CHUNKS):
-            v = ld16(w_base + (Int64(gi) * CHUNKS + c) * 512, pred, True)
-            for i in cutlass.range_constexpr(4):
-                buf[off + 4 + 4 * c + i] = v[i]
+    load_group = make_load_group(SLOTS, CHUNKS)
 
     @cute.jit
     def compute_group(buf: cute.Tensor, acc: cute.Tensor, xv: cute.Tensor, xrow: cute.Tensor, x_addr,
