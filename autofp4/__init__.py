@@ -13,6 +13,7 @@ from .ops import linear, moe, route  # noqa: E402
 from .dispatch import get_dispatcher, set_db  # noqa: E402
 from .nn import FP4Linear, quantize_model  # noqa: E402
 from .pdl import pdl_enabled, set_pdl  # noqa: E402
+from .integrations import transformers as _transformers_experts  # noqa: E402,F401  (registers the experts hook)
 
 __all__ = [
     "__version__",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -13,7 +13,7 @@ from .problem import BLOCK_SIZE
 from .formats import check_fmt
 from .weights import FP4Weight, _describe, quantize
 
-__all__ = ["FP4Linear", "ConversionReport", "quantize_model"]
+__all__ = ["FP4Linear", "ConversionReport", "TensorRecord", "quantize_model", "register_module_converter"]
 
 
 class FP4Linear(nn.Module):
@@ -103,23 +103,73 @@ def _skip_patterns(skip: Iterable[str]) -> list[str]:
 
 
 @dataclass
+class TensorRecord:
+    """One weight tensor that :func:`quantize_model` looked at: converted or skipped (with a reason).
+
+    ``kind`` is ``"linear"`` (an ``nn.Linear``, named by its module) or ``"experts"`` (a fused
+    3-D expert parameter, named by its parameter); ``bytes_after`` equals ``bytes_before`` when skipped."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    converted: bool
+    bytes_before: int
+    bytes_after: int
+    reason: str = ""
+
+
+@dataclass
 class ConversionReport:
-    """What :func:`quantize_model` did: converted layer names and skipped ones with a reason."""
+    """What :func:`quantize_model` did: converted layer names and skipped ones with a reason.
+
+    ``converted`` and ``skipped`` hold the ``nn.Linear`` module names and the fused expert
+    parameter names (``...experts.gate_up_proj``); ``tensors`` has one :class:`TensorRecord` per
+    tensor with its bytes before and after; ``bytes_before``/``bytes_after`` sum the converted ones."""
 
     fmt: str
     converted: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     bytes_before: int = 0
     bytes_after: int = 0
+    tensors: list[TensorRecord] = field(default_factory=list)
+
+    def add(self, record: TensorRecord) -> None:
+        """Record one converted or skipped tensor (and update the lists and the byte totals)."""
+        self.tensors.append(record)
+        if record.converted:
+            self.converted.append(record.name)
+            self.bytes_before += record.bytes_before
+            self.bytes_after += record.bytes_after
+        else:
+            self.skipped.append((record.name, record.reason))
 
     def __str__(self) -> str:
+        n_exp = sum(1 for r in self.tensors if r.converted and r.kind == "experts")
+        n_lin = len(self.converted) - n_exp
+        what = f"{n_lin} Linear layers" + (f" and {n_exp} expert tensors" if n_exp else "")
         lines = [
-            f"autofp4: converted {len(self.converted)} Linear layers to {self.fmt}, skipped {len(self.skipped)}; "
+            f"autofp4: converted {what} to {self.fmt}, skipped {len(self.skipped)}; "
             f"weights {self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB"
         ]
         for name, why in self.skipped:
             lines.append(f"  skipped {name}: {why}")
         return "\n".join(lines)
+
+
+#: Hooks that convert structures other than ``nn.Linear`` (such as fused MoE experts); each is
+#: called as ``hook(model, fmt, patterns, report)`` before the Linear layers are converted and
+#: returns ``{linear module name: reason}`` for Linear layers to keep in high precision (routers).
+_MODULE_CONVERTERS: list[Callable[[nn.Module, str, list[str], "ConversionReport"], Mapping[str, str]]] = []
+
+
+def register_module_converter(hook: Callable[[nn.Module, str, list[str], "ConversionReport"], Mapping[str, str]]) -> None:
+    """Add a conversion hook to :func:`quantize_model` (see ``_MODULE_CONVERTERS``); idempotent."""
+    if hook not in _MODULE_CONVERTERS:
+        _MODULE_CONVERTERS.append(hook)
+
+
+def matches_skip(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def _weight_bytes(w: FP4Weight) -> int:
@@ -138,31 +188,42 @@ def quantize_model(
     match single characters). Layers whose input size is not a multiple of the format's block size,
     or whose weight is not bf16/fp16/fp32 or lives on the meta device, are skipped with a
     reason in the returned report.
+
+    The fused 3-D expert parameters of transformers MoE models (``experts.gate_up_proj``,
+    ``experts.down_proj``) are converted too: the experts module becomes an FP4 module that runs
+    :func:`autofp4.moe` (see ``autofp4.integrations.transformers``); the MoE routers stay in high
+    precision, and expert layouts that :func:`autofp4.moe` does not compute are skipped with a reason.
+    ``skip`` patterns also match the experts module and parameter names.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_model: model must be a torch.nn.Module, got {_describe(model)}")
     check_fmt(fmt, "quantize_model")
     patterns = _skip_patterns(skip)
     report = ConversionReport(fmt)
+    keep: dict[str, str] = {}
+    for hook in list(_MODULE_CONVERTERS):
+        keep.update(hook(model, fmt, patterns, report))
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, FP4Linear)]
     for name, lin in targets:
         why = None
-        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+        if matches_skip(name, patterns):
             why = "matches a skip pattern"
+        elif name in keep:
+            why = keep[name]
         elif lin.weight.is_meta:
             why = "weight is on the meta device"
         elif lin.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             why = f"weight dtype {lin.weight.dtype} is not bf16/fp16/fp32"
         elif lin.in_features % BLOCK_SIZE[fmt]:
             why = f"in_features={lin.in_features} is not a multiple of {fmt}'s block size {BLOCK_SIZE[fmt]}"
+        before = lin.weight.numel() * lin.weight.element_size()
+        shape = tuple(lin.weight.shape)
         if why:
-            report.skipped.append((name, why))
+            report.add(TensorRecord(name, "linear", shape, False, before, before, why))
             continue
         new = FP4Linear.from_linear(lin, fmt)
-        report.bytes_before += lin.weight.numel() * lin.weight.element_size()
-        report.bytes_after += _weight_bytes(new.fp4_weight())
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
-        report.converted.append(name)
+        report.add(TensorRecord(name, "linear", shape, True, before, _weight_bytes(new.fp4_weight())))
     return report

@@ -1,0 +1,204 @@
+"""Fused MoE experts of Hugging Face transformers (5.x) models in FP4.
+
+transformers keeps the routed experts of a MoE layer as one module with two 3-D parameters,
+``gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and ``down_proj [E, H, I]``, called as
+``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`` (Qwen3-MoE, Mixtral,
+DeepSeek-V3 and others built with ``transformers.integrations.use_experts_implementation``).
+:func:`convert_experts` replaces each such module by :class:`FP4Experts`, which holds the FP4
+weights as buffers and runs :func:`autofp4.moe`. The module is swapped rather than registered
+as an ``experts_implementation``: that setting is one per model config and would keep the
+high-precision parameters in the module.
+
+Layouts that :func:`autofp4.moe` does not compute (transposed weights, interleaved gate/up,
+biases, a custom gating function such as gpt-oss's clamped SwiGLU, a post-expert norm, experts
+without a gate, activations other than SiLU and tanh-GELU) are left as they are and reported
+as skipped. The router (the ``gate`` of the MoE block) is never quantized.
+
+transformers itself is imported only when a model holds modules from it.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+from torch import nn
+
+from ..nn import ConversionReport, TensorRecord, matches_skip, register_module_converter
+from ..ops import moe
+from ..problem import BLOCK_SIZE
+from ..weights import FP4Weight, quantize
+
+__all__ = ["FP4Experts", "convert_experts", "experts_problem"]
+
+_ROUTER_NAMES = ("gate", "router")
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class FP4Experts(nn.Module):
+    """Routed MoE experts with FP4 weights, a drop-in for a transformers experts module.
+
+    ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` computes
+    ``sum_j w[t, j] * down_e(act(gate_e x) * up_e x)`` with :func:`autofp4.moe`. The weights are
+    buffers ``gate_up_proj_{packed,scale,global_scale}`` and ``down_proj_{...}``.
+    """
+
+    def __init__(self, gate_up: FP4Weight, down: FP4Weight, activation: str) -> None:
+        super().__init__()
+        if not (gate_up.experts and down.experts and gate_up.experts == down.experts):
+            raise ValueError(
+                f"FP4Experts: gate_up and down must be stacked experts with the same E, got "
+                f"{tuple(gate_up.shape)} and {tuple(down.shape)}"
+            )
+        e, two_i, h = gate_up.shape
+        if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2) or gate_up.fmt != down.fmt:
+            raise ValueError(
+                f"FP4Experts: want gate_up [E, 2I, H] and down [E, H, I] in one format, got "
+                f"{tuple(gate_up.shape)} {gate_up.fmt} and {tuple(down.shape)} {down.fmt}"
+            )
+        self.num_experts, self.hidden_dim, self.intermediate_dim = e, h, two_i // 2
+        self.fmt = gate_up.fmt
+        self.activation = activation
+        for name, w in (("gate_up_proj", gate_up), ("down_proj", down)):
+            self.register_buffer(f"{name}_packed", w.data)
+            self.register_buffer(f"{name}_scale", w.scale)
+            self.register_buffer(f"{name}_global_scale", w.global_scale)
+        self._w = {"gate_up_proj": gate_up, "down_proj": down}
+
+    def fp4_weight(self, name: str) -> FP4Weight:
+        """The FP4Weight ``"gate_up_proj"`` or ``"down_proj"`` over the current buffers."""
+        w = self._w[name]
+        data, scale = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")
+        gs = getattr(self, f"{name}_global_scale")
+        if w.data is not data or w.scale is not scale or w.global_scale is not gs:
+            w = self._w[name] = FP4Weight(self.fmt, data, scale, gs, check_values=False)
+        return w
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        x = hidden_states
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            x = x.to(torch.bfloat16)
+        out = moe(
+            x, self.fp4_weight("gate_up_proj"), self.fp4_weight("down_proj"),
+            top_k_weights, top_k_index, self.activation,
+        )
+        return out.to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
+                f"intermediate_dim={self.intermediate_dim}, fmt={self.fmt}, activation={self.activation}")
+
+
+def _is_transformers_experts(module: nn.Module) -> bool:
+    if not type(module).__module__.startswith("transformers."):
+        return False
+    gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3
+
+
+def _activation(module: nn.Module) -> Optional[str]:
+    from transformers import activations as acts
+
+    act = getattr(module, "act_fn", None)
+    if isinstance(act, (acts.SiLUActivation, nn.SiLU)):
+        return "silu"
+    if isinstance(act, (acts.GELUTanh, acts.NewGELUActivation)):
+        return "gelu"
+    return None
+
+
+def _layout_problem(module: nn.Module) -> Optional[str]:
+    """Why ``module``'s experts layout is not the one :func:`autofp4.moe` computes (None if it is)."""
+    from transformers.integrations import moe as hf_moe
+
+    if not hasattr(module, "has_gate"):
+        return "not built with transformers' use_experts_implementation: unknown experts layout"
+    why = []
+    if getattr(module, "is_transposed", False):
+        why.append("transposed weights ([E, H, 2I] / [E, I, H])")
+    if not getattr(module, "is_concatenated", True):
+        why.append("interleaved gate/up rows")
+    if getattr(module, "has_bias", False) or getattr(module, "gate_up_proj_bias", None) is not None:
+        why.append("biases")
+    if not module.has_gate:
+        why.append("no gate projection")
+    if getattr(module, "has_post_expert_norm", False):
+        why.append("a post-expert norm")
+    if getattr(type(module), "_apply_gate", hf_moe._default_apply_gate) is not hf_moe._default_apply_gate:
+        why.append(f"a custom gating function ({type(module).__name__}._apply_gate)")
+    if getattr(module, "_is_expert_parallel", False):
+        why.append("expert parallelism (sharded experts)")
+    if why:
+        return "experts layout not supported by autofp4.moe: " + ", ".join(why)
+    return None
+
+
+def experts_problem(module: nn.Module, fmt: str) -> Optional[str]:
+    """Why ``module`` (a transformers experts module) cannot be converted to ``fmt``; None if it can."""
+    why = _layout_problem(module)
+    if why:
+        return why
+    gu, dn = module.gate_up_proj, module.down_proj
+    e, two_i, h = gu.shape
+    if two_i % 2 or tuple(dn.shape) != (e, h, two_i // 2):
+        return f"shapes gate_up_proj {tuple(gu.shape)} / down_proj {tuple(dn.shape)} are not [E, 2I, H] / [E, H, I]"
+    if _activation(module) is None:
+        return f"activation {type(getattr(module, 'act_fn', None)).__name__} is not SiLU or tanh-GELU"
+    if gu.is_meta or dn.is_meta:
+        return "weights are on the meta device"
+    for t in (gu, dn):
+        if t.dtype not in _DTYPES:
+            return f"weight dtype {t.dtype} is not bf16/fp16/fp32"
+    bs = BLOCK_SIZE[fmt]
+    if h % bs or (two_i // 2) % bs:
+        return f"hidden {h} and intermediate {two_i // 2} must be multiples of {fmt}'s block size {bs}"
+    return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _fp4_bytes(w: FP4Weight) -> int:
+    return sum(_nbytes(t) for t in (w.data, w.scale, w.global_scale) if t is not None)
+
+
+def _routers(model: nn.Module, parent_name: str) -> dict[str, str]:
+    """The Linear routers next to an experts module (``<block>.gate``), kept in high precision."""
+    parent = model.get_submodule(parent_name) if parent_name else model
+    out = {}
+    for child in _ROUTER_NAMES:
+        m = getattr(parent, child, None)
+        if isinstance(m, nn.Linear):
+            out[f"{parent_name}.{child}" if parent_name else child] = "MoE router stays in high precision"
+    return out
+
+
+def convert_experts(model: nn.Module, fmt: str, patterns: list[str], report: ConversionReport) -> Mapping[str, str]:
+    """Replace the transformers experts modules of ``model`` by :class:`FP4Experts` in place, recording
+    each expert tensor in ``report``; returns the router Linear names to leave unquantized."""
+    found = [(n, m) for n, m in model.named_modules() if _is_transformers_experts(m)]
+    keep: dict[str, str] = {}
+    for name, mod in found:
+        pnames = [f"{name}.{p}" if name else p for p in ("gate_up_proj", "down_proj")]
+        params = (mod.gate_up_proj, mod.down_proj)
+        parent_name, _, child = name.rpartition(".")
+        keep.update(_routers(model, parent_name))
+        if matches_skip(name, patterns) or any(matches_skip(p, patterns) for p in pnames):
+            why = "matches a skip pattern"
+        else:
+            why = experts_problem(mod, fmt)
+        if why:
+            for pn, t in zip(pnames, params):
+                report.add(TensorRecord(pn, "experts", tuple(t.shape), False, _nbytes(t), _nbytes(t), why))
+            continue
+        with torch.no_grad():
+            gu, dn = (quantize(t.detach(), fmt) for t in params)
+        new = FP4Experts(gu, dn, _activation(mod))
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, new)
+        for pn, t, w in zip(pnames, params, (gu, dn)):
+            report.add(TensorRecord(pn, "experts", tuple(t.shape), True, _nbytes(t), _fp4_bytes(w)))
+    return keep
+
+
+register_module_converter(convert_experts)

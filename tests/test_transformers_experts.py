@@ -1,0 +1,193 @@
+"""quantize_model on the fused 3-D experts of real transformers MoE models (tiny, random, CPU)."""
+import copy
+import sys
+import subprocess
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from autofp4.integrations.transformers import FP4Experts  # noqa: E402
+from autofp4.nn import FP4Linear, quantize_model  # noqa: E402
+
+ATTN = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64, initializer_range=0.05)
+
+
+def _qwen3_moe():
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **ATTN, num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+    ))
+
+
+def _mixtral():
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **ATTN, num_key_value_heads=2, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+    ))
+
+
+def _deepseek_v3():
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **ATTN, num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16,
+    ))
+
+
+MODELS = {"qwen3_moe": (_qwen3_moe, 2), "mixtral": (_mixtral, 2), "deepseek_v3": (_deepseek_v3, 1)}
+
+
+def _build(factory, seed):
+    torch.manual_seed(seed)
+    return factory().to(torch.bfloat16).eval()
+
+
+def _experts_modules(model):
+    return {n: m for n, m in model.named_modules() if n.endswith(".experts")}
+
+
+def _reference_from(model_q, model_ref):
+    """``model_ref`` (a copy of the model before conversion) with every converted weight replaced by
+    the dequantized FP4 weight of ``model_q``."""
+    ref_modules = dict(model_ref.named_modules())
+    with torch.no_grad():
+        for name, m in model_q.named_modules():
+            if isinstance(m, FP4Linear):
+                ref_modules[name].weight.copy_(m.fp4_weight().dequantize(torch.float32))
+            elif isinstance(m, FP4Experts):
+                for p in ("gate_up_proj", "down_proj"):
+                    getattr(ref_modules[name], p).copy_(m.fp4_weight(p).dequantize(torch.float32))
+    return model_ref
+
+
+def _compare(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    cos = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+    rel = float((a - b).norm() / b.norm())
+    return cos, rel
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_experts_are_converted_and_match_the_dequantized_model(arch, fmt):
+    factory, n_moe = MODELS[arch]
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    model = _build(factory, seed)
+    original = copy.deepcopy(model)
+    routers_before = {n: p.detach().clone() for n, p in model.named_parameters() if ".mlp.gate." in n}
+    assert routers_before, "the model has MoE routers"
+    experts_before = _experts_modules(model)
+    assert len(experts_before) == n_moe
+    shapes = {f"{n}.{p}": tuple(getattr(m, p).shape) for n, m in experts_before.items()
+              for p in ("gate_up_proj", "down_proj")}
+
+    report = quantize_model(model, fmt)
+
+    # the experts modules are FP4 now, their 3-D parameters are gone from the state dict
+    for n in experts_before:
+        assert isinstance(model.get_submodule(n), FP4Experts)
+    sd = model.state_dict()
+    assert not any(k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj") for k in sd)
+    assert sum(k.endswith("experts.gate_up_proj_packed") for k in sd) == n_moe
+    assert not any(p.dim() == 3 for p in model.parameters())
+
+    # the report lists every expert tensor with its bytes
+    recs = {r.name: r for r in report.tensors if r.kind == "experts"}
+    assert set(recs) == set(shapes)
+    for name, r in recs.items():
+        assert r.converted and name in report.converted and r.shape == shapes[name]
+        e, n, k = r.shape
+        assert r.bytes_before == e * n * k * 2  # bf16
+        assert r.bytes_before / 4.5 < r.bytes_after < r.bytes_before / 3  # 4 bits + block scales
+    assert report.bytes_before == sum(r.bytes_before for r in report.tensors if r.converted)
+    assert f"and {2 * n_moe} expert tensors to {fmt}" in str(report)
+
+    # routers untouched (same parameters, not quantized, not in the report)
+    for n, p in model.named_parameters():
+        if n in routers_before:
+            assert torch.equal(p, routers_before[n]) and p.dtype == routers_before[n].dtype
+    assert not any(".mlp.gate" == r.name[-9:] for r in report.tensors)
+
+    ids = torch.randint(0, 128, (2, 10))
+    ref_model = _reference_from(model, copy.deepcopy(original))
+    with torch.no_grad():
+        got = model(ids).logits.float()
+        ref = ref_model(ids).logits.float()
+        orig = original(ids).logits.float()
+    cos, rel = _compare(got, ref)
+    assert cos > 0.999 and rel < 2e-2, (cos, rel)
+    # and FP4 did change the model (the reference is not the original)
+    cos0, _ = _compare(got, orig)
+    assert cos0 < 0.99999
+
+
+def test_shared_experts_and_dense_mlps_are_linear_and_converted():
+    model = _build(_deepseek_v3, 0)
+    report = quantize_model(model, "nvfp4")
+    conv = set(report.converted)
+    assert {"model.layers.0.mlp.gate_proj", "model.layers.1.mlp.shared_experts.down_proj"} <= conv
+    assert isinstance(model.model.layers[1].mlp.shared_experts.up_proj, FP4Linear)
+    assert [n for n, _ in report.skipped] == ["lm_head"]
+
+
+def test_skip_patterns_keep_experts():
+    model = _build(_qwen3_moe, 1)
+    report = quantize_model(model, "nvfp4", skip=["lm_head", "model.layers.0.mlp.experts"])
+    skipped = dict(report.skipped)
+    for p in ("gate_up_proj", "down_proj"):
+        assert skipped[f"model.layers.0.mlp.experts.{p}"] == "matches a skip pattern"
+    assert isinstance(model.model.layers[0].mlp.experts.gate_up_proj, nn.Parameter)
+    assert isinstance(model.model.layers[1].mlp.experts, FP4Experts)
+    rec = next(r for r in report.tensors if r.name == "model.layers.0.mlp.experts.gate_up_proj")
+    assert not rec.converted and rec.bytes_after == rec.bytes_before == 8 * 64 * 64 * 2
+
+
+def test_linear_router_next_to_experts_stays_high_precision():
+    model = _build(_mixtral, 2)
+    block = model.model.layers[0].mlp
+    block.gate = nn.Linear(64, 4, bias=False).to(torch.bfloat16)  # a Linear router
+    report = quantize_model(model, "nvfp4")
+    assert isinstance(block.gate, nn.Linear)
+    assert dict(report.skipped)["model.layers.0.mlp.gate"] == "MoE router stays in high precision"
+
+
+def test_gpt_oss_experts_are_skipped_with_the_reason_and_the_model_runs():
+    cfg = transformers.GptOssConfig(
+        **ATTN, num_key_value_heads=2, head_dim=16, intermediate_size=64, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=16,
+    )
+    torch.manual_seed(3)
+    model = transformers.GptOssForCausalLM(cfg).to(torch.bfloat16).eval()
+    report = quantize_model(model, "mxfp4")
+    skipped = dict(report.skipped)
+    for i in range(2):
+        for p in ("gate_up_proj", "down_proj"):
+            why = skipped[f"model.layers.{i}.mlp.experts.{p}"]
+            assert "not supported by autofp4.moe" in why
+            assert "transposed" in why and "interleaved" in why and "biases" in why and "_apply_gate" in why
+    assert not any(isinstance(m, FP4Experts) for m in model.modules())
+    assert isinstance(model.model.layers[0].self_attn.q_proj, FP4Linear)
+    assert "skipped model.layers.0.mlp.experts.gate_up_proj: experts layout" in str(report)
+    with torch.no_grad():
+        out = model(torch.randint(0, 128, (1, 8))).logits
+    assert out.shape == (1, 8, 128) and torch.isfinite(out).all()
+
+
+def test_fp4_experts_state_dict_round_trip():
+    model = _build(_qwen3_moe, 4)
+    quantize_model(model, "nvfp4")
+    model2 = _build(_qwen3_moe, 5)
+    quantize_model(model2, "nvfp4")
+    model2.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, model2(ids).logits)
+
+
+def test_importing_autofp4_does_not_import_transformers():
+    code = "import sys, autofp4, autofp4.nn, autofp4.integrations.transformers; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
