@@ -1,0 +1,2 @@
+"""Integrations with other libraries (each module imports its library itself; importing this
+package imports none of them)."""
