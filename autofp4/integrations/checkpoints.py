@@ -379,7 +379,8 @@ def _fill_dense(model: nn.Module, t: _Tensors, dtype: torch.dtype) -> None:
             mod._parameters[pname] = nn.Parameter(_dense(t, key, tuple(p.shape), want), requires_grad=False)
         for bname, b in list(mod._buffers.items()):
             key = f"{mname}.{bname}" if mname else bname
-            if b is not None and bname not in mod._non_persistent_buffers_set and key in t:
+            if (b is not None and not isinstance(mod, FP4Linear) and bname not in mod._non_persistent_buffers_set
+                    and key in t):
                 mod._buffers[bname] = _dense(t, key, tuple(b.shape), b.dtype if b.is_floating_point() else dtype)
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     if (getattr(model.config, "tie_word_embeddings", False) and isinstance(out, nn.Module)
