@@ -258,3 +258,28 @@ def test_importing_autofp4_imports_neither_transformers_nor_safetensors():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'safetensors')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_tied_embeddings_and_a_dense_stored_linear(tmp_path):
+    """tie_word_embeddings without a stored lm_head.weight shares the embedding; a linear that the
+    scheme does not exclude but that is stored dense loads dense, with a warning naming it."""
+    cfg = _config()
+    cfg.tie_word_embeddings = True
+    tensors = _random_tensors(cfg, 10)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    written, ref = _write(tmp_path / "t", cfg, tensors, "compressed-tensors", False)
+    _edit_config(tmp_path / "t", lambda c: c["quantization_config"].update(ignore=["lm_head"]))
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(tmp_path / "t" / "model.safetensors"))
+    del sd["lm_head.weight"]
+    save_file(sd, str(tmp_path / "t" / "model.safetensors"))
+    with pytest.warns(UserWarning, match=r"model\.layers\.1\.mlp\.down_proj"):
+        model = autofp4.from_pretrained(tmp_path / "t")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert type(model.model.layers[1].mlp.down_proj) is nn.Linear
+    ids = torch.randint(0, cfg.vocab_size, (1, 6))
+    with torch.no_grad():
+        got = model(ids).logits.double()
+    want = _reference_logits(cfg, ref, ids)
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
