@@ -30,6 +30,7 @@ __all__ = [
     "set_pdl",
     "pdl_enabled",
     "tune",
+    "from_pretrained",
 ]
 
 
@@ -39,4 +40,8 @@ def __getattr__(name: str):
         from .tuning import tune
 
         return tune
+    if name == "from_pretrained":  # transformers and safetensors are imported only here
+        from .integrations.checkpoints import from_pretrained
+
+        return from_pretrained
     raise AttributeError(f"module 'autofp4' has no attribute {name!r}")

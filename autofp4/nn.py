@@ -67,8 +67,11 @@ class FP4Linear(nn.Module):
             or w.scale is not self.weight_scale
             or w.global_scale is not self.weight_global_scale
         ):
+            ins = w.input_scale
+            if ins is not None:
+                ins = ins.to(self.weight_packed.device)
             w = self._w = FP4Weight(
-                self.fmt, self.weight_packed, self.weight_scale, self.weight_global_scale, check_values=False
+                self.fmt, self.weight_packed, self.weight_scale, self.weight_global_scale, ins, check_values=False
             )
         return w
 

@@ -1,0 +1,447 @@
+"""Hugging Face checkpoints quantized to NVFP4 -> transformers models with FP4Linear layers.
+
+    model = autofp4.from_pretrained("path/to/checkpoint", device_map="cuda")
+
+A checkpoint is a directory with ``config.json`` and safetensors files (one file, several files,
+or shards listed in ``model.safetensors.index.json``). Two layouts are read, per quantized linear
+``<name>``:
+
+ModelOpt NVFP4 (``hf_quant_config.json`` ``{"quantization": {"quant_algo": "NVFP4", "exclude_modules": [...]}}``,
+or ``config.json`` ``quantization_config`` with ``"quant_method": "modelopt"``, ``"quant_algo": "NVFP4"``):
+    ``<name>.weight`` uint8 [N, K/2] (two E2M1 codes a byte, even K in the low nibble),
+    ``<name>.weight_scale`` float8_e4m3fn [N, K/16], ``<name>.weight_scale_2`` fp32 scalar
+    (value = e2m1 * weight_scale * weight_scale_2), ``<name>.input_scale`` fp32 scalar (optional).
+    ``exclude_modules`` (or ``ignore``) holds glob patterns (``"lm_head"``, ``"*.mlp.gate"``); a
+    pattern also covers the modules below the one it names.
+
+compressed-tensors ``nvfp4-pack-quantized`` (``quantization_config`` with ``"quant_method": "compressed-tensors"``):
+    ``<name>.weight_packed`` uint8 [N, K/2] (same packing), ``<name>.weight_scale`` float8_e4m3fn
+    [N, K/16], ``<name>.weight_global_scale`` fp32 scalar in the reciprocal convention
+    (value = e2m1 * weight_scale / weight_global_scale), ``<name>.input_global_scale`` (optional,
+    also a reciprocal). ``config_groups[*].targets`` and ``ignore`` entries are module names,
+    class names (``"Linear"``) or ``"re:<regex>"`` (matched from the start of the name).
+
+The model is the transformers model of ``config.json`` built with its parameters on the meta
+device; quantized linears become :class:`~autofp4.nn.FP4Linear` over the stored tensors (no
+dense copy of them is made), everything else (embeddings, norms, ``lm_head``, excluded modules)
+is loaded in ``dtype``. Dense models only: checkpoints with MoE experts raise NotImplementedError.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import warnings
+from collections.abc import Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import torch
+from torch import nn
+
+from ..loaders import load_state_dict_weight
+from ..nn import FP4Linear
+from ..weights import FP4Weight, _describe
+
+__all__ = ["from_pretrained", "from_compressed_tensors"]
+
+_WHAT = "autofp4.from_pretrained"
+_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+_CT_FORMAT = "nvfp4-pack-quantized"
+
+
+# -- the stored tensors ------------------------------------------------------------------------
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{_WHAT}: {path} is not valid JSON: {e}") from None
+
+
+class _Tensors(Mapping):
+    """The tensors of a checkpoint directory by name, each read from its file onto ``device``
+    when asked for (a Mapping, so :func:`autofp4.loaders.load_state_dict_weight` reads it)."""
+
+    def __init__(self, root: Path, device: torch.device) -> None:
+        from safetensors import safe_open
+
+        index = root / "model.safetensors.index.json"
+        listed: dict[str, str] = {}
+        if index.is_file():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(f"{_WHAT}: {index} has no 'weight_map' of tensor names to shard files")
+            listed = {str(k): str(v) for k, v in weight_map.items()}
+            files = sorted({root / v for v in listed.values()})
+            for f in files:
+                if not f.is_file():
+                    raise FileNotFoundError(f"{_WHAT}: shard {f.name} listed in {index} does not exist in {root}")
+        else:
+            files = sorted(root.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{_WHAT}: no *.safetensors file (or model.safetensors.index.json) in {root}")
+        dev = "cpu" if device.type == "cpu" else str(device)
+        self._files = {f.name: safe_open(str(f), framework="pt", device=dev) for f in files}
+        self._where: dict[str, str] = {}
+        for fname, handle in self._files.items():
+            for key in handle.keys():
+                if key in self._where:
+                    raise ValueError(f"{_WHAT}: tensor {key!r} is stored in both {self._where[key]} and {fname}")
+                self._where[key] = fname
+        for key, fname in listed.items():
+            if self._where.get(key) != Path(fname).name:
+                raise ValueError(f"{_WHAT}: {index.name} puts {key!r} in {fname}, but that file does not hold it")
+        self.used: set[str] = set()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        handle = self._files[self._where[key]]  # KeyError for a missing tensor
+        self.used.add(key)
+        return handle.get_tensor(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+# -- the quantization scheme -------------------------------------------------------------------
+@dataclass
+class _Scheme:
+    method: str  # "modelopt" | "compressed-tensors"
+    exclude: list[str] = field(default_factory=list)
+    targets: Optional[list[str]] = None  # compressed-tensors only; None: every linear
+    source: str = ""
+
+    def _match(self, pattern: str, name: str, module: nn.Module) -> bool:
+        if self.method == "modelopt":
+            return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*")
+        if pattern.startswith("re:"):
+            return re.match(pattern[3:], name) is not None
+        return pattern in (name, type(module).__name__) or name.startswith(pattern + ".")
+
+    def excluded(self, name: str, module: nn.Module) -> bool:
+        return any(self._match(p, name, module) for p in self.exclude)
+
+    def targeted(self, name: str, module: nn.Module) -> bool:
+        if self.excluded(name, module):
+            return False
+        return self.targets is None or any(self._match(p, name, module) for p in self.targets)
+
+    def packed_key(self, name: str) -> str:
+        return f"{name}.weight_packed" if self.method == "compressed-tensors" else f"{name}.weight_scale"
+
+
+def _str_list(value: Any, label: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{_WHAT}: {label} must be a list of module names or patterns, got {value!r}")
+    return list(value)
+
+
+def _modelopt_scheme(q: Mapping, source: str) -> _Scheme:
+    algo = q.get("quant_algo")
+    if not isinstance(algo, str) or algo.upper() != "NVFP4":
+        raise ValueError(f"{_WHAT}: {source}: quant_algo {algo!r} is not supported (only 'NVFP4')")
+    if q.get("group_size", 16) != 16:
+        raise ValueError(f"{_WHAT}: {source}: NVFP4 needs group_size 16, got {q.get('group_size')!r}")
+    key = "exclude_modules" if "exclude_modules" in q else "ignore"
+    return _Scheme("modelopt", _str_list(q.get(key), f"{source} {key}"), None, source)
+
+
+def _ct_scheme(q: Mapping, source: str) -> _Scheme:
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"{_WHAT}: {source}: compressed-tensors needs 'config_groups', got {groups!r}")
+    targets: list[str] = []
+    for gname, g in groups.items():
+        if not isinstance(g, dict):
+            raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}] must be an object, got {g!r}")
+        fmt = g.get("format") or q.get("format")
+        if fmt != _CT_FORMAT:
+            raise ValueError(
+                f"{_WHAT}: {source}: compressed-tensors format {fmt!r} (group {gname!r}) is not supported "
+                f"(only {_CT_FORMAT!r})"
+            )
+        w = g.get("weights") or {}
+        for k, want in (("num_bits", 4), ("type", "float"), ("group_size", 16)):
+            if k in w and w[k] != want:
+                raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}].weights.{k} is {w[k]!r}, NVFP4 needs {want!r}")
+        targets += _str_list(g.get("targets"), f"{source} config_groups[{gname!r}].targets")
+    return _Scheme("compressed-tensors", _str_list(q.get("ignore"), f"{source} ignore"), targets, source)
+
+
+def _scheme(root: Path, config: Mapping) -> _Scheme:
+    qc = config.get("quantization_config")
+    hf = root / "hf_quant_config.json"
+    if hf.is_file():
+        q = _read_json(hf)
+        q = q.get("quantization") if isinstance(q, dict) else None
+        if not isinstance(q, dict):
+            raise ValueError(f"{_WHAT}: {hf} has no 'quantization' object")
+        if isinstance(qc, dict) and qc.get("quant_method", "modelopt") != "modelopt":
+            raise ValueError(
+                f"{_WHAT}: {root} has a ModelOpt {hf.name} but config.json says quant_method {qc.get('quant_method')!r}"
+            )
+        return _modelopt_scheme(q, str(hf))
+    if qc is None:
+        raise ValueError(
+            f"{_WHAT}: {root} is not a quantized checkpoint: config.json has no quantization_config "
+            "and there is no hf_quant_config.json"
+        )
+    if not isinstance(qc, dict):
+        raise ValueError(f"{_WHAT}: config.json quantization_config must be an object, got {qc!r}")
+    method = qc.get("quant_method")
+    if method == "modelopt":
+        return _modelopt_scheme(qc, "config.json quantization_config")
+    if method == "compressed-tensors":
+        return _ct_scheme(qc, "config.json quantization_config")
+    raise ValueError(
+        f"{_WHAT}: unknown quant_method {method!r} in config.json quantization_config; supported: "
+        f"'modelopt' (quant_algo NVFP4) and 'compressed-tensors' (format {_CT_FORMAT!r})"
+    )
+
+
+# -- one quantized linear ----------------------------------------------------------------------
+def _reciprocal(s: Any, label: str, what: str) -> torch.Tensor:
+    if isinstance(s, (int, float)) and not isinstance(s, bool):
+        s = torch.tensor(float(s))
+    if not isinstance(s, torch.Tensor) or s.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{what}: {label} must be a float32 (or bf16/fp16) tensor, got {_describe(s)}")
+    if s.numel() != 1:
+        raise ValueError(f"{what}: {label} must be a scalar (shape () or (1,)), got shape {tuple(s.shape)}")
+    return torch.reciprocal(s.to(torch.float32).reshape(()))
+
+
+def from_compressed_tensors(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: Union[torch.Tensor, float],
+    input_global_scale: Optional[Union[torch.Tensor, float]] = None,
+    *,
+    prefix: str = "",
+) -> FP4Weight:
+    """A compressed-tensors ``nvfp4-pack-quantized`` linear -> FP4Weight("nvfp4").
+
+    compressed-tensors stores the global scales as reciprocals (``weight_global_scale`` =
+    448 * 6 / amax), so ``FP4Weight.global_scale`` is ``1 / weight_global_scale`` in fp32
+    and ``input_scale`` is ``1 / input_global_scale``. The packed codes and block scales are
+    used as stored. ``prefix`` (the module's name) only labels errors.
+    """
+    what = "from_compressed_tensors"
+    p = f"{prefix}." if prefix else ""
+    labels = {"data": f"{p}weight_packed", "scale": f"{p}weight_scale",
+              "global_scale": f"1 / {p}weight_global_scale", "input_scale": f"1 / {p}input_global_scale"}
+    gs = _reciprocal(weight_global_scale, f"{p}weight_global_scale", what)
+    ins = None if input_global_scale is None else _reciprocal(input_global_scale, f"{p}input_global_scale", what)
+    if isinstance(weight_packed, torch.Tensor):
+        gs = gs.to(weight_packed.device)
+        ins = None if ins is None else ins.to(weight_packed.device)
+    if isinstance(weight_scale, torch.Tensor) and weight_scale.dtype == torch.uint8:
+        weight_scale = weight_scale.view(torch.float8_e4m3fn)
+    if isinstance(weight_scale, torch.Tensor) and isinstance(weight_packed, torch.Tensor):
+        weight_scale = weight_scale.to(weight_packed.device)
+    return FP4Weight._build("nvfp4", weight_packed, weight_scale, gs, ins, what=what, labels=labels)
+
+
+def _fp4_weight(t: _Tensors, scheme: _Scheme, name: str) -> FP4Weight:
+    if scheme.method == "modelopt":
+        w = load_state_dict_weight(t, name)
+        if w.fmt != "nvfp4" or w.experts:
+            raise ValueError(f"{_WHAT}: {name!r} is not a 2-D ModelOpt NVFP4 weight (found {w.fmt} {tuple(w.shape)})")
+        return w
+    keys = [f"{name}.{k}" for k in ("weight_packed", "weight_scale", "weight_global_scale")]
+    for k in keys:
+        if k not in t:
+            raise KeyError(f"{_WHAT}: {keys[0]!r} is stored but {k!r} is missing")
+    ins_key = f"{name}.input_global_scale"
+    ins = t[ins_key] if ins_key in t else None
+    return from_compressed_tensors(*(t[k] for k in keys), ins, prefix=name)
+
+
+def _fp4_linear(t: _Tensors, scheme: _Scheme, name: str, lin: nn.Linear, dtype: torch.dtype) -> FP4Linear:
+    w = _fp4_weight(t, scheme, name)
+    if (w.n, w.k) != (lin.out_features, lin.in_features):
+        raise ValueError(
+            f"{_WHAT}: {name!r} is stored as an NVFP4 weight of shape {tuple(w.shape)} ([N, K]) but the model's "
+            f"config wants [{lin.out_features}, {lin.in_features}] ({scheme.packed_key(name)!r} "
+            f"{tuple(w.data.shape)}); checkpoint and config.json do not match"
+        )
+    bias = None
+    if lin.bias is not None:
+        bias = _dense(t, f"{name}.bias", tuple(lin.bias.shape), dtype)
+    return FP4Linear(w, bias)
+
+
+# -- dense tensors, the model ------------------------------------------------------------------
+def _dense(t: _Tensors, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    v = t[key]
+    if tuple(v.shape) != shape:
+        raise ValueError(
+            f"{_WHAT}: {key!r} has shape {tuple(v.shape)} in the checkpoint but the model's config wants {shape}"
+        )
+    if v.dtype == torch.uint8:
+        raise ValueError(
+            f"{_WHAT}: {key!r} is stored as uint8 (quantized?) but its module is dense (excluded or not targeted)"
+        )
+    return v.to(dtype) if v.is_floating_point() else v
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Parameters created inside go to the meta device (never written); buffers stay real, so
+    values computed at construction (rotary frequencies) are kept."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        original(module, name, param)
+        p = module._parameters.get(name)
+        if p is not None and p.device.type != "meta":
+            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _empty_model(config: Any, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None:
+        del config.quantization_config  # the model is built dense, then filled here
+    try:
+        with _parameters_on_meta(), no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    finally:
+        if qc is not None:
+            config.quantization_config = qc
+    return model
+
+
+def _check_dense_model(config: Any, t: _Tensors) -> None:
+    for f in _MOE_FIELDS:
+        n = getattr(config, f, None)
+        if isinstance(n, int) and n > 0:
+            raise NotImplementedError(
+                f"{_WHAT}: MoE checkpoints are not supported yet (config.json {f}={n}); only dense models load"
+            )
+    experts = next((k for k in t if ".experts." in k), None)
+    if experts is not None:
+        raise NotImplementedError(f"{_WHAT}: MoE experts in checkpoints are not supported yet (found {experts!r})")
+
+
+def _replace_linears(model: nn.Module, t: _Tensors, scheme: _Scheme, dtype: torch.dtype) -> list[str]:
+    """Quantized linears -> FP4Linear; returns the names of non-excluded linears stored dense."""
+    dense_stored = []
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear):
+            continue
+        stored_fp4 = scheme.packed_key(name) in t
+        if scheme.excluded(name, mod):
+            if stored_fp4:
+                raise ValueError(
+                    f"{_WHAT}: {name!r} is excluded by {scheme.source} but stored quantized "
+                    f"({scheme.packed_key(name)!r}); the exclusion list and the tensors disagree"
+                )
+            continue
+        if not stored_fp4:
+            if scheme.targeted(name, mod):
+                dense_stored.append(name)
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, _fp4_linear(t, scheme, name, mod, dtype))
+    return dense_stored
+
+
+def _fill_dense(model: nn.Module, t: _Tensors, dtype: torch.dtype) -> None:
+    fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    missing = []
+    for mname, mod in model.named_modules():
+        for pname, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            key = f"{mname}.{pname}" if mname else pname
+            if key not in t:
+                missing.append(key)
+                continue
+            want = torch.float32 if any(f in key.split(".") for f in fp32) else dtype
+            mod._parameters[pname] = nn.Parameter(_dense(t, key, tuple(p.shape), want), requires_grad=False)
+        for bname, b in list(mod._buffers.items()):
+            key = f"{mname}.{bname}" if mname else bname
+            if (b is not None and not isinstance(mod, FP4Linear) and bname not in mod._non_persistent_buffers_set
+                    and key in t):
+                mod._buffers[bname] = _dense(t, key, tuple(b.shape), b.dtype if b.is_floating_point() else dtype)
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if (getattr(model.config, "tie_word_embeddings", False) and isinstance(out, nn.Module)
+            and out.weight.is_meta and not inp.weight.is_meta):
+        out.weight = inp.weight
+        missing = [k for k in missing if model.get_parameter(k) is not inp.weight]
+    if missing:
+        raise KeyError(f"{_WHAT}: the checkpoint lacks {len(missing)} tensors the model needs: {missing[:8]}")
+
+
+def _device(device_map: Any) -> torch.device:
+    if device_map is None:
+        return torch.device("cpu")
+    if isinstance(device_map, dict):
+        places = set(device_map.values())
+        if len(places) != 1:
+            raise NotImplementedError(
+                f"{_WHAT}: device_map spreading the model over several devices is not supported yet, got {device_map!r}"
+            )
+        device_map = places.pop()
+    if device_map == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        return torch.device(device_map)
+    except (TypeError, RuntimeError):
+        raise ValueError(f"{_WHAT}: device_map must be None, 'auto', a device or {{'': device}}, got {device_map!r}") from None
+
+
+def from_pretrained(path: Union[str, Path], device_map: Any = None, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """The transformers model of an NVFP4 checkpoint directory (ModelOpt or compressed-tensors),
+    its quantized linears as :class:`~autofp4.nn.FP4Linear`, in eval mode.
+
+    device_map: None (CPU), ``"auto"`` (the current CUDA device if any), a device (``"cuda:0"``,
+    ``0``) or ``{"": device}``. dtype: the dtype of the dense tensors and the activations.
+    """
+    from transformers import AutoConfig
+
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{_WHAT}: dtype must be a floating-point torch.dtype, got {dtype!r}")
+    device = _device(device_map)
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{_WHAT}: {root} is not a directory (a checkpoint directory with config.json)")
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"{_WHAT}: {root} has no config.json")
+    scheme = _scheme(root, _read_json(root / "config.json"))
+    t = _Tensors(root, device)
+    config = AutoConfig.from_pretrained(str(root), local_files_only=True)
+    _check_dense_model(config, t)
+    model = _empty_model(config, dtype)
+    dense_stored = _replace_linears(model, t, scheme, dtype)
+    _fill_dense(model, t, dtype)
+    model.to(device)
+    model.eval()
+    if dense_stored:
+        warnings.warn(
+            f"{_WHAT}: {len(dense_stored)} linear layers that {scheme.source} does not exclude are stored dense "
+            f"and loaded in {dtype}: {dense_stored[:8]}",
+            stacklevel=2,
+        )
+    unused = sorted(set(t) - t.used)
+    if unused:
+        warnings.warn(f"{_WHAT}: {len(unused)} checkpoint tensors were not used: {unused[:8]}", stacklevel=2)
+    return model

@@ -1,0 +1,285 @@
+"""autofp4.from_pretrained on tiny Llama checkpoints written here in the ModelOpt NVFP4 and
+compressed-tensors nvfp4-pack-quantized layouts (sharded and not), checked against the same
+model built with the dequantized weights."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+import autofp4  # noqa: E402
+from autofp4 import FP4Linear  # noqa: E402
+
+EXCLUDED = "model.layers.1.mlp.down_proj"
+
+
+def _config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-5,
+    )
+
+
+def _random_tensors(cfg, seed):
+    """Random dense weights of the tiny model (fp32) by state-dict name."""
+    from transformers import LlamaForCausalLM
+
+    g = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    out = {}
+    for k, v in model.state_dict().items():
+        if k.endswith("norm.weight"):
+            out[k] = 1 + 0.1 * torch.randn(v.shape, generator=g)
+        else:
+            out[k] = torch.randn(v.shape, generator=g) * (0.5 if "embed" in k else 0.08)
+    return out
+
+
+def _quantized_names(tensors):
+    return [k[: -len(".weight")] for k in tensors
+            if k.endswith("proj.weight") and not k.startswith(EXCLUDED + ".")]
+
+
+def _write(root: Path, cfg, tensors, layout: str, sharded: bool, dtype=torch.bfloat16):
+    """Writes the checkpoint; returns (written FP4 tensors by module, dequantized reference weights)."""
+    root.mkdir(parents=True, exist_ok=True)
+    stored, written, ref = {}, {}, {}
+    qnames = set(_quantized_names(tensors))
+    for k, v in tensors.items():
+        name = k[: -len(".weight")]
+        if name not in qnames:
+            stored[k] = v.to(dtype)
+            ref[k] = stored[k].float()
+            continue
+        w = autofp4.quantize(v, "nvfp4")
+        ins = torch.rand((), dtype=torch.float32) + 0.01
+        if layout.startswith("modelopt"):
+            parts = {"weight": w.data, "weight_scale": w.scale, "weight_scale_2": w.global_scale, "input_scale": ins}
+        else:
+            parts = {"weight_packed": w.data, "weight_scale": w.scale,
+                     "weight_global_scale": torch.reciprocal(w.global_scale).reshape(1),
+                     "input_global_scale": torch.reciprocal(ins).reshape(1)}
+        for n, t in parts.items():
+            stored[f"{name}.{n}"] = t.contiguous()
+        written[name] = parts
+        ref[k] = autofp4.dequantize(w, torch.float32)
+    conf = cfg.to_dict()
+    if layout == "modelopt-hf":
+        (root / "hf_quant_config.json").write_text(json.dumps({
+            "producer": {"name": "modelopt"},
+            "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head", EXCLUDED]}}))
+    elif layout == "modelopt":
+        conf["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                                       "exclude_modules": ["lm_head", "model.layers.1.mlp.down*"]}
+    else:
+        conf["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized",
+                                          "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                                      "group_size": 16}}},
+            "ignore": ["lm_head", "re:.*layers\\.1\\.mlp\\.down_proj$"]}
+    (root / "config.json").write_text(json.dumps(conf))
+    if sharded:
+        keys = sorted(stored)
+        shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+        for f, ks in shards.items():
+            safetensors_torch.save_file({k: stored[k] for k in ks}, str(root / f))
+        index = {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}
+        (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        safetensors_torch.save_file(stored, str(root / "model.safetensors"))
+    return written, ref
+
+
+def _reference_logits(cfg, ref, ids):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    model.load_state_dict({k: v.double() for k, v in ref.items()})
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("layout,sharded", [
+    ("modelopt-hf", False), ("modelopt", True), ("compressed-tensors", False), ("compressed-tensors", True),
+])
+def test_loads_every_layout_against_the_dequantized_model(tmp_path, layout, sharded):
+    cfg = _config()
+    seed = torch.randint(0, 2**30, ()).item()
+    tensors = _random_tensors(cfg, seed)
+    kind = "modelopt" if layout.startswith("modelopt") else "compressed-tensors"
+    path = tmp_path / "ckpt"
+    written, ref = _write(path, cfg, tensors, layout, sharded)
+    model = autofp4.from_pretrained(path, device_map=None, dtype=torch.bfloat16)
+    assert type(model).__name__ == "LlamaForCausalLM" and not model.training
+
+    fp4 = {n: m for n, m in model.named_modules() if isinstance(m, FP4Linear)}
+    assert set(fp4) == set(written) and len(fp4) == 2 * 7 - 1
+    for name, parts in written.items():
+        w = fp4[name].fp4_weight()
+        if kind == "modelopt":
+            data, scale, gs, ins = parts["weight"], parts["weight_scale"], parts["weight_scale_2"], parts["input_scale"]
+        else:
+            data, scale = parts["weight_packed"], parts["weight_scale"]
+            gs = torch.reciprocal(parts["weight_global_scale"]).reshape(())
+            ins = torch.reciprocal(parts["input_global_scale"]).reshape(())
+        assert torch.equal(w.data, data)
+        assert torch.equal(w.scale.view(torch.uint8), scale.view(torch.uint8))
+        assert w.global_scale.dtype == torch.float32 and torch.equal(w.global_scale.reshape(()), gs.reshape(()))
+        assert torch.equal(w.input_scale.reshape(()), ins.reshape(()))
+        assert not any(p.is_meta for p in fp4[name].buffers())
+
+    for name in (EXCLUDED, "lm_head"):
+        mod = model.get_submodule(name)
+        assert type(mod) is nn.Linear and mod.weight.dtype == torch.bfloat16
+        assert torch.equal(mod.weight, tensors[name + ".weight"].to(torch.bfloat16))
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+
+    ids = torch.randint(0, cfg.vocab_size, (2, 7))
+    with torch.no_grad():
+        got = model(ids).logits.double()
+    want = _reference_logits(cfg, ref, ids)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 2e-2, rel
+    assert want.std() > 0.1  # the comparison is not between two near-zero outputs
+
+
+def test_a_wrong_reciprocal_convention_would_be_caught(tmp_path):
+    """Storing ModelOpt's weight_scale_2 where compressed-tensors expects its reciprocal changes the logits."""
+    cfg = _config()
+    tensors = _random_tensors(cfg, 1)
+    written, ref = _write(tmp_path / "c", cfg, tensors, "compressed-tensors", False)
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(tmp_path / "c" / "model.safetensors"))
+    for k in list(sd):
+        if k.endswith("weight_global_scale"):
+            sd[k] = torch.reciprocal(sd[k])
+    save_file(sd, str(tmp_path / "c" / "model.safetensors"))
+    model = autofp4.from_pretrained(tmp_path / "c")
+    ids = torch.randint(0, cfg.vocab_size, (1, 5))
+    with torch.no_grad():
+        got = model(ids).logits.double()
+    want = _reference_logits(cfg, ref, ids)
+    assert ((got - want).norm() / want.norm()).item() > 0.1
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        autofp4.from_pretrained(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        autofp4.from_pretrained(tmp_path / "empty")
+    cfg = _config()
+    _write(tmp_path / "s", cfg, _random_tensors(cfg, 2), "compressed-tensors", True)
+    (tmp_path / "s" / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        autofp4.from_pretrained(tmp_path / "s")
+    _write(tmp_path / "u", cfg, _random_tensors(cfg, 3), "modelopt", False)
+    (tmp_path / "u" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        autofp4.from_pretrained(tmp_path / "u")
+
+
+def _edit_config(root: Path, fn):
+    conf = json.loads((root / "config.json").read_text())
+    fn(conf)
+    (root / "config.json").write_text(json.dumps(conf))
+
+
+def test_unknown_or_unsupported_quantization_is_refused(tmp_path):
+    cfg = _config()
+    _write(tmp_path / "c", cfg, _random_tensors(cfg, 4), "compressed-tensors", False)
+    _edit_config(tmp_path / "c", lambda c: c["quantization_config"].update(quant_method="awq"))
+    with pytest.raises(ValueError, match="unknown quant_method 'awq'"):
+        autofp4.from_pretrained(tmp_path / "c")
+    _edit_config(tmp_path / "c", lambda c: c["quantization_config"].update(
+        quant_method="compressed-tensors", format="float-quantized",
+        config_groups={"group_0": {"targets": ["Linear"], "format": "float-quantized"}}))
+    with pytest.raises(ValueError, match="'float-quantized'"):
+        autofp4.from_pretrained(tmp_path / "c")
+    _edit_config(tmp_path / "c", lambda c: c.update(quantization_config={"quant_method": "modelopt", "quant_algo": "FP8"}))
+    with pytest.raises(ValueError, match="quant_algo 'FP8'"):
+        autofp4.from_pretrained(tmp_path / "c")
+    _edit_config(tmp_path / "c", lambda c: c.pop("quantization_config"))
+    with pytest.raises(ValueError, match="not a quantized checkpoint"):
+        autofp4.from_pretrained(tmp_path / "c")
+
+
+def test_a_shape_mismatch_names_the_module(tmp_path):
+    cfg = _config()
+    _write(tmp_path / "m", cfg, _random_tensors(cfg, 5), "modelopt", False)
+    _edit_config(tmp_path / "m", lambda c: c.update(intermediate_size=96))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj.*\[96, 64\]"):
+        autofp4.from_pretrained(tmp_path / "m")
+    _write(tmp_path / "d", cfg, _random_tensors(cfg, 6), "compressed-tensors", False)
+    _edit_config(tmp_path / "d", lambda c: c.update(vocab_size=100))
+    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight.*\(100, 64\)"):
+        autofp4.from_pretrained(tmp_path / "d")
+
+
+def test_an_excluded_module_stored_quantized_and_a_missing_tensor_are_errors(tmp_path):
+    cfg = _config()
+    _write(tmp_path / "m", cfg, _random_tensors(cfg, 7), "modelopt", False)
+    _edit_config(tmp_path / "m", lambda c: c["quantization_config"].update(exclude_modules=["lm_head", "*.o_proj"]))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj.*excluded"):
+        autofp4.from_pretrained(tmp_path / "m")
+    _write(tmp_path / "c", cfg, _random_tensors(cfg, 8), "compressed-tensors", False)
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(tmp_path / "c" / "model.safetensors"))
+    del sd["model.layers.1.self_attn.k_proj.weight_global_scale"], sd["model.norm.weight"]
+    save_file(sd, str(tmp_path / "c" / "model.safetensors"))
+    with pytest.raises(KeyError, match="k_proj.weight_global_scale"):
+        autofp4.from_pretrained(tmp_path / "c")
+
+
+def test_moe_checkpoints_are_not_supported_yet(tmp_path):
+    cfg = _config()
+    _write(tmp_path / "m", cfg, _random_tensors(cfg, 9), "modelopt", False)
+    _edit_config(tmp_path / "m", lambda c: c.update(num_local_experts=4))
+    with pytest.raises(NotImplementedError, match="MoE"):
+        autofp4.from_pretrained(tmp_path / "m")
+
+
+def test_importing_autofp4_imports_neither_transformers_nor_safetensors():
+    code = ("import sys, autofp4; assert callable(autofp4.__dict__.get('quantize'));"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'safetensors')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_tied_embeddings_and_a_dense_stored_linear(tmp_path):
+    """tie_word_embeddings without a stored lm_head.weight shares the embedding; a linear that the
+    scheme does not exclude but that is stored dense loads dense, with a warning naming it."""
+    cfg = _config()
+    cfg.tie_word_embeddings = True
+    tensors = _random_tensors(cfg, 10)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    written, ref = _write(tmp_path / "t", cfg, tensors, "compressed-tensors", False)
+    _edit_config(tmp_path / "t", lambda c: c["quantization_config"].update(ignore=["lm_head"]))
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(tmp_path / "t" / "model.safetensors"))
+    del sd["lm_head.weight"]
+    save_file(sd, str(tmp_path / "t" / "model.safetensors"))
+    with pytest.warns(UserWarning, match=r"model\.layers\.1\.mlp\.down_proj"):
+        model = autofp4.from_pretrained(tmp_path / "t")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert type(model.model.layers[1].mlp.down_proj) is nn.Linear
+    ids = torch.randint(0, cfg.vocab_size, (1, 6))
+    with torch.no_grad():
+        got = model(ids).logits.double()
+    want = _reference_logits(cfg, ref, ids)
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
