@@ -17,6 +17,7 @@ from typing import Any, Sequence, TextIO
 
 import torch
 
+from .models import LAYOUTS
 from .problem import DTYPES, FORMATS
 
 __all__ = ["main", "build_parser"]
@@ -82,6 +83,10 @@ def _time_budget(text: str) -> float:
     return _positive_float(text)
 
 
+_LAYOUT_HELP = ("whose modules: vllm (fused qkv_proj, gate_up_proj; the default), transformers "
+                "(Hugging Face q_proj, k_proj, v_proj, gate_proj, up_proj), or both")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autofp4", description="FP4 (NVFP4 / MXFP4) kernels tuned for the GPU you have."
@@ -97,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="M buckets (token counts); default 1..8192 (powers of two) on the GPU, 1,16,128 on the CPU")
     t.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
     t.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
+    t.add_argument("--layout", choices=LAYOUTS, default="vllm", help=_LAYOUT_HELP)
     t.add_argument("--budget", type=_positive_int, metavar="N", help="trials per (shape, M)")
     t.add_argument("--time-budget", type=_time_budget, metavar="SECONDS",
                    help="wall-clock budget of the run, shared fairly by its jobs (default 900 on the GPU; 'none': no limit)")
@@ -130,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--m", type=_m_list, metavar="M1,M2,...", help="M buckets (default: the tuner's)")
     c.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
     c.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
+    c.add_argument("--layout", choices=LAYOUTS, default="vllm", help=_LAYOUT_HELP)
     c.add_argument("--seeds", type=_nonneg_int, default=0, metavar="N",
                    help="also each job's first N tuner seeds (what a tuning run tries first)")
     c.add_argument("--db", metavar="PATH", dest="warm_db",
@@ -239,7 +246,7 @@ def _tune_model(args: argparse.Namespace, on_cpu: bool, cpu_note: str, common: d
         out.write(shapes_table(shapes))
         print(
             f"\n{len(shapes)} shapes x {len(ms)} M buckets ({','.join(map(str, ms))}) = {len(jobs)} (shape, M) jobs"
-            f"  [{args.fmt}, {args.dtype}, tp={args.tp}, ep={args.ep}, device={'cpu' if on_cpu else 'cuda'}]",
+            f"  [{args.fmt}, {args.dtype}, tp={args.tp}, ep={args.ep}, layout={args.layout}, device={'cpu' if on_cpu else 'cuda'}]",
             file=out,
         )
         return 0
@@ -260,7 +267,8 @@ def _one_line(text: str, limit: int = 1000) -> str:
 
 
 def _model_shapes(path: str, args: argparse.Namespace) -> list[Any]:
-    """The shapes of the model config at ``path`` for ``args.tp``, ``args.ep`` and ``args.fmt``;
+    """The shapes of the model config at ``path`` for ``args.tp``, ``args.ep``, ``args.fmt`` and
+    ``args.layout``;
     any problem with the file or a field of it is a usage error (exit 2) of one line."""
     from .models import load_config, model_shapes
 
@@ -272,7 +280,8 @@ def _model_shapes(path: str, args: argparse.Namespace) -> list[Any]:
         msg = str(e) if str(path) in str(e) else f"cannot read {_one_line(str(path), 300)}: {e}"
         raise _UsageError(_one_line(msg)) from None
     try:
-        return model_shapes(config, tp=args.tp, ep=args.ep, fmt=args.fmt)
+        return model_shapes(config, tp=args.tp, ep=args.ep, fmt=args.fmt,
+                            layout=getattr(args, "layout", "vllm"))
     except (ValueError, TypeError) as e:
         raise _UsageError(f"{_one_line(str(path), 300)}: {_one_line(str(e))}") from None
 

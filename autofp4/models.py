@@ -16,6 +16,13 @@ will meet. Conventions (the vLLM ones):
   ``ep`` (``experts`` is then the number of local experts) and ``I`` is not split. A rank
   never sees more than ``min(topk, local experts)`` of a token's experts, so ``topk`` is
   capped at the local expert count.
+- ``layout`` picks whose modules the shapes are of: ``"vllm"`` (the default) the fused
+  projections above; ``"transformers"`` the unfused ones Hugging Face modules have:
+  ``q_proj``, ``k_proj`` and ``v_proj`` (``N = heads * head_dim``, ``kv_heads * head_dim``),
+  ``gate_proj`` and ``up_proj`` (``N = intermediate``), the same TP split and KV-head
+  replication per projection; MLA projections, ``o_proj``, ``down_proj``, ``lm_head`` and the
+  experts (``moe``) are the same in both. ``"both"`` is the union of the two lists: a shape in
+  both keeps the larger of its two counts and the names of both.
 - Shapes are deduplicated by ``(op, n, k, experts, topk)``: ``count`` is the number of
   layers (times per-layer uses) summed over the merged entries, and ``name`` joins the
   distinct names with ``+``. The order is the order of first appearance, layer by layer.
@@ -45,6 +52,7 @@ __all__ = [
     "MAX_CONFIG_BYTES",
     "MAX_CONFIG_DEPTH",
     "MAX_PARALLEL",
+    "LAYOUTS",
     "load_config",
     "model_shapes",
     "shapes_table",
@@ -112,6 +120,8 @@ MAX_CONFIG_BYTES = 2 * 2**20
 #: the deepest nesting of JSON objects and arrays it accepts (real configs nest a few levels)
 MAX_CONFIG_DEPTH = 32
 _MAX_CONTAINERS = 100_000  # JSON objects and arrays in one file (real configs: tens)
+#: the module layouts :func:`model_shapes` derives shapes for
+LAYOUTS: tuple[str, ...] = ("vllm", "transformers", "both")
 #: the largest ``tp`` and ``ep``
 MAX_PARALLEL = 65536
 _MAX_PATH = 4096  # characters of a path (PATH_MAX)
@@ -365,6 +375,7 @@ class _Model:
     v: dict[str, int]
     tp: int
     ep: int
+    layout: str = "vllm"  # "vllm" (fused qkv / gate_up) or "transformers" (unfused)
     ks: list[tuple[int, str, str]] = field(default_factory=list)  # (K, its fields, of what)
 
     def need(self, key: str, why: str) -> int:
@@ -411,8 +422,15 @@ def _attention(m: _Model) -> list[ModelShape]:
     else:  # replicated: every rank holds one kv head, tp must be a multiple of kv_heads
         _split(tp, kv_heads, "tp", "num_key_value_heads")
         local_kv = 1
-    return [
-        m.linear("qkv_proj", (local_heads + 2 * local_kv) * head_dim, hidden, "hidden_size"),
+    if m.layout == "transformers":
+        qkv = [
+            m.linear("q_proj", local_heads * head_dim, hidden, "hidden_size"),
+            m.linear("k_proj", local_kv * head_dim, hidden, "hidden_size"),
+            m.linear("v_proj", local_kv * head_dim, hidden, "hidden_size"),
+        ]
+    else:
+        qkv = [m.linear("qkv_proj", (local_heads + 2 * local_kv) * head_dim, hidden, "hidden_size")]
+    return qkv + [
         m.linear("o_proj", hidden, local_heads * head_dim,
                  f"num_attention_heads{_per(tp)} * {head_dim_from}"),
     ]
@@ -443,8 +461,14 @@ def _mlp(m: _Model, intermediate: int, prefix: str = "",
          what: str = "intermediate_size") -> list[ModelShape]:
     local = _split(intermediate, m.tp, what, "tp")
     hidden = m.v["hidden_size"]
-    return [
-        m.linear(prefix + "gate_up_proj", 2 * local, hidden, "hidden_size"),
+    if m.layout == "transformers":
+        gate_up = [
+            m.linear(prefix + "gate_proj", local, hidden, "hidden_size"),
+            m.linear(prefix + "up_proj", local, hidden, "hidden_size"),
+        ]
+    else:
+        gate_up = [m.linear(prefix + "gate_up_proj", 2 * local, hidden, "hidden_size")]
+    return gate_up + [
         m.linear(prefix + "down_proj", hidden, local, what + _per(m.tp)),
     ]
 
@@ -618,28 +642,36 @@ def _dedup(groups: _Groups) -> list[ModelShape]:
     return list(merged.values())
 
 
-def model_shapes(config: Mapping[str, Any], tp: int = 1, ep: int = 1,
-                 include_lm_head: bool = False, fmt: str | None = None) -> list[ModelShape]:
-    """Every FP4 GEMM / MoE shape one rank of the model runs, deduplicated with counts.
+def _check_layout(layout: Any) -> str:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        shown = _clip(layout) if isinstance(layout, str) else _show(layout)
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {shown}")
+    return layout
 
-    ``config`` is a Hugging Face ``config.json`` dict (see :func:`load_config`); ``tp`` the
-    tensor-parallel size, ``ep`` the expert-parallel size (MoE experts split across ``ep``
-    ranks instead of splitting each expert by ``tp``). ``include_lm_head`` adds the output
-    projection (column-parallel, ``ceil(vocab_size / tp)`` rows per rank, as with a padded
-    vocabulary). ``fmt`` (``"nvfp4"`` or ``"mxfp4"``) also checks that every K is a whole
-    number of the format's blocks. A config that breaks any of this raises ``ValueError``
-    naming the field (``TypeError`` for a ``config`` that is not a mapping).
-    """
-    if not isinstance(config, Mapping):
-        raise TypeError(f"config must be a dict, got {type(config).__name__}")
-    tp = _check_parallel("tp", tp)
-    ep = _check_parallel("ep", ep)
-    _check_fmt(fmt)
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str) or model_type not in _ARCHS:
-        raise ValueError(_unsupported(config, model_type))
-    fields, build = _ARCHS[model_type]
-    m = _Model(config, model_type, _validate(config, model_type, fields), tp, ep)
+
+def _union(first: list[ModelShape], second: list[ModelShape]) -> list[ModelShape]:
+    """The shapes of ``first`` and then those of ``second`` it lacks; a shape in both keeps the
+    larger count and the distinct names of both."""
+    merged = {s.dedup_key: s for s in first}
+    for s in second:
+        prev = merged.get(s.dedup_key)
+        if prev is None:
+            merged[s.dedup_key] = s
+            continue
+        names = prev.name.split("+")
+        name = "+".join(names + [x for x in s.name.split("+") if x not in names])
+        merged[s.dedup_key] = ModelShape(
+            prev.op, name, prev.n, prev.k, prev.experts, prev.topk,
+            max(prev.count, s.count), prev.intermediate, prev.hidden,
+        )
+    return list(merged.values())
+
+
+def _layout_shapes(config: Mapping[str, Any], model_type: str, values: dict[str, int], tp: int,
+                   ep: int, include_lm_head: bool, fmt: str | None, layout: str) -> list[ModelShape]:
+    """The deduplicated shapes of one layout (``"vllm"`` or ``"transformers"``)."""
+    build = _ARCHS[model_type][1]
+    m = _Model(config, model_type, values, tp, ep, layout)
     groups = build(m)
     if include_lm_head:
         vocab = m.need("vocab_size", "the size of the lm_head")
@@ -648,6 +680,39 @@ def model_shapes(config: Mapping[str, Any], tp: int = 1, ep: int = 1,
     if fmt is not None:
         _check_blocks(m, fmt)
     return _dedup(groups)
+
+
+def model_shapes(config: Mapping[str, Any], tp: int = 1, ep: int = 1,
+                 include_lm_head: bool = False, fmt: str | None = None,
+                 layout: str = "vllm") -> list[ModelShape]:
+    """Every FP4 GEMM / MoE shape one rank of the model runs, deduplicated with counts.
+
+    ``config`` is a Hugging Face ``config.json`` dict (see :func:`load_config`); ``tp`` the
+    tensor-parallel size, ``ep`` the expert-parallel size (MoE experts split across ``ep``
+    ranks instead of splitting each expert by ``tp``). ``include_lm_head`` adds the output
+    projection (column-parallel, ``ceil(vocab_size / tp)`` rows per rank, as with a padded
+    vocabulary). ``fmt`` (``"nvfp4"`` or ``"mxfp4"``) also checks that every K is a whole
+    number of the format's blocks. ``layout`` (one of :data:`LAYOUTS`) picks the modules:
+    ``"vllm"`` fused ``qkv_proj`` / ``gate_up_proj``, ``"transformers"`` the unfused Hugging
+    Face projections, ``"both"`` the union of the two. A config that breaks any of this raises ``ValueError``
+    naming the field (``TypeError`` for a ``config`` that is not a mapping).
+    """
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a dict, got {type(config).__name__}")
+    tp = _check_parallel("tp", tp)
+    ep = _check_parallel("ep", ep)
+    _check_fmt(fmt)
+    layout = _check_layout(layout)
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in _ARCHS:
+        raise ValueError(_unsupported(config, model_type))
+    values = _validate(config, model_type, _ARCHS[model_type][0])
+    layouts = ("vllm", "transformers") if layout == "both" else (layout,)
+    shapes: list[ModelShape] = []
+    for one in layouts:
+        shapes = _union(shapes, _layout_shapes(config, model_type, values, tp, ep,
+                                               include_lm_head, fmt, one))
+    return shapes
 
 
 _COLUMNS = ("op", "name", "N", "K", "experts", "topk", "I", "H", "count")

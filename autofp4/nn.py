@@ -21,10 +21,18 @@ class FP4Linear(nn.Module):
 
     The packed values, block scales and global scale are buffers, so ``state_dict``,
     ``.to(device)`` and ``load_state_dict`` work as for any module.
+
+    ``compute_dtype`` (``torch.bfloat16``, ``torch.float16`` or None): with None the layer
+    computes in the dtype of its input, which must be bf16 or fp16. With a dtype, an input of
+    another floating dtype (a float32 model's activations) is cast to it, the product is
+    computed in it and the output is cast back to the input's dtype; a bias of another dtype is
+    added after the cast back.
     """
 
-    def __init__(self, weight: FP4Weight, bias: Optional[torch.Tensor] = None) -> None:
+    def __init__(self, weight: FP4Weight, bias: Optional[torch.Tensor] = None,
+                 compute_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
+        _check_compute_dtype(compute_dtype, "FP4Linear: compute_dtype")
         if not isinstance(weight, FP4Weight):
             raise TypeError(f"FP4Linear: weight must be a 2-D FP4Weight [N, K] (see autofp4.quantize), got {_describe(weight)}")
         if weight.experts:
@@ -49,15 +57,17 @@ class FP4Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._w = weight
+        self.compute_dtype = compute_dtype
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, fmt: str) -> "FP4Linear":
+    def from_linear(cls, linear: nn.Linear, fmt: str,
+                    compute_dtype: Optional[torch.dtype] = None) -> "FP4Linear":
         """Quantize ``linear``'s weight to ``fmt`` ("nvfp4" or "mxfp4"); the bias is kept as is."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"FP4Linear.from_linear: linear must be a torch.nn.Linear, got {_describe(linear)}")
         check_fmt(fmt, "FP4Linear.from_linear")
         w = quantize(linear.weight.detach(), fmt)
-        return cls(w, None if linear.bias is None else linear.bias.detach().clone())
+        return cls(w, None if linear.bias is None else linear.bias.detach().clone(), compute_dtype)
 
     def fp4_weight(self) -> FP4Weight:
         """The FP4Weight over the current buffers (rebuilt after ``.to()`` or loading)."""
@@ -75,15 +85,38 @@ class FP4Linear(nn.Module):
             )
         return w
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return torch.ops.autofp4.linear(
-                x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias, self.fmt
+                x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias, self.fmt
             )
-        return ops.linear(x, self.fp4_weight(), self.bias)
+        return ops.linear(x, self.fp4_weight(), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cd = self.compute_dtype
+        bias = self.bias
+        if cd is None or not isinstance(x, torch.Tensor) or not x.is_floating_point() or (
+            x.dtype == cd and (bias is None or bias.dtype == cd)
+        ):
+            return self._linear(x, bias)
+        fused = bias is None or bias.dtype == cd
+        y = self._linear(x.to(cd), bias if fused else None).to(x.dtype)
+        return y if fused else y + bias.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, bias={self.bias is not None}"
+        cd = "" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
+                f"bias={self.bias is not None}{cd}")
+
+
+_COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check_compute_dtype(dtype, what: str) -> None:
+    if dtype is not None and dtype not in _COMPUTE_DTYPES:
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{what} must be torch.bfloat16, torch.float16 or None, got {_describe(dtype)}")
+        raise ValueError(f"{what} must be torch.bfloat16, torch.float16 or None, got {dtype}")
 
 
 def _skip_patterns(skip: Iterable[str]) -> list[str]:
@@ -145,6 +178,8 @@ class ConversionReport:
             self.bytes_after += record.bytes_after
         else:
             self.skipped.append((record.name, record.reason))
+    #: converted layers that compute in another dtype than their weights had: name -> dtype
+    compute_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
     def __str__(self) -> str:
         n_exp = sum(1 for r in self.tensors if r.converted and r.kind == "experts")
@@ -154,6 +189,14 @@ class ConversionReport:
             f"autofp4: converted {what} to {self.fmt}, skipped {len(self.skipped)}; "
             f"weights {self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB"
         ]
+        by_dtype: dict[torch.dtype, int] = {}
+        for cd in self.compute_dtypes.values():
+            by_dtype[cd] = by_dtype.get(cd, 0) + 1
+        for cd, count in by_dtype.items():
+            lines.append(
+                f"  {count} converted layers compute in {str(cd).replace('torch.', '')}: inputs of another "
+                "dtype are cast to it and the outputs cast back"
+            )
         for name, why in self.skipped:
             lines.append(f"  skipped {name}: {why}")
         return "\n".join(lines)
@@ -183,6 +226,7 @@ def quantize_model(
     model: nn.Module,
     fmt: str,
     skip: Iterable[str] = ("lm_head", "*.lm_head"),
+    dtype: Optional[torch.dtype] = None,
 ) -> ConversionReport:
     """Replace the ``torch.nn.Linear`` layers of ``model`` by :class:`FP4Linear` in place.
 
@@ -197,10 +241,19 @@ def quantize_model(
     :func:`autofp4.moe` (see ``autofp4.integrations.transformers``); the MoE routers stay in high
     precision, and expert layouts that :func:`autofp4.moe` does not compute are skipped with a reason.
     ``skip`` patterns also match the experts module and parameter names.
+
+    ``dtype`` (``torch.bfloat16`` or ``torch.float16``) is the dtype the converted layers
+    compute in: inputs of another dtype are cast to it and outputs cast back (see
+    :class:`FP4Linear`). With None, a layer with bf16 or fp16 weights computes in its input's
+    dtype (as the model runs today), and one with float32 weights computes in bfloat16 and
+    casts back, so a float32 model keeps working; the report's ``compute_dtypes`` lists the
+    layers that compute in a dtype other than their weights'. For the FP4 kernels' speed
+    without casts, convert the model first (``model.to(torch.bfloat16)``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_model: model must be a torch.nn.Module, got {_describe(model)}")
     check_fmt(fmt, "quantize_model")
+    _check_compute_dtype(dtype, "quantize_model: dtype")
     patterns = _skip_patterns(skip)
     report = ConversionReport(fmt)
     keep: dict[str, str] = {}
@@ -224,7 +277,10 @@ def quantize_model(
         if why:
             report.add(TensorRecord(name, "linear", shape, False, before, before, why))
             continue
-        new = FP4Linear.from_linear(lin, fmt)
+        cd = dtype if dtype is not None else (torch.bfloat16 if lin.weight.dtype == torch.float32 else None)
+        new = FP4Linear.from_linear(lin, fmt, cd)
+        if cd is not None and cd != lin.weight.dtype:
+            report.compute_dtypes[name] = cd
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)

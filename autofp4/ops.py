@@ -78,18 +78,22 @@ _FAST_MAX = 64  # (dtype, device, M) entries kept per weight
 
 
 def _linear_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    # Fast path: a call like one already made on this weight (same dtype, device and M, 2-D
-    # contiguous x) reuses its runner and prepacked weight, and counts its miss if untuned.
-    # The entry is valid while the device's dispatcher is the one that made it (set_db and
-    # reload replace the dispatchers).
+    # Fast path: a call like one already made on this weight (same dtype, device and M rows,
+    # contiguous x of any rank >= 1, M = its elements / K) reuses its runner and prepacked weight,
+    # and counts its miss if untuned; x other than 2-D goes in as a [M, K] view and the output
+    # comes back as a view [..., N] (no copies). The entry is valid while the device's
+    # dispatcher is the one that made it (set_db and reload replace the dispatchers).
     fast = w.__dict__.get("_linear_fast")
-    if fast is not None and type(x) is torch.Tensor and x.dim() == 2:
+    if fast is not None and type(x) is torch.Tensor:
+        shape = x.shape
+        nd = len(shape)
         dev = x.device
-        ent = fast.get((x.dtype, dev, x.shape[0]))
+        m = shape[0] if nd == 2 else (x.numel() // shape[-1] if nd and shape[-1] else -1)
+        ent = fast.get((x.dtype, dev, m))
         if (
             ent is not None
             and ent[0] is get_dispatcher(dev)
-            and x.shape[1] == w.k
+            and shape[-1] == w.k
             and x.is_contiguous()
             and (
                 bias is None
@@ -104,7 +108,10 @@ def _linear_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) ->
         ):
             if ent[4] is not None:
                 ent[0].count_miss(ent[4])
-            return ent[1](x, ent[2], bias)
+            if nd == 2:
+                return ent[1](x, ent[2], bias)
+            out = ent[1](x.view(m, shape[-1]), ent[2], bias)
+            return out.view(shape[0], shape[1], ent[5]) if nd == 3 else out.view(*shape[:-1], ent[5])
     _check_act(x, w, "linear")
     if w.experts:
         raise ValueError(f"linear: w must be a 2-D weight [N, K], got a stacked MoE weight {tuple(w.shape)}")
@@ -129,10 +136,10 @@ def _linear_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) ->
     disp = get_dispatcher(x.device)
     backend, _cfg, runner, miss = disp.resolve_entry(key, m)
     packed = w.packed(backend.name, backend.prepare)
-    if flat and type(x) is torch.Tensor:
+    if type(x) is torch.Tensor:
         if fast is None or len(fast) >= _FAST_MAX:
             fast = w.__dict__["_linear_fast"] = {}
-        fast[(x.dtype, x.device, m)] = (disp, runner, packed, torch.Size((n,)), miss)
+        fast[(x.dtype, x.device, m)] = (disp, runner, packed, torch.Size((n,)), miss, n)
     out = runner(x2, packed, bias)
     return out if flat else out.view(*x.shape[:-1], n)
 

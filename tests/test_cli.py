@@ -14,7 +14,7 @@ import torch
 
 from autofp4 import dispatch
 from autofp4.backends import get_backend
-from autofp4.cli import main
+from autofp4.cli import build_parser, main
 from autofp4.db import TuningDB, load_layers
 from autofp4.dispatch import Dispatcher
 from autofp4.env import current_environment
@@ -259,3 +259,38 @@ def test_time_budget_argument():
     assert p.parse_args(["tune", "--model", "x.json"]).time_budget is None  # the tuner's default
     with pytest.raises(SystemExit):
         p.parse_args(["tune", "--model", "x.json", "--time-budget", "0"])
+
+
+def test_dry_run_layouts(tiny, capsys):
+    rc, out, err = run(["tune", "--model", tiny, "--dry-run", "--layout", "transformers", "--device", "cpu"])
+    assert rc == 0, err
+    rows = {line.split()[1]: line.split()[2:4] for line in out.splitlines() if line.startswith("linear")}
+    # q and o (256 x 256) merge, k and v (128 x 256) merge, gate and up (512 x 256) merge
+    assert rows == {"q_proj+o_proj": ["256", "256"], "k_proj+v_proj": ["128", "256"],
+                    "gate_proj+up_proj": ["512", "256"], "down_proj": ["256", "512"]}
+    assert "4 shapes x 3 M buckets (1,16,128) = 12 (shape, M) jobs" in out and "layout=transformers" in out
+    rc, out, err = run(["tune", "--model", tiny, "--dry-run", "--layout", "both", "--device", "cpu"])
+    assert rc == 0, err
+    rows = {line.split()[1]: line.split()[2:4] for line in out.splitlines() if line.startswith("linear")}
+    # the union: qkv (512 x 256) is also the shape of gate and up, o that of q
+    assert rows == {"qkv_proj+gate_proj+up_proj": ["512", "256"], "o_proj+q_proj": ["256", "256"],
+                    "gate_up_proj": ["1024", "256"], "down_proj": ["256", "512"],
+                    "k_proj+v_proj": ["128", "256"]}
+    assert "5 shapes x 3 M buckets" in out and "layout=both" in out
+    rc, out, err = run(["tune", "--model", tiny, "--dry-run", "--layout", "transformers", "--tp", "2",
+                        "--device", "cpu"])
+    assert rc == 0, err
+    rows = {line.split()[1]: line.split()[2:4] for line in out.splitlines() if line.startswith("linear")}
+    assert rows == {"q_proj": ["128", "256"], "k_proj+v_proj": ["64", "256"], "o_proj": ["256", "128"],
+                    "gate_proj+up_proj+down_proj": ["256", "256"]}
+    rc, out, _ = run(["tune", "--model", tiny, "--dry-run", "--device", "cpu"])
+    assert rc == 0 and "qkv_proj" in out and "q_proj " not in out and "layout=vllm" in out
+    capsys.readouterr()
+    rc, _, _ = run(["tune", "--model", tiny, "--dry-run", "--layout", "fused"])
+    assert rc == 2 and "--layout" in capsys.readouterr().err
+
+
+def test_cache_warm_takes_layout():
+    args = build_parser().parse_args(["cache", "--warm", "x.json", "--layout", "transformers"])
+    assert args.layout == "transformers"
+    assert build_parser().parse_args(["cache", "--warm", "x.json"]).layout == "vllm"

@@ -309,7 +309,7 @@ def test_linear_fast_path_checks_every_call(gen):
     yt = autofp4.linear(xt, w)
     reft = xt.double() @ w.dequantize(torch.float32).double().T
     assert float((yt.double() - reft).norm() / reft.norm()) < 1e-2
-    # another M gets its own entry; 3-D x is served without one
+    # another M gets its own entry; 3-D x [1, 2, K] shares the entry of M = 2
     autofp4.linear(x[:1], w)
     autofp4.linear(x.view(1, 2, KEY.k), w)
     assert sorted(k[2] for k in _fast_entries(w)) == [1, 2]

@@ -536,3 +536,106 @@ def test_shapes_table_contents():
     # right-aligned numeric columns: the N column ends at the same offset on every row
     ends = {line.index(tok) + len(tok) for line, tok in zip(lines[2:], ["3072", "4096", "14336"])}
     assert len(ends) == 1
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def test_llama_3_1_8b_transformers_layout():
+    shapes = model_shapes(example("llama-3.1-8b"), layout="transformers")
+    # q and o are both 4096 x 4096, k and v 1024 x 4096, gate and up 14336 x 4096
+    assert table(shapes) == {
+        "q_proj+o_proj": lin(4096, 4096, 64),
+        "k_proj+v_proj": lin(1024, 4096, 64),
+        "gate_proj+up_proj": lin(14336, 4096, 64),
+        "down_proj": lin(4096, 14336, 32),
+    }
+    assert model_shapes(example("llama-3.1-8b"), layout="vllm") == model_shapes(example("llama-3.1-8b"))
+
+
+def test_llama_3_1_8b_transformers_layout_tp2_and_kv_replication():
+    assert table(model_shapes(example("llama-3.1-8b"), tp=2, layout="transformers")) == {
+        "q_proj": lin(2048, 4096, 32),
+        "k_proj+v_proj": lin(512, 4096, 64),
+        "o_proj": lin(4096, 2048, 32),
+        "gate_proj+up_proj": lin(7168, 4096, 64),
+        "down_proj": lin(4096, 7168, 32),
+    }
+    # 8 kv heads over 16 ranks: one replicated kv head each, as in the fused layout
+    assert table(model_shapes(example("llama-3.1-8b"), tp=16, layout="transformers")) == {
+        "q_proj": lin(256, 4096, 32),
+        "k_proj+v_proj": lin(128, 4096, 64),
+        "o_proj": lin(4096, 256, 32),
+        "gate_proj+up_proj": lin(896, 4096, 64),
+        "down_proj": lin(4096, 896, 32),
+    }
+
+
+@pytest.mark.parametrize("name,tp", [("llama-3.1-8b", 1), ("llama-3.1-70b", 8), ("qwen2.5-7b", 4),
+                                     ("mixtral-8x7b", 2), ("qwen3-30b-a3b", 4), ("deepseek-v3", 8),
+                                     ("gpt-oss-20b", 1)])
+def test_both_layouts_hold_the_same_parameters(name, tp):
+    # fusing splits no weight differently: the same parameters per rank in either layout
+    cfg = example(name)
+    assert weight_params(model_shapes(cfg, tp=tp, layout="transformers")) == \
+        weight_params(model_shapes(cfg, tp=tp))
+
+
+@pytest.mark.parametrize("name,tp,ep", [("llama-3.1-8b", 1, 1), ("llama-3.1-8b", 2, 1),
+                                        ("qwen3-30b-a3b", 2, 2), ("deepseek-v3", 8, 8)])
+def test_both_is_the_union(name, tp, ep):
+    cfg = example(name)
+    vllm = model_shapes(cfg, tp=tp, ep=ep)
+    hf = model_shapes(cfg, tp=tp, ep=ep, layout="transformers")
+    both = model_shapes(cfg, tp=tp, ep=ep, layout="both")
+    keys = [s.dedup_key for s in both]
+    assert len(keys) == len(set(keys))
+    assert set(keys) == {s.dedup_key for s in vllm} | {s.dedup_key for s in hf}
+    assert keys[: len(vllm)] == [s.dedup_key for s in vllm]  # the default's shapes first
+    for s in both:
+        counts = [x.count for x in vllm + hf if x.dedup_key == s.dedup_key]
+        names = {x.name for x in vllm + hf if x.dedup_key == s.dedup_key}
+        assert s.count == max(counts)
+        assert set(s.name.split("+")) == {p for n in names for p in n.split("+")}
+
+
+def test_llama_3_1_8b_both():
+    assert table(model_shapes(example("llama-3.1-8b"), layout="both")) == {
+        "qkv_proj": lin(6144, 4096, 32),
+        "o_proj+q_proj": lin(4096, 4096, 64),
+        "gate_up_proj": lin(28672, 4096, 32),
+        "down_proj": lin(4096, 14336, 32),
+        "k_proj+v_proj": lin(1024, 4096, 64),
+        "gate_proj+up_proj": lin(14336, 4096, 64),
+    }
+
+
+def test_deepseek_v3_transformers_layout():
+    # MLA projections as DeepseekV3Attention names them (the same in both layouts), MLPs unfused,
+    # the experts one fused MoE shape
+    assert table(model_shapes(example("deepseek-v3"), layout="transformers")) == {
+        "q_a_proj": lin(1536, 7168, 61),
+        "q_b_proj": lin(24576, 1536, 61),
+        "kv_a_proj_with_mqa": lin(576, 7168, 61),
+        "kv_b_proj": lin(32768, 512, 61),
+        "o_proj": lin(7168, 16384, 61),
+        "gate_proj+up_proj": lin(18432, 7168, 6),
+        "down_proj": lin(7168, 18432, 3),
+        "experts": moe(4096, 7168, 256, 8, 58),
+        "shared_experts.gate_proj+shared_experts.up_proj": lin(2048, 7168, 116),
+        "shared_experts.down_proj": lin(7168, 2048, 58),
+    }
+    t = table(model_shapes(example("deepseek-v3"), tp=8, ep=8, layout="transformers"))
+    assert t["experts"] == moe(4096, 7168, 32, 8, 58)
+    assert t["shared_experts.gate_proj+shared_experts.up_proj"] == lin(256, 7168, 116)
+    assert t["q_b_proj"] == lin(3072, 1536, 61)
+
+
+def test_transformers_layout_block_check_and_errors():
+    cfg = dict(example("llama-3.1-8b"), intermediate_size=14352)  # 16 * 897: whole nvfp4 blocks, not mxfp4
+    model_shapes(cfg, fmt="nvfp4", layout="transformers")
+    with pytest.raises(ValueError, match="intermediate_size = 14352.*down_proj.*mxfp4"):
+        model_shapes(cfg, fmt="mxfp4", layout="both")
+    for bad in ("vLLM", "hf", "", None, 1):
+        with pytest.raises(ValueError, match="layout must be one of"):
+            model_shapes(example("llama-3.1-8b"), layout=bad)

@@ -74,3 +74,117 @@ def test_quantize_hf_llama_model(gen):
     # FP4 weights perturb the logits but keep them strongly correlated with the original
     cos = torch.nn.functional.cosine_similarity(before.flatten(), after.flatten(), dim=0)
     assert 0.9 < float(cos) < 0.99999
+
+
+def _tiny_llama(gen, dtype):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, mlp_bias=True,
+    )
+    torch.manual_seed(gen.initial_seed())
+    model = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+    with torch.no_grad():  # non-zero biases, so the bias path is exercised
+        for mod in model.modules():
+            if isinstance(mod, nn.Linear) and mod.bias is not None:
+                mod.bias.copy_(torch.randn(mod.bias.shape, generator=gen) * 0.1)
+    return model
+
+
+def _dequantized_copy(quantized, original):
+    """``original`` with each layer that ``quantized`` converted replaced by a float32 nn.Linear of
+    the dequantized FP4 weight: the same model computed without FP4 kernels."""
+    import copy
+
+    ref = copy.deepcopy(original)
+    for name, mod in quantized.named_modules():
+        if isinstance(mod, FP4Linear):
+            lin = ref.get_submodule(name)
+            with torch.no_grad():
+                lin.weight.copy_(mod.fp4_weight().dequantize(torch.float32))
+    return ref
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16])
+def test_quantize_float32_hf_llama_model(dtype, gen):
+    import copy
+
+    model = _tiny_llama(gen, torch.float32)
+    original = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 12), generator=gen)
+    report = quantize_model(model, "nvfp4", dtype=dtype)
+    assert len(report.converted) == 2 * 7
+    expected = dtype or torch.bfloat16
+    assert report.compute_dtypes == {name: expected for name in report.converted}
+    assert f"14 converted layers compute in {str(expected)[6:]}" in str(report)
+    assert all(model.get_submodule(n).compute_dtype == expected for n in report.converted)
+    ref_model = _dequantized_copy(model, original)
+    with torch.no_grad():
+        out = model(ids).logits
+        ref = ref_model(ids).logits
+        orig = original(ids).logits
+    assert out.dtype == torch.float32 and out.shape == (2, 12, 128)
+    # the same model with the dequantized weights, up to the activations' rounding to 16 bits
+    assert rel(out, ref) < 3e-3
+    # the bound tells the FP4 weights apart: the original float32 weights are much further off
+    assert rel(orig, ref) > 5 * rel(out, ref)
+
+
+def test_float32_layer_casts_back_and_adds_the_bias_in_float32(gen):
+    lin = nn.Linear(64, 48, bias=True)  # float32
+    with torch.no_grad():
+        lin.bias.copy_(torch.randn(48, generator=gen))
+    m = nn.Sequential(lin)
+    report = quantize_model(m, "mxfp4", skip=[])
+    q = m[0]
+    assert isinstance(q, FP4Linear) and q.compute_dtype == torch.bfloat16 and q.bias.dtype == torch.float32
+    assert "compute_dtype=torch.bfloat16" in repr(q)
+    for shape in [(64,), (5, 64), (2, 3, 64)]:
+        x = torch.randn(*shape, generator=gen)
+        y = q(x)
+        assert y.dtype == torch.float32 and y.shape == (*shape[:-1], 48)
+        w = q.fp4_weight().dequantize(torch.float32).double()
+        expected = x.to(torch.bfloat16).double() @ w.T  # computed from the bf16-rounded input
+        assert rel(y - lin.bias, expected) < 1e-2
+        assert torch.equal(y, autofp4.linear(x.to(torch.bfloat16), q.fp4_weight()).float() + lin.bias)
+        # bf16 inputs to the same layer: bf16 out
+        assert q(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_16_bit_model_is_unchanged_without_dtype(gen):
+    m = Tiny().to(torch.bfloat16)
+    report = quantize_model(m, "nvfp4")
+    assert report.compute_dtypes == {} and "compute in" not in str(report)
+    assert m.layers[0]["q"].compute_dtype is None
+    report = quantize_model(Tiny().to(torch.float16), "nvfp4", dtype=torch.bfloat16)
+    assert set(report.compute_dtypes) == set(report.converted)
+    # a plain FP4Linear keeps refusing float32 input, naming the dtype
+    q = FP4Linear(autofp4.quantize(torch.randn(32, 64, generator=gen), "nvfp4"))
+    with pytest.raises(TypeError, match="bfloat16 or float16, got torch.float32"):
+        q(torch.randn(2, 64))
+
+
+@pytest.mark.parametrize("bad,err", [(torch.float32, ValueError), (torch.int8, ValueError),
+                                     ("bfloat16", TypeError), (16, TypeError)])
+def test_bad_compute_dtype(bad, err):
+    with pytest.raises(err, match="dtype must be torch.bfloat16, torch.float16 or None"):
+        quantize_model(Tiny(), "nvfp4", dtype=bad)
+    with pytest.raises(err, match="compute_dtype must be"):
+        FP4Linear(autofp4.quantize(torch.randn(32, 64), "nvfp4"), compute_dtype=bad)
+
+
+def test_float32_model_under_torch_compile(gen):
+    torch._dynamo.reset()
+    m = nn.Sequential(nn.Linear(64, 96), nn.SiLU(), nn.Linear(96, 32, bias=False))
+    quantize_model(m, "nvfp4", skip=[])
+    x = torch.randn(2, 5, 64, generator=gen)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        eager = m(x)
+        out = compiled(x)
+    assert out.dtype == torch.float32 and torch.equal(out, eager)

@@ -177,3 +177,118 @@ def test_custom_op_reuses_the_registered_weight(gen):
     assert _weight_from_tensors(half.data, half.scale, half.global_scale, "nvfp4") is half
     y = torch.ops.autofp4.linear(x, w.data, w.scale, w.global_scale, None, "nvfp4")
     assert torch.equal(y, autofp4.linear(x, w))
+
+
+# ----------------------------------------------------------------------------- activations of any rank
+LEADING = [(), (3,), (2, 3), (2, 1, 3), (1, 1)]
+
+
+@pytest.mark.parametrize("lead", LEADING)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_any_rank(lead, dtype, with_bias, gen):
+    n, k = 48, 128
+    w = autofp4.quantize(torch.randn(n, k, generator=gen), "nvfp4")
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(*lead, k, generator=gen).to(dtype)
+    ref = x.double() @ dense64(w).T + (bias.double() if with_bias else 0)
+    first = autofp4.linear(x, w, bias)  # the full path, which keeps the entry
+    again = autofp4.linear(x, w, bias)  # the kept entry
+    assert first.shape == again.shape == (*lead, n) and again.dtype == dtype
+    assert rel_err(first, ref) < TOL[dtype]
+    assert torch.equal(again, first)
+    # the same rows as a 2-D batch: the same runner, the same numbers
+    flat = autofp4.linear(x.reshape(-1, k), w, bias)
+    assert torch.equal(again.reshape(-1, n), flat)
+    other = autofp4.quantize(torch.randn(n, k, generator=gen), "nvfp4")
+    assert rel_err(autofp4.linear(x, other, bias), ref) > 0.3
+
+
+@pytest.mark.parametrize("make", [
+    lambda r, k: r(3, 2, k).transpose(0, 1),  # [2, 3, K], rows strided
+    lambda r, k: r(2, 3, 2 * k)[..., ::2],  # a strided last dimension
+    lambda r, k: r(2, 3, k + 16)[..., 16:],  # padded rows
+    lambda r, k: r(4, 2, 3, k)[::2],  # every other batch
+])
+def test_linear_non_contiguous_any_rank(make, gen):
+    n, k = 32, 64
+    w = autofp4.quantize(torch.randn(n, k, generator=gen), "mxfp4")
+    x = make(lambda *shape: torch.randn(*shape, generator=gen).to(torch.bfloat16), k)
+    assert not x.is_contiguous()
+    autofp4.linear(x.contiguous(), w)  # an entry for this M exists: the strided x must not use it as is
+    for _ in range(2):
+        y = autofp4.linear(x, w)
+        assert y.shape == (*x.shape[:-1], n)
+        assert torch.equal(y, autofp4.linear(x.contiguous(), w))
+        assert rel_err(y, x.double() @ dense64(w).T) < TOL[torch.bfloat16]
+
+
+def test_linear_nd_takes_the_fast_path(monkeypatch, gen):
+    """After one call, 3-D and 4-D contiguous x of the same rows skip the dispatcher, and the
+    backend gets a view of x (no copy)."""
+    from autofp4.backends import reference
+    from autofp4.dispatch import Dispatcher, get_dispatcher
+
+    n, k = 64, 96
+    w = autofp4.quantize(torch.randn(n, k, generator=gen), "nvfp4")
+    x = torch.randn(2, 5, k, generator=gen).to(torch.bfloat16)
+    ref = x.double() @ dense64(w).T
+    calls = {"resolve": 0}
+    seen = []
+    for name in ("resolve", "resolve_entry"):
+        orig = getattr(Dispatcher, name)
+
+        def counted(self, *a, _orig=orig, **kw):
+            calls["resolve"] += 1
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(Dispatcher, name, counted)
+    real = reference.reference_linear
+
+    def recording(xx, *a, **kw):
+        seen.append((xx.data_ptr(), tuple(xx.shape)))
+        return real(xx, *a, **kw)
+
+    monkeypatch.setattr(reference, "reference_linear", recording)
+    y0 = autofp4.linear(x, w)  # warm-up: resolves once
+    assert calls["resolve"] == 1
+    key = next(iter(w.__dict__["_linear_fast"]))
+    assert key == (torch.bfloat16, x.device, 10)
+    misses = dict(((kk, b), c) for kk, b, c in get_dispatcher(x.device).misses())
+    for _ in range(5):
+        assert torch.equal(autofp4.linear(x, w), y0)
+    assert torch.equal(autofp4.linear(x.view(10, k), w).view(2, 5, n), y0)  # 2-D of the same rows
+    y4 = autofp4.linear(x.view(1, 2, 5, k), w)
+    assert torch.equal(y4, y0.view(1, 2, 5, n))
+    assert calls["resolve"] == 1  # none of these went to the dispatcher
+    assert all(p == (x.data_ptr(), (10, k)) for p in seen)  # views of x, never a copy
+    after = dict(((kk, b), c) for kk, b, c in get_dispatcher(x.device).misses())
+    (mk,) = [m for m in after if after[m] != misses.get(m, 0)]
+    assert after[mk] - misses.get(mk, 0) == 7  # an untuned call counts as a miss on the fast path too
+    assert rel_err(y0, ref) < TOL[torch.bfloat16]
+    autofp4.linear(x[:1], w)  # other rows: the dispatcher again
+    assert calls["resolve"] == 2
+
+
+class _Proj3D(torch.nn.Module):
+    def __init__(self, fmt, gen):
+        super().__init__()
+        self.a = autofp4.FP4Linear(autofp4.quantize(torch.randn(96, 64, generator=gen), fmt))
+        self.b = autofp4.quantize(torch.randn(32, 96, generator=gen), fmt)
+
+    def forward(self, x):  # x [batch, seq, 64]
+        return autofp4.linear(torch.nn.functional.silu(self.a(x)), self.b)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_torch_compile_fullgraph_3d(fmt, gen):
+    torch._dynamo.reset()
+    mod = _Proj3D(fmt, gen)
+    x = torch.randn(2, 7, 64, generator=gen).to(torch.bfloat16)
+    compiled = torch.compile(mod, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        eager = mod(x)
+        out = compiled(x)
+        out2 = compiled(x)
+    assert out.shape == (2, 7, 32)
+    assert torch.equal(out, eager) and torch.equal(out2, eager)
