@@ -16,7 +16,23 @@ from .weights import FP4Weight, _describe, quantize
 __all__ = ["FP4Linear", "ConversionReport", "TensorRecord", "quantize_model", "register_module_converter"]
 
 
-class FP4Linear(nn.Module):
+class FP4Buffers(nn.Module):
+    """A module whose FP4 tensors are buffers that keep their dtypes: ``model.to(torch.bfloat16)``
+    (or ``.half()``, ``.float()``) converts a module's floating-point buffers, which would turn
+    the E4M3 block scales and the fp32 global scales into the model's dtype. Device moves apply
+    to them as usual; dtype conversions leave them as they are."""
+
+    def _apply(self, fn, recurse=True):
+        kept = {name: t for name, t in self._buffers.items() if t is not None}
+        out = super()._apply(fn, recurse)
+        for name, old in kept.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        return out
+
+
+class FP4Linear(FP4Buffers):
     """A linear layer whose weight is stored in NVFP4 or MXFP4.
 
     The packed values, block scales and global scale are buffers, so ``state_dict``,

@@ -1,4 +1,5 @@
 """FP4Linear and quantize_model on real torch modules."""
+import os
 import pytest
 import torch
 from torch import nn
@@ -188,3 +189,34 @@ def test_float32_model_under_torch_compile(gen):
         eager = m(x)
         out = compiled(x)
     assert out.dtype == torch.float32 and torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_dtype_conversions_keep_the_fp4_buffers(fmt):
+    """``model.to(torch.float16)`` after quantize_model converts the biases and the rest of the
+    model, not the FP4 values, block scales or global scales (an E4M3 scale turned into fp16, or
+    an fp32 global scale rounded to fp16, would break or change the layer)."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 32))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    model = model.to(torch.bfloat16)
+    autofp4.quantize_model(model, fmt)
+    before = {n: (b.dtype, b.clone()) for n, b in model.named_buffers()}
+    model = model.to(torch.float16)
+    for n, b in model.named_buffers():
+        assert b.dtype == before[n][0] and torch.equal(b, before[n][1]), n
+    assert model[0].bias.dtype == torch.float16
+    x = torch.randn(5, 64, generator=gen).half()
+    ref = x.double()
+    for layer in (model[0], torch.relu, model[2]):  # (MXFP4 keeps the 48-wide layer dense: 48 % 32)
+        if isinstance(layer, autofp4.FP4Linear):
+            ref = ref @ layer.fp4_weight().dequantize(torch.float64).T + layer.bias.double()
+        elif isinstance(layer, torch.nn.Linear):
+            ref = ref @ layer.weight.double().T + layer.bias.double()
+        else:
+            ref = layer(ref)
+    out = model(x)
+    assert out.dtype == torch.float16
+    assert float((out.double() - ref).norm() / ref.norm()) < 2e-2

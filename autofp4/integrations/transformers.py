@@ -23,7 +23,7 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
-from ..nn import ConversionReport, TensorRecord, matches_skip, register_module_converter
+from ..nn import ConversionReport, FP4Buffers, TensorRecord, matches_skip, register_module_converter
 from ..ops import moe
 from ..problem import BLOCK_SIZE
 from ..weights import FP4Weight, quantize
@@ -34,7 +34,7 @@ _ROUTER_NAMES = ("gate", "router")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class FP4Experts(nn.Module):
+class FP4Experts(FP4Buffers):
     """Routed MoE experts with FP4 weights, a drop-in for a transformers experts module.
 
     ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` computes
