@@ -120,9 +120,11 @@ def test_experts_are_converted_and_match_the_dequantized_model(arch, fmt):
         orig = original(ids).logits.float()
     cos, rel = _compare(got, ref)
     # both models run in bf16 with different op orders (the reference backend's expert loop against
-    # transformers' own): their logits differ by bf16 rounding through every layer, measured up to
-    # 2.7% on random inputs; a wrong activation or expert gives far more
-    assert cos > 0.999 and rel < 4e-2, (cos, rel)
+    # transformers' own): their logits differ by bf16 rounding through every layer, and where a
+    # router's top-k is a near tie the two may pick different experts for a token; measured: about
+    # 0.5% typically, up to 3.0% in 80 random models and inputs; a wrong activation or expert
+    # gives far more
+    assert cos > 0.999 and rel < 6e-2, (cos, rel)
     # and FP4 did change the model (the reference is not the original)
     cos0, _ = _compare(got, orig)
     assert cos0 < 0.99999
