@@ -122,7 +122,7 @@ def test_experts_are_converted_and_match_the_dequantized_model(arch, fmt):
     # both models run in bf16 with different op orders (the reference backend's expert loop against
     # transformers' own): their logits differ by bf16 rounding through every layer, and where a
     # router's top-k is a near tie the two may pick different experts for a token; measured: about
-    # 0.5% typically, up to 3.0% in 80 random models and inputs; a wrong activation or expert
+    # 0.5% typically, up to 3.0% over 74 random models and inputs; a wrong activation or expert
     # gives far more
     assert cos > 0.999 and rel < 6e-2, (cos, rel)
     # and FP4 did change the model (the reference is not the original)
