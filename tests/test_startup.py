@@ -87,9 +87,10 @@ def test_the_dispatcher_reads_only_the_problems_it_is_asked_about(tmp_path):
         db.upsert_results(_random_rows(rng, keys, OTHER_ENV))
     env_key = current_environment(CPU).key()
     with sqlite3.connect(path) as conn:  # rows that warn when read: of other problems, other environments
-        for k in others:
-            conn.execute("UPDATE results SET config = '{\"chunk_n\": 7}' WHERE n = ? AND k = ? AND env_key = ?",
-                         (k.n, k.k, env_key))
+        for k in others:  # the whole problem key: an asked problem may share n and k
+            conn.execute("UPDATE results SET config = '{\"chunk_n\": 7}' WHERE op = ? AND fmt = ? AND dtype = ? "
+                         "AND n = ? AND k = ? AND experts = ? AND topk = ? AND env_key = ?",
+                         (k.op, k.fmt, k.dtype, k.n, k.k, k.experts, k.topk, env_key))
         conn.execute("UPDATE environments SET env = 'not json' WHERE env_key = ?", (OTHER_ENV.key(),))
     dispatch.set_db(path)
     d = dispatch.get_dispatcher("cpu")
