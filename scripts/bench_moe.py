@@ -162,6 +162,9 @@ def bench_model(model: str, ep: int, fmts: list[str], ts: list[int], args, bw: f
                 row["autofp4_timing"] = "graph" if graph else "eager"
                 row["autofp4_backend"] = picked
                 row["autofp4_config"] = repr(get_dispatcher(dev).pick(ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, k), t)[1])
+                if args.kernels and graph:
+                    row.update(each_kernel(ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, k), t, q_args, args,
+                                           expert_map))
             rows.append(row)
             print(_row_line(row), flush=True)
         del fp4, dense_t
@@ -169,10 +172,31 @@ def bench_model(model: str, ep: int, fmts: list[str], ts: list[int], args, bw: f
     return rows
 
 
+def each_kernel(key, t: int, q_args: list, args, expert_map) -> dict:
+    """The Hopper backend's default config of each MoE kernel, forced, timed like autofp4.moe:
+    ``{"<kernel>_us": time}`` (where the config can run the layer)."""
+    from autofp4.backends import get_backend, sm90_heuristics as H
+
+    b = get_backend("sm90_w4a16")
+    out = {}
+    for tag, default in (("moe_decode", H.moe_decode_default), ("moe_gemm", H.moe_gemm_default)):
+        cfg = default(key.n, key.k, key.fmt, key.dtype, key.experts, key.topk, t)
+        if b.is_valid(cfg, key) is not None:
+            continue
+        run = b.compile(cfg, key)
+        fn = lambda x, a, c, tw, ti: run(x, a.packed(b.name, b.prepare), c.packed(b.name, b.prepare),  # noqa: E731
+                                         tw, ti, "silu", expert_map)
+        out[f"{tag}_us"] = _time(fn, q_args, args.rounds, args.reps, graph=True)
+    return out
+
+
 def _row_line(r: dict) -> str:
     f = f"{r['model']} ep{r['ep']} {r['fmt']} T={r['T']}: bf16 {r['bf16_us']:.1f} us"
     if r["autofp4_us"] is not None:
-        f += f", autofp4 {r['autofp4_us']:.1f} us ({r['autofp4_timing']})"
+        f += f", autofp4 {r['autofp4_us']:.1f} us ({r['autofp4_timing']}, {r.get('autofp4_config', '')})"
+    for tag in ("moe_decode", "moe_gemm"):
+        if f"{tag}_us" in r:
+            f += f", {tag} {r[tag + '_us']:.1f} us"
     return f + f", floor {r['floor_us']:.1f} us"
 
 
@@ -196,12 +220,17 @@ def render(doc: dict) -> str:
              "| model | EP | fmt | T | hit experts | bf16 | autofp4 | timing | speedup | HBM floor | % of floor | "
              "autofp4 TFLOP/s | bf16 TFLOP/s |",
              "|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    kernels = [tag for tag in ("moe_decode", "moe_gemm") if any(f"{tag}_us" in r for r in rows)]
+    if kernels:  # the forced default of each kernel
+        lines[2] += "".join(f" {tag} |" for tag in kernels)
+        lines[3] += "---:|" * len(kernels)
     for r in rows:
         a = r["autofp4_us"]
         lines.append(f"| {r['model']} | {r['ep']} | {r['fmt']} | {r['T']} | {r['hit_experts']:.1f} | {r['bf16_us']:.1f} | "
                      + (f"{a:.1f} | {r['autofp4_timing']} | {r['speedup']:.2f}x | " if a else "- | - | - | ")
                      + f"{r['floor_us']:.1f} | " + (f"{r['floor_pct']:.0f}% | {r['autofp4_tflops']:.1f} | " if a else "- | - | ")
-                     + f"{r['bf16_tflops']:.1f} |")
+                     + f"{r['bf16_tflops']:.1f} |"
+                     + "".join(f" {r[t + '_us']:.1f} |" if f"{t}_us" in r else " - |" for t in kernels))
     timed = [r for r in rows if r["speedup"]]
     if timed:
         lines += ["", "Geomean speedup of autofp4 over bf16, per format (timed rows):", ""]
@@ -261,6 +290,8 @@ def main() -> int:
     ap.add_argument("--max-t-eager", type=int, default=1024,
                     help="largest T at which a backend that cannot be captured in a CUDA graph is timed "
                          "(eagerly, slow)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also time the default config of each Hopper MoE kernel, forced (where the two cross)")
     ap.add_argument("--out", help="results directory (default: docs/results/<gpu>/)")
     ap.add_argument("--plot", metavar="JSON", help="only re-render the tables and plot of a saved run, next to it")
     args = ap.parse_args()

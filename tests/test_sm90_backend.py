@@ -236,8 +236,11 @@ def test_each_kernel_has_its_own_source_hash(backend, monkeypatch):
     assert (dec.kernel, gemm.kernel) == ("decode", "gemm")
     h_dec, h_gemm = backend.source_hash(dec), backend.source_hash(gemm)
     assert len({h_dec, h_gemm, backend.source_hash()}) == 3
-    moe = backend.default(ProblemKey("moe", "nvfp4", "bfloat16", 1024, 512, 8, 2), 1)
-    assert dispatch.backend_source_hashes(backend) == {h_dec, h_gemm, backend.source_hash(moe)}
+    moe_key = ProblemKey("moe", "nvfp4", "bfloat16", 1024, 512, 8, 2)
+    moe, moe_gemm = backend.default(moe_key, 1), backend.default(moe_key, 4096)
+    assert (moe.kernel, moe_gemm.kernel) == ("moe_decode", "moe_gemm")
+    assert dispatch.backend_source_hashes(backend) == {h_dec, h_gemm, backend.source_hash(moe),
+                                                       backend.source_hash(moe_gemm)}
     assert backend.source_hash(backend.config_dict(dec)) == h_dec  # a stored config dict
 
     def row(cfg, source):
@@ -265,10 +268,11 @@ def test_the_backend_module_is_plumbing_outside_the_source_hash(backend):
     from autofp4.kernels import w4a16_decode as D
 
     assert S.__name__ not in {m.__name__ for p in (None, *backend.source_parts) for m in backend.source_modules(p)}
+    from autofp4.kernels import sm90_moe_gemm as MG
     from autofp4.kernels import w4a16_moe as MO
 
     assert backend.config_types == {"decode": D.DecodeConfig, "gemm": G.Sm90GemmConfig,
-                                    "moe_decode": MO.MoEDecodeConfig}
+                                    "moe_decode": MO.MoEDecodeConfig, "moe_gemm": MG.MoEGemmConfig}
     assert {m.__name__ for m in backend.source_modules("decode")} == {D.__name__}
     assert {m.__name__ for m in backend.source_modules("gemm")} == {G.__name__}
     key = ProblemKey("linear", "nvfp4", "bfloat16", 4096, 4096)

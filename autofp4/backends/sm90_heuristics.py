@@ -369,6 +369,54 @@ def _moe_kernel():
     return w4a16_moe
 
 
+def _moe_gemm():
+    from ..kernels import sm90_moe_gemm
+
+    return sm90_moe_gemm
+
+
+#: pairs per hit expert (uniform routing) from which the MoE default is the grouped GEMM
+MOE_GEMM_MIN_PAIRS = 32
+
+
+def moe_gemm_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
+    """Values of the grouped MoE GEMM worth sweeping."""
+    return {"tile_n": [128, 256], "tile_m": [64, 128, 256], "tile_k": [64, 128], "stages": [3, 4, 6, 8],
+            "cluster_n": [1, 2], "raster": ["m", "n"], "producer": [False, True], "scale_select": [False, True],
+            "pdl": [False, True]}
+
+
+def _pairs_per_expert(experts: int, topk: int, m: int | None) -> float:
+    pairs = (m if m is not None else 1) * topk
+    return pairs / min(experts, pairs) if pairs else 0.0
+
+
+def _moe_gemm_default(n: int, k: int, fmt: str, dtype: str, per_expert: float):
+    """128-row weight tiles, token blocks of 64 rows below 96 pairs per expert and of 128 from
+    there, the deepest pipeline of 64-deep K tiles (up to 6) that fits, a producer warp."""
+    G = _moe_gemm()
+    tile_m = 64 if per_expert < 96 else 128
+    for stages in (6, 5, 4, 3):
+        for producer in (True, False):
+            cfg = G.MoEGemmConfig(tile_n=128, tile_m=tile_m, tile_k=64, stages=stages, producer=producer)
+            if G.validate(cfg, n, k, fmt, dtype) is None:
+                return cfg
+    return G.MoEGemmConfig(tile_m=tile_m)
+
+
+def moe_seeds(n: int, k: int, fmt: str, dtype: str, experts: int, topk: int, m: int | None = None) -> list[Any]:
+    """Grouped-GEMM configs next to the default where a hit expert gets enough pairs: the other
+    token block, the other raster, 128-deep K tiles, 256-row weight tiles."""
+    per_expert = _pairs_per_expert(experts, topk, m)
+    if per_expert < MOE_GEMM_MIN_PAIRS / 2:
+        return []
+    from dataclasses import replace
+
+    d = _moe_gemm_default(n, k, fmt, dtype, per_expert)
+    return [replace(d, tile_m=192 - d.tile_m), replace(d, raster="n"), replace(d, tile_k=128, stages=4),
+            replace(d, tile_n=256, stages=4), replace(d, producer=not d.producer), replace(d, tile_m=256, stages=4)]
+
+
 def moe_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
     """Values of the grouped MoE kernels worth sweeping."""
     M = _moe_kernel()
@@ -376,14 +424,28 @@ def moe_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
             "per_pair": [False, True]}
 
 
-def moe_default(n: int, k: int, fmt: str, dtype: str, experts: int, topk: int, m: int | None = None) -> Any:
-    """The MoE default: one block per pair, unsorted, while the batch has at most half as many
-    (token, slot) pairs as experts (most hit experts get one pair); else the pairs sorted by
-    expert in blocks of 16 rows where a hit expert gets more than 8 pairs on average (uniform
-    routing), of 8 below; 4 warps; K of the down GEMM not split. Not yet fitted to measurements."""
+def moe_decode_default(n: int, k: int, fmt: str, dtype: str, experts: int, topk: int, m: int | None = None) -> Any:
+    """The warp-level MoE kernel's default: one block per pair, unsorted, while the batch has at
+    most half as many (token, slot) pairs as experts (most hit experts get one pair); else the
+    pairs sorted by expert in blocks of 16 rows where a hit expert gets more than 8 pairs on
+    average (uniform routing), of 8 below; 4 warps; K of the down GEMM not split."""
     M = _moe_kernel()
     pairs = (m if m is not None else 1) * topk
     if 2 * pairs <= experts:
         return M.MoEDecodeConfig(m_block=8, warps=4, k_split=1, per_pair=True)
-    per_expert = pairs / min(experts, pairs) if pairs else 0
-    return M.MoEDecodeConfig(m_block=16 if per_expert > 8 else 8, warps=4, k_split=1)
+    return M.MoEDecodeConfig(m_block=16 if _pairs_per_expert(experts, topk, m) > 8 else 8, warps=4, k_split=1)
+
+
+def moe_gemm_default(n: int, k: int, fmt: str, dtype: str, experts: int, topk: int, m: int | None = None) -> Any:
+    """The grouped GEMM's default (``_moe_gemm_default``)."""
+    return _moe_gemm_default(n, k, fmt, dtype, _pairs_per_expert(experts, topk, m))
+
+
+def moe_default(n: int, k: int, fmt: str, dtype: str, experts: int, topk: int, m: int | None = None) -> Any:
+    """The MoE default: the grouped GEMM from ``MOE_GEMM_MIN_PAIRS`` pairs per hit expert (where
+    valid), else the warp-level kernel (:func:`moe_decode_default`)."""
+    if _pairs_per_expert(experts, topk, m) >= MOE_GEMM_MIN_PAIRS:
+        cfg = moe_gemm_default(n, k, fmt, dtype, experts, topk, m)
+        if _moe_gemm().validate(cfg, n, k, fmt, dtype) is None:
+            return cfg
+    return moe_decode_default(n, k, fmt, dtype, experts, topk, m)

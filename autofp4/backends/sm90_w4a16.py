@@ -11,6 +11,8 @@ validates and runs), told apart by the dataclass's ``kernel`` tag:
 * ``"moe_decode"`` (:class:`~autofp4.kernels.w4a16_moe.MoEDecodeConfig`): the MoE layer, both
   expert GEMMs grouped over the routing's (expert, token block) list with warp-level MMA, the
   activation and the router weights fused; serves any T, CUDA-graph capturable.
+* ``"moe_gemm"`` (:class:`~autofp4.kernels.sm90_moe_gemm.MoEGemmConfig`): the MoE layer on the
+  GEMM kernel above, grouped the same way (larger batches); serves any T, CUDA-graph capturable.
 
 A decode config asked to run ``M > m_max`` runs the GEMM's default config for that M instead,
 so every config answers every M; the dispatcher does not send such calls to a decode config
@@ -45,28 +47,48 @@ def _kernels():
 
 @functools.lru_cache(maxsize=None)
 def _moe():
-    """The MoE kernel module, imported on first use."""
-    from ..kernels import w4a16_moe
+    """The MoE kernel modules (warp-level MMA, grouped GEMM), imported on first use."""
+    from ..kernels import sm90_moe_gemm, w4a16_moe
 
-    return w4a16_moe
+    return w4a16_moe, sm90_moe_gemm
+
+
+@functools.lru_cache(maxsize=None)
+def _by_tag() -> dict[str, Any]:
+    """Each kernel's module by its config's ``kernel`` tag."""
+    decode, gemm = _kernels()
+    moe_decode, moe_gemm = _moe()
+    return {"decode": decode, "gemm": gemm, "moe_decode": moe_decode, "moe_gemm": moe_gemm}
+
+
+@functools.lru_cache(maxsize=None)
+def _config_types() -> dict[str, type]:
+    """Each kernel's config dataclass by its ``kernel`` tag."""
+    m = _by_tag()
+    return {"decode": m["decode"].DecodeConfig, "gemm": m["gemm"].Sm90GemmConfig,
+            "moe_decode": m["moe_decode"].MoEDecodeConfig, "moe_gemm": m["moe_gemm"].MoEGemmConfig}
 
 
 def _module(config: Any):
-    """The kernel module that runs ``config`` (a DecodeConfig, an Sm90GemmConfig or a MoEDecodeConfig)."""
-    decode, gemm = _kernels()
-    if isinstance(config, decode.DecodeConfig):
-        return decode
-    return gemm if isinstance(config, gemm.Sm90GemmConfig) else _moe()
+    """The kernel module that runs ``config`` (a config of one of this backend's kernels)."""
+    return _by_tag()[config.kernel]
+
+
+def _spaces(op: str) -> tuple[tuple[str, Any], ...]:
+    """(kernel tag, its space function) of the kernels that serve ``op``."""
+    if op == "moe":
+        return (("moe_decode", sm90_heuristics.moe_config_space), ("moe_gemm", sm90_heuristics.moe_gemm_config_space))
+    return (("decode", sm90_heuristics.decode_config_space), ("gemm", sm90_heuristics.gemm_config_space))
 
 
 @functools.lru_cache(maxsize=64)
-def _valid_grid(n: int, k: int, fmt: str, dtype: str) -> tuple[Any, ...]:
-    """Every valid point of both kernels' grids for a problem, for every M (the tuner asks for
-    each M bucket of a shape in turn; the grid is 10-18 thousand configs, a second of CPU)."""
-    decode, gemm = _kernels()
+def _valid_grid(op: str, n: int, k: int, fmt: str, dtype: str) -> tuple[Any, ...]:
+    """Every valid point of the grids of ``op``'s kernels for a problem, for every M (the tuner
+    asks for each M bucket of a shape in turn; the linear grid is 10-18 thousand configs, a
+    second of CPU)."""
     out = []
-    for cls, mod, space in ((decode.DecodeConfig, decode, sm90_heuristics.decode_config_space),
-                            (gemm.Sm90GemmConfig, gemm, sm90_heuristics.gemm_config_space)):
+    for tag, space in _spaces(op):
+        mod, cls = _by_tag()[tag], _config_types()[tag]
         for combo in grid(space(n, k, fmt, dtype)):
             cfg = cls(**combo)
             if mod.validate(cfg, n, k, fmt, dtype) is None:
@@ -87,13 +109,14 @@ class SM90Prepared:
         self.weight = weight
         self._decode = None
         self._gemm = None
-        self._moe: dict[bool, Any] = {}
+        self._moe: dict[tuple[str, bool], Any] = {}
 
-    def moe(self, gate_up: bool):
-        """Stacked experts in the MoE kernel's layout (``gate_up``: w13, gate and up rows interleaved)."""
-        packed = self._moe.get(gate_up)
+    def moe(self, kernel: str, gate_up: bool):
+        """Stacked experts in MoE kernel ``kernel``'s layout (``gate_up``: w13, gate and up rows
+        interleaved)."""
+        packed = self._moe.get((kernel, gate_up))
         if packed is None:
-            packed = self._moe[gate_up] = _moe().pack_experts(self.weight, gate_up)
+            packed = self._moe[kernel, gate_up] = _by_tag()[kernel].pack_experts(self.weight, gate_up)
         return packed
 
     @property
@@ -122,8 +145,7 @@ class SM90W4A16Backend(Backend):
 
     @property
     def config_types(self) -> Mapping[str | None, type]:  # type: ignore[override]
-        decode, gemm = _kernels()
-        return {"decode": decode.DecodeConfig, "gemm": gemm.Sm90GemmConfig, "moe_decode": _moe().MoEDecodeConfig}
+        return _config_types()
 
     # -- where it runs ------------------------------------------------------------------
     def unavailable_reason(self, device: torch.device) -> str | None:
@@ -144,20 +166,19 @@ class SM90W4A16Backend(Backend):
 
     # -- the search space -------------------------------------------------------------------
     def config_space(self, key: ProblemKey) -> Mapping[str, Sequence[Any]]:
-        """Both kernels' fields and values (``sm90_heuristics``), ``kernel`` first; a field the
-        two share lists the union of their values."""
-        if key.op == "moe":
-            return {"kernel": ["moe_decode"], **sm90_heuristics.moe_config_space(key.n, key.k, key.fmt, key.dtype)}
-        space: dict[str, list] = {"kernel": ["decode", "gemm"]}
-        for fn in (sm90_heuristics.decode_config_space, sm90_heuristics.gemm_config_space):
+        """The fields and values of the kernels serving ``key.op`` (``sm90_heuristics``),
+        ``kernel`` first; a field two kernels share lists the union of their values."""
+        spaces = _spaces(key.op)
+        space: dict[str, list] = {"kernel": [tag for tag, _ in spaces]}
+        for _, fn in spaces:
             for name, values in fn(key.n, key.k, key.fmt, key.dtype).items():
                 space[name] = list(dict.fromkeys(space.get(name, []) + list(values)))
         return space
 
     def is_valid(self, config: BackendConfig, key: ProblemKey) -> str | None:
         if type(config) not in self.config_types.values():
-            return f"expected a DecodeConfig, an Sm90GemmConfig or a MoEDecodeConfig, got {type(config).__name__}"
-        if (config.kernel == "moe_decode") != (key.op == "moe"):
+            return f"expected a config of {self._type_names()}, got {type(config).__name__}"
+        if config.kernel.startswith("moe_") != (key.op == "moe"):
             return f"a {config.kernel} config cannot run a {key.op} problem"
         return _module(config).validate(config, key.n, key.k, key.fmt, key.dtype)
 
@@ -169,7 +190,8 @@ class SM90W4A16Backend(Backend):
     def seeds(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
         """Valid configs worth trying right after the default (``sm90_heuristics.seeds``)."""
         if key.op == "moe":
-            return []
+            return [c for c in sm90_heuristics.moe_seeds(key.n, key.k, key.fmt, key.dtype, key.experts, key.topk, m)
+                    if c != self.default(key, m) and self.is_valid(c, key) is None]
         out: list[BackendConfig] = []
         default = self.default(key, m)
         for cfg in sm90_heuristics.seeds(key.n, key.k, key.fmt, key.dtype, m):
@@ -186,7 +208,7 @@ class SM90W4A16Backend(Backend):
         needs) or off; a decode config with dependent launch on and its trigger early (``pdl_early``)
         and late, less itself; winners stored before these settings existed have them off. The
         tuner drops the invalid ones."""
-        if type(config) not in self.config_types.values() or config.kernel == "moe_decode":
+        if type(config) not in self.config_types.values() or config.kernel.startswith("moe_"):
             return []
         if config.kernel == "decode":
             return [c for c in (replace(config, pdl=True, pdl_early=True), replace(config, pdl=True, pdl_early=False))
@@ -202,12 +224,10 @@ class SM90W4A16Backend(Backend):
 
         The GEMM grid is large; the tuner samples it (optuna TPE) when it exceeds its budget.
         """
-        if key.op == "moe":
-            return super().candidates(key, m)
         out: list[BackendConfig] = [self.default(key, m)]
         out += [c for c in self.seeds(key, m) if c not in out]
         seen = set(out)
-        for cfg in _valid_grid(key.n, key.k, key.fmt, key.dtype):
+        for cfg in _valid_grid(key.op, key.n, key.k, key.fmt, key.dtype):
             if cfg.kernel == "decode" and m is not None and cfg.m_max < m:
                 continue
             if cfg.kernel == "gemm" and m is not None and cfg.swizzle > 1 and (cfg.raster == "n" and m <= cfg.tile_m):
@@ -228,8 +248,8 @@ class SM90W4A16Backend(Backend):
         n, k, fmt, dtype = key.n, key.k, key.fmt, key.dtype
         run = _compiled(config, n, k, fmt, dtype)
         check_fp16 = fmt == "mxfp4" and dtype == "float16"
-        if config.kernel == "moe_decode":
-            return _moe_runner(run, check_fp16)
+        if config.kernel.startswith("moe_"):
+            return _moe_runner(run, config.kernel, check_fp16)
         if config.kernel == "gemm":
 
             def runner(x: torch.Tensor, prep: SM90Prepared, bias: torch.Tensor | None) -> torch.Tensor:
@@ -262,15 +282,14 @@ class SM90W4A16Backend(Backend):
     # a row's provenance: its config's kernel module (and the helpers it names), which holds the
     # config dataclass too. This module is plumbing (dispatch to the kernels, fallbacks), so
     # editing it keeps the rows
-    source_parts = ("decode", "gemm", "moe_decode")
+    source_parts = ("decode", "gemm", "moe_decode", "moe_gemm")
 
     def source_part(self, config: Mapping[str, Any] | BackendConfig | None) -> str | None:
         kernel = config.get("kernel") if isinstance(config, Mapping) else getattr(config, "kernel", None)
         return kernel if kernel in self.source_parts else None
 
     def source_modules(self, part: str | None = None) -> list[Any]:
-        decode, gemm = _kernels()
-        by_part = {"decode": decode, "gemm": gemm, "moe_decode": _moe()}
+        by_part = _by_tag()
         return list(by_part.values()) if part is None else [by_part[part]]
 
 
@@ -280,12 +299,12 @@ def _gemm_default(n: int, k: int, fmt: str, dtype: str, m: int):
     return _compiled(sm90_heuristics.gemm_default(n, k, fmt, dtype, m), n, k, fmt, dtype)
 
 
-def _moe_runner(run: Runner, check_fp16: bool) -> Runner:
-    """The MoE runner: both GEMMs on the experts' MoE layout (fp16 with MXFP4 experts whose
-    exponents span too much for fp16 runs on the reference backend, as the linear kernels do)."""
+def _moe_runner(run: Runner, kernel: str, check_fp16: bool) -> Runner:
+    """The MoE runner: both GEMMs on the experts in ``kernel``'s layout (fp16 with MXFP4 experts
+    whose exponents span too much for fp16 runs on the reference backend, as the linear kernels do)."""
 
     def runner(x, p13: SM90Prepared, p2: SM90Prepared, topk_weights, topk_ids, activation, expert_map=None):
-        m13, m2 = p13.moe(True), p2.moe(False)
+        m13, m2 = p13.moe(kernel, True), p2.moe(kernel, False)
         if check_fp16 and (why := m13.unsupported[1] or m2.unsupported[1]):
             _warn_once(why)
             return reference_moe(x, p13.weight, p2.weight, topk_weights, topk_ids, activation, expert_map=expert_map)

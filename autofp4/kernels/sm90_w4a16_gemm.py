@@ -404,10 +404,18 @@ def pack_weight(w: Any) -> PackedSm90Weight:
 # The kernel
 # --------------------------------------------------------------------------------------------
 class _Sm90W4A16Kernel:
-    """One compiled kernel per (config, N, K, fmt, dtype); M is symbolic."""
+    """One compiled kernel per (config, N, K, fmt, dtype); M is symbolic.
 
-    def __init__(self, cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str):
+    ``grouped`` (None: the dense GEMM) makes it the grouped GEMM of a MoE layer
+    (:mod:`.sm90_moe_gemm`), an object with ``kind`` (``"up"`` or ``"down"``) and, for ``"up"``,
+    ``act(gate, up)`` (fp32 -> fp32, traced in the epilogue): x holds the token rows sorted by
+    expert in blocks of ``tile_m`` rows (a block's expert read from ``block_expert``, -1: the CTA
+    exits), the weight is every expert's packed weight one after the other, ``alpha`` is per expert.
+    """
+
+    def __init__(self, cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str, grouped: Any = None):
         self.cfg = cfg
+        self.grouped = grouped
         self.n, self.k, self.fmt, self.dtype = n, k, fmt, dtype
         self.np_, self.kp = _pad(n), _pad(k)
         self.chunk = chunk_bytes(fmt)
@@ -507,6 +515,24 @@ class _Sm90W4A16Kernel:
                     cute.copy(bulk_atom, src, dst, mbar_ptr=bar)
             pipe.producer_commit(state)
 
+        grp_kind = self.grouped.kind if self.grouped is not None else None
+        grp_act = self.grouped.act if grp_kind == "up" else None
+        inter = n_real // 2
+
+        @cute.jit
+        def grouped_store(mOut, grp, nn, mm, lo, hi):
+            """The grouped GEMM's store of weight rows (nn, nn + 1) of sorted row mm: "up" writes
+            the activation at h[mm, j] (gate row nn = 16 q + s -> j = 8 q + s); "down" writes the
+            weighted expert output at the pair's row of ``y [pairs, N]`` (none for padding)."""
+            if cutlass.const_expr(grp_kind == "up"):
+                j = nn // 16 * 8 + nn % 16
+                if j < inter:
+                    st_x2(mOut.iterator.toint() + cutlass.Int64(mm * inter + j) * 2, lo, hi)
+            else:
+                pair = grp[1][mm]
+                if nn < n_real and pair >= 0:
+                    st_x2(mOut.iterator.toint() + cutlass.Int64(pair * n_real + nn) * 2, lo, hi)
+
         def banded(lin, walked, across):
             """(band-axis tile, walked-axis tile) of linear CTA index ``lin`` when the grid walks
             ``walked`` tiles in bands ``swz`` wide of the ``across`` axis."""
@@ -546,7 +572,38 @@ class _Sm90W4A16Kernel:
             else:
                 pid_n = bidy
                 pid_m = bidx
+            cta(tma_atom_x, mX, mW, mAlpha, mBias, mOut, m_size, tiled_mma, x_smem_layout_staged,
+                tidx, warp_idx, bidz, pid_n, pid_m, None)
 
+        @cute.kernel
+        def grouped_kernel(
+            tma_atom_x: cute.CopyAtom,
+            mX: cute.Tensor,
+            mW: cute.Tensor,
+            mAlpha: cute.Tensor,
+            mOut: cute.Tensor,
+            m_size: cutlass.Int32,
+            tiled_mma: cute.TiledMma,
+            x_smem_layout_staged: cute.ComposedLayout,
+            mBlockExpert: cute.Tensor,
+            mRows: cute.Tensor,
+            mTopkW: cute.Tensor,
+        ):
+            tidx, _, _ = cute.arch.thread_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            bidx, bidy, bidz = cute.arch.block_idx()
+            pid_n, pid_m = (bidx, bidy) if raster_n else (bidy, bidx)
+            griddep_wait()  # the routing metadata comes from the previous kernels of the stream
+            expert = mBlockExpert[pid_m]
+            if expert >= 0:
+                cta(tma_atom_x, mX, mW, mAlpha, None, mOut, m_size, tiled_mma, x_smem_layout_staged,
+                    tidx, warp_idx, bidz, pid_n, pid_m, (expert, mRows, mTopkW))
+
+        @cute.jit
+        def cta(tma_atom_x, mX, mW, mAlpha, mBias, mOut, m_size, tiled_mma, x_smem_layout_staged,
+                tidx, warp_idx, bidz, pid_n, pid_m, grp):
+            """The tile (pid_n, pid_m) of one CTA; ``grp``: None (dense) or the grouped GEMM's
+            (expert, sorted rows, router weights)."""
             if warp_idx == load_warp:
                 cpasync.prefetch_descriptor(tma_atom_x)
 
@@ -634,6 +691,8 @@ class _Sm90W4A16Kernel:
             rel_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
 
             n_row0 = pid_n * nb_per_cta  # first 64-row block of this CTA
+            if cutlass.const_expr(grp is not None):
+                n_row0 = n_row0 + grp[0] * (np_ // CHUNK_N)  # in the expert's packed weight
             lane_q = wtid // 4  # row group 0..31 (scale bytes)
 
             # ---- prologue: until the previous kernel has finished (dependent launch) only pull
@@ -729,7 +788,7 @@ class _Sm90W4A16Kernel:
                 cute.arch.cluster_wait()
 
             # ---- epilogue: out[m, n] = acc[n, m] * alpha + bias[n]
-            alpha = mAlpha[0]
+            alpha = mAlpha[0] if grp is None else mAlpha[grp[0]]
             row0 = pid_n * tile_n + wg * (reps * CHUNK_N)
             col0 = pid_m * tile_m
             cid = cute.make_identity_tensor((CHUNK_N * reps, tile_m))
@@ -757,42 +816,55 @@ class _Sm90W4A16Kernel:
                 # for the odd one's column c, and each stores two consecutive n of one m (bf16x2)
                 r0, c0 = tcid[0]
                 lane_odd = (tidx // 4) % 2
-                bias_rows = [mBias[cutlass.min(row0 + r0 + 8 * h + CHUNK_N * rep, n_real - 1)].to(cutlass.Float32)
-                             for rep in range(reps) for h in range(2)]
+                if cutlass.const_expr(grp is None):
+                    bias_rows = [mBias[cutlass.min(row0 + r0 + 8 * h + CHUNK_N * rep, n_real - 1)].to(cutlass.Float32)
+                                 for rep in range(reps) for h in range(2)]
                 if warp_idx < cons_warps:  # (not the producer warp)
                     for i in cutlass.range_constexpr(0, n_acc, 2):
                         h = i // 2 % 2
                         rep = i // (tile_m // 2)
-                        if bidz == (i // 2 % split_k if cluster_red else 0):
-                            if cutlass.const_expr(cluster_red):
-                                t0 = cutlass.Float32(0.0)
-                                t1 = cutlass.Float32(0.0)
-                                for z in cutlass.range_constexpr(split_k):
-                                    t0 = t0 + ld_dsmem_f32(red_base + (i * cons_threads + tidx) * 4, z)
-                                    t1 = t1 + ld_dsmem_f32(red_base + ((i + 1) * cons_threads + tidx) * 4, z)
-                            else:
-                                t0 = acc[i]
-                                t1 = acc[i + 1]
-                            v0 = t0 * alpha + bias_rows[rep * 2 + h]
-                            v1 = t1 * alpha + bias_rows[rep * 2 + h]
-                            send = v1
-                            if lane_odd == 1:
-                                send = v0
-                            got = cute.arch.shuffle_sync_bfly(send, offset=4)
-                            lo = v0
-                            hi = got
-                            if lane_odd == 1:
-                                lo = got
-                                hi = v1
-                            nn = row0 + r0 + 8 * h + CHUNK_N * rep - lane_odd
-                            mm = col0 + c0 + i // 4 % (tile_m // 8) * 8 + lane_odd
-                            if nn < n_real and mm < m_size:
-                                if cutlass.const_expr(n_real % 2 == 0):
-                                    st_x2(mOut.iterator.toint() + cutlass.Int64(mm * n_real + nn) * 2, lo, hi)
-                                else:  # rows of out are not 4-byte aligned
-                                    mOut[mm, nn] = lo.to(dt)
-                                    if nn + 1 < n_real:
-                                        mOut[mm, nn + 1] = hi.to(dt)
+                        # grouped "up": rows r (h = 0, gate) and r + 8 (h = 1, up) make one output
+                        if cutlass.const_expr(grp_kind != "up" or h == 0):
+                            if bidz == (i // 2 % split_k if cluster_red else 0):
+                                if cutlass.const_expr(cluster_red):
+                                    t0 = cutlass.Float32(0.0)
+                                    t1 = cutlass.Float32(0.0)
+                                    for z in cutlass.range_constexpr(split_k):
+                                        t0 = t0 + ld_dsmem_f32(red_base + (i * cons_threads + tidx) * 4, z)
+                                        t1 = t1 + ld_dsmem_f32(red_base + ((i + 1) * cons_threads + tidx) * 4, z)
+                                else:
+                                    t0 = acc[i]
+                                    t1 = acc[i + 1]
+                                if cutlass.const_expr(grp is None):
+                                    v0 = t0 * alpha + bias_rows[rep * 2 + h]
+                                    v1 = t1 * alpha + bias_rows[rep * 2 + h]
+                                elif cutlass.const_expr(grp_kind == "up"):
+                                    v0 = grp_act(t0 * alpha, acc[i + 2] * alpha)
+                                    v1 = grp_act(t1 * alpha, acc[i + 3] * alpha)
+                                else:  # "down": times the router weight of the column's pair
+                                    col = col0 + c0 + i // 4 % (tile_m // 8) * 8
+                                    v0 = t0 * alpha * grp[2][cutlass.max(grp[1][col], 0)]
+                                    v1 = t1 * alpha * grp[2][cutlass.max(grp[1][col + 1], 0)]
+                                send = v1
+                                if lane_odd == 1:
+                                    send = v0
+                                got = cute.arch.shuffle_sync_bfly(send, offset=4)
+                                lo = v0
+                                hi = got
+                                if lane_odd == 1:
+                                    lo = got
+                                    hi = v1
+                                nn = row0 + r0 + 8 * h + CHUNK_N * rep - lane_odd
+                                mm = col0 + c0 + i // 4 % (tile_m // 8) * 8 + lane_odd
+                                if cutlass.const_expr(grp is not None):
+                                    grouped_store(mOut, grp, nn, mm, lo, hi)
+                                elif nn < n_real and mm < m_size:
+                                    if cutlass.const_expr(n_real % 2 == 0):
+                                        st_x2(mOut.iterator.toint() + cutlass.Int64(mm * n_real + nn) * 2, lo, hi)
+                                    else:  # rows of out are not 4-byte aligned
+                                        mOut[mm, nn] = lo.to(dt)
+                                        if nn + 1 < n_real:
+                                            mOut[mm, nn + 1] = hi.to(dt)
                 if cutlass.const_expr(cluster_red):
                     # every CTA's shared memory stays alive until its peers have read it
                     cute.arch.cluster_arrive()
@@ -810,16 +882,8 @@ class _Sm90W4A16Kernel:
                                 val = val + mBias[nn].to(cutlass.Float32)
                             cute.arch.atomic_add((mOut.iterator + (mm * n_real + nn)).llvm_ptr, val)
 
-        @cute.jit
-        def host(
-            mX: cute.Tensor,
-            mW: cute.Tensor,
-            mAlpha: cute.Tensor,
-            mBias: cute.Tensor,
-            mOut: cute.Tensor,
-            use_pdl: cutlass.Int32,
-            stream: cuda.CUstream,
-        ):
+        def operands(mX: cute.Tensor):
+            """The tiled wgmma, the staged x layout in shared memory, and x's TMA atom + tensor."""
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 dt,
                 dt,
@@ -839,6 +903,19 @@ class _Sm90W4A16Kernel:
                 else cpasync.CopyBulkTensorTileG2SOp(),
                 mX, x_smem_one, (tile_m, tile_k), num_multicast=cl
             )
+            return tiled_mma, x_smem_layout_staged, tma_atom_x, tma_x
+
+        @cute.jit
+        def host(
+            mX: cute.Tensor,
+            mW: cute.Tensor,
+            mAlpha: cute.Tensor,
+            mBias: cute.Tensor,
+            mOut: cute.Tensor,
+            use_pdl: cutlass.Int32,
+            stream: cuda.CUstream,
+        ):
+            tiled_mma, x_smem_layout_staged, tma_atom_x, tma_x = operands(mX)
             m_size = mX.shape[0]
             m_tiles = (m_size + tile_m - 1) // tile_m
             if cutlass.const_expr(raster_n):
@@ -852,7 +929,28 @@ class _Sm90W4A16Kernel:
                      cluster=(1, 1, split_k) if cluster_red else (cl, 1, 1), stream=stream, use_pdl=use_pdl,
                      **occupancy)
 
-        return host
+        @cute.jit
+        def host_grouped(
+            mX: cute.Tensor,
+            mW: cute.Tensor,
+            mAlpha: cute.Tensor,
+            mOut: cute.Tensor,
+            mBlockExpert: cute.Tensor,
+            mRows: cute.Tensor,
+            mTopkW: cute.Tensor,
+            use_pdl: cutlass.Int32,
+            stream: cuda.CUstream,
+        ):
+            tiled_mma, x_smem_layout_staged, tma_atom_x, tma_x = operands(mX)
+            blocks = mBlockExpert.shape[0]
+            grid = (n_tiles, blocks, 1) if raster_n else (blocks, n_tiles, 1)
+            grouped_kernel(
+                tma_atom_x, tma_x, mW, mAlpha, mOut, mX.shape[0], tiled_mma, x_smem_layout_staged,
+                mBlockExpert, mRows, mTopkW,
+            ).launch(grid=grid, block=[threads, 1, 1], cluster=(cl, 1, 1), stream=stream, use_pdl=use_pdl,
+                     **occupancy)
+
+        return host if self.grouped is None else host_grouped
 
     def fake_args(self):
         import cutlass
@@ -872,6 +970,28 @@ class _Sm90W4A16Kernel:
         out = make_fake_compact_tensor(out_dt, (m, self.n), stride_order=(1, 0), assumed_align=4)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         return x, w, alpha, bias, out, 1, stream
+
+    def fake_args_grouped(self):
+        """The grouped GEMM's arguments: x [rows, K] sorted rows, every expert's packed weight,
+        alpha [E], out ("up": h [rows, N / 2]; "down": y [pairs, N]), block_expert [blocks],
+        sorted_rows [rows], topk_weights [pairs] (fp32)."""
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+        dt = cutlass.BFloat16 if self.dtype == "bfloat16" else cutlass.Float16
+        e, rows, blocks, pairs = (cute.sym_int32() for _ in range(4))
+        x = make_fake_compact_tensor(dt, (rows, self.k), stride_order=(1, 0), assumed_align=16)
+        w = make_fake_compact_tensor(
+            cutlass.Uint8, (e * (self.np_ // CHUNK_N * (self.kp // CHUNK_K) * self.chunk),), assumed_align=16)
+        alpha = make_fake_compact_tensor(cutlass.Float32, (e,), assumed_align=4)
+        out_shape = (rows, self.n // 2) if self.grouped.kind == "up" else (pairs, self.n)
+        out = make_fake_compact_tensor(dt, out_shape, stride_order=(1, 0), assumed_align=4)
+        bexp = make_fake_compact_tensor(cutlass.Int32, (blocks,), assumed_align=4)
+        srows = make_fake_compact_tensor(cutlass.Int32, (rows,), assumed_align=4)
+        tw = make_fake_compact_tensor(cutlass.Float32, (pairs,), assumed_align=4)
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        return x, w, alpha, out, bexp, srows, tw, 1, stream
 
 
 def _check(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> None:

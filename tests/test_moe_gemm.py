@@ -1,0 +1,225 @@
+"""The grouped wgmma MoE GEMMs of the Hopper backend (autofp4.kernels.sm90_moe_gemm).
+
+CPU: the packed experts are the dense GEMM's packing of each expert (w13 with gate and up rows
+in groups of 8), the validity rules, and the default configs of the MoE models compile for
+sm_90a. GPU (H200): every kind of config against the reference backend on fresh random data
+(token blocks of 64, 128 and 256 rows, both rasters, x multicast over a cluster of two, a
+producer warp, 256-row weight tiles), both formats and dtypes, ragged counts, experts with no
+pair and one expert with every token, expert-parallel slices, CUDA-graph replay with changing
+routing.
+"""
+import os
+import random
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import autofp4  # noqa: E402
+from autofp4.backends import get_backend  # noqa: E402
+from autofp4.backends.reference import reference_moe  # noqa: E402
+from autofp4.problem import ProblemKey  # noqa: E402
+
+G = pytest.importorskip("autofp4.kernels.sm90_moe_gemm")
+from autofp4.kernels import sm90_w4a16_gemm as D  # noqa: E402
+
+SEED = int.from_bytes(os.urandom(4), "little")
+MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "gpt-oss-120b": (128, 4, 2880, 2880),
+          "mixtral-8x7b": (8, 2, 4096, 14336), "deepseek-v3-ep8": (32, 8, 7168, 2048)}
+
+
+def _experts(e, n, k, fmt, gen, device="cpu"):
+    """Random experts whose scales differ per expert, sized so that a layer's outputs stay O(1)."""
+    w = torch.randn(e, n, k, generator=gen) * torch.exp(0.5 * torch.randn(e, 1, 1, generator=gen)) / k ** 0.5
+    return autofp4.quantize(w.to(device), fmt)
+
+
+def test_gate_up_rows_alternate_groups_of_eight():
+    order = G.gate_up_rows(48).tolist()  # I = 24
+    assert order[:16] == list(range(8)) + list(range(24, 32))
+    assert order[16:32] == list(range(8, 16)) + list(range(32, 40))
+    assert sorted(order) == list(range(48))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_packed_experts_are_each_experts_dense_packing(fmt):
+    gen = torch.Generator().manual_seed(SEED)
+    w = _experts(3, 96, 256, fmt, gen)
+    p = G.pack_experts(w, gate_up=True)
+    per = p.data.numel() // 3
+    order = G.gate_up_rows(96)
+    for e in range(3):
+        we = w.expert(e)
+        one = D.pack_weight(type(we)(we.fmt, we.data[order], we.scale[order], we.global_scale, check_values=False))
+        assert torch.equal(p.data[e * per:(e + 1) * per], one.data.reshape(-1))
+        assert torch.equal(p.alpha[e:e + 1], one.alpha)
+    down = G.pack_experts(w, gate_up=False)
+    assert torch.equal(down.data[:per], D.pack_weight(w.expert(0)).data.reshape(-1))
+    with pytest.raises(ValueError, match="stacked experts"):
+        G.pack_experts(w.expert(0), gate_up=False)
+
+
+@pytest.mark.parametrize("cfg,n,k,match", [
+    (G.MoEGemmConfig(tile_m=48), 1536, 2048, "tile_m must be"),
+    (G.MoEGemmConfig(), 1544, 2048, "multiple of 16"),
+    (G.MoEGemmConfig(), 1536, 2047, "even"),
+    (G.MoEGemmConfig(raster="x"), 1536, 2048, "raster"),
+    (G.MoEGemmConfig(cluster_n=2, tile_n=256, raster="n"), 5760, 2880, "the up GEMM .*cluster_n=2 must divide"),
+    (G.MoEGemmConfig(cluster_n=2), 1536, 2048, "needs raster=.n."),
+    (G.MoEGemmConfig(tile_k=256, stages=8), 1536, 2048, "shared memory"),
+    (G.MoEGemmConfig(pdl=1), 1536, 2048, "pdl must be a bool"),
+])
+def test_invalid_configs_are_refused_before_compiling(cfg, n, k, match):
+    assert G.validate(cfg, n, k, "nvfp4", "bfloat16") is not None
+    with pytest.raises(ValueError, match=match):
+        G.compile_only(cfg, n, k, "nvfp4", "bfloat16")
+
+
+def test_the_default_is_the_grouped_gemm_from_enough_pairs_per_expert():
+    b = get_backend("sm90_w4a16")
+    key = ProblemKey("moe", "nvfp4", "bfloat16", 1536, 2048, 128, 8)
+    assert b.default(key, 16).kernel == "moe_decode"
+    big = b.default(key, 4096)
+    assert big.kernel == "moe_gemm" and big.tile_m == 128
+    assert b.default(key, 1024).tile_m == 64  # 64 pairs per expert
+    assert b.parse_config(b.config_dict(big)) == big
+    assert any(c.kernel == "moe_gemm" for c in b.candidates(key, 256))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_default_configs_of_the_models_compile_for_sm90a(fmt):
+    b = get_backend("sm90_w4a16")
+    for e, topk, h, i in MODELS.values():
+        key = ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, topk)
+        cfg = b.default(key, 4096)
+        assert cfg.kernel == "moe_gemm", cfg
+        b.compile_only(cfg, key)
+
+
+def test_a_random_sample_of_the_space_compiles_for_sm90a():
+    rng = random.Random(SEED)
+    b = get_backend("sm90_w4a16")
+    e, topk, h, i = rng.choice(list(MODELS.values()))
+    key = ProblemKey("moe", rng.choice(["nvfp4", "mxfp4"]), rng.choice(["bfloat16", "float16"]), 2 * i, h, e, topk)
+    grid = [c for c in b.candidates(key, 4096) if c.kernel == "moe_gemm"]
+    for cfg in rng.sample(grid, 2):
+        print(key, cfg)
+        b.compile_only(cfg, key)
+
+
+# ----------------------------------------------------------------------------- GPU
+def _gpu():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper GPU")
+
+
+def _routing(t, e, k, mode, gen):
+    logits = torch.randn(t, e, generator=gen)
+    if mode == "one_expert":  # every token's first choice is expert 0
+        logits[:, 0] += 100.0
+    if mode == "few_experts":  # only experts 0 .. k+1 get tokens
+        logits[:, k + 2:] -= 100.0
+    w, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    return (w / w.sum(-1, keepdim=True)).float().cuda(), ids.to(torch.int32).cuda()
+
+
+def _layer(t, e, k, h, i, fmt, dtype, mode, gen):
+    w13 = _experts(e, 2 * i, h, fmt, gen, "cuda")
+    w2 = _experts(e, h, i, fmt, gen, "cuda")
+    x = torch.randn(t, h, generator=gen).to("cuda", dtype)
+    return (x, w13, w2, *_routing(t, e, k, mode, gen))
+
+
+def _err(got, want):
+    return float((got.float() - want).norm() / want.norm())
+
+
+CONFIGS = [G.MoEGemmConfig(), G.MoEGemmConfig(tile_m=64, raster="n"), G.MoEGemmConfig(tile_m=256, stages=3),
+           G.MoEGemmConfig(cluster_n=2, raster="n", producer=True, scale_select=True),
+           G.MoEGemmConfig(tile_n=256, tile_k=128, stages=3, producer=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("case", [  # (T, E, top_k, H, I, routing)
+    (1, 8, 2, 512, 256, "uniform"), (37, 16, 4, 512, 256, "few_experts"), (300, 8, 1, 512, 256, "one_expert"),
+    (1000, 32, 8, 512, 256, "uniform"), (4096, 8, 2, 512, 256, "uniform"),
+    (200, 8, 2, 1440, 736, "uniform"),  # N and K of both GEMMs padded (to multiples of 256)
+])
+def test_every_config_kind_matches_the_reference(fmt, case):
+    """Every config kind on one shape (the compiles are shared), the default on a padded one."""
+    _gpu()
+    b = get_backend("sm90_w4a16")
+    t, e, k, h, i, mode = case
+    gen = torch.Generator().manual_seed(SEED + t)
+    x, w13, w2, tw, ti = _layer(t, e, k, h, i, fmt, torch.bfloat16, mode, gen)
+    key = ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, k)
+    p13, p2 = w13.packed(b.name, b.prepare), w2.packed(b.name, b.prepare)
+    for act in ("silu", "gelu"):
+        want = reference_moe(x.float(), w13, w2, tw, ti, act).float()
+        for cfg in CONFIGS if act == "silu" and (h, i) == (512, 256) else CONFIGS[:1]:
+            if b.is_valid(cfg, key) is not None:
+                continue
+            got = b.compile(cfg, key)(x, p13, p2, tw, ti, act)
+            assert got.shape == (t, h) and got.dtype == torch.bfloat16
+            assert _err(got, want) < 2e-2, (cfg, act)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp16_activations_match_the_reference(fmt):
+    _gpu()
+    gen = torch.Generator().manual_seed(SEED)
+    x, w13, w2, tw, ti = _layer(513, 16, 4, 512, 256, fmt, torch.float16, "uniform", gen)
+    b = get_backend("sm90_w4a16")
+    key = ProblemKey("moe", fmt, "float16", 512, 512, 16, 4)
+    got = b.compile(G.MoEGemmConfig(tile_m=64), key)(
+        x, w13.packed(b.name, b.prepare), w2.packed(b.name, b.prepare), tw, ti, "silu")
+    assert got.dtype == torch.float16
+    assert _err(got, reference_moe(x.float(), w13, w2, tw, ti, "silu").float()) < 2e-2
+
+
+@pytest.mark.gpu
+def test_expert_parallel_slices_skip_the_pairs_routed_elsewhere():
+    _gpu()
+    b = get_backend("sm90_w4a16")
+    gen = torch.Generator().manual_seed(SEED)
+    x, w13, w2, tw, ti = _layer(700, 32, 8, 512, 256, "nvfp4", torch.bfloat16, "uniform", gen)
+    total = torch.zeros(700, 512, device="cuda")
+    for r in range(4):
+        emap = torch.full((32,), -1, dtype=torch.int32, device="cuda")
+        emap[r * 8:(r + 1) * 8] = torch.arange(8, dtype=torch.int32, device="cuda")
+        idx = torch.arange(r * 8, (r + 1) * 8, device="cuda")
+        a, c = (type(w)(w.fmt, w.data[idx], w.scale[idx], w.global_scale[idx], check_values=False) for w in (w13, w2))
+        key = ProblemKey("moe", "nvfp4", "bfloat16", 512, 512, 8, 8)
+        got = b.compile(G.MoEGemmConfig(), key)(x, a.packed(b.name, b.prepare), c.packed(b.name, b.prepare), tw, ti,
+                                                "silu", emap)
+        want = reference_moe(x.float(), a, c, tw, ti, "silu", expert_map=emap).float()
+        assert _err(got, want) < 2e-2, r
+        total += got.float()
+    assert _err(total, reference_moe(x.float(), w13, w2, tw, ti, "silu").float()) < 2e-2
+
+
+@pytest.mark.gpu
+def test_graph_replay_with_changing_routing_matches_eager():
+    _gpu()
+    b = get_backend("sm90_w4a16")
+    gen = torch.Generator().manual_seed(SEED)
+    t, e, k, h, i = 600, 16, 4, 512, 256
+    x, w13, w2, tw, ti = _layer(t, e, k, h, i, "nvfp4", torch.bfloat16, "uniform", gen)
+    run = b.compile(G.MoEGemmConfig(tile_m=64), ProblemKey("moe", "nvfp4", "bfloat16", 2 * i, h, e, k))
+    p13, p2 = w13.packed(b.name, b.prepare), w2.packed(b.name, b.prepare)
+    run(x, p13, p2, tw, ti, "silu")  # compile and pack outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = run(x, p13, p2, tw, ti, "silu")
+    for mode in ("uniform", "one_expert", "few_experts"):
+        ntw, nti = _routing(t, e, k, mode, gen)
+        x.copy_(torch.randn(t, h, generator=gen).bfloat16())
+        tw.copy_(ntw)
+        ti.copy_(nti)
+        g.replay()
+        want = run(x, p13, p2, tw, ti, "silu")
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), mode  # no atomics: the same sums in the same order
