@@ -223,3 +223,39 @@ def test_graph_replay_with_changing_routing_matches_eager():
         want = run(x, p13, p2, tw, ti, "silu")
         torch.cuda.synchronize()
         assert torch.equal(out, want), mode  # no atomics: the same sums in the same order
+
+
+def _torch_moe(x, w13, w2, tw, ti, b13, b2):
+    """gpt-oss's MoE with biases in plain torch, token by token (fp32, dequantized experts)."""
+    d13, d2 = w13.dequantize().float(), w2.dequantize().float()
+    i = d2.shape[-1]
+    out = torch.zeros(x.shape[0], d2.shape[1], device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ti.shape[1]):
+            e = int(ti[t, j])
+            gu = d13[e] @ x[t].float() + b13[e].float()
+            gate, up = gu[:i].clamp(max=7.0), gu[i:].clamp(-7.0, 7.0)
+            hid = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+            out[t] += tw[t, j] * (d2[e] @ hid + b2[e].float())
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpt_oss_activation_and_biases_match_a_torch_loop(fmt):
+    _gpu()
+    b = get_backend("sm90_w4a16")
+    gen = torch.Generator().manual_seed(SEED)
+    t, e, k, h, i = 150, 8, 4, 512, 256
+    x, w13, w2, tw, ti = _layer(t, e, k, h, i, fmt, torch.bfloat16, "uniform", gen)
+    x = x * 4  # gate and up values beyond the clamp at 7
+    b13 = torch.randn(e, 2 * i, generator=gen).cuda()
+    b2 = (0.1 * torch.randn(e, h, generator=gen)).cuda().bfloat16()
+    want = _torch_moe(x, w13, w2, tw, ti, b13, b2)
+    key = ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, k)
+    p13, p2 = w13.packed(b.name, b.prepare), w2.packed(b.name, b.prepare)
+    for cfg in (G.MoEGemmConfig(tile_m=64), G.MoEGemmConfig(tile_n=256, raster="n", producer=True)):
+        got = b.compile(cfg, key)(x, p13, p2, tw, ti, "swigluoai", None, b13, b2)
+        assert _err(got, want) < 2e-2, cfg
+        no_bias = b.compile(cfg, key)(x, p13, p2, tw, ti, "swigluoai")
+        assert _err(no_bias, want) > 5e-2  # the biases matter at this size: the check can fail

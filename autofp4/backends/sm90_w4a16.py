@@ -303,12 +303,15 @@ def _moe_runner(run: Runner, kernel: str, check_fp16: bool) -> Runner:
     """The MoE runner: both GEMMs on the experts in ``kernel``'s layout (fp16 with MXFP4 experts
     whose exponents span too much for fp16 runs on the reference backend, as the linear kernels do)."""
 
-    def runner(x, p13: SM90Prepared, p2: SM90Prepared, topk_weights, topk_ids, activation, expert_map=None):
+    def runner(x, p13: SM90Prepared, p2: SM90Prepared, topk_weights, topk_ids, activation, expert_map=None,
+               w13_bias=None, w2_bias=None):
         m13, m2 = p13.moe(kernel, True), p2.moe(kernel, False)
+        biases = {} if w13_bias is None and w2_bias is None else {"w13_bias": w13_bias, "w2_bias": w2_bias}
         if check_fp16 and (why := m13.unsupported[1] or m2.unsupported[1]):
             _warn_once(why)
-            return reference_moe(x, p13.weight, p2.weight, topk_weights, topk_ids, activation, expert_map=expert_map)
-        return run(x, m13, m2, topk_weights, topk_ids, activation, expert_map)
+            return reference_moe(x, p13.weight, p2.weight, topk_weights, topk_ids, activation, expert_map=expert_map,
+                                 **biases)
+        return run(x, m13, m2, topk_weights, topk_ids, activation, expert_map, **biases)
 
     return runner
 

@@ -140,13 +140,15 @@ class _Grouped:
 
     kind: str  # "up" or "down"
     activation: str | None = None
+    bias: bool = False  # the epilogue adds a per-expert bias
 
     def act(self, gate, up):
         return activation(self.activation, gate, up)
 
 
-def _compile(cfg: MoEGemmConfig, n: int, k: int, fmt: str, dtype: str, part: str) -> Callable:
-    """The compiled grouped GEMM ``part`` (``"down"`` or an activation: the up GEMM with it)."""
+def _compile(cfg: MoEGemmConfig, n: int, k: int, fmt: str, dtype: str, part: str, bias: bool) -> Callable:
+    """The compiled grouped GEMM ``part`` (``"down"`` or an activation: the up GEMM with it),
+    with or without the per-expert ``bias``."""
     from ..kernel_cache import compile_cached
 
     reason = validate(cfg, n, k, fmt, dtype)
@@ -155,7 +157,7 @@ def _compile(cfg: MoEGemmConfig, n: int, k: int, fmt: str, dtype: str, part: str
     if reason is not None:
         raise ValueError(f"invalid MoEGemmConfig {cfg} for 2I={n}, H={k}, {fmt}, {dtype}: {reason}")
     cfg = pdl.binary_config(cfg)
-    grouped = _Grouped("down") if part == "down" else _Grouped("up", part)
+    grouped = _Grouped("down", bias=bias) if part == "down" else _Grouped("up", part, bias)
     gn, gk = _gemms(n, k)[grouped.kind]
 
     def build():
@@ -164,34 +166,45 @@ def _compile(cfg: MoEGemmConfig, n: int, k: int, fmt: str, dtype: str, part: str
         kern = G._Sm90W4A16Kernel(cfg.gemm(), gn, gk, fmt, dtype, grouped=grouped)
         return cute.compile(kern.build(), *kern.fake_args_grouped(), options="--enable-tvm-ffi --gpu-arch sm_90a")
 
-    return compile_cached("sm90_moe_gemm", __name__, (cfg, n, k, fmt, dtype, part), build)
+    return compile_cached("sm90_moe_gemm", __name__, (cfg, n, k, fmt, dtype, part, bias), build)
 
 
 def compile_only(cfg: MoEGemmConfig, n: int, k: int, fmt: str, dtype: str) -> None:
-    """Compile the down GEMM and the up GEMM with each activation (no GPU needed with
-    ``CUTE_DSL_ARCH=sm_90a``)."""
+    """Compile the down GEMM and the up GEMM with each activation, without biases, and both
+    with the biases of gpt-oss's activation (no GPU needed with ``CUTE_DSL_ARCH=sm_90a``)."""
     for part in ("down", *ACTIVATIONS):
-        _compile(cfg, n, k, fmt, dtype, part)
+        _compile(cfg, n, k, fmt, dtype, part, False)
+    for part in ("down", "swigluoai"):
+        _compile(cfg, n, k, fmt, dtype, part, True)
 
 
 def compile_kernel(cfg: MoEGemmConfig, n: int, k: int, fmt: str, dtype: str) -> Callable:
-    """``run(x, packed13, packed2, topk_weights, topk_ids, activation, expert_map=None) -> [T, H]``,
-    for any T (``expert_map``: see :func:`autofp4.moe`)."""
+    """``run(x, packed13, packed2, topk_weights, topk_ids, activation, expert_map=None,
+    w13_bias=None, w2_bias=None) -> [T, H]``, for any T (``expert_map``, the biases: see
+    :func:`autofp4.moe`)."""
     from ..routing import moe_routing
 
     tdt = getattr(torch, dtype)
     di = DTYPES.index(dtype)
-    fns: dict[str, Callable] = {}
+    fns: dict[tuple[str, bool], Callable] = {}
+    no_bias: dict[torch.device, torch.Tensor] = {}
     use_pdl = pdl.launch_flag(cfg.pdl)
 
-    def fn(part: str) -> Callable:
-        f = fns.get(part)
+    def fn(part: str, bias: torch.Tensor | None, dev: torch.device) -> tuple[Callable, torch.Tensor]:
+        """The kernel for ``part`` with or without ``bias``, and the bias it reads (fp32, flat)."""
+        f = fns.get((part, bias is not None))
         if f is None:
-            f = fns[part] = _compile(cfg, n, k, fmt, dtype, part)
-        return f
+            f = fns[part, bias is not None] = _compile(cfg, n, k, fmt, dtype, part, bias is not None)
+        if bias is None:
+            bias = no_bias.get(dev)
+            if bias is None:
+                bias = no_bias[dev] = torch.zeros(1, dtype=torch.float32, device=dev)
+            return f, bias
+        return f, bias.reshape(-1).float().contiguous()
 
     def run(x: torch.Tensor, p13: GroupedPacked, p2: GroupedPacked, topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor, activation: str, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+            topk_ids: torch.Tensor, activation: str, expert_map: torch.Tensor | None = None,
+            w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None) -> torch.Tensor:
         if (p13.n, p13.k, p2.n, p2.k) != (n, k, k, n // 2) or p13.fmt != fmt or p2.fmt != fmt:
             raise ValueError(f"kernels compiled for 2I={n}, H={k}, {fmt}; got w13 [{p13.n}, {p13.k}] and "
                              f"w2 [{p2.n}, {p2.k}] in {p13.fmt}")
@@ -200,7 +213,9 @@ def compile_kernel(cfg: MoEGemmConfig, n: int, k: int, fmt: str, dtype: str) -> 
                 raise ValueError(p.unsupported[di])
         if x.dtype != tdt or x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"expected x [T, {k}] {tdt}, got {tuple(x.shape)} {x.dtype}")
-        up, down = fn(activation), fn("down")
+        for b, shape in ((w13_bias, (p13.experts, n)), (w2_bias, (p2.experts, k))):
+            if b is not None and tuple(b.shape) != shape:
+                raise ValueError(f"expected a bias {list(shape)}, got {tuple(b.shape)}")
         t, top_k = topk_ids.shape
         r = moe_routing(topk_ids, p13.experts, cfg.tile_m, expert_map=expert_map)
         alloc = torch.zeros if expert_map is not None else torch.empty  # another rank's pairs add nothing
@@ -210,8 +225,9 @@ def compile_kernel(cfg: MoEGemmConfig, n: int, k: int, fmt: str, dtype: str) -> 
         xs = x.index_select(0, r.sorted_rows.clamp(min=0) // top_k)
         h = torch.empty(r.sorted_rows.numel(), n // 2, dtype=tdt, device=x.device)
         tw = topk_weights.reshape(-1).float().contiguous()
-        up(xs, p13.data, p13.alpha, h, r.block_expert, r.sorted_rows, tw, use_pdl)
-        down(h, p2.data, p2.alpha, y, r.block_expert, r.sorted_rows, tw, use_pdl)
+        (up, b13), (down, b2) = fn(activation, w13_bias, x.device), fn("down", w2_bias, x.device)
+        up(xs, p13.data, p13.alpha, b13, h, r.block_expert, r.sorted_rows, tw, use_pdl)
+        down(h, p2.data, p2.alpha, b2, y, r.block_expert, r.sorted_rows, tw, use_pdl)
         return y.view(t, top_k, k).sum(1)
 
     return run

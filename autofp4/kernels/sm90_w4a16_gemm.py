@@ -407,8 +407,9 @@ class _Sm90W4A16Kernel:
     """One compiled kernel per (config, N, K, fmt, dtype); M is symbolic.
 
     ``grouped`` (None: the dense GEMM) makes it the grouped GEMM of a MoE layer
-    (:mod:`.sm90_moe_gemm`), an object with ``kind`` (``"up"`` or ``"down"``) and, for ``"up"``,
-    ``act(gate, up)`` (fp32 -> fp32, traced in the epilogue): x holds the token rows sorted by
+    (:mod:`.sm90_moe_gemm`), an object with ``kind`` (``"up"`` or ``"down"``), ``bias`` (whether
+    the epilogue adds a per-expert bias) and, for ``"up"``, ``act(gate, up)`` (fp32 -> fp32,
+    traced in the epilogue): x holds the token rows sorted by
     expert in blocks of ``tile_m`` rows (a block's expert read from ``block_expert``, -1: the CTA
     exits), the weight is every expert's packed weight one after the other, ``alpha`` is per expert.
     """
@@ -517,7 +518,12 @@ class _Sm90W4A16Kernel:
 
         grp_kind = self.grouped.kind if self.grouped is not None else None
         grp_act = self.grouped.act if grp_kind == "up" else None
+        grp_bias = self.grouped is not None and self.grouped.bias
         inter = n_real // 2
+
+        def gate_row(p):
+            """The output of the up GEMM's interleaved weight row ``p = 16 q + s`` (s < 8): 8 q + s."""
+            return p // 16 * 8 + p % 16
 
         @cute.jit
         def grouped_store(mOut, grp, nn, mm, lo, hi):
@@ -525,7 +531,7 @@ class _Sm90W4A16Kernel:
             the activation at h[mm, j] (gate row nn = 16 q + s -> j = 8 q + s); "down" writes the
             weighted expert output at the pair's row of ``y [pairs, N]`` (none for padding)."""
             if cutlass.const_expr(grp_kind == "up"):
-                j = nn // 16 * 8 + nn % 16
+                j = gate_row(nn)
                 if j < inter:
                     st_x2(mOut.iterator.toint() + cutlass.Int64(mm * inter + j) * 2, lo, hi)
             else:
@@ -581,6 +587,7 @@ class _Sm90W4A16Kernel:
             mX: cute.Tensor,
             mW: cute.Tensor,
             mAlpha: cute.Tensor,
+            mBias: cute.Tensor,
             mOut: cute.Tensor,
             m_size: cutlass.Int32,
             tiled_mma: cute.TiledMma,
@@ -596,7 +603,7 @@ class _Sm90W4A16Kernel:
             griddep_wait()  # the routing metadata comes from the previous kernels of the stream
             expert = mBlockExpert[pid_m]
             if expert >= 0:
-                cta(tma_atom_x, mX, mW, mAlpha, None, mOut, m_size, tiled_mma, x_smem_layout_staged,
+                cta(tma_atom_x, mX, mW, mAlpha, mBias, mOut, m_size, tiled_mma, x_smem_layout_staged,
                     tidx, warp_idx, bidz, pid_n, pid_m, (expert, mRows, mTopkW))
 
         @cute.jit
@@ -839,12 +846,24 @@ class _Sm90W4A16Kernel:
                                     v0 = t0 * alpha + bias_rows[rep * 2 + h]
                                     v1 = t1 * alpha + bias_rows[rep * 2 + h]
                                 elif cutlass.const_expr(grp_kind == "up"):
-                                    v0 = grp_act(t0 * alpha, acc[i + 2] * alpha)
-                                    v1 = grp_act(t1 * alpha, acc[i + 3] * alpha)
-                                else:  # "down": times the router weight of the column's pair
+                                    g0, g1 = t0 * alpha, t1 * alpha
+                                    u0, u1 = acc[i + 2] * alpha, acc[i + 3] * alpha
+                                    if cutlass.const_expr(grp_bias):  # bias [E, 2I]: gate j, up I + j
+                                        jb = grp[0] * n_real + cutlass.min(
+                                            gate_row(row0 + r0 + CHUNK_N * rep), inter - 1)
+                                        bg, bu = mBias[jb], mBias[jb + inter]
+                                        g0, g1, u0, u1 = g0 + bg, g1 + bg, u0 + bu, u1 + bu
+                                    v0 = grp_act(g0, u0)
+                                    v1 = grp_act(g1, u1)
+                                else:  # "down": (+ bias [E, H]) times the router weight of the column's pair
                                     col = col0 + c0 + i // 4 % (tile_m // 8) * 8
-                                    v0 = t0 * alpha * grp[2][cutlass.max(grp[1][col], 0)]
-                                    v1 = t1 * alpha * grp[2][cutlass.max(grp[1][col + 1], 0)]
+                                    d0, d1 = t0 * alpha, t1 * alpha
+                                    if cutlass.const_expr(grp_bias):
+                                        bn = mBias[grp[0] * n_real + cutlass.min(row0 + r0 + 8 * h + CHUNK_N * rep,
+                                                                                 n_real - 1)]
+                                        d0, d1 = d0 + bn, d1 + bn
+                                    v0 = d0 * grp[2][cutlass.max(grp[1][col], 0)]
+                                    v1 = d1 * grp[2][cutlass.max(grp[1][col + 1], 0)]
                                 send = v1
                                 if lane_odd == 1:
                                     send = v0
@@ -934,6 +953,7 @@ class _Sm90W4A16Kernel:
             mX: cute.Tensor,
             mW: cute.Tensor,
             mAlpha: cute.Tensor,
+            mBias: cute.Tensor,
             mOut: cute.Tensor,
             mBlockExpert: cute.Tensor,
             mRows: cute.Tensor,
@@ -945,7 +965,7 @@ class _Sm90W4A16Kernel:
             blocks = mBlockExpert.shape[0]
             grid = (n_tiles, blocks, 1) if raster_n else (blocks, n_tiles, 1)
             grouped_kernel(
-                tma_atom_x, tma_x, mW, mAlpha, mOut, mX.shape[0], tiled_mma, x_smem_layout_staged,
+                tma_atom_x, tma_x, mW, mAlpha, mBias, mOut, mX.shape[0], tiled_mma, x_smem_layout_staged,
                 mBlockExpert, mRows, mTopkW,
             ).launch(grid=grid, block=[threads, 1, 1], cluster=(cl, 1, 1), stream=stream, use_pdl=use_pdl,
                      **occupancy)
@@ -973,8 +993,8 @@ class _Sm90W4A16Kernel:
 
     def fake_args_grouped(self):
         """The grouped GEMM's arguments: x [rows, K] sorted rows, every expert's packed weight,
-        alpha [E], out ("up": h [rows, N / 2]; "down": y [pairs, N]), block_expert [blocks],
-        sorted_rows [rows], topk_weights [pairs] (fp32)."""
+        alpha [E], bias [E * N] (fp32; read only by a kernel built with it), out ("up": h [rows, N / 2];
+        "down": y [pairs, N]), block_expert [blocks], sorted_rows [rows], topk_weights [pairs] (fp32)."""
         import cutlass
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -985,13 +1005,14 @@ class _Sm90W4A16Kernel:
         w = make_fake_compact_tensor(
             cutlass.Uint8, (e * (self.np_ // CHUNK_N * (self.kp // CHUNK_K) * self.chunk),), assumed_align=16)
         alpha = make_fake_compact_tensor(cutlass.Float32, (e,), assumed_align=4)
+        bias = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),), assumed_align=4)  # [E * N] or unused
         out_shape = (rows, self.n // 2) if self.grouped.kind == "up" else (pairs, self.n)
         out = make_fake_compact_tensor(dt, out_shape, stride_order=(1, 0), assumed_align=4)
         bexp = make_fake_compact_tensor(cutlass.Int32, (blocks,), assumed_align=4)
         srows = make_fake_compact_tensor(cutlass.Int32, (rows,), assumed_align=4)
         tw = make_fake_compact_tensor(cutlass.Float32, (pairs,), assumed_align=4)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        return x, w, alpha, out, bexp, srows, tw, 1, stream
+        return x, w, alpha, bias, out, bexp, srows, tw, 1, stream
 
 
 def _check(cfg: Sm90GemmConfig, n: int, k: int, fmt: str, dtype: str) -> None:
