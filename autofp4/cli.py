@@ -18,7 +18,7 @@ from typing import Any, Sequence, TextIO
 import torch
 
 from .models import LAYOUTS
-from .problem import DTYPES, FORMATS
+from .problem import DTYPES, FORMATS, OPS
 
 __all__ = ["main", "build_parser"]
 
@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
     t.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
     t.add_argument("--layout", choices=LAYOUTS, default="vllm", help=_LAYOUT_HELP)
+    t.add_argument("--ops", type=_ops_list, metavar="OP,...", help="only these ops' shapes: linear, moe (default: both)")
     t.add_argument("--budget", type=_positive_int, metavar="N", help="trials per (shape, M)")
     t.add_argument("--time-budget", type=_time_budget, metavar="SECONDS",
                    help="wall-clock budget of the run, shared fairly by its jobs (default 900 on the GPU; 'none': no limit)")
@@ -266,6 +267,15 @@ def _one_line(text: str, limit: int = 1000) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
+def _ops_list(text: str) -> tuple[str, ...]:
+    """``--ops``: a comma-separated subset of the ops."""
+    ops = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    bad = [o for o in ops if o not in OPS]
+    if not ops or bad:
+        raise argparse.ArgumentTypeError(f"ops must be a comma-separated subset of {', '.join(OPS)}, got {text!r}")
+    return ops
+
+
 def _model_shapes(path: str, args: argparse.Namespace) -> list[Any]:
     """The shapes of the model config at ``path`` for ``args.tp``, ``args.ep``, ``args.fmt`` and
     ``args.layout``;
@@ -280,10 +290,16 @@ def _model_shapes(path: str, args: argparse.Namespace) -> list[Any]:
         msg = str(e) if str(path) in str(e) else f"cannot read {_one_line(str(path), 300)}: {e}"
         raise _UsageError(_one_line(msg)) from None
     try:
-        return model_shapes(config, tp=args.tp, ep=args.ep, fmt=args.fmt,
-                            layout=getattr(args, "layout", "vllm"))
+        shapes = model_shapes(config, tp=args.tp, ep=args.ep, fmt=args.fmt,
+                              layout=getattr(args, "layout", "vllm"))
     except (ValueError, TypeError) as e:
         raise _UsageError(f"{_one_line(str(path), 300)}: {_one_line(str(e))}") from None
+    ops = getattr(args, "ops", None)
+    if ops:
+        shapes = [s for s in shapes if s.op in ops]
+        if not shapes:
+            raise _UsageError(f"{_one_line(str(path), 300)} has no {' or '.join(ops)} shapes")
+    return shapes
 
 
 def _finish(report: Any, db_path: Path, out: TextIO) -> int:
