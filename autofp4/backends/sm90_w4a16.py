@@ -10,7 +10,7 @@ validates and runs), told apart by the dataclass's ``kernel`` tag:
   pipeline + wgmma with the weights as the register operand (``out^T = W x^T``); serves any M.
 * ``"moe_decode"`` (:class:`~autofp4.kernels.w4a16_moe.MoEDecodeConfig`): the MoE layer, both
   expert GEMMs grouped over the routing's (expert, token block) list with warp-level MMA, the
-  activation and the router weights fused; serves any T, CUDA-graph capturable.
+  activation, the expert biases and the router weights fused; serves any T, CUDA-graph capturable.
 
 A decode config asked to run ``M > m_max`` runs the GEMM's default config for that M instead,
 so every config answers every M; the dispatcher does not send such calls to a decode config
@@ -284,12 +284,14 @@ def _moe_runner(run: Runner, check_fp16: bool) -> Runner:
     """The MoE runner: both GEMMs on the experts' MoE layout (fp16 with MXFP4 experts whose
     exponents span too much for fp16 runs on the reference backend, as the linear kernels do)."""
 
-    def runner(x, p13: SM90Prepared, p2: SM90Prepared, topk_weights, topk_ids, activation, expert_map=None):
+    def runner(x, p13: SM90Prepared, p2: SM90Prepared, topk_weights, topk_ids, activation, expert_map=None,
+               w13_bias=None, w2_bias=None):
         m13, m2 = p13.moe(True), p2.moe(False)
         if check_fp16 and (why := m13.unsupported[1] or m2.unsupported[1]):
             _warn_once(why)
-            return reference_moe(x, p13.weight, p2.weight, topk_weights, topk_ids, activation, expert_map=expert_map)
-        return run(x, m13, m2, topk_weights, topk_ids, activation, expert_map)
+            return reference_moe(x, p13.weight, p2.weight, topk_weights, topk_ids, activation, expert_map=expert_map,
+                                 w13_bias=w13_bias, w2_bias=w2_bias)
+        return run(x, m13, m2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias)
 
     return runner
 
