@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from .dispatch import get_dispatcher
+from .kernels._moe_act import ACTIVATIONS
 from .problem import ProblemKey, dtype_name
 from .weights import FP4Weight, _describe, _values_readable
 
@@ -68,9 +69,11 @@ def _problem_key(w: FP4Weight, op: str, dtype: torch.dtype, topk: int = 0) -> Pr
 
 
 def _check_tensor_args(what: str, **args) -> None:
+    """Each argument is a tensor (one whose name ends in ``bias`` may be None)."""
     for name, t in args.items():
-        if not isinstance(t, torch.Tensor) and not (name == "bias" and t is None):
-            raise TypeError(f"{what}: {name} must be a torch.Tensor{' or None' if name == 'bias' else ''}, got {_describe(t)}")
+        optional = name.endswith("bias")
+        if not isinstance(t, torch.Tensor) and not (optional and t is None):
+            raise TypeError(f"{what}: {name} must be a torch.Tensor{' or None' if optional else ''}, got {_describe(t)}")
 
 
 # ----------------------------------------------------------------------------- linear
@@ -180,7 +183,17 @@ def linear(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor] = None) -
 
 
 # ----------------------------------------------------------------------------- moe
-ACTIVATIONS = ("silu", "gelu")
+def _check_bias(bias, name: str, what: str, shape: tuple[int, int], device) -> None:
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"moe: {name} must be a torch.Tensor {what} or None, got {_describe(bias)}")
+    if tuple(bias.shape) != shape:
+        raise ValueError(f"moe: {name} must be {what} = {shape}, got {tuple(bias.shape)}")
+    if not bias.is_floating_point():
+        raise ValueError(f"moe: {name} must be a floating-point tensor, got {bias.dtype}")
+    if bias.device != device:
+        raise ValueError(f"moe: {name} is on {bias.device} but x is on {device}; move one of them")
 
 
 def _check_expert_map(expert_map, e: int, device) -> int:
@@ -201,7 +214,7 @@ def _check_expert_map(expert_map, e: int, device) -> int:
 
 
 def _check_moe(x, w13: FP4Weight, w2: FP4Weight, topk_weights, topk_ids, activation, check_ids: bool,
-               expert_map=None):
+               expert_map=None, w13_bias=None, w2_bias=None):
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, FP4Weight):
             raise TypeError(f"moe: {name} must be an FP4Weight, got {_describe(w)}")
@@ -221,6 +234,8 @@ def _check_moe(x, w13: FP4Weight, w2: FP4Weight, topk_weights, topk_ids, activat
         raise ValueError(f"moe: w13 and w2 must share a format, got {w13.fmt} and {w2.fmt}")
     if w2.device != w13.device:
         raise ValueError(f"moe: w2 is on {w2.device} but w13 is on {w13.device}; move one of them")
+    _check_bias(w13_bias, "w13_bias", "[E, 2I]", (e, two_i), x.device)
+    _check_bias(w2_bias, "w2_bias", "[E, H]", (e, h), x.device)
     for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"moe: {name} must be a torch.Tensor [T, top_k], got {_describe(t)}")
@@ -253,8 +268,9 @@ def _check_moe(x, w13: FP4Weight, w2: FP4Weight, topk_weights, topk_ids, activat
             raise ValueError(f"moe: topk_ids must lie in [0, {e_ids}), got values in [{lo}, {hi}]")
 
 
-def _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, check_ids=True, expert_map=None):
-    _check_moe(x, w13, w2, topk_weights, topk_ids, activation, check_ids, expert_map)
+def _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, check_ids=True, expert_map=None, w13_bias=None,
+              w2_bias=None):
+    _check_moe(x, w13, w2, topk_weights, topk_ids, activation, check_ids, expert_map, w13_bias, w2_bias)
     if x.shape[0] == 0:
         return torch.empty_like(x)
     key = _problem_key(w13, "moe", x.dtype, topk_ids.shape[1])
@@ -262,8 +278,12 @@ def _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, check_ids=True, ex
     xc = x if x.is_contiguous() else x.contiguous()
     args = (xc, w13.packed(backend.name, backend.prepare), w2.packed(backend.name, backend.prepare),
             topk_weights.float(), topk_ids, activation)
-    # a runner takes expert_map only where the layer is a slice (backends without it still serve the rest)
-    return runner(*args) if expert_map is None else runner(*args, expert_map)
+    # a runner takes expert_map and the biases only where they are given (backends without them
+    # still serve the rest)
+    if expert_map is None and w13_bias is None and w2_bias is None:
+        return runner(*args)
+    opt = {"expert_map": expert_map, "w13_bias": w13_bias, "w2_bias": w2_bias}
+    return runner(*args, **{k: v for k, v in opt.items() if v is not None})
 
 
 @torch.library.custom_op("autofp4::moe", mutates_args=())
@@ -280,14 +300,17 @@ def _moe_op(
     fmt: str,
     activation: str,
     expert_map: Optional[torch.Tensor] = None,
+    w13_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     w13 = _weight_from_tensors(w13_data, w13_scale, w13_global_scale, fmt)
     w2 = _weight_from_tensors(w2_data, w2_scale, w2_global_scale, fmt)
-    return _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=expert_map)
+    return _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=expert_map, w13_bias=w13_bias,
+                     w2_bias=w2_bias)
 
 
 @_moe_op.register_fake
-def _moe_fake(x, *args):
+def _moe_fake(x, *args, **kwargs):
     return torch.empty_like(x)
 
 
@@ -299,10 +322,18 @@ def moe(
     topk_ids: torch.Tensor,
     activation: str = "silu",
     expert_map: Optional[torch.Tensor] = None,
+    *,
+    w13_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The fused MoE layer: for each token, ``sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``
-    with ``FFN_e(x) = W2_e @ (act(W1_e x) * (W3_e x))``; ``w13`` is [E, 2I, H] (gate rows first,
-    then up), ``w2`` is [E, H, I]; x is [T, H] bf16/fp16; ``topk_ids`` int32/int64 [T, top_k]
+    with ``FFN_e(x) = W2_e @ act(gate, up) + b2_e``, ``[gate; up] = W13_e x + b13_e``; ``w13`` is
+    [E, 2I, H] (gate rows first, then up), ``w2`` is [E, H, I]; ``activation`` one of
+    :data:`ACTIVATIONS`: ``"silu"`` (``silu(gate) * up``), ``"gelu"`` (tanh-GELU: ``gelu(gate) * up``)
+    or ``"swigluoai"`` (gpt-oss: ``gate`` clamped above at 7, ``up`` to [-7, 7],
+    ``(up + 1) * gate * sigmoid(1.702 * gate)``). The biases ``w13_bias`` [E, 2I] (gate biases,
+    then up) and ``w2_bias`` [E, H] are optional float tensors of any float dtype on x's device
+    (the Hopper kernels add them in fp32, the reference backend in x's dtype). x is [T, H] bf16/fp16; ``topk_ids`` int32/int64 [T, top_k]
     with values in [0, E) (checked with one device sync, skipped during CUDA graph capture) and
     ``topk_weights`` a float tensor of the same shape, both on x's device. The values of x and
     topk_weights are not inspected: a NaN there gives NaN in that token's output row.
@@ -315,16 +346,18 @@ def moe(
         if not isinstance(w, FP4Weight):
             raise TypeError(f"moe: {name} must be an FP4Weight, got {_describe(w)}")
     if torch.compiler.is_compiling():
-        _check_tensor_args("moe", x=x, topk_weights=topk_weights, topk_ids=topk_ids)
+        _check_tensor_args("moe", x=x, topk_weights=topk_weights, topk_ids=topk_ids, w13_bias=w13_bias,
+                           w2_bias=w2_bias)
         if not isinstance(activation, str):
             raise TypeError(f"moe: activation must be a str, one of {ACTIVATIONS}, got {_describe(activation)}")
         return torch.ops.autofp4.moe(
             x, w13.data, w13.scale, w13.global_scale, w2.data, w2.scale, w2.global_scale,
-            topk_weights, topk_ids, w13.fmt, activation, expert_map,
+            topk_weights, topk_ids, w13.fmt, activation, expert_map, w13_bias, w2_bias,
         )
     _register(w13)
     _register(w2)
-    return _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=expert_map)
+    return _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=expert_map, w13_bias=w13_bias,
+                     w2_bias=w2_bias)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

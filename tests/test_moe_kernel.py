@@ -1,11 +1,12 @@
 """The grouped MoE kernels of the Hopper backend (autofp4.kernels.w4a16_moe).
 
 CPU: the experts' packed layout decodes to the dequantized weights (gate and up rows
-interleaved for w13), the validity rules, and every default config (plus a sample of the space)
-compiles for sm_90a. GPU (H200): autofp4.moe through the dispatcher against the reference
-backend on fresh random data: both formats and dtypes, ragged token counts, experts that get no
-pair, one expert that gets every token, top-k 1 to 8, both activations, CUDA-graph replay with
-changing routing.
+interleaved for w13), the validity rules, every default config (plus a sample of the space)
+compiles for sm_90a, and so do the activations and the bias options (checked in the PTX).
+GPU (H200): autofp4.moe through the dispatcher against the reference backend on fresh random
+data: both formats and dtypes, ragged token counts, experts that get no pair, one expert that
+gets every token, top-k 1 to 8, every activation, expert biases (split-K too), CUDA-graph
+replay with changing routing.
 """
 import os
 import random
@@ -112,6 +113,40 @@ def test_a_random_sample_of_the_space_compiles_for_sm90a():
         b.compile_only(cfg, key)
 
 
+def _ptx(monkeypatch, tmp_path, cfg, *variant) -> tuple[str, str]:
+    """The PTX of the up and of the down kernel of one compiled variant (the kernel cache bypassed)."""
+    pytest.importorskip("cutlass")
+    d = tmp_path / "_".join(map(str, variant))
+    d.mkdir()
+    monkeypatch.setenv("AUTOFP4_CUTE_DSL_OPTIONS", f"--keep-ptx --dump-dir={d}")
+    M._compile(cfg, 2048, 1024, "nvfp4", "bfloat16", *variant)
+    (ptx,) = d.glob("*.ptx")
+    text = ptx.read_text()
+    i = text.index(".entry kernel_cutlass_down_kernel")
+    return text[:i], text[i:]
+
+
+def test_activations_and_biases_compile_for_sm90a(monkeypatch, tmp_path):
+    """swigluoai clamps the gate at 7 and up at +-7 and scales its sigmoid by 1.702 (the fp32
+    constants 7, -7 and -1.702 log2(e) in the up kernel); a kernel without biases reads none and
+    one with them converts bf16 / fp16 biases to fp32; the down kernel's bias is added by K
+    slice 0 (k_split=2)."""
+    cfg = M.MoEDecodeConfig(k_split=2)
+    clamp, slope = ("0f40E00000", "0fC0E00000"), "0fC01D265F"
+    silu_up, _ = _ptx(monkeypatch, tmp_path, cfg, "silu", None, None)
+    up, down = _ptx(monkeypatch, tmp_path, cfg, "swigluoai", None, None)
+    bup, bdown = _ptx(monkeypatch, tmp_path, cfg, "swigluoai", "bfloat16", "float16")
+    assert all(c in up and c in bup for c in (*clamp, slope))
+    assert not any(c in silu_up for c in (*clamp, slope)) and "0fBFB8AA3B" in silu_up  # -log2(e)
+    assert "cvt.f32.bf16" not in up and "cvt.f32.f16" not in down
+    assert bup.count("cvt.f32.bf16") and bdown.count("cvt.f32.f16")
+    assert "ctaid.z" in bdown
+    with pytest.raises(ValueError, match="bias dtypes"):
+        M._compile(cfg, 2048, 1024, "nvfp4", "bfloat16", "silu", "float64", None)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        M._compile(cfg, 2048, 1024, "nvfp4", "bfloat16", "relu")
+
+
 # ----------------------------------------------------------------------------- GPU
 def _routing(t, e, k, mode, gen):
     logits = torch.randn(t, e, generator=gen)
@@ -128,6 +163,11 @@ CASES = [  # (T, E, top_k, H, I, routing)
     (33, 64, 8, 1024, 384, "few_experts"), (100, 8, 2, 512, 768, "one_expert"), (257, 16, 4, 512, 256, "uniform"),
     (1000, 32, 8, 256, 128, "uniform"), (4096, 8, 2, 512, 256, "uniform"),
 ]
+
+
+def _biases(e, i, h, gen, device="cuda"):
+    """Random biases: w13's fp32 (large enough that swigluoai's clamps act), w2's bf16."""
+    return (4 * torch.randn(e, 2 * i, generator=gen)).to(device), torch.randn(e, h, generator=gen).to(device, torch.bfloat16)
 
 
 def _gpu():
@@ -148,12 +188,14 @@ def test_moe_matches_the_reference_backend(fmt, dtype, case):
     x = torch.randn(t, h, generator=gen).to("cuda", dtype)
     tw, ti = _routing(t, e, k, mode, gen)
     tw, ti = tw.cuda(), ti.cuda()
-    for act in ("silu", "gelu") if t <= 100 else ("silu",):
-        got = autofp4.moe(x, w13, w2, tw, ti, activation=act)
-        want = reference_moe(x.float(), w13, w2, tw, ti, act).float()
+    b13, b2 = _biases(e, i, h, gen)
+    acts = M.ACTIVATIONS if t <= 100 else ("silu",)
+    for act, biases in [(a, {}) for a in acts] + [("swigluoai", {"w13_bias": b13, "w2_bias": b2})]:
+        got = autofp4.moe(x, w13, w2, tw, ti, activation=act, **biases)
+        want = reference_moe(x.float(), w13, w2, tw, ti, act, **biases).float()
         assert got.dtype == dtype and got.shape == (t, h)
         err = float((got.float() - want).norm() / want.norm())
-        assert err < 2e-2, (act, err)
+        assert err < 2e-2, (act, bool(biases), err)
 
 
 @pytest.mark.gpu
@@ -196,14 +238,22 @@ def test_every_config_kind_matches_the_reference(fmt, t, e, k):
     w2 = _experts(e, h, i, fmt, gen, "cuda")
     x = torch.randn(t, h, generator=gen).cuda().bfloat16()
     tw, ti = (a.cuda() for a in _routing(t, e, k, "uniform", gen))
+    b13, b2 = _biases(e, i, h, gen)
     want = reference_moe(x.float(), w13, w2, tw, ti, "silu").float()
+    want_b = reference_moe(x.float(), w13, w2, tw, ti, "swigluoai", w13_bias=b13, w2_bias=b2).float()
     p13, p2 = w13.packed(b.name, b.prepare), w2.packed(b.name, b.prepare)
     for cfg in (M.MoEDecodeConfig(m_block=8, per_pair=True), M.MoEDecodeConfig(m_block=16, warps=2, k_split=1),
-                M.MoEDecodeConfig(m_block=8, warps=8, k_split=2, per_pair=True)):
+                M.MoEDecodeConfig(m_block=8, warps=8, k_split=2, per_pair=True),
+                M.MoEDecodeConfig(m_block=16, warps=4, k_split=2)):
         assert b.is_valid(cfg, key) is None, cfg
-        got = b.compile(cfg, key)(x, p13, p2, tw, ti, "silu")
+        run = b.compile(cfg, key)
+        got = run(x, p13, p2, tw, ti, "silu")
         err = float((got.float() - want).norm() / want.norm())
         assert err < 2e-2, (cfg, err)
+        # biases: with k_split=2 only K slice 0 adds w2's
+        got = run(x, p13, p2, tw, ti, "swigluoai", w13_bias=b13, w2_bias=b2)
+        err = float((got.float() - want_b).norm() / want_b.norm())
+        assert err < 2e-2, (cfg, "biases", err)
 
 
 def _ep_case(fmt, device, gen, t=9, eg=16, k=4, h=256, i=128, ranks=4):

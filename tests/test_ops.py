@@ -69,37 +69,80 @@ def test_linear_empty_batch(gen):
     assert y.shape == (0, 32)
 
 
-def moe_float64(x, w13, w2, topk_w, topk_ids, act):
-    """Token by token, expert by expert, in float64."""
-    a13, a2 = dense64(w13), dense64(w2)
-    inter = a2.shape[-1]
-    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+def act64(act, g, u, limit=7.0):
+    """The gated activation ``act(gate, up)`` in float64, from its formula (``limit``: swigluoai's clamp)."""
+    if act == "silu":
+        return g / (1 + torch.exp(-g)) * u
+    if act == "gelu":
+        return 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3))) * u
+    assert act == "swigluoai"
+    g, u = torch.minimum(g, torch.tensor(limit, dtype=g.dtype)), torch.clamp(u, -limit, limit)
+    return (u + 1) * g / (1 + torch.exp(-1.702 * g))
+
+
+def moe_float64(x, w13, w2, topk_w, topk_ids, act, b13=None, b2=None, limit=7.0):
+    """Token by token, expert by expert, in float64 (``b13 [E, 2I]``, ``b2 [E, H]``: biases), on x's device."""
+    a13, a2 = dense64(w13).cpu(), dense64(w2).cpu()
+    e_, inter = a2.shape[0], a2.shape[-1]
+    b13 = torch.zeros(e_, 2 * inter, dtype=torch.float64) if b13 is None else b13.cpu().double()
+    b2 = torch.zeros(e_, a2.shape[1], dtype=torch.float64) if b2 is None else b2.cpu().double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
-        xt = x[t].double()
+        xt = x[t].cpu().double()
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[t, j])
-            gu = a13[e] @ xt
-            g, u = gu[:inter], gu[inter:]
-            h = (torch.nn.functional.silu(g) if act == "silu" else torch.nn.functional.gelu(g, approximate="tanh")) * u
-            out[t] += float(topk_w[t, j]) * (a2[e] @ h)
-    return out
+            gu = a13[e] @ xt + b13[e]
+            out[t] += float(topk_w[t, j]) * (a2[e] @ act64(act, gu[:inter], gu[inter:], limit) + b2[e])
+    return out.to(x.device)
+
+
+def _moe_case(gen, device, fmt, e=6, h=128, inter=64, t=9, top_k=2, dtype=torch.bfloat16, scale=4.0):
+    """Random experts (gate and up of about ``scale`` standard deviations), x, routing and biases."""
+    w13 = autofp4.quantize(torch.randn(e, 2 * inter, h, generator=gen).mul(scale / h**0.5).to(device), fmt)
+    w2 = autofp4.quantize(torch.randn(e, h, inter, generator=gen).mul(inter**-0.5).to(device), fmt)
+    x = torch.randn(t, h, generator=gen).to(device, dtype)
+    topk_w, topk_ids = autofp4.route(torch.randn(t, e, generator=gen).to(device), top_k)
+    b13 = (2 * torch.randn(e, 2 * inter, generator=gen)).to(device)
+    b2 = torch.randn(e, h, generator=gen).to(device, torch.bfloat16)
+    return w13, w2, x, topk_w, topk_ids, b13, b2
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("act", ["silu", "gelu"])
-def test_moe_matches_float64(device, fmt, act, gen):
-    e, h, inter, t, top_k = 6, 128, 64, 9, 2
-    dtype = torch.bfloat16
-    w13 = autofp4.quantize(torch.randn(e, 2 * inter, h, generator=gen).to(device), fmt)
-    w2 = autofp4.quantize(torch.randn(e, h, inter, generator=gen).to(device), fmt)
-    x = torch.randn(t, h, generator=gen).to(device, dtype)
-    logits = torch.randn(t, e, generator=gen).to(device)
-    topk_w, topk_ids = autofp4.route(logits, top_k)
-    y = autofp4.moe(x, w13, w2, topk_w, topk_ids, activation=act)
-    assert y.shape == x.shape and y.dtype == dtype
-    ref = moe_float64(x, w13, w2, topk_w, topk_ids, act)
+@pytest.mark.parametrize("act", autofp4.ops.ACTIVATIONS)
+@pytest.mark.parametrize("biased", [False, True])
+def test_moe_matches_float64(device, fmt, act, biased, gen):
+    w13, w2, x, topk_w, topk_ids, b13, b2 = _moe_case(gen, device, fmt)
+    if not biased:
+        b13 = b2 = None
+    y = autofp4.moe(x, w13, w2, topk_w, topk_ids, activation=act, w13_bias=b13, w2_bias=b2)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    ref = moe_float64(x, w13, w2, topk_w, topk_ids, act, b13, b2)
     assert rel_err(y, ref) < 2e-2
+    if biased:  # the biases count
+        assert rel_err(autofp4.moe(x, w13, w2, topk_w, topk_ids, activation=act), ref) > 0.1
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_reference_moe_swigluoai_with_biases_matches_a_token_loop(fmt, gen):
+    """In float32 the reference backend's expert loop is float64 math up to fp32 rounding; the
+    data clamp some gates (above 7) and some ups (both sides), and leave the rest in the range."""
+    from autofp4.backends.reference import reference_moe
+
+    e, inter = 6, 64
+    w13, w2, x, topk_w, topk_ids, b13, b2 = _moe_case(gen, "cpu", fmt, e=e, inter=inter, t=13, top_k=3)
+    x = x.float()
+    gu = torch.einsum("enh,th->ten", dense64(w13), x.double()) + b13.double()
+    g, u = gu[..., :inter], gu[..., inter:]
+    for clamped in ((g > 7).double().mean(), (u.abs() > 7).double().mean()):
+        assert 0.01 < float(clamped) < 0.5, float(clamped)
+    y = reference_moe(x, w13, w2, topk_w, topk_ids, "swigluoai", w13_bias=b13, w2_bias=b2)
+    assert y.dtype == torch.float32
+    ref = moe_float64(x, w13, w2, topk_w, topk_ids, "swigluoai", b13, b2)
+    assert rel_err(y, ref) < 1e-5
+    # the clamps count: the same layer without them is far off
+    unclamped = moe_float64(x, w13, w2, topk_w, topk_ids, "swigluoai", b13, b2, limit=float("inf"))
+    assert rel_err(unclamped, ref) > 0.1
 
 
 def test_route_matches_softmax_topk(gen):
@@ -136,6 +179,49 @@ def test_moe_rejects_bad_input(gen):
         autofp4.moe(x, w13, w13, tw, torch.zeros(3, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match="activation must be one of"):
         autofp4.moe(x, w13, w2, tw, torch.zeros(3, 2, dtype=torch.int32), activation="relu")
+
+
+def test_moe_rejects_bad_biases(gen):
+    e, h, inter = 4, 64, 32
+    w13, w2, x, tw, ti, b13, b2 = _moe_case(gen, "cpu", "nvfp4", e=e, h=h, inter=inter, t=3)
+    good = {"w13_bias": b13, "w2_bias": b2}
+    bad = {
+        "w13_bias": [(TypeError, r"w13_bias must be a torch.Tensor \[E, 2I\] or None", b13.tolist()),
+                     (ValueError, r"w13_bias must be \[E, 2I\] = \(4, 64\), got \(4, 32\)", b13[:, :inter]),
+                     (ValueError, r"w13_bias must be \[E, 2I\]", b13[0]),
+                     (ValueError, r"w13_bias must be \[E, 2I\]", b13.T),
+                     (ValueError, "w13_bias must be a floating-point tensor, got torch.int32", b13.int()),
+                     (ValueError, "w13_bias is on meta but x is on cpu", b13.to("meta"))],
+        "w2_bias": [(TypeError, r"w2_bias must be a torch.Tensor \[E, H\] or None", 1.0),
+                    (ValueError, r"w2_bias must be \[E, H\] = \(4, 64\), got \(5, 64\)", torch.cat([b2, b2[:1]])),
+                    (ValueError, "w2_bias must be a floating-point tensor, got torch.bool", b2 > 0),
+                    (ValueError, "w2_bias is on meta but x is on cpu", b2.to("meta"))],
+    }
+    for name, cases in bad.items():
+        for exc, match, v in cases:
+            with pytest.raises(exc, match=match):
+                autofp4.moe(x, w13, w2, tw, ti, **{**good, name: v})
+    # any float dtype is taken, and the same values give the same layer
+    y = autofp4.moe(x, w13, w2, tw, ti, "swigluoai", **good)
+    y64 = autofp4.moe(x, w13, w2, tw, ti, "swigluoai", w13_bias=b13.double(), w2_bias=b2.double())
+    assert rel_err(y64, y) < 1e-2 and rel_err(y, moe_float64(x, w13, w2, tw, ti, "swigluoai", b13, b2)) < 2e-2
+
+
+def test_moe_with_biases_under_torch_compile_fullgraph(gen):
+    w13, w2, x, tw, ti, b13, b2 = _moe_case(gen, "cpu", "mxfp4")
+    torch._dynamo.reset()
+
+    def layer(x, b13, b2):
+        return autofp4.moe(x, w13, w2, tw, ti, "swigluoai", w13_bias=b13, w2_bias=b2) + autofp4.moe(x, w13, w2, tw, ti)
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    eager = layer(x, b13, b2)
+    assert torch.equal(compiled(x, b13, b2), eager)
+    assert rel_err(eager, moe_float64(x, w13, w2, tw, ti, "swigluoai", b13, b2)
+                   + moe_float64(x, w13, w2, tw, ti, "silu")) < 2e-2
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"w2_bias must be a torch.Tensor or None"):
+        torch.compile(lambda z: autofp4.moe(z, w13, w2, tw, ti, w2_bias=[1.0]), fullgraph=True, backend="aot_eager")(x)
 
 
 class _Block(torch.nn.Module):

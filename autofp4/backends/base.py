@@ -10,10 +10,14 @@ linear: ``runner(x, prepared, bias) -> out``
     x: ``[M, K]`` contiguous bf16/fp16 on the backend's device; prepared: what ``prepare``
     returned for the weight; bias: ``[N]`` in x's dtype or ``None``. Returns ``[M, N]`` in
     x's dtype.
-moe: ``runner(x, prepared13, prepared2, topk_weights, topk_ids, activation, expert_map=None) -> out``
+moe: ``runner(x, prepared13, prepared2, topk_weights, topk_ids, activation, expert_map=None,
+w13_bias=None, w2_bias=None) -> out``
     x: ``[T, H]``; topk_weights: ``[T, top_k]`` float32; topk_ids: ``[T, top_k]`` int32/int64
     (already range-checked); expert_map: ``None`` or int ``[E_global]`` (global expert -> local
-    index, -1 elsewhere: those pairs are skipped); returns ``[T, H]`` in x's dtype.
+    index, -1 elsewhere: those pairs are skipped); w13_bias / w2_bias: ``None`` or float
+    ``[E, 2I]`` / ``[E, H]`` on x's device, any float dtype (added before the activation / before
+    the router weight); returns ``[T, H]`` in x's dtype. The caller passes ``expert_map`` and the
+    biases only when they are given.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..kernels._moe_act import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
 from ..problem import ProblemKey
 from .base import Backend, BackendConfig, Runner
 
@@ -46,7 +47,10 @@ def _act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         return F.silu(gate) * up
     if activation == "gelu":
         return F.gelu(gate, approximate="tanh") * up
-    raise ValueError(f"activation must be 'silu' or 'gelu', got {activation!r}")
+    if activation == "swigluoai":
+        gate, up = gate.clamp(max=SWIGLU_LIMIT), up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+        return gate * torch.sigmoid(SWIGLU_ALPHA * gate) * (up + 1)
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
 def reference_moe(
@@ -58,9 +62,12 @@ def reference_moe(
     activation: str = "silu",
     chunk_n: int = 0,
     expert_map: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fused-MoE layer, one expert at a time over the tokens routed to it (with
-    ``expert_map``: global ids mapped to this slice's experts, pairs routed elsewhere skipped)."""
+    ``expert_map``: global ids mapped to this slice's experts, pairs routed elsewhere skipped;
+    the biases ``[E, 2I]`` and ``[E, H]``, if given, are added in x's dtype)."""
     t, h = x.shape
     e_local = w13.shape[0]
     out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
@@ -80,8 +87,9 @@ def reference_moe(
         start += c
         tok = token_of[sel]
         xe = x[tok]
-        hmid = _act(reference_linear(xe, w13.expert(e), None, chunk_n), activation)
-        ye = reference_linear(hmid, w2.expert(e), None, chunk_n)
+        b13, b2 = (None if b is None else b[e].to(x.dtype) for b in (w13_bias, w2_bias))
+        hmid = _act(reference_linear(xe, w13.expert(e), b13, chunk_n), activation)
+        ye = reference_linear(hmid, w2.expert(e), b2, chunk_n)
         out.index_add_(0, tok, ye.float() * flat_w[sel, None])
     return out.to(x.dtype)
 
@@ -121,5 +129,5 @@ class ReferenceBackend(Backend):
         chunk = config.chunk_n  # type: ignore[attr-defined]
         if key.op == "linear":
             return lambda x, w, bias: reference_linear(x, w, bias, chunk)
-        return lambda x, w13, w2, tw, ti, act, expert_map=None: reference_moe(x, w13, w2, tw, ti, act, chunk,
-                                                                              expert_map)
+        return lambda x, w13, w2, tw, ti, act, expert_map=None, w13_bias=None, w2_bias=None: reference_moe(
+            x, w13, w2, tw, ti, act, chunk, expert_map, w13_bias, w2_bias)

@@ -10,7 +10,7 @@ validates and runs), told apart by the dataclass's ``kernel`` tag:
   pipeline + wgmma with the weights as the register operand (``out^T = W x^T``); serves any M.
 * ``"moe_decode"`` (:class:`~autofp4.kernels.w4a16_moe.MoEDecodeConfig`): the MoE layer, both
   expert GEMMs grouped over the routing's (expert, token block) list with warp-level MMA, the
-  activation and the router weights fused; serves any T, CUDA-graph capturable.
+  activation, the expert biases and the router weights fused; serves any T, CUDA-graph capturable.
 * ``"moe_gemm"`` (:class:`~autofp4.kernels.sm90_moe_gemm.MoEGemmConfig`): the MoE layer on the
   GEMM kernel above, grouped the same way (larger batches); serves any T, CUDA-graph capturable.
 
@@ -306,12 +306,11 @@ def _moe_runner(run: Runner, kernel: str, check_fp16: bool) -> Runner:
     def runner(x, p13: SM90Prepared, p2: SM90Prepared, topk_weights, topk_ids, activation, expert_map=None,
                w13_bias=None, w2_bias=None):
         m13, m2 = p13.moe(kernel, True), p2.moe(kernel, False)
-        biases = {} if w13_bias is None and w2_bias is None else {"w13_bias": w13_bias, "w2_bias": w2_bias}
         if check_fp16 and (why := m13.unsupported[1] or m2.unsupported[1]):
             _warn_once(why)
             return reference_moe(x, p13.weight, p2.weight, topk_weights, topk_ids, activation, expert_map=expert_map,
-                                 **biases)
-        return run(x, m13, m2, topk_weights, topk_ids, activation, expert_map, **biases)
+                                 w13_bias=w13_bias, w2_bias=w2_bias)
+        return run(x, m13, m2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias)
 
     return runner
 

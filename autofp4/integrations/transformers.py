@@ -4,15 +4,18 @@ transformers keeps the routed experts of a MoE layer as one module with two 3-D 
 ``gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and ``down_proj [E, H, I]``, called as
 ``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`` (Qwen3-MoE, Mixtral,
 DeepSeek-V3 and others built with ``transformers.integrations.use_experts_implementation``).
+gpt-oss's experts (``GptOssExperts``) store them transposed, ``gate_up_proj [E, H, 2I]`` with the
+gate and up columns interleaved and ``down_proj [E, I, H]``, have biases, and gate with a clamped
+SwiGLU: they are brought to the layout above (biases too) and run with ``"swigluoai"``.
 :func:`convert_experts` replaces each such module by :class:`FP4Experts`, which holds the FP4
 weights as buffers and runs :func:`autofp4.moe`. The module is swapped rather than registered
 as an ``experts_implementation``: that setting is one per model config and would keep the
 high-precision parameters in the module.
 
-Layouts that :func:`autofp4.moe` does not compute (transposed weights, interleaved gate/up,
-biases, a custom gating function such as gpt-oss's clamped SwiGLU, a post-expert norm, experts
-without a gate, activations other than SiLU and tanh-GELU) are left as they are and reported
-as skipped. The router (the ``gate`` of the MoE block) is never quantized.
+Other layouts that :func:`autofp4.moe` does not compute (transposed weights, interleaved
+gate/up, biases, a custom gating function, a post-expert norm, experts without a gate,
+activations other than SiLU and tanh-GELU) are left as they are and reported as skipped. The
+router (the ``gate`` or ``router`` of the MoE block) is never quantized.
 
 transformers itself is imported only when a model holds modules from it.
 """
@@ -23,6 +26,7 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
+from ..kernels._moe_act import SWIGLU_ALPHA, SWIGLU_LIMIT
 from ..nn import ConversionReport, FP4Buffers, TensorRecord, matches_skip, register_module_converter
 from ..ops import moe
 from ..problem import BLOCK_SIZE
@@ -38,11 +42,14 @@ class FP4Experts(FP4Buffers):
     """Routed MoE experts with FP4 weights, a drop-in for a transformers experts module.
 
     ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` computes
-    ``sum_j w[t, j] * down_e(act(gate_e x) * up_e x)`` with :func:`autofp4.moe`. The weights are
-    buffers ``gate_up_proj_{packed,scale,global_scale}`` and ``down_proj_{...}``.
+    ``sum_j w[t, j] * (down_e act(gate_e x, up_e x) + b2_e)`` with :func:`autofp4.moe`. The weights
+    are buffers ``gate_up_proj_{packed,scale,global_scale}`` and ``down_proj_{...}``; the optional
+    biases (``gate_up_bias [E, 2I]``: gate then up, ``down_bias [E, H]``) are kept in high precision
+    as the parameters ``gate_up_proj_bias`` and ``down_proj_bias``.
     """
 
-    def __init__(self, gate_up: FP4Weight, down: FP4Weight, activation: str) -> None:
+    def __init__(self, gate_up: FP4Weight, down: FP4Weight, activation: str,
+                 gate_up_bias: Optional[torch.Tensor] = None, down_bias: Optional[torch.Tensor] = None) -> None:
         super().__init__()
         if not (gate_up.experts and down.experts and gate_up.experts == down.experts):
             raise ValueError(
@@ -55,6 +62,9 @@ class FP4Experts(FP4Buffers):
                 f"FP4Experts: want gate_up [E, 2I, H] and down [E, H, I] in one format, got "
                 f"{tuple(gate_up.shape)} {gate_up.fmt} and {tuple(down.shape)} {down.fmt}"
             )
+        for name, b, shape in (("gate_up_bias", gate_up_bias, (e, two_i)), ("down_bias", down_bias, (e, h))):
+            if b is not None and (tuple(b.shape) != shape or not b.is_floating_point()):
+                raise ValueError(f"FP4Experts: {name} must be a float tensor {shape}, got {tuple(b.shape)} {b.dtype}")
         self.num_experts, self.hidden_dim, self.intermediate_dim = e, h, two_i // 2
         self.fmt = gate_up.fmt
         self.activation = activation
@@ -62,6 +72,8 @@ class FP4Experts(FP4Buffers):
             self.register_buffer(f"{name}_packed", w.data)
             self.register_buffer(f"{name}_scale", w.scale)
             self.register_buffer(f"{name}_global_scale", w.global_scale)
+        for name, b in (("gate_up_proj_bias", gate_up_bias), ("down_proj_bias", down_bias)):
+            self.register_parameter(name, None if b is None else nn.Parameter(b.detach(), requires_grad=False))
         self._w = {"gate_up_proj": gate_up, "down_proj": down}
 
     def fp4_weight(self, name: str) -> FP4Weight:
@@ -80,12 +92,14 @@ class FP4Experts(FP4Buffers):
         out = moe(
             x, self.fp4_weight("gate_up_proj"), self.fp4_weight("down_proj"),
             top_k_weights, top_k_index, self.activation,
+            w13_bias=self.gate_up_proj_bias, w2_bias=self.down_proj_bias,
         )
         return out.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
-                f"intermediate_dim={self.intermediate_dim}, fmt={self.fmt}, activation={self.activation}")
+                f"intermediate_dim={self.intermediate_dim}, fmt={self.fmt}, activation={self.activation}, "
+                f"bias={self.down_proj_bias is not None or self.gate_up_proj_bias is not None}")
 
 
 def _is_transformers_experts(module: nn.Module) -> bool:
@@ -95,9 +109,20 @@ def _is_transformers_experts(module: nn.Module) -> bool:
     return isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3
 
 
+def _is_gpt_oss(module: nn.Module) -> bool:
+    """gpt-oss's experts, with their own clamped SwiGLU gate."""
+    if type(module).__module__ != "transformers.models.gpt_oss.modeling_gpt_oss":
+        return False
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    return isinstance(module, GptOssExperts) and type(module)._apply_gate is GptOssExperts._apply_gate
+
+
 def _activation(module: nn.Module) -> Optional[str]:
     from transformers import activations as acts
 
+    if _is_gpt_oss(module):
+        return "swigluoai"
     act = getattr(module, "act_fn", None)
     if isinstance(act, (acts.SiLUActivation, nn.SiLU)):
         return "silu"
@@ -113,18 +138,23 @@ def _layout_problem(module: nn.Module) -> Optional[str]:
     if not hasattr(module, "has_gate"):
         return "not built with transformers' use_experts_implementation: unknown experts layout"
     why = []
-    if getattr(module, "is_transposed", False):
-        why.append("transposed weights ([E, H, 2I] / [E, I, H])")
-    if not getattr(module, "is_concatenated", True):
-        why.append("interleaved gate/up rows")
-    if getattr(module, "has_bias", False) or getattr(module, "gate_up_proj_bias", None) is not None:
-        why.append("biases")
+    if _is_gpt_oss(module):
+        if (module.alpha, module.limit) != (SWIGLU_ALPHA, SWIGLU_LIMIT):
+            why.append(f"gpt-oss's SwiGLU with alpha={module.alpha}, limit={module.limit} (autofp4.moe's "
+                       f"swigluoai has alpha={SWIGLU_ALPHA}, limit={SWIGLU_LIMIT})")
+    else:
+        if getattr(module, "is_transposed", False):
+            why.append("transposed weights ([E, H, 2I] / [E, I, H])")
+        if not getattr(module, "is_concatenated", True):
+            why.append("interleaved gate/up rows")
+        if getattr(module, "has_bias", False) or getattr(module, "gate_up_proj_bias", None) is not None:
+            why.append("biases")
+        if getattr(type(module), "_apply_gate", hf_moe._default_apply_gate) is not hf_moe._default_apply_gate:
+            why.append(f"a custom gating function ({type(module).__name__}._apply_gate)")
     if not module.has_gate:
         why.append("no gate projection")
     if getattr(module, "has_post_expert_norm", False):
         why.append("a post-expert norm")
-    if getattr(type(module), "_apply_gate", hf_moe._default_apply_gate) is not hf_moe._default_apply_gate:
-        why.append(f"a custom gating function ({type(module).__name__}._apply_gate)")
     if getattr(module, "_is_expert_parallel", False):
         why.append("expert parallelism (sharded experts)")
     if why:
@@ -132,20 +162,53 @@ def _layout_problem(module: nn.Module) -> Optional[str]:
     return None
 
 
+def _experts_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate_up_proj`` and ``down_proj`` as ``[E, 2I, H]`` and ``[E, H, I]`` (views; gpt-oss's gate
+    and up rows still interleaved)."""
+    gu, dn = module.gate_up_proj, module.down_proj
+    return (gu.transpose(1, 2), dn.transpose(1, 2)) if _is_gpt_oss(module) else (gu, dn)
+
+
+def _experts_biases(module: nn.Module) -> tuple[torch.Tensor, ...]:
+    """gpt-oss's ``(gate_up_proj_bias [E, 2I] (interleaved), down_proj_bias [E, H])``; ``()`` for the others."""
+    return (module.gate_up_proj_bias, module.down_proj_bias) if _is_gpt_oss(module) else ()
+
+
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's gate/up rows ``g0, u0, g1, u1, ...`` along dim 1 -> ``g0, g1, ..., u0, u1, ...``."""
+    return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
+
+
+def _fp4_experts(module: nn.Module, fmt: str) -> tuple[FP4Experts, tuple[FP4Weight, FP4Weight]]:
+    """``module``'s experts quantized to ``fmt`` in autofp4's layout, biases carried."""
+    gu, dn = (t.detach() for t in _experts_weights(module))
+    b13 = b2 = None
+    if _is_gpt_oss(module):
+        b13, b2 = (t.detach() for t in _experts_biases(module))
+        gu, b13, b2 = _deinterleave(gu), _deinterleave(b13), b2.clone()
+    with torch.no_grad():
+        w13, w2 = quantize(gu.contiguous(), fmt), quantize(dn.contiguous(), fmt)
+    return FP4Experts(w13, w2, _activation(module), b13, b2), (w13, w2)
+
+
 def experts_problem(module: nn.Module, fmt: str) -> Optional[str]:
     """Why ``module`` (a transformers experts module) cannot be converted to ``fmt``; None if it can."""
     why = _layout_problem(module)
     if why:
         return why
-    gu, dn = module.gate_up_proj, module.down_proj
+    gu, dn = _experts_weights(module)
+    biases = _experts_biases(module)
     e, two_i, h = gu.shape
     if two_i % 2 or tuple(dn.shape) != (e, h, two_i // 2):
-        return f"shapes gate_up_proj {tuple(gu.shape)} / down_proj {tuple(dn.shape)} are not [E, 2I, H] / [E, H, I]"
+        return (f"shapes gate_up_proj {tuple(module.gate_up_proj.shape)} / down_proj {tuple(module.down_proj.shape)} "
+                f"are not [E, 2I, H] / [E, H, I]{' transposed' if biases else ''}")
+    if biases and [tuple(b.shape) for b in biases] != [(e, two_i), (e, h)]:
+        return f"bias shapes {[tuple(b.shape) for b in biases]} are not [E, 2I] and [E, H]"
     if _activation(module) is None:
         return f"activation {type(getattr(module, 'act_fn', None)).__name__} is not SiLU or tanh-GELU"
-    if gu.is_meta or dn.is_meta:
+    if any(t.is_meta for t in (gu, dn, *biases)):
         return "weights are on the meta device"
-    for t in (gu, dn):
+    for t in (gu, dn, *biases):
         if t.dtype not in _DTYPES:
             return f"weight dtype {t.dtype} is not bf16/fp16/fp32"
     bs = BLOCK_SIZE[fmt]
@@ -191,12 +254,10 @@ def convert_experts(model: nn.Module, fmt: str, patterns: list[str], report: Con
             for pn, t in zip(pnames, params):
                 report.add(TensorRecord(pn, "experts", tuple(t.shape), False, _nbytes(t), _nbytes(t), why))
             continue
-        with torch.no_grad():
-            gu, dn = (quantize(t.detach(), fmt) for t in params)
-        new = FP4Experts(gu, dn, _activation(mod))
+        new, fp4 = _fp4_experts(mod, fmt)
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
-        for pn, t, w in zip(pnames, params, (gu, dn)):
+        for pn, t, w in zip(pnames, params, fp4):
             report.add(TensorRecord(pn, "experts", tuple(t.shape), True, _nbytes(t), _fp4_bytes(w)))
     return keep
 

@@ -17,16 +17,21 @@ experts ``w13 [E, 2I, H]`` (gate rows ``0..I-1``, up rows ``I..2I-1``) and ``w2 
 * **Up** (``up_kernel``): grid ``(weight tile pairs / warps, blocks)``. The experts' w13 are
   packed with the gate and up rows interleaved in 16-row tiles (gate rows ``16 q ..`` then up
   rows ``16 q ..``), so one warp holds the gate and the up tile of the same 16 rows and applies
-  the activation to its accumulators: ``h = act(gate) * up``, SiLU or GELU (tanh approximation),
-  in fp32, stored in the activation dtype at the pair's sorted position, ``h [rows, I]``.
+  the activation to its accumulators (plus the expert's gate and up biases, if any):
+  ``h = act(gate, up)`` (:mod:`._moe_act`: SiLU, tanh-GELU or gpt-oss's clamped SwiGLU) in fp32,
+  stored in the activation dtype at the pair's sorted position, ``h [rows, I]``.
 * **Down** (``down_kernel``): grid ``(weight tiles / warps, blocks, k_split)``: ``h`` of the block
-  (contiguous rows) times W2 of its expert, times the expert's alpha and the pair's router
-  weight, added into an fp32 ``[T, H]`` with ``red.global.add.f32`` (the top-k sum; K split
-  across CTAs adds into the same sums). The caller converts to the activation dtype.
+  (contiguous rows) times W2 of its expert, times the expert's alpha, plus the expert's bias (if
+  any; the CTAs of K slice 0 add it), times the pair's router weight, added into an fp32
+  ``[T, H]`` with ``red.global.add.f32`` (the top-k sum; K split across CTAs adds into the same
+  sums). The caller converts to the activation dtype.
+* Biases (``w13_bias [E, 2I]``, ``w2_bias [E, H]``) are compile-time options: a kernel built
+  without them reads none; with them it reads fp32, bf16 or fp16 values and adds them in fp32.
 * Each expert's packed weights are at a fixed stride; its epilogue factor (``alpha``: NVFP4
   global scale and the decode's power of two) and its scale-code addend (MXFP4: from the
   expert's largest exponent) are per expert, ``[E, 2]`` (bf16, fp16).
 """
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -34,11 +39,15 @@ import torch
 
 from .. import pdl
 from ..problem import DTYPES, FORMATS
+from . import _moe_act
+from ._moe_act import ACTIVATIONS
 from .w4a16_decode import CHUNK_K, CHUNKS, GROUP_K, TILE_N, _MX_MUL, _NV_MUL, _groups, _tiles, pack_weight
 
 #: helper modules whose source is part of this kernel's (kernel cache key, DB provenance)
-KERNEL_SOURCES = ("autofp4.kernels._ptx", "autofp4.kernels._fp4_bits", "autofp4.kernels.w4a16_decode")
-ACTIVATIONS = ("silu", "gelu")
+KERNEL_SOURCES = ("autofp4.kernels._ptx", "autofp4.kernels._fp4_bits", "autofp4.kernels.w4a16_decode",
+                  "autofp4.kernels._moe_act")
+#: the element types a bias is read in (other float dtypes are converted to float32 first)
+BIAS_DTYPES = ("float32", "bfloat16", "float16")
 M_BLOCKS = (8, 16)
 WARPS_CHOICES = (1, 2, 4, 8)
 MAX_K_SPLIT = 16
@@ -155,19 +164,19 @@ def pack_experts(w: Any, gate_up: bool) -> MoEPacked:
 def _dsl():
     import cutlass
     import cutlass.cute as cute
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T
 
-    return cutlass, cute, llvm, T
+    return cutlass, cute
 
 
-def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activation: str):
-    """The @cute.jit launcher of the up and the down kernel for one MoE problem."""
-    cutlass, cute, llvm, T = _dsl()
+def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activation: str,
+           bias13: str | None, bias2: str | None):
+    """The @cute.jit launcher of the up and the down kernel for one MoE problem (``bias13``,
+    ``bias2``: the dtype of w13's and w2's biases, None for none)."""
+    cutlass, cute = _dsl()
     from cutlass import Float32, Int32, Int64, Uint32
 
     from ._fp4_bits import decode_terms
-    from ._ptx import (asm, asm_void, decode_pair, griddep_launch_dependents, griddep_wait, ld_global_v4,
+    from ._ptx import (asm_void, decode_pair, griddep_launch_dependents, griddep_wait, ld_global_v4,
                        make_load_group, mma_m16n8k16, mul_x2)
 
     inter, hidden = n // 2, k
@@ -193,18 +202,6 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
 
     def red_add(addr, v):
         asm_void("red.global.add.f32 [$0], $1;", "l,f", Int64(addr), Float32(v))
-
-    def ex2(v):
-        return Float32(asm(T.f32(), [Float32(v)], "ex2.approx.ftz.f32 $0, $1;", "=f,f"))
-
-    def tanh(v):
-        return Float32(asm(T.f32(), [Float32(v)], "tanh.approx.f32 $0, $1;", "=f,f"))
-
-    def act(gate, up):
-        if cutlass.const_expr(activation == "silu"):
-            return gate / (Float32(1.0) + ex2(gate * Float32(-1.4426950408889634))) * up
-        inner = Float32(0.7978845608028654) * (gate + Float32(0.044715) * gate * gate * gate)
-        return Float32(0.5) * gate * (Float32(1.0) + tanh(inner)) * up
 
     load_group = make_load_group(SLOTS, CHUNKS)
 
@@ -250,7 +247,7 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
 
     @cute.kernel
     def up_kernel(x: cute.Tensor, wq: cute.Tensor, sc: cute.Tensor, alpha: cute.Tensor, sadd: cute.Tensor,
-                  rows: cute.Tensor, bexp: cute.Tensor, h: cute.Tensor, top_k: Int32):
+                  b13: cute.Tensor, rows: cute.Tensor, bexp: cute.Tensor, h: cute.Tensor, top_k: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bx, blk, _ = cute.arch.block_idx()
         griddep_wait()
@@ -286,11 +283,15 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
                     if (rows[mm] >= 0) & (col < inter):
                         gate = acc[nt * 4 + i] * al
                         up = acc[(NT + nt) * 4 + i] * al
-                        h[mm, col] = act(gate, up).to(h.element_type)
+                        if cutlass.const_expr(bias13 is not None):
+                            gate = gate + b13[e, col].to(Float32)
+                            up = up + b13[e, inter + col].to(Float32)
+                        h[mm, col] = _moe_act.activation(activation, gate, up).to(h.element_type)
 
     @cute.kernel
     def down_kernel(h: cute.Tensor, wq: cute.Tensor, sc: cute.Tensor, alpha: cute.Tensor, sadd: cute.Tensor,
-                    rows: cute.Tensor, bexp: cute.Tensor, tw: cute.Tensor, y: cute.Tensor, top_k: Int32):
+                    b2: cute.Tensor, rows: cute.Tensor, bexp: cute.Tensor, tw: cute.Tensor, y: cute.Tensor,
+                    top_k: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bx, blk, bz = cute.arch.block_idx()
         griddep_wait()
@@ -325,25 +326,29 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
                     col = tile * TILE_N + g + 8 * (i // 2)
                     p = rows[mm]
                     if (p >= 0) & (col < hidden):
-                        red_add(y.iterator.toint() + (Int64(p // top_k) * hidden + col) * 4,
-                                acc[nt * 4 + i] * al * tw[p])
+                        v = acc[nt * 4 + i] * al
+                        if cutlass.const_expr(bias2 is not None):
+                            if bz == 0:
+                                v = v + b2[e, col].to(Float32)
+                        red_add(y.iterator.toint() + (Int64(p // top_k) * hidden + col) * 4, v * tw[p])
 
     @cute.jit
     def launch(x: cute.Tensor, w13: cute.Tensor, s13: cute.Tensor, a13: cute.Tensor, sa13: cute.Tensor,
-               w2: cute.Tensor, s2: cute.Tensor, a2: cute.Tensor, sa2: cute.Tensor,
-               rows: cute.Tensor, bexp: cute.Tensor, tw: cute.Tensor, h: cute.Tensor, y: cute.Tensor,
-               top_k: Int32, use_pdl: Int32, stream):
+               b13: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor, a2: cute.Tensor, sa2: cute.Tensor,
+               b2: cute.Tensor, rows: cute.Tensor, bexp: cute.Tensor, tw: cute.Tensor, h: cute.Tensor,
+               y: cute.Tensor, top_k: Int32, use_pdl: Int32, stream):
         blocks = bexp.shape[0]
-        up_kernel(x, w13, s13, a13, sa13, rows, bexp, h, top_k).launch(
+        up_kernel(x, w13, s13, a13, sa13, b13, rows, bexp, h, top_k).launch(
             grid=[-(-T13 // (2 * WARPS)), blocks, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=use_pdl)
-        down_kernel(h, w2, s2, a2, sa2, rows, bexp, tw, y, top_k).launch(
+        down_kernel(h, w2, s2, a2, sa2, b2, rows, bexp, tw, y, top_k).launch(
             grid=[-(-T2 // WARPS), blocks, KS], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=use_pdl)
 
     return launch
 
 
-def _compile_now(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activation: str):
-    cutlass, cute, _, _ = _dsl()
+def _compile_now(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activation: str,
+                 bias13: str | None, bias2: str | None, extra: str = ""):
+    cutlass, cute = _dsl()
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
     dt = cutlass.BFloat16 if dtype == "bfloat16" else cutlass.Float16
@@ -362,63 +367,98 @@ def _compile_now(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, act
     fs2 = make_fake_compact_tensor(cutlass.Uint8, (e * (t2 * g2 * slots * 16),), assumed_align=16)
     fa = [make_fake_compact_tensor(cutlass.Float32, (e, 2), stride_order=(1, 0), assumed_align=4) for _ in range(2)]
     fsa = [make_fake_compact_tensor(cutlass.Int32, (e, 2), stride_order=(1, 0), assumed_align=4) for _ in range(2)]
+    # a bias [E, cols] in its dtype; without one, a 1-element fp32 placeholder the kernel never reads
+    bias_types = {"float32": (cutlass.Float32, 4), "bfloat16": (cutlass.BFloat16, 2), "float16": (cutlass.Float16, 2)}
+    fb = [make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4) if b is None else
+          make_fake_compact_tensor(bias_types[b][0], (e, cols), stride_order=(1, 0), assumed_align=bias_types[b][1])
+          for b, cols in ((bias13, n), (bias2, hidden))]
     frows = make_fake_compact_tensor(cutlass.Int32, (rows,), assumed_align=4)
     fbexp = make_fake_compact_tensor(cutlass.Int32, (blocks,), assumed_align=4)
     ftw = make_fake_compact_tensor(cutlass.Float32, (pairs,), assumed_align=4)
     fh = make_fake_compact_tensor(dt, (rows, inter), stride_order=(1, 0), assumed_align=16)
     fy = make_fake_compact_tensor(cutlass.Float32, (t, hidden), stride_order=(1, 0), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    fn = _build(cfg, n, k, fmt, dtype, activation)
-    return cute.compile(fn, fx, fw13, fs13, fa[0], fsa[0], fw2, fs2, fa[1], fsa[1], frows, fbexp, ftw, fh, fy,
-                        1, 0, stream, options="--enable-tvm-ffi --gpu-arch sm_90a")
+    fn = _build(cfg, n, k, fmt, dtype, activation, bias13, bias2)
+    return cute.compile(fn, fx, fw13, fs13, fa[0], fsa[0], fb[0], fw2, fs2, fa[1], fsa[1], fb[1], frows, fbexp,
+                        ftw, fh, fy, 1, 0, stream, options=f"--enable-tvm-ffi --gpu-arch sm_90a {extra}".strip())
 
 
-def _check(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activation: str) -> None:
+def _check(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activation: str,
+           bias13: str | None, bias2: str | None) -> None:
     reason = validate(cfg, n, k, fmt, dtype)
     if reason is None and activation not in ACTIVATIONS:
         reason = f"activation must be one of {ACTIVATIONS}, got {activation!r}"
+    if reason is None and not {bias13, bias2} <= {None, *BIAS_DTYPES}:
+        reason = f"bias dtypes must be None or one of {BIAS_DTYPES}, got {bias13!r} and {bias2!r}"
     if reason is not None:
         raise ValueError(f"invalid MoEDecodeConfig {cfg} for 2I={n}, H={k}, {fmt}, {dtype}: {reason}")
 
 
-def _compile(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activation: str) -> Callable:
+def _compile(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activation: str,
+             bias13: str | None = None, bias2: str | None = None) -> Callable:
+    """The compiled launcher; ``bias13``, ``bias2``: the biases' dtypes (None: the kernel has none).
+    ``$AUTOFP4_CUTE_DSL_OPTIONS`` (extra CuTeDSL options for inspection, e.g. ``--keep-ptx
+    --dump-dir=/tmp/d``) bypasses the kernel cache."""
     from ..kernel_cache import compile_cached
 
-    _check(cfg, n, k, fmt, dtype, activation)
+    _check(cfg, n, k, fmt, dtype, activation, bias13, bias2)
     cfg = pdl.binary_config(cfg)
-    return compile_cached("w4a16_moe", __name__, (cfg, n, k, fmt, dtype, activation),
-                          lambda: _compile_now(cfg, n, k, fmt, dtype, activation))
+    extra = os.environ.get("AUTOFP4_CUTE_DSL_OPTIONS", "").strip()
+    if extra:
+        return _compile_now(cfg, n, k, fmt, dtype, activation, bias13, bias2, extra)
+    return compile_cached("w4a16_moe", __name__, (cfg, n, k, fmt, dtype, activation, bias13, bias2),
+                          lambda: _compile_now(cfg, n, k, fmt, dtype, activation, bias13, bias2))
 
 
 def compile_only(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str) -> None:
-    """Compile both activations (no GPU needed with ``CUTE_DSL_ARCH=sm_90a``)."""
+    """Compile every activation, without biases (no GPU needed with ``CUTE_DSL_ARCH=sm_90a``)."""
     for activation in ACTIVATIONS:
         _compile(cfg, n, k, fmt, dtype, activation)
 
 
 def compile_kernel(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str) -> Callable:
-    """``run(x, packed13, packed2, topk_weights, topk_ids, activation, expert_map=None) -> [T, H]``,
-    for any T (``expert_map``: see :func:`autofp4.moe`)."""
+    """``run(x, packed13, packed2, topk_weights, topk_ids, activation, expert_map=None, w13_bias=None,
+    w2_bias=None) -> [T, H]``, for any T (``expert_map`` and the biases: see :func:`autofp4.moe`;
+    a bias of a dtype other than fp32, bf16 and fp16 is converted to fp32)."""
     from ..routing import moe_routing, per_pair_routing
 
     tdt = getattr(torch, dtype)
     di = DTYPES.index(dtype)
-    fns: dict[str, Callable] = {}
+    fns: dict[tuple, Callable] = {}
     use_pdl = cfg.pdl
+    placeholders: dict[torch.device, torch.Tensor] = {}  # the bias argument of a kernel without one
+
+    def bias_arg(b: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor, what: str):
+        if b is None:
+            ph = placeholders.get(x.device)
+            if ph is None:
+                ph = placeholders[x.device] = torch.zeros(1, dtype=torch.float32, device=x.device)
+            return ph, None
+        if tuple(b.shape) != shape or not b.is_floating_point() or b.device != x.device:
+            raise ValueError(f"{what} must be a float tensor {list(shape)} on {x.device}, got "
+                             f"{tuple(b.shape)} {b.dtype} on {b.device}")
+        name = str(b.dtype).removeprefix("torch.")
+        if name not in BIAS_DTYPES:
+            b, name = b.float(), "float32"
+        return b.contiguous(), name
 
     def run(x: torch.Tensor, p13: MoEPacked, p2: MoEPacked, topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor, activation: str, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+            topk_ids: torch.Tensor, activation: str, expert_map: torch.Tensor | None = None,
+            w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None) -> torch.Tensor:
         if (p13.n, p13.k, p2.n, p2.k) != (n, k, k, n // 2) or p13.fmt != fmt or p2.fmt != fmt:
             raise ValueError(f"kernels compiled for 2I={n}, H={k}, {fmt}; got w13 [{p13.n}, {p13.k}] and "
                              f"w2 [{p2.n}, {p2.k}] in {p13.fmt}")
         for p in (p13, p2):
             if p.unsupported[di]:
                 raise ValueError(p.unsupported[di])
-        fn = fns.get(activation)
-        if fn is None:
-            fn = fns[activation] = _compile(cfg, n, k, fmt, dtype, activation)
         if x.dtype != tdt or x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"expected x [T, {k}] {tdt}, got {tuple(x.shape)} {x.dtype}")
+        b13, bt13 = bias_arg(w13_bias, (p13.experts, n), x, "w13_bias")
+        b2, bt2 = bias_arg(w2_bias, (p13.experts, k), x, "w2_bias")
+        variant = (activation, bt13, bt2)
+        fn = fns.get(variant)
+        if fn is None:
+            fn = fns[variant] = _compile(cfg, n, k, fmt, dtype, *variant)
         x = x.contiguous()
         route = per_pair_routing if cfg.per_pair else moe_routing
         r = route(topk_ids, p13.experts, cfg.m_block, expert_map=expert_map)
@@ -427,7 +467,7 @@ def compile_kernel(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str) -
         if x.shape[0] == 0:
             return y.to(tdt)
         tw = topk_weights.reshape(-1).float().contiguous()
-        fn(x, p13.data, p13.scales, p13.alpha, p13.scale_add, p2.data, p2.scales, p2.alpha, p2.scale_add,
+        fn(x, p13.data, p13.scales, p13.alpha, p13.scale_add, b13, p2.data, p2.scales, p2.alpha, p2.scale_add, b2,
            r.sorted_rows, r.block_expert, tw, h, y, topk_ids.shape[1], pdl.launch_flag(use_pdl))
         return y.to(tdt)
 
