@@ -254,7 +254,8 @@ def test_gpt_oss_activation_and_biases_match_a_torch_loop(fmt):
     want = _torch_moe(x, w13, w2, tw, ti, b13, b2)
     key = ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, k)
     p13, p2 = w13.packed(b.name, b.prepare), w2.packed(b.name, b.prepare)
-    for cfg in (G.MoEGemmConfig(tile_m=64), G.MoEGemmConfig(tile_n=256, raster="n", producer=True)):
+    for cfg in (G.MoEGemmConfig(tile_m=64), G.MoEGemmConfig(tile_n=256, raster="n", tile_m=64, producer=True)):
+        assert b.is_valid(cfg, key) is None, cfg
         got = b.compile(cfg, key)(x, p13, p2, tw, ti, "swigluoai", None, b13, b2)
         assert _err(got, want) < 2e-2, cfg
         no_bias = b.compile(cfg, key)(x, p13, p2, tw, ti, "swigluoai")
