@@ -81,8 +81,10 @@ def test_the_default_is_the_grouped_gemm_from_enough_pairs_per_expert():
     key = ProblemKey("moe", "nvfp4", "bfloat16", 1536, 2048, 128, 8)
     assert b.default(key, 16).kernel == "moe_decode"
     big = b.default(key, 4096)
-    assert big.kernel == "moe_gemm" and big.tile_m == 128
-    assert b.default(key, 1024).tile_m == 64  # 64 pairs per expert
+    assert big.kernel == "moe_gemm" and big.tile_m == 64  # small experts: 64-row token blocks
+    mixtral = ProblemKey("moe", "nvfp4", "bfloat16", 28672, 4096, 8, 2)
+    assert b.default(mixtral, 4096).tile_m == 128 and b.default(mixtral, 256).tile_m == 64
+    assert b.default(mixtral, 1).kernel == "moe_decode"
     assert b.parse_config(b.config_dict(big)) == big
     assert any(c.kernel == "moe_gemm" for c in b.candidates(key, 256))
 

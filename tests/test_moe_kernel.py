@@ -82,7 +82,7 @@ def test_the_backend_serves_moe_with_its_own_configs():
     key = ProblemKey("moe", "nvfp4", "bfloat16", 1536, 2048, 128, 8)
     cands = b.candidates(key, 16)
     assert cands and all(c.kernel.startswith("moe_") and b.is_valid(c, key) is None for c in cands)
-    assert b.default(key, 1).m_block == 8 and b.default(key, 256).m_block == 16
+    assert b.default(key, 1).per_pair and b.default(key, 16).per_pair and not b.default(key, 64).per_pair
     assert "cannot run a linear problem" in b.is_valid(b.default(key, 1), ProblemKey("linear", "nvfp4", "bfloat16", 1536, 2048))
     assert b.source_part(b.config_dict(b.default(key, 1))) == "moe_decode"
     assert {m.__name__ for m in b.source_modules("moe_decode")} == {M.__name__}

@@ -375,8 +375,12 @@ def _moe_gemm():
     return sm90_moe_gemm
 
 
-#: pairs per hit expert (uniform routing) from which the MoE default is the grouped GEMM
-MOE_GEMM_MIN_PAIRS = 32
+#: pairs per hit expert (uniform routing) from which the MoE default is the grouped GEMM (the
+#: H200 tuning winners: the grouped GEMM from 8 pairs per expert, DeepSeek-V3's EP slice at T = 256)
+MOE_GEMM_MIN_PAIRS = 8
+#: N x K (of w13) from which 128-row token blocks are the default at 96 or more pairs per expert
+#: (the winners at T = 4096: Mixtral and DeepSeek-V3 128, Qwen3-30B-A3B's small experts 64)
+MOE_GEMM_BIG_EXPERT = 16 << 20
 
 
 def moe_gemm_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
@@ -392,13 +396,16 @@ def _pairs_per_expert(experts: int, topk: int, m: int | None) -> float:
 
 
 def _moe_gemm_default(n: int, k: int, fmt: str, dtype: str, per_expert: float):
-    """128-row weight tiles, token blocks of 64 rows below 96 pairs per expert and of 128 from
-    there, the deepest pipeline of 64-deep K tiles (up to 6) that fits, a producer warp."""
+    """128-row weight tiles, token blocks of 128 rows from 96 pairs per expert for large experts
+    (``MOE_GEMM_BIG_EXPERT``) and of 64 otherwise, the CTAs walking the weight tiles of a block
+    first (``raster="n"``, 4 of the 6 grouped-GEMM tuning winners), the deepest pipeline of
+    64-deep K tiles (up to 6) that fits, a producer warp."""
     G = _moe_gemm()
-    tile_m = 64 if per_expert < 96 else 128
+    tile_m = 128 if per_expert >= 96 and n * k >= MOE_GEMM_BIG_EXPERT else 64
     for stages in (6, 5, 4, 3):
         for producer in (True, False):
-            cfg = G.MoEGemmConfig(tile_n=128, tile_m=tile_m, tile_k=64, stages=stages, producer=producer)
+            cfg = G.MoEGemmConfig(tile_n=128, tile_m=tile_m, tile_k=64, stages=stages, raster="n",
+                                  producer=producer)
             if G.validate(cfg, n, k, fmt, dtype) is None:
                 return cfg
     return G.MoEGemmConfig(tile_m=tile_m)
@@ -413,7 +420,7 @@ def moe_seeds(n: int, k: int, fmt: str, dtype: str, experts: int, topk: int, m: 
     from dataclasses import replace
 
     d = _moe_gemm_default(n, k, fmt, dtype, per_expert)
-    return [replace(d, tile_m=192 - d.tile_m), replace(d, raster="n"), replace(d, tile_k=128, stages=4),
+    return [replace(d, tile_m=192 - d.tile_m), replace(d, raster="m"), replace(d, tile_k=128, stages=4),
             replace(d, tile_n=256, stages=4), replace(d, producer=not d.producer), replace(d, tile_m=256, stages=4)]
 
 
@@ -426,12 +433,12 @@ def moe_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
 
 def moe_decode_default(n: int, k: int, fmt: str, dtype: str, experts: int, topk: int, m: int | None = None) -> Any:
     """The warp-level MoE kernel's default: one block per pair, unsorted, while the batch has at
-    most half as many (token, slot) pairs as experts (most hit experts get one pair); else the
+    most as many (token, slot) pairs as experts (the winner at Qwen3-30B-A3B's T = 16); else the
     pairs sorted by expert in blocks of 16 rows where a hit expert gets more than 8 pairs on
     average (uniform routing), of 8 below; 4 warps; K of the down GEMM not split."""
     M = _moe_kernel()
     pairs = (m if m is not None else 1) * topk
-    if 2 * pairs <= experts:
+    if pairs <= experts:
         return M.MoEDecodeConfig(m_block=8, warps=4, k_split=1, per_pair=True)
     return M.MoEDecodeConfig(m_block=16 if _pairs_per_expert(experts, topk, m) > 8 else 8, warps=4, k_split=1)
 
