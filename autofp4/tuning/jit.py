@@ -79,7 +79,7 @@ class _Session:
         self.path = dispatch.user_db_path()
         self.monitor = ChangeMonitor(self.path)
         self.next_check = 0.0
-        self.seen: set[tuple] = set()
+        self.seen: set[tuple] = set()  # (device, (key, M bucket)) met with the DB at self.path
         self.workers: dict[tuple, WorkerClient] = {}
         self.lock = threading.Lock()
 
@@ -87,15 +87,16 @@ class _Session:
     def on_miss(self, disp: dispatch.Dispatcher, mk: tuple) -> dispatch.Dispatcher | None:
         """A miss of ``disp``: pick up new rows if due, queue the job if new; in blocking mode
         (not capturing) wait for it and return the dispatcher that has its row."""
-        self._reload_if_due(disp.device)
+        if time.monotonic() >= self.next_check:
+            self._reload(disp.device)
         key, m = mk
-        if key.op not in self.ops:
+        met = (disp.device, mk)
+        if key.op not in self.ops or met in self.seen:  # the common case: no lock
             return None
         with self.lock:
-            seen = (disp.device, self.path, mk)
-            if seen in self.seen:
+            if met in self.seen:
                 return None
-            self.seen.add(seen)
+            self.seen.add(met)
             worker = self._worker(disp.device)
         i = worker.submit(Job(key, m, "jit"))
         if self.mode == "background" or _capturing(disp.device):
@@ -105,14 +106,13 @@ class _Session:
         dispatch.refresh()
         return dispatch.get_dispatcher(disp.device)
 
-    def _reload_if_due(self, device: torch.device) -> None:
-        now = time.monotonic()
-        if now < self.next_check:
-            return
-        self.next_check = now + RELOAD_S
+    def _reload(self, device: torch.device) -> None:
+        """Renew the dispatchers if the DB changed (not while a CUDA graph is captured)."""
+        self.next_check = time.monotonic() + RELOAD_S
         path = dispatch.user_db_path()
-        if path != self.path:  # set_db: watch the new DB
-            self.path, self.monitor = path, ChangeMonitor(path)
+        if path != self.path:  # set_db: watch the new DB; its jobs are new
+            with self.lock:
+                self.path, self.monitor, self.seen = path, ChangeMonitor(path), set()
         if not _capturing(device) and self.monitor.changed():
             dispatch.refresh()
 
