@@ -106,7 +106,7 @@ def test_background_call_returns_at_once_and_the_row_is_used_without_restart(_ow
             time.sleep(0.05)
             autofp4.linear(x, w)  # a miss looks for new rows (at most every RELOAD_S)
         assert _fast_entry(w, x)[4] is None, "the tuned row was not picked up"
-        assert autofp4.autotune.wait(60)
+        assert autofp4.autotune.wait(60) and autofp4.autotune.pending() == 0
     (row,) = _rows(_own_db)
     assert (row.m_bucket, row.origin) == (8, "jit")
     assert first_s < 1.0, f"the first call took {first_s:.2f} s"
@@ -142,6 +142,7 @@ def test_killing_the_worker_loses_no_row_and_leaves_the_db_intact(_own_db):
         for m in ms:
             for w in ws:
                 autofp4.linear(_act(m, w.k), w)
+        assert autofp4.autotune.pending() == len(shapes) * len(ms)
         worker = next(iter(jit.active().workers.values()))
         deadline = time.monotonic() + 120
         while len(_rows(_own_db)) < 3 and time.monotonic() < deadline:

@@ -210,6 +210,12 @@ class autotune:
             s.close()
 
     @staticmethod
+    def pending() -> int:
+        """Jobs queued or being tuned, not finished yet (0 with no autotuning on)."""
+        s = active()
+        return 0 if s is None else sum(len(w.pending) for w in list(s.workers.values()))
+
+    @staticmethod
     def wait(timeout: float | None = None) -> bool:
         """Finish every job queued so far (blocking mode: those met during CUDA graph capture;
         background mode: the worker's queue; both: jobs another process is tuning), then pick up
