@@ -161,6 +161,52 @@ def test_killing_the_worker_loses_no_row_and_leaves_the_db_intact(_own_db):
     assert len(after) == len(shapes) * len(ms)
 
 
+_FORKS = textwrap.dedent("""
+    import json, multiprocessing as mp
+    import torch, autofp4
+    from autofp4 import dispatch
+    from autofp4.tuning import jit
+
+    def call(n, k, m):
+        w = autofp4.quantize(torch.randn(n, k), "nvfp4")
+        x = torch.randn(m, k).to(torch.bfloat16)
+        autofp4.linear(x, w)
+        ok = autofp4.autotune.wait(120)
+        autofp4.linear(x, w)
+        (worker,) = jit.active().workers.values()
+        return {"ok": ok, "tuned": w._linear_fast[(x.dtype, x.device, m)][4] is None, "worker": worker.pid,
+                "restarts": worker.restarts, "jobs": len(worker.status)}
+
+    def child(conn):
+        conn.send(call(128, 256, 2))
+
+    parent = call(256, 128, 1)
+    here, there = mp.get_context("fork").Pipe()
+    p = mp.get_context("fork").Process(target=child, args=(there,))
+    p.start()
+    print(json.dumps({"parent": parent, "child": here.recv() if here.poll(180) else None}))
+    p.join(30)
+""")
+
+
+def test_a_forked_child_tunes_with_a_worker_of_its_own(tmp_path, _own_db):
+    """A server that forks its workers after autotuning is on (AUTOFP4_AUTOTUNE read at import):
+    each child gets its own worker and DB connection and uses the rows it tunes. (One CPU thread:
+    the CPU ops of a forked child can hang where its parent has run parallel ones.)"""
+    script = tmp_path / "forks.py"
+    script.write_text(_FORKS)
+    env = {**os.environ, "AUTOFP4_AUTOTUNE": "background", "AUTOFP4_AUTOTUNE_DUTY": "1", "OMP_NUM_THREADS": "1",
+           "AUTOFP4_DB": str(_own_db), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["child"] is not None, "the forked child did not answer"
+    assert got["parent"]["ok"] and got["parent"]["tuned"] and got["child"]["ok"] and got["child"]["tuned"]
+    assert got["child"]["worker"] not in (None, got["parent"]["worker"])
+    assert got["child"]["restarts"] == 0 and got["child"]["jobs"] == 1  # a new worker, not the parent's
+    assert {(r.n, r.m_bucket) for r in _rows(_own_db)} == {(256, 1), (128, 2)}
+
+
 _PEER = textwrap.dedent("""
     import json, os, sys, time
     from pathlib import Path

@@ -138,6 +138,14 @@ class _Session:
         dispatch.refresh()
         return ok
 
+    def forked(self) -> None:
+        """In a child forked from this process: workers, DB connection and lock of its own (the
+        parent's worker answers only the parent; the jobs the parent met are still its own)."""
+        for w in self.workers.values():
+            w.disown()
+        self.workers, self.lock = {}, threading.Lock()
+        self.monitor, self.next_check = ChangeMonitor(self.path), 0.0
+
     def close(self, wait_s: float = 0.0) -> None:
         """Stop the workers: each finishes the job in flight (waited for up to ``wait_s``)."""
         for w in list(self.workers.values()):
@@ -160,6 +168,16 @@ def _pop(s: _Session) -> None:
         if s in _STACK:
             _STACK.remove(s)
         dispatch.set_miss_hook(_STACK[-1].on_miss if _STACK else None)
+
+
+def _after_fork() -> None:
+    global _STACK_LOCK
+    _STACK_LOCK = threading.Lock()
+    for s in _STACK:
+        s.forked()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def active() -> _Session | None:

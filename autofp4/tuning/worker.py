@@ -230,6 +230,15 @@ class WorkerClient:
         except (OSError, ValueError):  # it died: started again, the job with it, by the next wait
             pass
 
+    def disown(self) -> None:
+        """In a child forked from the parent: close this process's copy of the worker's stdin, so
+        that the worker still ends when the parent closes its own."""
+        if self.proc is not None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
     def close(self, wait_s: float = 0.0) -> None:
         """Close the worker's stdin: it finishes the job in flight and exits (waited for up to
         ``wait_s`` seconds, then killed)."""
