@@ -309,27 +309,58 @@ def test_gpu_blocking_tunes_the_hopper_kernel_on_the_first_call(_own_db):
 
 @pytest.mark.gpu
 def test_gpu_a_graph_captured_after_wait_runs_the_winners(_own_db):
-    """Warm-up queues the misses, wait() tunes them, a CUDA graph captured then replays the tuned
-    kernels; a shape first met under capture is queued, not tuned, and the graph stays correct."""
+    """Background mode: the warm-up queues the misses, wait() tunes them and picks up the rows,
+    and a CUDA graph captured then replays the tuned kernels."""
     dev = _sm90_or_skip()
-    w, w2 = _weight(4096, 4096).to(dev), _weight(1024, 4096, seed=2).to(dev)
+    w = _weight(4096, 4096).to(dev)
     x = _act(8, 4096, device=dev)
     with autofp4.autotune(mode="background", budget_s=3.0):
-        autofp4.linear(x, w)  # warm-up: queued
-        assert autofp4.autotune.wait(600)
-        autofp4.linear(x, w)
-        autofp4.linear(x, w2)  # eager once (packs w2), untuned: its job is queued now
-        assert _fast_entry(w, x)[4] is None
+        autofp4.linear(x, w)  # warm-up: its job is queued, the default runs
+        assert autofp4.autotune.wait(600) and autofp4.autotune.pending() == 0
+        autofp4.linear(x, w)  # eager once more: the winner is loaded and its weight layout packed
+        key = ProblemKey("linear", "nvfp4", "bfloat16", 4096, 4096)
+        tuned_runner = dispatch.get_dispatcher(dev).resolve(key, 8)[2]
+        assert _fast_entry(w, x)[4] is None and _fast_entry(w, x)[1] is tuned_runner
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             y = autofp4.linear(x, w)
-            y2 = autofp4.linear(x, w2)  # a miss under capture: the default is captured
+        g.replay()
+        torch.cuda.synchronize()
+    assert _rel_err(y, x, w) < 1e-2
+    rows = _rows(_own_db, current_environment(dev).key())
+    assert [(r.n, r.m_bucket, r.origin) for r in rows] == [(4096, 8, "jit")]
+
+
+@pytest.mark.gpu
+def test_gpu_a_miss_under_capture_is_queued_not_tuned(_own_db):
+    """Blocking mode tunes eager calls on the spot, but a call met first under CUDA graph capture
+    runs (and the graph keeps) its current pick; its job waits for wait() (or the block's end)."""
+    dev = _sm90_or_skip()
+    w, w2 = _weight(4096, 4096).to(dev), _weight(1024, 4096, seed=2).to(dev)
+    x = _act(8, 4096, device=dev)
+    autofp4.linear(x, w)
+    autofp4.linear(x, w2)  # without autotuning: the defaults compiled and packed, two misses
+    with autofp4.autotune(mode="blocking", budget_s=3.0):
+        autofp4.linear(x, w)  # tuned on the spot
+        autofp4.linear(x, w)
+        assert _fast_entry(w, x)[4] is None
+        g = torch.cuda.CUDAGraph()
+        t0 = time.perf_counter()
+        with torch.cuda.graph(g):
+            y = autofp4.linear(x, w)
+            y2 = autofp4.linear(x, w2)  # a miss under capture: queued, the default captured
+        capture_s = time.perf_counter() - t0
+        assert autofp4.autotune.pending() == 1
         g.replay()
         torch.cuda.synchronize()
         assert _rel_err(y, x, w) < 1e-2 and _rel_err(y2, x, w2) < 1e-2
-        assert autofp4.autotune.wait(600)
+        assert autofp4.autotune.wait(600) and autofp4.autotune.pending() == 0
         g.replay()  # the graph keeps the kernels it captured
         torch.cuda.synchronize()
         assert _rel_err(y2, x, w2) < 1e-2
+        autofp4.linear(x, w2)
+        autofp4.linear(x, w2)
+        assert _fast_entry(w2, x)[4] is None  # eager calls run the row tuned after the capture
+    assert capture_s < 2.0, f"the capture took {capture_s:.1f} s: it waited for tuning"
     rows = _rows(_own_db, current_environment(dev).key())
     assert {(r.n, r.m_bucket, r.origin) for r in rows} == {(4096, 8, "jit"), (1024, 8, "jit")}
