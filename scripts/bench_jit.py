@@ -46,7 +46,6 @@ from _common import ROOT, provenance, provenance_line, results_dir
 import autofp4
 from autofp4 import dispatch
 from autofp4.models import load_config, model_shapes
-from autofp4.problem import ProblemKey, bucket_for
 from autofp4.tuning import jit
 
 TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
@@ -149,8 +148,7 @@ def background(stack: Stack, args, work: Path) -> dict:
         t0 = time.perf_counter()
         for m in args.decode_m:  # the decode M's jobs first: the throughput compares the same picks
             stack.forward(m)
-        while not all(_tuned(stack, m) for m in args.decode_m) and time.perf_counter() - t0 < args.timeout_s:
-            stack.forward(args.decode_m[0])
+        autofp4.autotune.wait(args.timeout_s)
         for m in args.m:
             stack.forward(m)  # queues the rest, at once
         meanwhile = {str(m): [] for m in args.decode_m}
@@ -163,14 +161,6 @@ def background(stack: Stack, args, work: Path) -> dict:
         duty = jit.active().duty
     return {"decode_before": idle_before, "all_tuned_s": all_tuned_s, "all_tuned": done, "duty": duty,
             "decode_meanwhile": {m: _summary(v) for m, v in meanwhile.items()}, "decode": idle}
-
-
-def _tuned(stack: Stack, m: int) -> bool:
-    """Does the dispatcher hold a tuned row for every layer at ``m`` tokens (the rows stored so
-    far picked up)?"""
-    d = dispatch.get_dispatcher(stack.dev)
-    keys = {ProblemKey("linear", w.fmt, "bfloat16", w.n, w.k) for w in stack.layers[0]}
-    return all(bucket_for(m) in d.tuned(key) for key in keys)
 
 
 def _summary(wins: list[float]) -> dict:
