@@ -19,7 +19,8 @@ from .measurer import _PacedMeasurer
 from .run import _chosen_backends, _close_run, _default_workers, _guarded_job, _open_db, _open_pool, _resolve_devices
 
 #: a job's time on the GPU, in seconds: it stops asking for trials then once it has a measured
-#: result (and gives up at twice that). Llama-3.1-8B's 40 jobs of M <= 512 take about 2 minutes.
+#: result (and gives up at twice that). Sized so that Llama-3.1-8B's 40 jobs of M <= 512 (4 shapes
+#: x 10 buckets, 40 x 3 s = 2 minutes) and the worker's start fit in 3 minutes.
 GPU_BUDGET_S = 3.0
 
 
