@@ -3,8 +3,11 @@
     w = autofp4.quantize(weight, "nvfp4")      # FP4Weight
     y = autofp4.linear(x, w)                   # custom op autofp4::linear
     y = autofp4.moe(x, w13, w2, *autofp4.route(logits, top_k=2))
+    with autofp4.autotune(mode="blocking"): ...  # tune what the calls miss, just in time
 """
 from __future__ import annotations
+
+import os as _os
 
 __version__ = "0.1.0"
 
@@ -30,8 +33,14 @@ __all__ = [
     "set_pdl",
     "pdl_enabled",
     "tune",
+    "autotune",
     "from_pretrained",
 ]
+
+if _os.environ.get("AUTOFP4_AUTOTUNE"):  # just-in-time tuning for code that cannot be edited
+    from .tuning.jit import from_env as _autotune_from_env
+
+    _autotune_from_env()
 
 
 def __getattr__(name: str):
@@ -40,6 +49,10 @@ def __getattr__(name: str):
         from .tuning import tune
 
         return tune
+    if name == "autotune":
+        from .tuning.jit import autotune
+
+        return autotune
     if name == "from_pretrained":  # transformers and safetensors are imported only here
         from .integrations.checkpoints import from_pretrained
 

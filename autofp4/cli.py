@@ -357,9 +357,11 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         except Exception as e:  # an optional package missing, a broken import
             why = f"cannot be imported: {type(e).__name__}: {e}"
         print(f"  {name:20} {'applies' if why is None else 'does not apply: ' + why}", file=out)
-    def stale(records) -> str:
-        n = sum(dispatch.row_is_stale(r) for r in records)
-        return f", {n} measured with an older kernel source (not used; tune again)" if n else ""
+    def notes(records) -> str:
+        jit = sum(r.origin == "jit" for r in records)
+        old = sum(dispatch.row_is_stale(r) for r in records)
+        return ((f", {jit} tuned just-in-time" if jit else "")
+                + (f", {old} measured with an older kernel source (not used; tune again)" if old else ""))
 
     print("tuning DB layers (rows for this environment / all rows):", file=out)
     user = dispatch.user_db_path()
@@ -368,8 +370,8 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             with TuningDB(user, readonly=True) as db:
                 mine = len(db.results(key))
                 total = db.counts()["results"]
-                old = stale(db.results())
-            print(f"  user     {user}: {mine} / {total}{old}", file=out)
+                more = notes(db.results())
+            print(f"  user     {user}: {mine} / {total}{more}", file=out)
         except (TuningDBError, OSError, sqlite3.Error) as e:
             print(f"  user     {user}: unreadable ({e})", file=out)
     elif user.is_dir():
@@ -386,7 +388,7 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         try:
             doc = read_export(f)
             mine = sum(1 for r in doc.records if r.env_key == key)
-            print(f"  shipped  {f}: {mine} / {len(doc.records)}{stale(doc.records)}", file=out)
+            print(f"  shipped  {f}: {mine} / {len(doc.records)}{notes(doc.records)}", file=out)
         except Exception as e:  # report, never fail `info`
             print(f"  shipped  {f}: unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})", file=out)
     misses = dispatch.misses_path()

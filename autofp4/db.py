@@ -3,14 +3,16 @@
 Tables
 ------
 ``results``       the winning config per (op, fmt, dtype, backend, m_bucket, n, k, experts,
-                  topk, env_key) with its timing evidence (median, spread, samples).
+                  topk, env_key) with its timing evidence (median, spread, samples) and its
+                  ``origin`` (``offline``: a tuning run; ``jit``: tuned on a workload's call).
 ``trials``        every config the tuner tried, including failures (never retried).
 ``environments``  env_key -> the :class:`~autofp4.schema.Environment` as JSON.
 ``meta``          the schema version; :data:`MIGRATIONS` bring older files up to date.
 
 The file runs in WAL mode with a long busy timeout, so several tuner processes can write to
 one database at the same time; every write is one ``BEGIN IMMEDIATE`` transaction, so a
-killed process leaves only complete rows. Exports are sorted, pretty JSON validated with the
+killed process leaves only complete rows. :class:`ChangeMonitor` tells a reader cheaply that
+another connection committed. Exports are sorted, pretty JSON validated with the
 pydantic models on import (never executed), read in chunks with bounded memory.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sqlite3
 import stat
 import time
 import tempfile
+import threading
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -74,6 +77,7 @@ _RESULT_COLUMNS = (
     "default_median_us",
     "backend_source",
     "created_at",
+    "origin",
 )
 _TRIAL_COLUMNS = (
     *KEY_FIELDS,
@@ -180,8 +184,16 @@ def _m2_lookup_indexes(db: sqlite_utils.Database) -> None:
     db["results"].create_index(["env_key"], index_name="results_env")
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial, _m2_lookup_indexes]
+def _m3_origin(db: sqlite_utils.Database) -> None:
+    """Version 3: ``results.origin``, how a row was tuned (``offline`` for the rows already there)."""
+    db["results"].add_column("origin", str, not_null_default="offline")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial, _m2_lookup_indexes, _m3_origin]
 SCHEMA_VERSION = len(MIGRATIONS)
+#: the oldest version a read-only connection reads as it is (the columns added since then take
+#: their defaults); older files must be opened writable once, which migrates them
+READ_AS_IS_FROM = 2
 
 #: indexes that speed up reads without changing what a file holds: created when a file is
 #: opened writable without them (no new schema version, so older autofp4 still reads the file).
@@ -731,8 +743,14 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def export_json(doc: ExportDoc) -> str:
-    """The canonical text of an export: pretty, sorted keys, records in key order."""
-    return json.dumps(doc.model_dump(mode="json"), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    """The canonical text of an export: pretty, sorted keys, records in key order. A record tuned
+    offline leaves its ``origin`` out: the text of such records is what it was before the field
+    existed, and an older autofp4 reads it."""
+    data = doc.model_dump(mode="json")
+    for r in data["records"]:
+        if r.get("origin") == "offline":
+            del r["origin"]
+    return json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n"
 
 
 def _sort_key(rec: TuningRecord | ExportedRecord) -> tuple:
@@ -896,7 +914,7 @@ class TuningDB:
                 f"{self.path} has schema version {version}, newer than this autofp4 supports "
                 f"({SCHEMA_VERSION}); upgrade autofp4"
             )
-        if version == SCHEMA_VERSION:
+        if version == SCHEMA_VERSION or (self.readonly and version >= READ_AS_IS_FROM):
             return
         if self.readonly:
             if version == 0 and not self._db.table_names():
@@ -1335,6 +1353,41 @@ class TuningDB:
                                               [getattr(r, c) for c in _UNIQUE]).rowcount
             self._drop_unused_environments()
         return deleted
+
+
+class ChangeMonitor:
+    """Whether another connection committed to a database file since the last look: SQLite's
+    ``PRAGMA data_version`` on one read-only connection kept open (microseconds; no row is read).
+    A file that does not exist yet counts as changed once it appears. Any thread may ask."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser()
+        self._conn: sqlite3.Connection | None = None
+        self._version: int | None = None
+        self._lock = threading.Lock()
+        self.changed()  # the version now is the baseline
+
+    def changed(self) -> bool:
+        with self._lock:
+            fresh = self._conn is None
+            try:
+                if fresh:
+                    if not self.path.is_file():
+                        return False
+                    self._conn = sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True,
+                                                 timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+                version = self._conn.execute("PRAGMA data_version").fetchone()[0]
+            except sqlite3.Error:  # unreadable now: not a change (the next look opens it again)
+                self.close()
+                return False
+            # a connection's versions compare only with its own: a new one counts as a change
+            before, self._version = self._version, version
+            return fresh or version != before
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 # --------------------------------------------------------------------------------------

@@ -26,6 +26,15 @@ A call is a *miss* when it does not run a tuned row: its key has no tuned row, o
 tuned for its bucket. Misses are counted per ``(key, standard bucket)`` and appended (counts merged) to a
 JSON file next to the user DB when the process exits, so ``autofp4 tune --from-misses``
 can tune exactly what a workload needed.
+
+Renewal and the miss hook
+-------------------------
+:func:`refresh` replaces each process-wide dispatcher by its renewal (:meth:`Dispatcher.renewed`:
+the same compiled runners and miss counter, every problem's rows read again on its next call),
+so rows stored since by this or another process are used without a restart; calls that kept a
+runner check that their dispatcher is still the process-wide one. :func:`set_miss_hook` installs
+a function the process-wide dispatchers call on every miss (just-in-time tuning,
+:mod:`autofp4.tuning.jit`); tuned calls never reach it.
 """
 from __future__ import annotations
 
@@ -54,6 +63,8 @@ __all__ = [
     "user_db_path",
     "misses_path",
     "load_misses",
+    "refresh",
+    "set_miss_hook",
 ]
 
 MISSES_VERSION = 1
@@ -114,6 +125,10 @@ def _key_dict(key: ProblemKey) -> dict[str, Any]:
     return asdict(key)
 
 
+#: ``hook(dispatcher, (key, standard M bucket)) -> dispatcher to resolve again, or None``
+MissHook = Callable[["Dispatcher", tuple[ProblemKey, int]], "Dispatcher | None"]
+
+
 class Dispatcher:
     """Tuned rows of one device in memory, plus the runner cache and the miss counter.
 
@@ -159,7 +174,20 @@ class Dispatcher:
         self._rows_for = rows_for
         self._asked: set[ProblemKey] = set()  # the problems rows_for was asked about
         self._load_lock = threading.Lock()
+        #: called on every miss (see :func:`set_miss_hook`); None: misses are only counted
+        self.on_miss: MissHook | None = None
         self._load(records)
+
+    def renewed(self) -> "Dispatcher":
+        """A dispatcher that reads every problem's rows again from ``rows_for`` when next asked,
+        sharing this one's compiled runners, miss counter and miss hook (the rows given as
+        ``records`` are not kept: renew dispatchers that read their rows through ``rows_for``)."""
+        new = object.__new__(Dispatcher)
+        new.__dict__.update(self.__dict__)
+        new._table, new._memo, new._asked = {}, {}, set()
+        new._load_lock = threading.Lock()
+        new.ignored, new.other_env_rows, new.stale_rows = [], 0, 0
+        return new
 
     # -- loading ---------------------------------------------------------------------
     def _backend_applies(self, name: str) -> Backend | None:
@@ -306,17 +334,23 @@ class Dispatcher:
                 self._memo.clear()
             self._memo[(key, m)] = hit
         if hit[3] is not None:
-            self.count_miss(hit[3])
+            renewed = self.count_miss(hit[3])
+            if renewed is not None:  # the miss hook stored a row for this call just now
+                return renewed.resolve_entry(key, m)
         return hit
 
     # -- misses ----------------------------------------------------------------------
-    def count_miss(self, mk: tuple[ProblemKey, int]) -> None:
-        """Count one more call of an untuned ``(key, M bucket)`` (the miss of :meth:`resolve_entry`)."""
+    def count_miss(self, mk: tuple[ProblemKey, int]) -> "Dispatcher | None":
+        """Count one more call of an untuned ``(key, M bucket)`` (the miss of :meth:`resolve_entry`)
+        and pass it to the miss hook. Returns the dispatcher to resolve the call with again where
+        the hook stored a row for it (blocking just-in-time tuning), else None."""
         with self._lock:
             first = not self._misses
             self._misses[mk] = self._misses.get(mk, 0) + 1
         if first:
             _register_pending(self)
+        hook = self.on_miss
+        return None if hook is None else hook(self, mk)
 
     def misses(self) -> list[tuple[ProblemKey, int, int]]:
         """The misses counted since the last flush: ``(key, standard M bucket, calls)``."""
@@ -397,6 +431,7 @@ _DISPATCHERS: dict[torch.device, Dispatcher] = {}
 _PENDING: list[Dispatcher] = []
 _STATE_LOCK = threading.Lock()
 _ATEXIT = False
+_MISS_HOOK: "MissHook | None" = None
 
 
 def user_db_path() -> Path:
@@ -451,10 +486,31 @@ def get_dispatcher(device: torch.device | str | int) -> Dispatcher:
                 return load_layers(env, user_path=db_path, problem=key)
 
             d = Dispatcher(dev, env=env, misses_file=db_path.with_suffix(".misses.json"), rows_for=rows_for)
+            d.on_miss = _MISS_HOOK
             _DISPATCHERS[dev] = d
     if isinstance(device, torch.device) and device == dev:
         _DISPATCHERS[device] = d
     return d
+
+
+def refresh() -> None:
+    """Replace every process-wide dispatcher by its renewal (:meth:`Dispatcher.renewed`): rows
+    stored since they read theirs are used from the next call on, without a restart."""
+    with _STATE_LOCK:
+        renewals = {id(d): d.renewed() for d in _DISPATCHERS.values()}
+        for dev, d in list(_DISPATCHERS.items()):
+            _DISPATCHERS[dev] = renewals[id(d)]
+
+
+def set_miss_hook(hook: MissHook | None) -> None:
+    """Call ``hook(dispatcher, (key, standard M bucket))`` on every miss of the process-wide
+    dispatchers (after it is counted; None: no hook). It returns the dispatcher to resolve the
+    call with again (it stored a row for it) or None (the call runs its default)."""
+    global _MISS_HOOK
+    with _STATE_LOCK:
+        _MISS_HOOK = hook
+        for d in _DISPATCHERS.values():
+            d.on_miss = hook
 
 
 def set_db(path: str | os.PathLike | None) -> None:

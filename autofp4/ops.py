@@ -85,7 +85,7 @@ def _linear_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) ->
     # contiguous x of any rank >= 1, M = its elements / K) reuses its runner and prepacked weight,
     # and counts its miss if untuned; x other than 2-D goes in as a [M, K] view and the output
     # comes back as a view [..., N] (no copies). The entry is valid while the device's
-    # dispatcher is the one that made it (set_db and reload replace the dispatchers).
+    # dispatcher is the one that made it (set_db, reload and refresh replace the dispatchers).
     fast = w.__dict__.get("_linear_fast")
     if fast is not None and type(x) is torch.Tensor:
         shape = x.shape
@@ -109,8 +109,8 @@ def _linear_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) ->
                 )
             )
         ):
-            if ent[4] is not None:
-                ent[0].count_miss(ent[4])
+            if ent[4] is not None and ent[0].count_miss(ent[4]) is not None:
+                return _linear_impl(x, w, bias)  # a row was stored for this call just now
             if nd == 2:
                 return ent[1](x, ent[2], bias)
             out = ent[1](x.view(m, shape[-1]), ent[2], bias)
@@ -139,7 +139,7 @@ def _linear_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) ->
     disp = get_dispatcher(x.device)
     backend, _cfg, runner, miss = disp.resolve_entry(key, m)
     packed = w.packed(backend.name, backend.prepare)
-    if type(x) is torch.Tensor:
+    if type(x) is torch.Tensor and disp is get_dispatcher(x.device):  # not renewed meanwhile
         if fast is None or len(fast) >= _FAST_MAX:
             fast = w.__dict__["_linear_fast"] = {}
         fast[(x.dtype, x.device, m)] = (disp, runner, packed, torch.Size((n,)), miss, n)

@@ -51,6 +51,15 @@ Fmt = Literal[FORMATS]  # type: ignore[valid-type]
 Dtype = Literal[DTYPES]  # type: ignore[valid-type]
 Outcome = Literal["ok", "compile_error", "runtime_fault", "wrong_result", "timeout", "invalid"]
 OUTCOMES: tuple[str, ...] = ("ok", "compile_error", "runtime_fault", "wrong_result", "timeout", "invalid")
+#: how a result was tuned: by a tuning run (``autofp4 tune``, :func:`autofp4.tune`) or just in
+#: time, on a workload's first call (:class:`autofp4.autotune`). The same kind of measurement
+#: either way; exports leave the field out of ``offline`` rows (as exports before it had none).
+Origin = Literal["offline", "jit"]
+#: how a result was tuned: by a tuning run (``autofp4 tune``, :func:`autofp4.tune`) or
+#: just in time, on a workload's first call (:class:`autofp4.autotune`). The same measurement
+#: either way; exports leave the field out for ``offline`` rows.
+Origin = Literal["offline", "jit"]
+ORIGINS: tuple[str, ...] = ("offline", "jit")
 
 _Name = Annotated[str, Strict(), StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
 _Text = Annotated[str, Strict(), StringConstraints(max_length=256)]
@@ -200,6 +209,7 @@ class _ResultFields(_KeyFields):
     default_median_us: _Micros | None = None
     backend_source: _Hash = ""
     created_at: str = Field(default_factory=utc_now)
+    origin: Origin = "offline"
 
     @field_validator("median_us")
     @classmethod

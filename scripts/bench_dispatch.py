@@ -2,9 +2,11 @@
 """Host-side cost of dispatch: ``Dispatcher.resolve`` and ``autofp4.linear`` vs. the bare runner.
 
 What it measures: microseconds of host time per call of the dispatcher's lookups
-(``Dispatcher.resolve``, ``pick``, ``get_dispatcher``), of the eager public path
-``autofp4.linear`` and of the runner it calls directly, with bf16 ``F.linear`` for scale and,
-where the decode kernel serves the problem, its bare compiled launch.
+(``Dispatcher.resolve`` of an untuned and of a tuned problem, ``pick``, ``get_dispatcher``; an
+untuned call with just-in-time tuning on, whose miss goes through the miss hook: the reload time
+check and the job already queued), of the eager public path ``autofp4.linear`` and of the runner
+it calls directly, with bf16 ``F.linear`` for scale and, where the decode kernel serves the
+problem, its bare compiled launch.
 
 How (:func:`per_call_us`): host-only lookups as the median over rounds of the mean of many
 calls (``time.perf_counter``); calls that launch GPU work one by one, with the GPU drained every
@@ -87,6 +89,31 @@ def _decode_layers(w, cfg, x, calls, sync) -> list[tuple[str, float]]:
     ]
 
 
+def _row_of(d: Dispatcher, key: ProblemKey, m: int):
+    """A tuned row for ``key`` at ``m``'s bucket: the default config, as the tuner stores it."""
+    from autofp4.dispatch import backend_source_hash, bucket_for
+    from autofp4.schema import TuningRecord
+
+    b, cfg = d.pick(key, m)
+    config = b.config_dict(cfg)
+    return TuningRecord(op=key.op, fmt=key.fmt, dtype=key.dtype, backend=b.name, m_bucket=bucket_for(m), n=key.n,
+                        k=key.k, config=config, median_us=1.0, spread_us=0.0, samples=1,
+                        backend_source=backend_source_hash(b, config), env=d.env)
+
+
+def _autotuned_resolve_us(dev: torch.device, key: ProblemKey, m: int, calls: int) -> float:
+    """An untuned resolve of the process-wide dispatcher inside ``autofp4.autotune``: the miss
+    goes through the miss hook (the reload time check, the job found queued already; no worker
+    is started: the job is marked as met before the first call)."""
+    from autofp4.dispatch import bucket_for
+    from autofp4.tuning import jit
+
+    gd = get_dispatcher(dev)
+    with autofp4.autotune(mode="background"):
+        jit.active().seen.add((gd.device, (key, bucket_for(m))))
+        return per_call_us(lambda: get_dispatcher(dev).resolve(key, m), calls)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -103,11 +130,15 @@ def main() -> int:
     d = Dispatcher(dev, [])
     d.resolve(key, args.m)
     rows.append(("Dispatcher.resolve (memo hit, untuned)", per_call_us(lambda: d.resolve(key, args.m), args.calls)))
+    dt = Dispatcher(dev, [_row_of(d, key, args.m)])
+    dt.resolve(key, args.m)
+    rows.append(("Dispatcher.resolve (memo hit, tuned)", per_call_us(lambda: dt.resolve(key, args.m), args.calls)))
     rows.append(("Dispatcher.pick (no memo)", per_call_us(lambda: d.pick(key, args.m), args.calls)))
     gd = get_dispatcher(dev)
     x = torch.randn(args.m, args.k, device=dev, dtype=torch.bfloat16)
     rows.append(("get_dispatcher(x.device)", per_call_us(lambda: get_dispatcher(x.device), args.calls)))
     rows.append(("get_dispatcher(x.device).resolve", per_call_us(lambda: gd.resolve(key, args.m), args.calls)))
+    rows.append(("  the same with autotune on (job queued)", _autotuned_resolve_us(dev, key, args.m, args.calls)))
 
     if hasattr(autofp4, "linear"):
         w = autofp4.quantize(torch.randn(args.n, args.k, device=dev), "nvfp4")

@@ -153,6 +153,25 @@ def test_tune_end_to_end_export_import(tiny, tmp_path):
     assert d3.stale_rows == stale and len(d3) == N_JOBS - stale
 
 
+def test_info_counts_the_rows_tuned_just_in_time(tmp_path):
+    from autofp4.schema import TuningRecord
+
+    db = tmp_path / "t.db"
+    ref = get_backend("reference")
+    with TuningDB(db) as t:
+        t.upsert_results([
+            TuningRecord(op="linear", fmt="nvfp4", dtype="bfloat16", backend="reference", m_bucket=m, n=256, k=128,
+                         config={"chunk_n": 0}, median_us=10.0, spread_us=0.1, samples=5, origin=origin,
+                         backend_source=dispatch.backend_source_hash(ref, {"chunk_n": 0}),
+                         env=current_environment(CPU))
+            for m, origin in ((1, "jit"), (2, "offline"), (4, "jit"))
+        ])
+    rc, out, err = run(["info", "--db", db, "--device", "cpu"])
+    assert rc == 0, err
+    user_line = next(line for line in out.splitlines() if line.strip().startswith(f"user     {db}"))
+    assert user_line.endswith(": 3 / 3, 2 tuned just-in-time"), user_line
+
+
 def test_resume_skips_and_force_retunes(tiny, tmp_path):
     db = tmp_path / "t.db"
     args = ["tune", "--model", tiny, "--db", db, "--no-progress", "--device", "cpu", "--m", "1,16"]

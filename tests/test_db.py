@@ -15,6 +15,7 @@ import sqlite_utils
 
 from autofp4.db import (
     MIGRATIONS,
+    ChangeMonitor,
     SCHEMA_VERSION,
     TuningDB,
     TuningDBError,
@@ -303,7 +304,7 @@ def test_migrate_from_version_1_keeps_rows(tmp_path):
     MIGRATIONS[0](old)
     old["meta"].insert({"key": "schema_version", "value": "1"})
     r = rec()
-    row = r.model_dump(exclude={"env"})
+    row = r.model_dump(exclude={"env", "origin"})
     row.update(config=json.dumps(r.config), env_key=r.env_key)
     old["results"].insert(row)
     old["environments"].insert({"env_key": r.env_key, "env": r.env.model_dump_json()})
@@ -312,9 +313,65 @@ def test_migrate_from_version_1_keeps_rows(tmp_path):
     with pytest.raises(TuningDBError, match="needs migrating"):
         TuningDB(path, readonly=True)
     with TuningDB(path) as db:
-        assert db.schema_version == SCHEMA_VERSION == 2
+        assert db.schema_version == SCHEMA_VERSION == 3
         assert dump(db.results()) == dump([r])
     assert {"trials_problem", "results_env"} <= _indexes(path)
+
+
+def _version_2_db(path: Path, recs: list[TuningRecord]) -> None:
+    """A file as autofp4 wrote it at schema version 2 (no ``origin`` column), holding ``recs``."""
+    old = sqlite_utils.Database(path)
+    old["meta"].create({"key": str, "value": str}, pk="key")
+    MIGRATIONS[0](old)
+    MIGRATIONS[1](old)
+    old["meta"].insert({"key": "schema_version", "value": "2"})
+    for r in recs:
+        row = r.model_dump(exclude={"env", "origin"})
+        row.update(config=json.dumps(r.config), env_key=r.env_key)
+        old["results"].insert(row)
+        old["environments"].insert({"env_key": r.env_key, "env": r.env.model_dump_json()}, ignore=True)
+    old.close()
+
+
+def test_a_version_2_file_is_read_as_it_is_and_migrated_to_origin(tmp_path):
+    path = tmp_path / "v2.db"
+    r = rec()
+    _version_2_db(path, [r])
+    with TuningDB(path, readonly=True) as db:  # read without migrating: the rows are offline ones
+        assert db.schema_version == 2 and dump(db.results()) == dump([r]) and r.origin == "offline"
+    with TuningDB(path) as db:
+        assert db.schema_version == SCHEMA_VERSION == 3
+        assert dump(db.results()) == dump([r])
+        db.upsert_result(rec(m_bucket=1, origin="jit"))
+        assert {x.m_bucket: x.origin for x in db.results()} == {16: "offline", 1: "jit"}
+
+
+def test_origin_survives_export_import_and_merge_and_offline_rows_leave_it_out(tmp_path):
+    with TuningDB(tmp_path / "a.db") as a:
+        a.upsert_results([rec(m_bucket=1, origin="jit"), rec(m_bucket=16)])
+        a.export(tmp_path / "a.json")
+    raw = json.loads((tmp_path / "a.json").read_text())["records"]
+    assert [(r["m_bucket"], r.get("origin")) for r in raw] == [(1, "jit"), (16, None)]
+    with TuningDB(tmp_path / "b.db") as b:
+        assert b.import_file(tmp_path / "a.json").added == 2
+        assert {x.m_bucket: x.origin for x in b.results()} == {1: "jit", 16: "offline"}
+    _version_2_db(tmp_path / "old.db", [rec(m_bucket=4)])
+    with TuningDB(tmp_path / "c.db") as c:
+        assert c.merge(tmp_path / "b.db").added == 2 and c.merge(tmp_path / "old.db").added == 1
+        assert {x.m_bucket: x.origin for x in c.results()} == {1: "jit", 4: "offline", 16: "offline"}
+
+
+def test_change_monitor_sees_commits_of_other_connections(tmp_path):
+    path = tmp_path / "w.db"
+    mon = ChangeMonitor(path)
+    assert not mon.changed()  # no file yet
+    with TuningDB(path) as db:
+        assert mon.changed() and not mon.changed()  # the file appeared, then nothing new
+        db.upsert_result(rec())
+        assert mon.changed() and not mon.changed()
+        db.results()  # reads are no change
+        assert not mon.changed()
+    mon.close()
 
 
 def test_newer_schema_is_refused(tmp_path):

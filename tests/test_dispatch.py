@@ -313,3 +313,60 @@ def test_linear_fast_path_checks_every_call(gen):
     autofp4.linear(x[:1], w)
     autofp4.linear(x.view(1, 2, KEY.k), w)
     assert sorted(k[2] for k in _fast_entries(w)) == [1, 2]
+
+
+def test_refresh_picks_up_new_rows_keeping_runners_and_misses(tmp_path, gen):
+    """refresh() renews the process-wide dispatchers: rows stored since are used by the next
+    call (also on autofp4.linear's fast path), compiled runners and counted misses carry over."""
+    path = tmp_path / "user.db"
+    dispatch.set_db(path)
+    w = autofp4.quantize(torch.randn(KEY.n, KEY.k, generator=gen), "nvfp4")
+    x = torch.randn(3, KEY.k, generator=gen).to(torch.bfloat16)
+    autofp4.linear(x, w)
+    d = dispatch.get_dispatcher(CPU)
+    default = d.pick(KEY, 3)
+    runner = d.runner(*default, KEY)
+    with TuningDB(path) as db:
+        db.upsert_result(_rec(KEY, 4, 128))
+    autofp4.linear(x, w)
+    assert d.misses() == [(KEY, 4, 2)]  # not read again until refreshed
+    dispatch.refresh()
+    d2 = dispatch.get_dispatcher(CPU)
+    assert d2 is not d and dispatch.get_dispatcher("cpu") is d2
+    autofp4.linear(x, w)
+    assert _fast_entries(w)[(torch.bfloat16, CPU, 3)][0] is d2
+    assert d2.pick(KEY, 3)[1] == ReferenceConfig(chunk_n=128) and d2.runner(*default, KEY) is runner
+    assert d2.misses() == [(KEY, 4, 2)] == d.misses()  # one counter: the tuned call added none
+
+
+def test_the_miss_hook_sees_misses_only_and_can_resolve_the_call_again(tmp_path, gen):
+    """set_miss_hook: called on untuned calls only (after counting them); where it returns a
+    dispatcher (it stored a row), the call runs that dispatcher's pick at once."""
+    path = tmp_path / "user.db"
+    dispatch.set_db(path)
+    seen = []
+
+    def hook(disp, mk):
+        seen.append(mk)
+        with TuningDB(path) as db:
+            db.upsert_result(_rec(mk[0], mk[1], 128))
+        dispatch.refresh()
+        return dispatch.get_dispatcher(disp.device)
+
+    w = autofp4.quantize(torch.randn(KEY.n, KEY.k, generator=gen), "nvfp4")
+    x = torch.randn(3, KEY.k, generator=gen).to(torch.bfloat16)
+    dispatch.set_miss_hook(hook)
+    try:
+        autofp4.linear(x, w)
+        assert seen == [(KEY, 4)] and _fast_entries(w) == {}  # renewed during the call: not kept
+        for _ in range(3):
+            autofp4.linear(x, w)  # tuned: the hook is not called again
+        ent = _fast_entries(w)[(torch.bfloat16, CPU, 3)]
+        assert ent[4] is None and ent[0] is dispatch.get_dispatcher(CPU)
+        assert dispatch.get_dispatcher(CPU).resolve(KEY, 33)[1] == ReferenceConfig(chunk_n=128)
+        assert seen == [(KEY, 4), (KEY, 64)]  # resolve() goes through the hook as well
+        assert dispatch.get_dispatcher(CPU).misses() == [(KEY, 4, 1), (KEY, 64, 1)]
+    finally:
+        dispatch.set_miss_hook(None)
+    autofp4.linear(x[:1], w)
+    assert seen == [(KEY, 4), (KEY, 64)]

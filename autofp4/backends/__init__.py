@@ -19,6 +19,13 @@ def backend_names() -> list[str]:
     return list(_REGISTRY)
 
 
+def register(name: str, spec: str) -> None:
+    """Register the backend class ``spec`` (``"module:Class"``) as ``name``, after the others (a
+    plug-in, or a process rebuilding its parent's backends); a name already registered keeps its
+    class."""
+    _REGISTRY.setdefault(name, spec)
+
+
 def get_backend(name: str) -> Backend:
     """The backend instance called ``name`` (imports its module on first use)."""
     if name not in _REGISTRY:

@@ -55,7 +55,9 @@ job), :mod:`.candidates`,
 :mod:`.compile_pool` (compile workers, trial requests, backend specs), :mod:`.trial` (one
 trial: data, check, timing), :mod:`.measurer` (the timing process), :mod:`.search` (optuna),
 :mod:`.job` (tuning one job), :mod:`.run` (:func:`tune_jobs`, :func:`tune`,
-:func:`tune_from_misses`) and :mod:`.warm` (:func:`warm_kernel_cache`).
+:func:`tune_from_misses`), :mod:`.warm` (:func:`warm_kernel_cache`), then just-in-time tuning:
+:mod:`.online` (jobs one at a time, as they come), :mod:`.worker` (the tuning worker process and
+its parent's end) and :mod:`.jit` (:class:`~.jit.autotune`, the dispatcher's miss hook).
 """
 from __future__ import annotations
 

@@ -429,7 +429,7 @@ class JobTuner:
             n=key.n, k=key.k, experts=key.experts, topk=key.topk, config=result.config,
             median_us=w_stats.median_us, spread_us=w_stats.spread_us, samples=max(1, w_stats.samples),
             default_median_us=result.default_us, backend_source=backend_source_hash(winner.backend, result.config),
-            env=self.ctx.env,
+            env=self.ctx.env, origin=self.ctx.origin,
         )
         # a forced re-tune replaces the row it measured again, also with a slower measurement;
         # any other write keeps the faster row (of a peer that stored one meanwhile)

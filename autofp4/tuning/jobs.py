@@ -45,6 +45,10 @@ class Job:
     name: str = ""
 
 
+#: the statuses of a job whose result is stored (by this run or another)
+STORED = ("tuned", "skipped", "kept")
+
+
 @dataclass
 class JobResult:
     """What tuning one job found (``status``: tuned | skipped | kept | no_valid_config |
@@ -180,3 +184,4 @@ class _Ctx:
     trial_s: list[float] = field(default_factory=list)  # this stream's trials: wall time, setup excluded
     started_at: str = ""  # when the run started (UTC, as rows' created_at): rows from then on are this run's or a peer's
     claims: Any = None  # JobClaims of the DB (no shared storage): one process per job at a time
+    origin: str = "offline"  # what the rows stored say about how they were tuned (schema.Origin)

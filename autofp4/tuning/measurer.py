@@ -1,5 +1,6 @@
 """The timing process of a device: trials run in-process, or in one persistent child process
-per device (:func:`_worker_main`), restarted when it dies, hangs or reports a CUDA fault."""
+per device (:func:`_worker_main`), restarted when it dies, hangs or reports a CUDA fault;
+:class:`_PacedMeasurer` leaves the device idle for a share of the time."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -82,6 +83,11 @@ class _Measurer:
                 pass
             self.proc, self.conn = None, None
 
+    def start(self) -> None:
+        """Start the timing process now (isolated trials only), so that no job's time pays for it."""
+        if self.isolate and self.proc is None:
+            self._start()
+
     def run(self, req: dict[str, Any]) -> dict[str, Any]:
         if not self.isolate:
             return run_trial(req)
@@ -121,3 +127,22 @@ class _Measurer:
             except (OSError, BrokenPipeError):
                 pass
         self._stop()
+
+
+class _PacedMeasurer(_Measurer):
+    """A :class:`_Measurer` that measures at most ``duty`` of the wall time (0 < duty <= 1): after
+    each trial it rests as long as the trial took times ``(1 - duty) / duty``, leaving the device
+    to the workload that shares it."""
+
+    def __init__(self, device: torch.device, isolate: bool, timeout_s: float, duty: float = 1.0) -> None:
+        if not 0 < duty <= 1:
+            raise ValueError(f"duty must be in (0, 1], got {duty}")
+        super().__init__(device, isolate, timeout_s)
+        self.duty = duty
+
+    def run(self, req: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        res = super().run(req)
+        if self.duty < 1:
+            time.sleep((time.perf_counter() - t0) * (1 - self.duty) / self.duty)
+        return res

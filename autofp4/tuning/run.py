@@ -24,7 +24,8 @@ from .budget import _out_of_time, job_share_deadline
 from .claims import JobClaims
 from .compile_pool import _pool_init, _short_error, _start_pool
 from .job import _Interrupted, _tune_job
-from .jobs import CPU_DEFAULTS, CPU_M_BUCKETS, GPU_DEFAULTS, Job, JobResult, TuneReport, _Ctx, _Defaults, jobs_for
+from .jobs import (CPU_DEFAULTS, CPU_M_BUCKETS, GPU_DEFAULTS, STORED, Job, JobResult, TuneReport, _Ctx, _Defaults,
+                   jobs_for)
 from .measurer import _Measurer
 from .search import _ask_lock_path, _open_storage
 
@@ -77,7 +78,7 @@ def _stream(
                     out[i] = _run_job(jobs, job, ctx, db, meas)
                 finally:
                     if claim is not None:
-                        claim.release(done=i in out and out[i].status in ("tuned", "skipped", "kept"))
+                        claim.release(done=i in out and out[i].status in STORED)
             if ctx.pbar is not None:
                 with ctx.lock:
                     ctx.pbar.update(1)
@@ -91,8 +92,14 @@ def _run_job(jobs: "queue.Queue[tuple[int, Job]]", job: Job, ctx: _Ctx, db: Any,
         nxt = jobs.queue[0][1] if jobs.queue else None
     ctx.jobs_after = jobs.qsize()
     ctx.job_deadline = job_share_deadline(budget._now(), ctx.deadline, ctx.jobs_after + 1, ctx.streams)
+    return _guarded_job(job, ctx, db, meas, nxt)
+
+
+def _guarded_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = None) -> JobResult:
+    """:func:`_tune_job`, with Ctrl-C stopping the run (``ctx.stop``) and any other failure
+    reported as the job's ``error``."""
     try:
-        return _tune_job(job, ctx, db, meas, then=nxt)
+        return _tune_job(job, ctx, db, meas, then=then)
     except _Interrupted as e:
         ctx.stop.set()
         return e.result
@@ -164,6 +171,11 @@ def _chosen_backends(backends: Sequence[str] | None, device: torch.device) -> li
         if why:
             raise RuntimeError(f"backend {b.name!r} cannot run on {device}: {why}")
     return chosen
+
+
+def _default_workers(on_gpu: bool) -> int:
+    """Compile worker processes: CPU cores - 2 (at most 16) on the GPU, none (in-process) on the CPU."""
+    return max(1, min(16, (os.cpu_count() or 2) - 2)) if on_gpu else 0
 
 
 def _open_pool(workers: int, on_gpu: bool) -> cf.ProcessPoolExecutor | None:
@@ -267,7 +279,7 @@ def tune_jobs(
     per_job, budget_total_s = _budgets(budget_per_shape, budget_total_s, defaults)
     chosen = _chosen_backends(backends, devices[0])
     if workers is None:
-        workers = max(1, min(16, (os.cpu_count() or 2) - 2)) if on_gpu else 0
+        workers = _default_workers(on_gpu)
     if isolate is None:
         isolate = on_gpu
     timeout = float(trial_timeout_s or defaults.trial_timeout_s)

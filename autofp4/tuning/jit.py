@@ -1,0 +1,265 @@
+"""Just-in-time tuning: ``with autofp4.autotune(mode=...):`` (or ``AUTOFP4_AUTOTUNE=blocking|
+background``) tunes every (problem, M bucket) a workload misses, with the offline tuner's
+pipeline, in a tuning worker process on the call's device (:mod:`.worker`).
+
+* ``blocking``: the call that misses waits for its job (about ``budget_s``) and runs the winner;
+  later calls run it as well.
+* ``background``: the call runs the default at once and its job is queued; the worker measures
+  at most ``duty`` of the wall time. The rows are picked up as they are stored.
+
+Rows stored by any process (the worker, a peer, ``autofp4 tune``) are picked up without a
+restart: on a miss, at most every :data:`RELOAD_S`, one ``PRAGMA data_version`` says whether the
+DB changed, and if so the dispatchers are renewed (:func:`autofp4.dispatch.refresh`). Tuned
+calls never get here. Nothing is tuned or reloaded while a CUDA graph is captured (the call runs
+its current pick, its job is queued); :meth:`autotune.wait` finishes every queued job and picks
+up the rows, so that a capture after it captures the winners. Processes that meet the same job
+tune it once: the worker that holds its claim (:mod:`.claims`); the others keep the default and
+pick up its row.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+import warnings
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from .. import dispatch
+from ..backends import get_backend
+from ..db import ChangeMonitor
+from ..problem import OPS
+from .compile_pool import _spec
+from .jobs import STORED, Job
+from .worker import WorkerClient
+
+MODES = ("blocking", "background")
+#: on a miss, the DB is looked at for new rows at most this often (seconds)
+RELOAD_S = 0.5
+#: the background worker's default share of the wall time spent measuring
+BACKGROUND_DUTY = 0.5
+#: and its CPU priority below the workload's (compiles must not take the serving loop's cores)
+BACKGROUND_NICE = 10
+#: a blocking call waits this long for its job, plus three times the job's budget (seconds):
+#: the worker's start (imports, compile workers, timing process) comes first
+START_WAIT_S = 300.0
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _settings(mode: str, budget_s: float | None, ops: Iterable[str], backends: Sequence[str] | None,
+              duty: float | None) -> dict[str, Any]:
+    """The settings of an activation, checked (ValueError), with the mode's default duty."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    ops = frozenset(ops)
+    if not ops <= set(OPS):
+        raise ValueError(f"ops must be among {OPS}, got {sorted(ops)}")
+    if budget_s is not None and not budget_s > 0:
+        raise ValueError(f"budget_s must be > 0, got {budget_s}")
+    duty = (BACKGROUND_DUTY if mode == "background" else 1.0) if duty is None else float(duty)
+    if not 0 < duty <= 1:
+        raise ValueError(f"duty must be in (0, 1], got {duty}")
+    # named backends travel to the worker by class, so that plug-ins run there too
+    specs = None if backends is None else {n: _spec(get_backend(n)) for n in backends}
+    return dict(mode=mode, budget_s=budget_s, ops=ops, backends=specs, duty=duty)
+
+
+class _Session:
+    """One activation (settings of :func:`_settings`): the jobs met so far, one worker per
+    (device, DB)."""
+
+    def __init__(self, mode: str, budget_s: float | None, ops: frozenset, backends: dict | None,
+                 duty: float) -> None:
+        self.mode, self.budget_s, self.ops, self.backends, self.duty = mode, budget_s, ops, backends, duty
+        self.path = dispatch.user_db_path()
+        self.monitor = ChangeMonitor(self.path)
+        self.next_check = 0.0
+        self.seen: set[tuple] = set()  # (device, (key, M bucket)) met with the DB at self.path
+        self.workers: dict[tuple, WorkerClient] = {}
+        self.lock = threading.Lock()
+
+    # -- the miss hook --
+    def on_miss(self, disp: dispatch.Dispatcher, mk: tuple) -> dispatch.Dispatcher | None:
+        """A miss of ``disp``: pick up new rows if due, queue the job if new; in blocking mode
+        (not capturing) wait for it and return the dispatcher that has its row."""
+        if time.monotonic() >= self.next_check:
+            self._reload(disp.device)
+        key, m = mk
+        met = (disp.device, mk)
+        if key.op not in self.ops or met in self.seen:  # the common case: no lock
+            return None
+        with self.lock:
+            if met in self.seen:
+                return None
+            self.seen.add(met)
+            worker = self._worker(disp.device)
+        i = worker.submit(Job(key, m, "jit"))
+        if self.mode == "background" or _capturing(disp.device):
+            return None
+        if worker.wait_for(i, START_WAIT_S + 3 * (self.budget_s or 0.0)) not in STORED:
+            return None  # busy (another process tunes it), failed, or not in time: the default runs
+        dispatch.refresh()
+        return dispatch.get_dispatcher(disp.device)
+
+    def _reload(self, device: torch.device) -> None:
+        """Renew the dispatchers if the DB changed (not while a CUDA graph is captured)."""
+        self.next_check = time.monotonic() + RELOAD_S
+        path = dispatch.user_db_path()
+        if path != self.path:  # set_db: watch the new DB; its jobs are new
+            with self.lock:
+                self.path, self.monitor, self.seen = path, ChangeMonitor(path), set()
+        if not _capturing(device) and self.monitor.changed():
+            dispatch.refresh()
+
+    def _worker(self, device: torch.device) -> WorkerClient:
+        w = self.workers.get((device, self.path))
+        if w is None:
+            w = self.workers[(device, self.path)] = WorkerClient({
+                "device": str(device), "db": str(self.path), "budget_s": self.budget_s, "backends": self.backends,
+                "duty": self.duty, "nice": BACKGROUND_NICE if self.mode == "background" else 0,
+            })
+        return w
+
+    # -- waiting and closing --
+    def wait(self, timeout: float | None = None) -> bool:
+        """Finish every job queued so far, then pick up the rows; False when some job did not
+        finish within ``timeout`` seconds."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("autofp4.autotune.wait() during CUDA graph capture: call it before capturing")
+        end = None if timeout is None else time.monotonic() + timeout
+        ok = True
+        for w in list(self.workers.values()):
+            ok = w.drain(None if end is None else max(0.0, end - time.monotonic())) and ok
+        dispatch.refresh()
+        return ok
+
+    def forked(self) -> None:
+        """In a child forked from this process: workers, DB connection and lock of its own (the
+        parent's worker answers only the parent; the jobs the parent met are still its own)."""
+        for w in self.workers.values():
+            w.disown()
+        self.workers, self.lock = {}, threading.Lock()
+        self.monitor, self.next_check = ChangeMonitor(self.path), 0.0
+
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop the workers: each finishes the job in flight (waited for up to ``wait_s``)."""
+        for w in list(self.workers.values()):
+            w.close(wait_s)
+        self.monitor.close()
+
+
+_STACK: list[_Session] = []
+_STACK_LOCK = threading.Lock()
+
+
+def _push(s: _Session) -> None:
+    with _STACK_LOCK:
+        _STACK.append(s)
+        dispatch.set_miss_hook(s.on_miss)
+
+
+def _pop(s: _Session) -> None:
+    with _STACK_LOCK:
+        if s in _STACK:
+            _STACK.remove(s)
+        dispatch.set_miss_hook(_STACK[-1].on_miss if _STACK else None)
+
+
+def _after_fork() -> None:
+    global _STACK_LOCK
+    _STACK_LOCK = threading.Lock()
+    for s in _STACK:
+        s.forked()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def active() -> _Session | None:
+    """The autotuning in effect (the innermost), or None."""
+    return _STACK[-1] if _STACK else None
+
+
+class autotune:
+    """Tune what a workload misses, just in time::
+
+        with autofp4.autotune(mode="blocking"):      # or "background"
+            model(warmup_batch)                       # untuned (problem, M bucket)s are tuned
+        autofp4.autotune.wait()                       # (background) every queued job done
+
+    ``mode``: ``blocking`` (a call that misses waits for its job and runs the winner) or
+    ``background`` (it runs the default; the job is queued for the worker). ``budget_s``: each
+    job's time (default 3 s on the GPU; none on the CPU). ``ops``: the ops tuned (an empty tuple:
+    none, new rows are only picked up). ``backends``: backend names (default: every one that
+    runs on the device). ``duty``: the share of the wall time the worker may spend measuring
+    (default 0.5 in background mode, 1 in blocking mode).
+
+    Leaving the block in blocking mode first finishes the jobs queued during CUDA graph capture
+    (:meth:`wait`); in background mode the worker finishes the job in flight and the rest are
+    dropped (call :meth:`wait` first to keep them). ``AUTOFP4_AUTOTUNE=blocking|background`` turns
+    it on for a whole process (with ``AUTOFP4_AUTOTUNE_BUDGET_S``, ``AUTOFP4_AUTOTUNE_DUTY`` and
+    ``AUTOFP4_AUTOTUNE_OPS``, comma-separated).
+    """
+
+    def __init__(self, mode: str = "blocking", budget_s: float | None = None, ops: Iterable[str] = OPS,
+                 backends: Sequence[str] | None = None, duty: float | None = None) -> None:
+        self.settings = _settings(mode, budget_s, ops, backends, duty)
+        self._session: _Session | None = None
+
+    def __enter__(self) -> "autotune":
+        self._session = _Session(**self.settings)
+        _push(self._session)
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        s, self._session = self._session, None
+        if s is None:
+            return
+        try:
+            if s.mode == "blocking" and exc_type is None:
+                s.wait()
+        finally:
+            _pop(s)
+            s.close()
+
+    @staticmethod
+    def pending() -> int:
+        """Jobs queued or being tuned, not finished yet (0 with no autotuning on)."""
+        s = active()
+        return 0 if s is None else sum(len(w.pending) for w in list(s.workers.values()))
+
+    @staticmethod
+    def wait(timeout: float | None = None) -> bool:
+        """Finish every job queued so far (blocking mode: those met during CUDA graph capture;
+        background mode: the worker's queue; both: jobs another process is tuning), then pick up
+        the rows. True when all finished within ``timeout`` seconds (also with no autotuning on)."""
+        s = active()
+        return True if s is None else s.wait(timeout)
+
+
+def _env_float(name: str) -> float | None:
+    text = os.environ.get(name, "").strip()
+    return float(text) if text else None
+
+
+def from_env() -> None:
+    """Turn autotuning on for the process where ``AUTOFP4_AUTOTUNE`` asks for it (a bad setting
+    warns and leaves it off)."""
+    mode = os.environ.get("AUTOFP4_AUTOTUNE", "").strip().lower()
+    if mode in ("", "0", "off", "none"):
+        return
+    ops_text = os.environ.get("AUTOFP4_AUTOTUNE_OPS")
+    ops = OPS if ops_text is None else tuple(o.strip() for o in ops_text.split(",") if o.strip())
+    try:
+        s = _Session(**_settings(mode, _env_float("AUTOFP4_AUTOTUNE_BUDGET_S"), ops, None,
+                                 _env_float("AUTOFP4_AUTOTUNE_DUTY")))
+    except ValueError as e:
+        warnings.warn(f"autofp4: AUTOFP4_AUTOTUNE={mode!r} ignored: {e}", RuntimeWarning, stacklevel=2)
+        return
+    _push(s)
+    atexit.register(s.close)

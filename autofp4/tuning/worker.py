@@ -1,0 +1,262 @@
+"""The tuning worker process of just-in-time tuning, and the parent's end of it.
+
+``python -m autofp4.tuning.worker SETTINGS`` runs an :class:`~.online.OnlineTuner` over the jobs
+its parent sends, one JSON line each on its stdin, and answers every job's status on a pipe of
+its own (:class:`WorkerClient` is the parent's end). It is a new interpreter, not a fork: the
+parent's CUDA context and main module stay out of it. A job another process holds the claim of
+is answered ``busy`` (not final) and taken up again every :data:`RETRY_S` until that process is
+done with it; it then finds that process's row and ends ``skipped``. When its stdin closes (the
+parent closed it, or died) the worker finishes the job in flight and exits. A killed worker
+loses only the job in flight: every row and trial is one SQLite transaction.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections import deque
+from dataclasses import asdict
+from pathlib import Path
+from typing import IO, Any, Callable
+
+from ..problem import ProblemKey
+from .jobs import Job
+
+#: a job another process is tuning is tried again this often (seconds)
+RETRY_S = 0.5
+#: a worker that died is started again (its unfinished jobs sent again) this many times at most
+MAX_RESTARTS = 3
+#: how often a waiting parent looks whether its worker is still alive (seconds)
+POLL_S = 0.2
+
+
+# -----------------------------------------------------------------------------------------
+# the worker process
+# -----------------------------------------------------------------------------------------
+def _inbox(stream: IO[str]) -> "queue.Queue[str | None]":
+    """The lines of ``stream`` as they come, then None at its end (read by a thread)."""
+    q: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return q
+
+
+def _job(line: str) -> tuple[int, Job]:
+    msg = json.loads(line)
+    return int(msg["id"]), Job(ProblemKey(**msg["key"]), int(msg["m"]), "jit")
+
+
+def _take(inbox: "queue.Queue[str | None]", todo: deque, later: deque) -> bool:
+    """Move the jobs waiting in ``inbox`` to ``todo``; with nothing to do, wait for one (at most
+    until the first job of ``later`` is due). False once the inbox has ended."""
+    block = not todo
+    while True:
+        timeout = max(0.0, later[0][0] - time.monotonic()) if later else None
+        try:
+            line = inbox.get(block=block, timeout=timeout if block else None)
+        except queue.Empty:
+            return True
+        if line is None:
+            return False
+        todo.append(_job(line))
+        block = False
+
+
+def serve(tuner: Any, inbox: "queue.Queue[str | None]", out: IO[str]) -> None:
+    """Tune the jobs of ``inbox`` in order, each job's status written to ``out`` (``busy`` once,
+    not final; the job is taken up again after :data:`RETRY_S`), until the inbox ends."""
+    todo: deque[tuple[int, Job]] = deque()
+    later: deque[tuple[float, int, Job]] = deque()  # (when, id, job): jobs another process holds
+    told: set[int] = set()
+    while _take(inbox, todo, later):
+        while later and later[0][0] <= time.monotonic():
+            todo.append(later.popleft()[1:])
+        if not todo:
+            continue
+        i, job = todo.popleft()
+        status = tuner.tune(job).status
+        if status == "busy":
+            later.append((time.monotonic() + RETRY_S, i, job))
+            if i in told:
+                continue
+            told.add(i)
+        out.write(json.dumps({"id": i, "status": status, "final": status != "busy"}) + "\n")
+        out.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The worker process: SETTINGS is the JSON :class:`WorkerClient` passes."""
+    s = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    for p in s["sys_path"]:  # where the parent found its modules (plug-in backends among them)
+        if p not in sys.path:
+            sys.path.append(p)
+    from ..backends import register
+    from .online import OnlineTuner
+
+    for name, spec in (s["backends"] or {}).items():
+        register(name, spec)
+    if s.get("nice"):  # below the workload on the CPU too (the compile workers inherit it)
+        os.nice(s["nice"])
+    out = os.fdopen(s["fd"], "w", encoding="utf-8")
+    tuner = OnlineTuner(s["device"], s["db"], s["budget_s"], list(s["backends"] or ()) or None, duty=s["duty"])
+    try:
+        serve(tuner, _inbox(sys.stdin), out)
+    finally:
+        tuner.close()
+    return 0
+
+
+# -----------------------------------------------------------------------------------------
+# the parent's end
+# -----------------------------------------------------------------------------------------
+def _child_env() -> dict[str, str]:
+    """The worker's environment: this one, with this autofp4 importable and no autotuning of its own."""
+    env = dict(os.environ)
+    env.pop("AUTOFP4_AUTOTUNE", None)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    return env
+
+
+class WorkerClient:
+    """One worker process, seen from its parent: :meth:`submit` sends a job, :meth:`wait_for`
+    and :meth:`drain` wait for statuses. The process starts with the first job and again (its
+    unfinished jobs sent again) when it died, :data:`MAX_RESTARTS` times at most.
+
+    ``settings``: ``device``, ``db`` (path), ``budget_s``, ``backends`` (``{name: "module:Class"}``
+    or None), ``duty`` (see :class:`~.online.OnlineTuner`), ``nice`` (the worker's CPU priority
+    below its parent's, inherited by its compile workers and timing process)."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+        self.proc: subprocess.Popen | None = None
+        self.pending: dict[int, Job] = {}  # sent, no final status yet
+        self.status: dict[int, str] = {}  # the latest status of each job
+        self.restarts = 0
+        self._ids = itertools.count()
+        self._cv = threading.Condition()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def submit(self, job: Job) -> int:
+        """Send ``job`` (returns at once); its id."""
+        with self._cv:
+            self._ensure()
+            i = next(self._ids)
+            self.pending[i] = job
+            self._send(i, job)
+        return i
+
+    def wait_for(self, i: int, timeout: float | None) -> str | None:
+        """The first status of job ``i`` (``busy`` or final), or None after ``timeout`` seconds."""
+        ok = self._wait(lambda: i in self.status, timeout)
+        return self.status.get(i) if ok else None
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every job sent has its final status; False after ``timeout`` seconds, or
+        when a worker that kept dying was given up (its jobs dropped)."""
+        return self._wait(lambda: not self.pending, timeout)
+
+    def _wait(self, done: Callable[[], bool], timeout: float | None) -> bool:
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while not done():
+                left = None if end is None else end - time.monotonic()
+                if (left is not None and left <= 0) or not self._ensure():
+                    return False
+                self._cv.wait(POLL_S if left is None else min(POLL_S, left))
+            return True
+
+    def _ensure(self) -> bool:
+        """A live worker, started or restarted (with the unfinished jobs) where needed; False
+        when it died once more than :data:`MAX_RESTARTS` allow (the unfinished jobs dropped)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return True
+        if self.proc is not None:
+            if self.restarts >= MAX_RESTARTS:
+                if self.pending:
+                    warnings.warn(f"autofp4: the tuning worker died {self.restarts + 1} times; "
+                                  f"{len(self.pending)} jobs not tuned", RuntimeWarning, stacklevel=4)
+                    self.pending.clear()
+                return False
+            self.restarts += 1
+        self._start()
+        for i, job in self.pending.items():
+            self._send(i, job)
+        return True
+
+    def _start(self) -> None:
+        r, w = os.pipe()
+        settings = {**self.settings, "fd": w, "sys_path": list(sys.path)}
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, json.dumps(settings)], stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, pass_fds=(w,), env=_child_env(), start_new_session=True,
+                text=True, encoding="utf-8",
+            )
+        finally:
+            os.close(w)
+        threading.Thread(target=self._read, args=(os.fdopen(r, encoding="utf-8"),), daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        with stream:
+            for line in stream:
+                msg = json.loads(line)
+                with self._cv:
+                    self.status[msg["id"]] = msg["status"]
+                    if msg["final"]:
+                        self.pending.pop(msg["id"], None)
+                    self._cv.notify_all()
+        with self._cv:  # the worker ended
+            self._cv.notify_all()
+
+    def _send(self, i: int, job: Job) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"id": i, "key": asdict(job.key), "m": job.m}) + "\n")
+            self.proc.stdin.flush()
+        except (OSError, ValueError):  # it died: started again, the job with it, by the next wait
+            pass
+
+    def disown(self) -> None:
+        """In a child forked from the parent: close this process's copy of the worker's stdin, so
+        that the worker still ends when the parent closes its own."""
+        if self.proc is not None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def close(self, wait_s: float = 0.0) -> None:
+        """Close the worker's stdin: it finishes the job in flight and exits (waited for up to
+        ``wait_s`` seconds, then killed)."""
+        with self._cv:
+            proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+        if wait_s > 0:
+            try:
+                proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

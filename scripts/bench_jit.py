@@ -1,0 +1,269 @@
+#!/usr/bin/env python
+"""Just-in-time tuning of a model's linear layers from an empty DB, against an offline tuning run.
+
+What it measures, for the linear shapes of a model config (default Llama-3.1-8B,
+``examples/llama-3.1-8b.json``; with ``--device cpu`` a tiny Llama on the reference backend, a
+smoke check), in three phases, each with a fresh tuning DB and (unless ``--keep-kernel-cache``)
+a fresh kernel cache, so that the tuning of every phase compiles what it tries:
+
+* **offline**: ``autofp4.tune`` of the shapes at the M buckets (what ``autofp4 tune --model
+  CONFIG --m ...`` runs, with its default budget), its wall time, then the decode time with its rows;
+* **blocking**: the decode time untuned (the defaults), the first forward pass at each M bucket
+  inside ``autofp4.autotune(mode="blocking")`` (each one waits for the jobs of its shapes) and
+  their sum, the warm-up; then the decode time with the rows it stored;
+* **background**: a forward pass at each M bucket inside ``autotune(mode="background")`` (each
+  queues its jobs and returns), then decode forward passes until every job is tuned: the time
+  until then, and the decode throughput meanwhile against idle (after, with the same picks:
+  the decode M's jobs are queued first and tuned before the throughput is taken).
+
+A forward pass runs every linear layer of the model once, eagerly (``autofp4.linear`` on an
+[M, K] input; ``--layers`` copies of the layer stack, default the model's layer count), as a
+decode step of a server without CUDA graphs does; the decode time is its median over
+``--rounds`` windows of ``--reps`` passes at M = ``--decode-m``. Targets (reported, not
+enforced): the blocking warm-up of M = 1..512 under 3 minutes on an H200, decode after it within
+the noise of the offline rows, at most 10% of the decode throughput lost in background mode.
+
+Writes ``jit.json`` and ``jit.md`` (the table, printed last) to ``--out`` (default
+``docs/results/<device>/``).
+
+    python scripts/bench_jit.py                                   # on the GPU (about 25 minutes)
+    python scripts/bench_jit.py --device cpu --out /tmp/jit       # the smoke check
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import ROOT, provenance, provenance_line, results_dir
+
+import autofp4
+from autofp4 import dispatch
+from autofp4.models import load_config, model_shapes
+from autofp4.tuning import jit
+
+TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
+GPU_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+CPU_MS = (1, 2, 4)
+TARGETS = {"warmup_s": 180.0, "background_cost": 0.10}
+
+
+# -----------------------------------------------------------------------------------------
+# the model: its linear layers, a forward pass, its time
+# -----------------------------------------------------------------------------------------
+class Stack:
+    """``copies`` copies of a model's linear layers (random FP4 weights) and inputs per M."""
+
+    def __init__(self, shapes, copies: int, fmt: str, dev: torch.device) -> None:
+        gen = torch.Generator(device=dev).manual_seed(0)
+        self.dev = dev
+        self.layers = [[autofp4.quantize(torch.randn(s.n, s.k, device=dev, generator=gen) * 0.02, fmt)
+                        for s in shapes] for _ in range(copies)]
+        self.ks = sorted({s.k for s in shapes})
+        self.xs: dict[int, dict[int, torch.Tensor]] = {}
+
+    def forward(self, m: int) -> None:
+        xs = self.xs.get(m)
+        if xs is None:
+            xs = self.xs[m] = {k: torch.randn(m, k, device=self.dev, dtype=torch.bfloat16) for k in self.ks}
+        for layer in self.layers:
+            for w in layer:
+                autofp4.linear(xs[w.k], w)
+
+    def sync(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+
+    def timed(self, m: int) -> float:
+        """Seconds of one forward pass at ``m`` tokens, the device drained after it."""
+        self.sync()
+        t0 = time.perf_counter()
+        self.forward(m)
+        self.sync()
+        return time.perf_counter() - t0
+
+    def decode_us(self, m: int, reps: int, rounds: int) -> dict:
+        """Microseconds per forward pass at ``m``: the median over ``rounds`` windows of ``reps``
+        passes, and the spread (half the range of the windows)."""
+        self.forward(m)  # warm: compiles and packs
+        wins = [self.window(m, reps) for _ in range(rounds)]
+        return {"us": statistics.median(wins), "spread_us": (max(wins) - min(wins)) / 2, "windows": wins}
+
+    def window(self, m: int, reps: int) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            self.forward(m)
+        self.sync()
+        return (time.perf_counter() - t0) / reps * 1e6
+
+
+# -----------------------------------------------------------------------------------------
+# the phases
+# -----------------------------------------------------------------------------------------
+def fresh(work: Path, name: str, keep_cache: bool) -> None:
+    """A fresh tuning DB (and kernel cache, where the tuning processes started from now on
+    compile) in ``work`` for the phase ``name``."""
+    if not keep_cache:
+        os.environ["AUTOFP4_KERNEL_CACHE"] = str(work / f"kernels-{name}")
+    dispatch.set_db(work / f"{name}.db")
+
+
+def decode_all(stack: Stack, args) -> dict:
+    return {str(m): stack.decode_us(m, args.reps, args.rounds) for m in args.decode_m}
+
+
+def offline(stack: Stack, shapes, args, work: Path) -> dict:
+    fresh(work, "offline", args.keep_kernel_cache)
+    t0 = time.perf_counter()
+    report = autofp4.tune(shapes, m_buckets=args.m, fmt=args.fmt, db=dispatch.user_db_path(), device=stack.dev,
+                          progress=False)
+    out = {"tune_s": time.perf_counter() - t0, "jobs": len(report.results), "tuned": len(report.tuned)}
+    dispatch.reload()
+    return {**out, "decode": decode_all(stack, args)}
+
+
+def blocking(stack: Stack, args, work: Path) -> dict:
+    fresh(work, "blocking", args.keep_kernel_cache)
+    before = decode_all(stack, args)
+    first = {}
+    with autofp4.autotune(mode="blocking", budget_s=args.budget_s):
+        for m in args.m:
+            first[str(m)] = stack.timed(m)
+        after = decode_all(stack, args)  # as a server runs on: its worker idle
+    return {"decode_before": before, "first_forward_s": first, "warmup_s": sum(first.values()), "decode": after}
+
+
+def background(stack: Stack, args, work: Path) -> dict:
+    fresh(work, "background", args.keep_kernel_cache)
+    idle_before = decode_all(stack, args)
+    with autofp4.autotune(mode="background", budget_s=args.budget_s, duty=args.duty):
+        t0 = time.perf_counter()
+        for m in args.decode_m:  # the decode M's jobs first: the throughput compares the same picks
+            stack.forward(m)
+        autofp4.autotune.wait(args.timeout_s)
+        for m in args.m:
+            stack.forward(m)  # queues the rest, at once
+        meanwhile = {str(m): [] for m in args.decode_m}
+        while autofp4.autotune.pending() and time.perf_counter() - t0 < args.timeout_s:
+            for m in args.decode_m:
+                meanwhile[str(m)].append(stack.window(m, args.reps))
+        all_tuned_s = time.perf_counter() - t0
+        done = autofp4.autotune.wait(0 if autofp4.autotune.pending() else None)
+        idle = decode_all(stack, args)
+        duty = jit.active().duty
+    return {"decode_before": idle_before, "all_tuned_s": all_tuned_s, "all_tuned": done, "duty": duty,
+            "decode_meanwhile": {m: _summary(v) for m, v in meanwhile.items()}, "decode": idle}
+
+
+def _summary(wins: list[float]) -> dict:
+    if not wins:
+        return {"us": None, "spread_us": None, "windows": []}
+    return {"us": statistics.median(wins), "spread_us": (max(wins) - min(wins)) / 2, "windows": wins}
+
+
+# -----------------------------------------------------------------------------------------
+# the table
+# -----------------------------------------------------------------------------------------
+def derive(doc: dict) -> dict:
+    """Ratios against the targets: decode after blocking / offline, background throughput lost."""
+    off, blk, bg = doc["offline"], doc["blocking"], doc["background"]
+    out = {"warmup_s": blk["warmup_s"], "decode": {}}
+    for m in off["decode"]:
+        o, b = off["decode"][m], blk["decode"][m]
+        mean, idle = bg["decode_meanwhile"][m]["us"], bg["decode"][m]["us"]
+        out["decode"][m] = {
+            "blocking_over_offline": b["us"] / o["us"],
+            "within_noise": abs(b["us"] - o["us"]) <= b["spread_us"] + o["spread_us"],
+            "background_cost": None if mean is None else 1 - idle / mean,
+        }
+    return out
+
+
+def table(doc: dict) -> str:
+    off, blk, bg, der = doc["offline"], doc["blocking"], doc["background"], doc["derived"]
+    lines = [f"offline tune: {off['tuned']}/{off['jobs']} jobs in {off['tune_s']:.1f} s",
+             f"blocking warm-up (first forward at M = {', '.join(blk['first_forward_s'])}): {blk['warmup_s']:.1f} s"
+             f" (target < {TARGETS['warmup_s']:.0f} s on an H200)",
+             "  first forward s by M: " + ", ".join(f"{m}: {v:.2f}" for m, v in blk["first_forward_s"].items()),
+             f"background: every miss tuned after {bg['all_tuned_s']:.1f} s (duty {bg['duty']})"
+             + ("" if bg["all_tuned"] else ", NOT all tuned before the timeout"), ""]
+    head = ("decode M", "untuned us", "offline us", "blocking us", "blk/off", "in noise", "bg idle us",
+            "bg meanwhile us", "bg cost")
+    rows = [head]
+    for m, d in der["decode"].items():
+        mean = bg["decode_meanwhile"][m]["us"]
+        rows.append((m, f"{blk['decode_before'][m]['us']:.1f}", f"{off['decode'][m]['us']:.1f}",
+                     f"{blk['decode'][m]['us']:.1f}", f"{d['blocking_over_offline']:.3f}",
+                     "yes" if d["within_noise"] else "no", f"{bg['decode'][m]['us']:.1f}",
+                     "-" if mean is None else f"{mean:.1f}",
+                     "-" if d["background_cost"] is None else f"{100 * d['background_cost']:.1f}%"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    for j, r in enumerate(rows):
+        lines.append("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append(f"(bg cost: throughput lost while the worker tunes, target <= {100 * TARGETS['background_cost']:.0f}%)")
+    return "\n".join(lines) + "\n"
+
+
+# -----------------------------------------------------------------------------------------
+def parse(argv: list[str] | None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", help="a Hugging Face config.json (default: Llama-3.1-8B; a tiny Llama on the CPU)")
+    p.add_argument("--fmt", default="nvfp4")
+    p.add_argument("--m", help="M buckets (default 1..512 on the GPU, 1,2,4 on the CPU)")
+    p.add_argument("--decode-m", default="1", help="decode token counts (comma-separated)")
+    p.add_argument("--layers", type=int, help="copies of the layer stack (default: the model's layers; 1 on the CPU)")
+    p.add_argument("--budget-s", type=float, help="each just-in-time job's time (default: autotune's)")
+    p.add_argument("--duty", type=float, help="the background worker's share of time measuring (default: autotune's)")
+    p.add_argument("--reps", type=int, default=20, help="forward passes per timing window")
+    p.add_argument("--rounds", type=int, default=5, help="timing windows per decode time")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="the background phase gives up then")
+    p.add_argument("--keep-kernel-cache", action="store_true", help="every phase uses the kernel cache as it is")
+    p.add_argument("--out", help="results directory (default: docs/results/<device>/)")
+    args = p.parse_args(argv)
+    on_cpu = torch.device(args.device).type == "cpu"
+    args.m = [int(v) for v in args.m.split(",")] if args.m else list(CPU_MS if on_cpu else GPU_MS)
+    args.decode_m = [int(v) for v in args.decode_m.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    config = load_config(args.model) if args.model else (TINY if dev.type == "cpu" else
+                                                          load_config(ROOT / "examples" / "llama-3.1-8b.json"))
+    shapes = [s for s in model_shapes(config, fmt=args.fmt) if s.op == "linear"]
+    copies = args.layers or (1 if dev.type == "cpu" else config["num_hidden_layers"])
+    stack = Stack(shapes, copies, args.fmt, dev)
+    out = results_dir(args.out, dev)
+    doc = {**provenance(dev), "model": args.model or ("tiny llama" if dev.type == "cpu" else "llama-3.1-8b"),
+           "shapes": [[s.name, s.n, s.k] for s in shapes], "layers": copies, "m": args.m, "decode_m": args.decode_m}
+    with tempfile.TemporaryDirectory(prefix="bench-jit-") as work:
+        for name, run in (("offline", lambda: offline(stack, shapes, args, Path(work))),
+                          ("blocking", lambda: blocking(stack, args, Path(work))),
+                          ("background", lambda: background(stack, args, Path(work)))):
+            print(f"{name} ...", file=sys.stderr)
+            doc[name] = run()
+        dispatch.set_db(None)
+    doc["derived"] = derive(doc)
+    text = table(doc)
+    (out / "jit.json").write_text(json.dumps(doc, indent=1))
+    (out / "jit.md").write_text(f"{provenance_line(doc)}\n\n```\n{text}```\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
