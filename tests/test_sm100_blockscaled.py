@@ -4,6 +4,7 @@ quantizer for sm_90a), the W4A4 tuner oracle and the first-contact guard."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import warnings
 
 import pytest
@@ -17,11 +18,7 @@ from autofp4.kernels import fp4_act_quant as Q
 from autofp4.kernels import sm100_blockscaled_gemm as G
 from autofp4.problem import ProblemKey
 
-try:
-    import cutlass  # noqa: F401
-    cute_available = True
-except ImportError:  # pragma: no cover
-    cute_available = False
+cute_available = importlib.util.find_spec("cutlass") is not None
 needs_cute = pytest.mark.skipif(not cute_available, reason="needs nvidia-cutlass-dsl")
 Cfg = G.Sm100BlockScaledConfig
 

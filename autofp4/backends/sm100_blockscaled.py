@@ -114,16 +114,13 @@ class SM100BlockScaledBackend(Backend):
     def hardware_reason(self, device: torch.device) -> str | None:
         """Why this process cannot run the kernels on ``device`` at all (``None``: it can)."""
         device = torch.device(device)
-        if device.type != "cuda":
-            return "needs a CUDA device"
-        if not torch.cuda.is_available():
-            return "CUDA is not available"
-        cc = torch.cuda.get_device_capability(device)
-        if cc[0] != 10:
-            return f"needs compute capability 10.x (Blackwell B200/GB200), this GPU has {cc[0]}.{cc[1]}"
-        if importlib.util.find_spec("cutlass") is None:
-            return "nvidia-cutlass-dsl is not installed (pip install 'autofp4[cute]')"
-        return None
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return "needs a CUDA device" if device.type != "cuda" else "CUDA is not available"
+        major, minor = torch.cuda.get_device_capability(device)
+        cute = importlib.util.find_spec("cutlass") is not None
+        return (None if major == 10 and cute
+                else f"needs compute capability 10.x (Blackwell B200/GB200), this GPU has {major}.{minor}"
+                if major != 10 else "nvidia-cutlass-dsl is not installed (pip install 'autofp4[cute]')")
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         why = self.hardware_reason(device)

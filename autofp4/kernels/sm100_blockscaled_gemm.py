@@ -147,16 +147,16 @@ class Sm100BlockScaledConfig:
 
 def validate(cfg: Sm100BlockScaledConfig, n: int, k: int, fmt: str, dtype: str) -> str | None:
     """``None`` if ``cfg`` can run (n, k, fmt, dtype), else the reason (one rule each)."""
-    if fmt not in FORMATS:
-        return f"fmt must be one of {FORMATS}, got {fmt!r}"
-    if dtype not in DTYPES:
-        return f"dtype must be one of {DTYPES}, got {dtype!r}"
-    if n <= 0 or k <= 0:
-        return f"n and k must be positive, got n={n}, k={k}"
-    if k % 32:
-        return f"k={k} must be a multiple of 32 (16-byte rows of FP4 values for TMA)"
-    if n % 8:
-        return f"n={n} must be a multiple of 8 (16-byte output rows for the TMA store)"
+    problem = (
+        (fmt in FORMATS, f"fmt must be one of {FORMATS}, got {fmt!r}"),
+        (dtype in DTYPES, f"dtype must be one of {DTYPES}, got {dtype!r}"),
+        (n > 0 and k > 0, f"n and k must be positive, got n={n}, k={k}"),
+        (k % 32 == 0, f"k={k} must be a multiple of 32 (16-byte rows of FP4 values for TMA)"),
+        (n % 8 == 0, f"n={n} must be a multiple of 8 (16-byte output rows for the TMA store)"),
+    )
+    for ok, why in problem:
+        if not ok:
+            return why
     if cfg.tile_m not in (128, 256):
         return f"tile_m must be 128 (one SM) or 256 (a CTA pair), got {cfg.tile_m}"
     if cfg.tile_n not in (64, 128, 256):
