@@ -218,11 +218,21 @@ def _raise_non_finite(w: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``w`` [..., N, K] -> (packed codes uint8 [..., N, K/2], E4M3 scales [..., N, K/16],
-    fp32 global scale [] or [E]). See the module docstring for the rules."""
+    fp32 global scale [] or [E]). See the module docstring for the rules.
+
+    ``global_scale`` (fp32, one value): use it instead of ``amax / (6 * 448)``, as an
+    activation quantized with a checkpoint's static input scale is (block scales above 448
+    saturate; no host sync)."""
     _check_weight(w, "nvfp4")
     a, bmax = _blocks_abs(w, 16)
+    if global_scale is not None:
+        gs = global_scale.to(device=w.device, dtype=torch.float32).reshape(())
+        g = gs.reshape(1, 1)
+        scale = (bmax / _const(E2M1_MAX, bmax) / g).clamp_(max=E4M3_MAX).to(torch.float8_e4m3fn)
+        return _nvfp4_codes(w, a, scale, g), scale, gs
     amax = bmax.amax(dim=(-2, -1))  # [] or [E]
     if not bool(torch.isfinite(amax).all()):
         _raise_non_finite(w)
@@ -233,11 +243,15 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     gs = torch.where(gs > 0, gs, torch.ones_like(gs))  # an all-zero tensor: any positive scale
     g = gs.reshape(gs.shape + (1, 1))  # broadcast over [N, K/16]
     scale = (bmax / _const(E2M1_MAX, bmax) / g).clamp_(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    return _nvfp4_codes(w, a, scale, g), scale, gs
+
+
+def _nvfp4_codes(w: torch.Tensor, a: torch.Tensor, scale: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     denom = scale.float() * g
     # a zero block scale dequantizes the whole block to zero: store zero codes (x / inf = 0)
     denom = torch.where(denom > 0, denom, torch.full_like(denom, float("inf")))
     y = a.div_(denom.unsqueeze(-1))
-    return _finish_codes(y, w), scale, gs
+    return _finish_codes(y, w)
 
 
 @torch.no_grad()

@@ -82,6 +82,11 @@ class Backend(ABC):
     #: then carry no ``"kernel"`` key
     config_types: ClassVar[Mapping[str | None, type]]
 
+    #: what the tuner checks this backend's outputs against: ``"w4a16"`` (the reference backend:
+    #: the dequantized weight times the activations as they are) or ``"w4a4"`` (the activations
+    #: quantized to the weight's format first, as a W4A4 kernel computes)
+    numerics: ClassVar[str] = "w4a16"
+
     # -- where it runs -------------------------------------------------------------
     @abstractmethod
     def applies_to(self, device: torch.device) -> bool:

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..formats import dequantize_blocks, quantize_mxfp4, quantize_nvfp4
 from ..kernels._moe_act import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
 from ..problem import ProblemKey
 from .base import Backend, BackendConfig, Runner
@@ -39,6 +40,35 @@ def reference_linear(x: torch.Tensor, w: Any, bias: torch.Tensor | None, chunk_n
         wd = w.slice_rows(s, e).dequantize(x.dtype)
         out[..., s:e] = F.linear(x, wd, None if bias is None else bias[s:e])
     return out
+
+
+def reference_linear_w4a4(x: torch.Tensor, w: Any, bias: torch.Tensor | None) -> torch.Tensor:
+    """What a W4A4 kernel computes: ``x`` quantized to the weight's format first (NVFP4: with
+    the weight's static ``input_scale`` as its global scale when it has one, else the call's
+    ``amax / (6 * 448)``; MXFP4: E8M0 block exponents), then ``xq @ dequantize(w).T + bias`` in
+    fp32, cast to x's dtype (the oracle of backends whose ``numerics`` is ``"w4a4"``)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if w.fmt == "nvfp4":
+        q, s, g = quantize_nvfp4(x2, global_scale=w.input_scale)
+    else:
+        (q, s), g = quantize_mxfp4(x2), None
+    xd = dequantize_blocks(w.fmt, q, s, g, torch.float32)
+    out = F.linear(xd, w.dequantize(torch.float32), None if bias is None else bias.float())
+    return out.to(x.dtype).reshape(*lead, w.shape[-2])
+
+
+def reference_runner(numerics: str, key: ProblemKey) -> Runner:
+    """The oracle runner for ``key`` of a backend of ``numerics`` (``"w4a16"``: the reference
+    backend's default; ``"w4a4"``: :func:`reference_linear_w4a4`)."""
+    if numerics == "w4a4":
+        if key.op != "linear":
+            raise ValueError(f"no W4A4 reference for {key.op}")
+        return reference_linear_w4a4
+    if numerics != "w4a16":
+        raise ValueError(f"numerics must be 'w4a16' or 'w4a4', got {numerics!r}")
+    b = ReferenceBackend()
+    return b.compile(b.default(key), key)
 
 
 def _act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
