@@ -27,7 +27,7 @@ parameters.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -39,10 +39,16 @@ from .transformers import (
     FP4Experts, _activation, _deinterleave, _is_gpt_oss, _is_transformers_experts, _layout_problem,
 )
 
-if TYPE_CHECKING:
-    from .checkpoints import _Scheme, _Tensors
+_Tensors = _Scheme = Any  # autofp4.integrations.checkpoints's stored tensors and quantization scheme
 
 _WHAT = "autofp4.from_pretrained"
+
+
+class Readers(NamedTuple):
+    fp4_weight: Callable[..., FP4Weight]
+    dense: Callable[..., torch.Tensor]
+
+
 # per-expert projection names: (gate, up, down)
 _PROJ_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
@@ -74,12 +80,10 @@ def _stack(ws: list[FP4Weight]) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
             torch.stack([w.global_scale.reshape(()) for w in ws]))
 
 
-def _nvfp4_experts(t: "_Tensors", scheme: "_Scheme", name: str, names: tuple[str, str, str],
+def _nvfp4_experts(read: "Readers", t: "_Tensors", scheme: "_Scheme", name: str, names: tuple[str, str, str],
                    e: int, two_i: int, h: int) -> tuple[FP4Weight, FP4Weight]:
-    from .checkpoints import _fp4_weight
-
     i = two_i // 2
-    per = [[_check(_fp4_weight(t, scheme, f"{name}.{x}.{p}"), shape, f"{name}.{x}.{p}") for x in range(e)]
+    per = [[_check(read.fp4_weight(t, scheme, f"{name}.{x}.{p}"), shape, f"{name}.{x}.{p}") for x in range(e)]
            for p, shape in zip(names, ((i, h), (i, h), (h, i)))]
     for p, ws in zip(names, per):  # the activations' scales: read, not kept
         for x in range(e):
@@ -92,37 +96,34 @@ def _nvfp4_experts(t: "_Tensors", scheme: "_Scheme", name: str, names: tuple[str
     return w13, w2
 
 
-def _mxfp4_experts(t: "_Tensors", name: str, e: int, two_i: int, h: int,
+def _mxfp4_experts(read: "Readers", t: "_Tensors", name: str, e: int, two_i: int, h: int,
                    dtype: torch.dtype) -> tuple[FP4Weight, FP4Weight, torch.Tensor, torch.Tensor]:
     gu = _check(load_state_dict_weight(t, f"{name}.gate_up_proj"), (e, two_i, h), f"{name}.gate_up_proj_blocks")
     dn = _check(load_state_dict_weight(t, f"{name}.down_proj"), (e, h, two_i // 2), f"{name}.down_proj_blocks")
-    from .checkpoints import _dense
-
-    b13 = _dense(t, f"{name}.gate_up_proj_bias", (e, two_i), dtype)
-    b2 = _dense(t, f"{name}.down_proj_bias", (e, h), dtype)
+    b13 = read.dense(t, f"{name}.gate_up_proj_bias", (e, two_i), dtype)
+    b2 = read.dense(t, f"{name}.down_proj_bias", (e, h), dtype)
     w13 = FP4Weight("mxfp4", _deinterleave(gu.data).contiguous(), _deinterleave(gu.scale).contiguous(),
                     check_values=False)
     return w13, dn, _deinterleave(b13).contiguous(), b2
 
 
-def _dense_experts(t: "_Tensors", name: str, module: nn.Module, names: Optional[tuple[str, str, str]],
+def _dense_experts(read: "Readers", t: "_Tensors", name: str, module: nn.Module, names: Optional[tuple[str, str, str]],
                    dtype: torch.dtype) -> None:
     """Excluded experts stored dense: per expert (stacked here) or already stacked (gpt-oss)."""
-    from .checkpoints import _dense
-
     if names is None:
         return  # stored under the module's own parameter names: filled with the other dense tensors
     e, two_i, h = module.gate_up_proj.shape
     i = two_i // 2
-    g, u, d = ([_dense(t, f"{name}.{x}.{p}.weight", shape, dtype) for x in range(e)]
+    g, u, d = ([read.dense(t, f"{name}.{x}.{p}.weight", shape, dtype) for x in range(e)]
                for p, shape in zip(names, ((i, h), (i, h), (h, i))))
     module.gate_up_proj = nn.Parameter(torch.cat((torch.stack(g), torch.stack(u)), dim=1), requires_grad=False)
     module.down_proj = nn.Parameter(torch.stack(d), requires_grad=False)
 
 
-def load_experts(model: nn.Module, t: "_Tensors", scheme: "_Scheme", dtype: torch.dtype) -> list[str]:
+def load_experts(model: nn.Module, t: "_Tensors", scheme: "_Scheme", dtype: torch.dtype, read: "Readers") -> list[str]:
     """Replace each experts module of ``model`` stored in FP4 by an FP4Experts over the stored
-    tensors; returns the names of the experts modules that are not excluded but stored dense."""
+    tensors; returns the names of the experts modules that are not excluded but stored dense.
+    ``read``: the checkpoint reader's ``fp4_weight(t, scheme, name)`` and ``dense(t, key, shape, dtype)``."""
     dense = []
     for name, module in experts_modules(model):
         gpt_oss = _is_gpt_oss(module)
@@ -137,7 +138,7 @@ def load_experts(model: nn.Module, t: "_Tensors", scheme: "_Scheme", dtype: torc
         if excluded or not stored_fp4:
             if stored_fp4:
                 raise ValueError(f"{_WHAT}: the experts {name!r} are excluded by {scheme.source} but stored quantized")
-            _dense_experts(t, name, module, names, dtype)
+            _dense_experts(read, t, name, module, names, dtype)
             if not excluded:
                 dense.append(name)
             continue
@@ -149,9 +150,9 @@ def load_experts(model: nn.Module, t: "_Tensors", scheme: "_Scheme", dtype: torc
             raise ValueError(f"{_WHAT}: {name!r}: hidden {h} and intermediate {two_i // 2} must be multiples of "
                              f"{fmt}'s block size {BLOCK_SIZE[fmt]}")
         if fmt == "mxfp4":
-            w13, w2, b13, b2 = _mxfp4_experts(t, name, e, two_i, h, dtype)
+            w13, w2, b13, b2 = _mxfp4_experts(read, t, name, e, two_i, h, dtype)
         else:
-            (w13, w2), b13, b2 = _nvfp4_experts(t, scheme, name, names, e, two_i, h), None, None
+            (w13, w2), b13, b2 = _nvfp4_experts(read, t, scheme, name, names, e, two_i, h), None, None
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, FP4Experts(w13, w2, _activation(module), b13, b2))

@@ -53,6 +53,7 @@ from torch import nn
 from ..loaders import load_state_dict_weight
 from ..nn import FP4Buffers, FP4Linear
 from ..weights import FP4Weight, _describe
+from .checkpoint_experts import Readers, load_experts
 
 __all__ = ["from_pretrained", "from_compressed_tensors"]
 
@@ -456,9 +457,7 @@ def _open(root: Path, config: Mapping, model_type: Optional[str], device: torch.
 def load_quantized_modules(model: nn.Module, t: _Tensors, scheme: _Scheme, dtype: torch.dtype) -> list[str]:
     """The routed experts and linears of ``model`` that ``t`` stores in FP4 -> FP4Experts and
     FP4Linear in place; returns the names of those not excluded but stored dense."""
-    from .checkpoint_experts import load_experts
-
-    return load_experts(model, t, scheme, dtype) + _replace_linears(model, t, scheme, dtype)
+    return load_experts(model, t, scheme, dtype, Readers(_fp4_weight, _dense)) + _replace_linears(model, t, scheme, dtype)
 
 
 def _warn_dense(dense_stored: list[str], scheme: _Scheme, dtype: torch.dtype) -> None:
