@@ -17,6 +17,9 @@ from .dispatch import get_dispatcher, set_db  # noqa: E402
 from .nn import FP4Linear, quantize_model  # noqa: E402
 from .pdl import pdl_enabled, set_pdl  # noqa: E402
 from .integrations import transformers as _transformers_experts  # noqa: E402,F401  (registers the experts hook)
+from .integrations.transformers_hook import install as _install_hook, register_transformers  # noqa: E402
+
+_install_hook()  # autofp4's quantizer joins transformers' when transformers loads them
 
 __all__ = [
     "__version__",
@@ -35,6 +38,8 @@ __all__ = [
     "tune",
     "autotune",
     "from_pretrained",
+    "register_transformers",
+    "transformers_config",
 ]
 
 if _os.environ.get("AUTOFP4_AUTOTUNE"):  # just-in-time tuning for code that cannot be edited
@@ -57,4 +62,8 @@ def __getattr__(name: str):
         from .integrations.checkpoints import from_pretrained
 
         return from_pretrained
+    if name == "transformers_config":
+        from .integrations.hf_quantizer import transformers_config
+
+        return transformers_config
     raise AttributeError(f"module 'autofp4' has no attribute {name!r}")

@@ -245,14 +245,6 @@ def test_an_excluded_module_stored_quantized_and_a_missing_tensor_are_errors(tmp
         autofp4.from_pretrained(tmp_path / "c")
 
 
-def test_moe_checkpoints_are_not_supported_yet(tmp_path):
-    cfg = _config()
-    _write(tmp_path / "m", cfg, _random_tensors(cfg, 9), "modelopt", False)
-    _edit_config(tmp_path / "m", lambda c: c.update(num_local_experts=4))
-    with pytest.raises(NotImplementedError, match="MoE"):
-        autofp4.from_pretrained(tmp_path / "m")
-
-
 def test_importing_autofp4_imports_neither_transformers_nor_safetensors():
     code = ("import sys, autofp4; assert callable(autofp4.__dict__.get('quantize'));"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'safetensors')))")

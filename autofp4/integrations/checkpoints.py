@@ -21,10 +21,19 @@ compressed-tensors ``nvfp4-pack-quantized`` (``quantization_config`` with ``"qua
     also a reciprocal). ``config_groups[*].targets`` and ``ignore`` entries are module names,
     class names (``"Linear"``) or ``"re:<regex>"`` (matched from the start of the name).
 
+gpt-oss MXFP4 (``quantization_config`` with ``"quant_method": "mxfp4"``): the routed experts only
+    (``<block>.experts.{gate_up,down}_proj_{blocks,scales}``); ``modules_to_not_convert`` entries are
+    matched from the start of a name at a module boundary, as regexes (``"model.layers.*.self_attn"``),
+    or as a suffix (``"lm_head"``).
+
 The model is the transformers model of ``config.json`` built with its parameters on the meta
-device; quantized linears become :class:`~autofp4.nn.FP4Linear` over the stored tensors (no
-dense copy of them is made), everything else (embeddings, norms, ``lm_head``, excluded modules)
-is loaded in ``dtype``. Dense models only: checkpoints with MoE experts raise NotImplementedError.
+device; quantized linears become :class:`~autofp4.nn.FP4Linear` and the routed experts of MoE
+layers :class:`~autofp4.integrations.transformers.FP4Experts`, both over the stored tensors (no
+dense copy of them is made; the experts' layouts are in
+:mod:`autofp4.integrations.checkpoint_experts`); everything else (embeddings, norms, routers,
+``lm_head``, excluded modules) is loaded in ``dtype``. Mixtral checkpoints name their MoE blocks
+``block_sparse_moe``; transformers' module is ``mlp``: stored names are mapped, exclusions
+match either.
 """
 from __future__ import annotations
 
@@ -42,14 +51,16 @@ import torch
 from torch import nn
 
 from ..loaders import load_state_dict_weight
-from ..nn import FP4Linear
+from ..nn import FP4Buffers, FP4Linear
 from ..weights import FP4Weight, _describe
+from .checkpoint_experts import Readers, load_experts
 
 __all__ = ["from_pretrained", "from_compressed_tensors"]
 
 _WHAT = "autofp4.from_pretrained"
-_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 _CT_FORMAT = "nvfp4-pack-quantized"
+# (model name part, stored name part) by config.model_type
+_RENAMES = {"mixtral": [(".mlp.", ".block_sparse_moe.")]}
 
 
 # -- the stored tensors ------------------------------------------------------------------------
@@ -64,7 +75,7 @@ class _Tensors(Mapping):
     """The tensors of a checkpoint directory by name, each read from its file onto ``device``
     when asked for (a Mapping, so :func:`autofp4.loaders.load_state_dict_weight` reads it)."""
 
-    def __init__(self, root: Path, device: torch.device) -> None:
+    def __init__(self, root: Path, device: torch.device, renames: tuple[tuple[str, str], ...] = ()) -> None:
         from safetensors import safe_open
 
         index = root / "model.safetensors.index.json"
@@ -93,12 +104,20 @@ class _Tensors(Mapping):
         for key, fname in listed.items():
             if self._where.get(key) != Path(fname).name:
                 raise ValueError(f"{_WHAT}: {index.name} puts {key!r} in {fname}, but that file does not hold it")
+        self.stored: dict[str, str] = {}  # the model's name -> the stored name, where they differ
+        for key in list(self._where):
+            new = key
+            for model_part, stored_part in renames:
+                new = new.replace(stored_part, model_part)
+            if new != key:
+                self._where[new] = self._where.pop(key)
+                self.stored[new] = key
         self.used: set[str] = set()
 
     def __getitem__(self, key: str) -> torch.Tensor:
         handle = self._files[self._where[key]]  # KeyError for a missing tensor
         self.used.add(key)
-        return handle.get_tensor(key)
+        return handle.get_tensor(self.stored.get(key, key))
 
     def __contains__(self, key: object) -> bool:
         return key in self._where
@@ -113,28 +132,40 @@ class _Tensors(Mapping):
 # -- the quantization scheme -------------------------------------------------------------------
 @dataclass
 class _Scheme:
-    method: str  # "modelopt" | "compressed-tensors"
+    method: str  # "modelopt" | "compressed-tensors" | "mxfp4"
     exclude: list[str] = field(default_factory=list)
-    targets: Optional[list[str]] = None  # compressed-tensors only; None: every linear
+    targets: Optional[list[str]] = None  # None: every linear
     source: str = ""
+    renames: tuple[tuple[str, str], ...] = ()  # (model name part, stored name part)
 
-    def _match(self, pattern: str, name: str, module: nn.Module) -> bool:
+    def _match(self, pattern: str, name: str, cls: str) -> bool:
         if self.method == "modelopt":
             return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*")
+        if self.method == "mxfp4":  # from the start to a module boundary (a regex), or a suffix
+            return re.match(f"(?:{pattern})(?:$|\\.)", name) is not None or name.endswith(pattern)
         if pattern.startswith("re:"):
             return re.match(pattern[3:], name) is not None
-        return pattern in (name, type(module).__name__) or name.startswith(pattern + ".")
+        return pattern in (name, cls) or name.startswith(pattern + ".")
 
-    def excluded(self, name: str, module: nn.Module) -> bool:
-        return any(self._match(p, name, module) for p in self.exclude)
+    def _names(self, name: str) -> list[str]:
+        """``name`` and the name the checkpoint stores it under."""
+        out = [name]
+        for model_part, stored_part in self.renames:
+            if model_part in name:
+                out.append(name.replace(model_part, stored_part))
+        return out
 
-    def targeted(self, name: str, module: nn.Module) -> bool:
-        if self.excluded(name, module):
+    def excluded(self, name: str, cls: str) -> bool:
+        return any(self._match(p, n, cls) for p in self.exclude for n in self._names(name))
+
+    def targeted(self, name: str, cls: str) -> bool:
+        if self.excluded(name, cls):
             return False
-        return self.targets is None or any(self._match(p, name, module) for p in self.targets)
+        return self.targets is None or any(self._match(p, n, cls) for p in self.targets for n in self._names(name))
 
     def packed_key(self, name: str) -> str:
-        return f"{name}.weight_packed" if self.method == "compressed-tensors" else f"{name}.weight_scale"
+        return {"compressed-tensors": f"{name}.weight_packed", "mxfp4": f"{name}_blocks"}.get(
+            self.method, f"{name}.weight_scale")
 
 
 def _str_list(value: Any, label: str) -> list[str]:
@@ -202,9 +233,13 @@ def _scheme(root: Path, config: Mapping) -> _Scheme:
         return _modelopt_scheme(qc, "config.json quantization_config")
     if method == "compressed-tensors":
         return _ct_scheme(qc, "config.json quantization_config")
+    if method == "mxfp4":
+        src = "config.json quantization_config"
+        return _Scheme("mxfp4", _str_list(qc.get("modules_to_not_convert"), f"{src} modules_to_not_convert"), [], src)
     raise ValueError(
         f"{_WHAT}: unknown quant_method {method!r} in config.json quantization_config; supported: "
-        f"'modelopt' (quant_algo NVFP4) and 'compressed-tensors' (format {_CT_FORMAT!r})"
+        f"'modelopt' (quant_algo NVFP4), 'compressed-tensors' (format {_CT_FORMAT!r}) and 'mxfp4' "
+        "(gpt-oss experts)"
     )
 
 
@@ -328,18 +363,6 @@ def _empty_model(config: Any, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def _check_dense_model(config: Any, t: _Tensors) -> None:
-    for f in _MOE_FIELDS:
-        n = getattr(config, f, None)
-        if isinstance(n, int) and n > 0:
-            raise NotImplementedError(
-                f"{_WHAT}: MoE checkpoints are not supported yet (config.json {f}={n}); only dense models load"
-            )
-    experts = next((k for k in t if ".experts." in k), None)
-    if experts is not None:
-        raise NotImplementedError(f"{_WHAT}: MoE experts in checkpoints are not supported yet (found {experts!r})")
-
-
 def _replace_linears(model: nn.Module, t: _Tensors, scheme: _Scheme, dtype: torch.dtype) -> list[str]:
     """Quantized linears -> FP4Linear; returns the names of non-excluded linears stored dense."""
     dense_stored = []
@@ -347,7 +370,7 @@ def _replace_linears(model: nn.Module, t: _Tensors, scheme: _Scheme, dtype: torc
         if not isinstance(mod, nn.Linear):
             continue
         stored_fp4 = scheme.packed_key(name) in t
-        if scheme.excluded(name, mod):
+        if scheme.excluded(name, "Linear"):
             if stored_fp4:
                 raise ValueError(
                     f"{_WHAT}: {name!r} is excluded by {scheme.source} but stored quantized "
@@ -355,7 +378,7 @@ def _replace_linears(model: nn.Module, t: _Tensors, scheme: _Scheme, dtype: torc
                 )
             continue
         if not stored_fp4:
-            if scheme.targeted(name, mod):
+            if scheme.targeted(name, "Linear"):
                 dense_stored.append(name)
             continue
         parent_name, _, child = name.rpartition(".")
@@ -379,7 +402,7 @@ def _fill_dense(model: nn.Module, t: _Tensors, dtype: torch.dtype) -> None:
             mod._parameters[pname] = nn.Parameter(_dense(t, key, tuple(p.shape), want), requires_grad=False)
         for bname, b in list(mod._buffers.items()):
             key = f"{mname}.{bname}" if mname else bname
-            if (b is not None and not isinstance(mod, FP4Linear) and bname not in mod._non_persistent_buffers_set
+            if (b is not None and not isinstance(mod, FP4Buffers) and bname not in mod._non_persistent_buffers_set
                     and key in t):
                 mod._buffers[bname] = _dense(t, key, tuple(b.shape), b.dtype if b.is_floating_point() else dtype)
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
@@ -409,38 +432,64 @@ def _device(device_map: Any) -> torch.device:
         raise ValueError(f"{_WHAT}: device_map must be None, 'auto', a device or {{'': device}}, got {device_map!r}") from None
 
 
+def _check_dtype(dtype: Any) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{_WHAT}: dtype must be a floating-point torch.dtype, got {dtype!r}")
+
+
+def _checkpoint_dir(path: Union[str, Path]) -> Path:
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{_WHAT}: {root} is not a directory (a checkpoint directory with config.json)")
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"{_WHAT}: {root} has no config.json")
+    return root
+
+
+def _open(root: Path, config: Mapping, model_type: Optional[str], device: torch.device) -> tuple[_Scheme, _Tensors]:
+    """The quantization scheme (from ``config``, config.json's contents, and hf_quant_config.json)
+    and the stored tensors, named as the model names them."""
+    scheme = _scheme(root, config)
+    scheme.renames = tuple(_RENAMES.get(model_type or "", ()))
+    return scheme, _Tensors(root, device, scheme.renames)
+
+
+def load_quantized_modules(model: nn.Module, t: _Tensors, scheme: _Scheme, dtype: torch.dtype) -> list[str]:
+    """The routed experts and linears of ``model`` that ``t`` stores in FP4 -> FP4Experts and
+    FP4Linear in place; returns the names of those not excluded but stored dense."""
+    return load_experts(model, t, scheme, dtype, Readers(_fp4_weight, _dense)) + _replace_linears(model, t, scheme, dtype)
+
+
+def _warn_dense(dense_stored: list[str], scheme: _Scheme, dtype: torch.dtype) -> None:
+    if dense_stored:
+        warnings.warn(
+            f"{_WHAT}: {len(dense_stored)} linear layers or experts that {scheme.source} does not exclude are "
+            f"stored dense and loaded in {dtype}: {dense_stored[:8]}",
+            stacklevel=3,
+        )
+
+
 def from_pretrained(path: Union[str, Path], device_map: Any = None, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """The transformers model of an NVFP4 checkpoint directory (ModelOpt or compressed-tensors),
-    its quantized linears as :class:`~autofp4.nn.FP4Linear`, in eval mode.
+    """The transformers model of an FP4 checkpoint directory (ModelOpt or compressed-tensors NVFP4,
+    gpt-oss MXFP4), its quantized linears as :class:`~autofp4.nn.FP4Linear` and its routed experts
+    as :class:`~autofp4.integrations.transformers.FP4Experts`, in eval mode.
 
     device_map: None (CPU), ``"auto"`` (the current CUDA device if any), a device (``"cuda:0"``,
     ``0``) or ``{"": device}``. dtype: the dtype of the dense tensors and the activations.
     """
     from transformers import AutoConfig
 
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"{_WHAT}: dtype must be a floating-point torch.dtype, got {dtype!r}")
+    _check_dtype(dtype)
     device = _device(device_map)
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{_WHAT}: {root} is not a directory (a checkpoint directory with config.json)")
-    if not (root / "config.json").is_file():
-        raise FileNotFoundError(f"{_WHAT}: {root} has no config.json")
-    scheme = _scheme(root, _read_json(root / "config.json"))
-    t = _Tensors(root, device)
+    root = _checkpoint_dir(path)
     config = AutoConfig.from_pretrained(str(root), local_files_only=True)
-    _check_dense_model(config, t)
+    scheme, t = _open(root, _read_json(root / "config.json"), config.model_type, device)
     model = _empty_model(config, dtype)
-    dense_stored = _replace_linears(model, t, scheme, dtype)
+    dense_stored = load_quantized_modules(model, t, scheme, dtype)
     _fill_dense(model, t, dtype)
     model.to(device)
     model.eval()
-    if dense_stored:
-        warnings.warn(
-            f"{_WHAT}: {len(dense_stored)} linear layers that {scheme.source} does not exclude are stored dense "
-            f"and loaded in {dtype}: {dense_stored[:8]}",
-            stacklevel=2,
-        )
+    _warn_dense(dense_stored, scheme, dtype)
     unused = sorted(set(t) - t.used)
     if unused:
         warnings.warn(f"{_WHAT}: {len(unused)} checkpoint tensors were not used: {unused[:8]}", stacklevel=2)

@@ -1,0 +1,152 @@
+"""autofp4 as a transformers quantizer: ``AutoModelForCausalLM.from_pretrained`` on FP4 checkpoints.
+
+Importing this module imports transformers and registers, in transformers' quantizer tables:
+
+- ``"autofp4"``: :class:`AutoFP4Config` / :class:`AutoFP4Quantizer`;
+- ``"modelopt"`` (the ``quant_method`` ModelOpt writes into ``config.json``), which transformers
+  5.x does not handle itself, unless something else already registered it.
+
+``import autofp4`` does not import it: it installs an import hook that imports this module
+right after transformers imports ``transformers.quantizers.auto`` (or at once, if transformers
+is already imported), so after ``import autofp4`` a ModelOpt NVFP4 checkpoint whose config.json
+says ``"quant_method": "modelopt"`` loads with ``AutoModelForCausalLM.from_pretrained(path)``.
+:func:`autofp4.register_transformers` registers explicitly; ``AUTOFP4_NO_TRANSFORMERS_HOOK=1``
+turns the hook off.
+
+transformers' own quantizers keep the checkpoints they know (``"compressed-tensors"``,
+``"mxfp4"``); to load one of those with autofp4, pass a config naming autofp4::
+
+    config = autofp4.transformers_config(path)     # config.json, quantization_config -> autofp4
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.bfloat16)
+
+and for a ModelOpt checkpoint with only ``hf_quant_config.json``,
+``from_pretrained(path, quantization_config=AutoFP4Config())`` also works.
+
+The quantizer reads the FP4 tensors itself while the model is being built (the same code as
+:func:`autofp4.from_pretrained`: FP4Linear and FP4Experts over the stored tensors) and leaves
+the dense tensors to transformers. One device only (``device_map`` None, a device, ``"auto"``
+or ``{"": device}``).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING, register_quantization_config, register_quantizer,
+)
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ..nn import FP4Buffers
+from . import checkpoints as _ckpt
+
+__all__ = ["AutoFP4Config", "AutoFP4Quantizer", "transformers_config", "register"]
+
+METHOD = "autofp4"
+
+
+class AutoFP4Config(QuantizationConfigMixin):
+    """transformers quantization config for autofp4. ``checkpoint_config``: the checkpoint's own
+    ``quantization_config`` (ModelOpt, compressed-tensors or mxfp4); None reads the checkpoint
+    directory's ``hf_quant_config.json``."""
+
+    def __init__(self, checkpoint_config: Optional[dict] = None, **kwargs: Any) -> None:
+        self.quant_method = METHOD
+        self.checkpoint_config = None if checkpoint_config is None else dict(checkpoint_config)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, return_unused_kwargs: bool = False, **kwargs: Any):
+        d = dict(config_dict)
+        # a checkpoint's own config (registered under "modelopt"), or autofp4's
+        config = cls(d.get("checkpoint_config")) if d.get("quant_method") == METHOD else cls(d)
+        return (config, kwargs) if return_unused_kwargs else config
+
+    def to_dict(self) -> dict:
+        return {"quant_method": METHOD, "checkpoint_config": self.checkpoint_config}
+
+
+class AutoFP4Quantizer(HfQuantizer):
+    """Loads FP4 checkpoints into FP4Linear / FP4Experts (see the module's docstring)."""
+
+    requires_calibration = False
+
+    def validate_environment(self, device_map: Any = None, **kwargs: Any) -> None:
+        _ckpt._device(device_map)  # one device only
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs: Any) -> bool:
+        return False
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files: Optional[list] = None,
+                                             device_map: Any = None, dtype: Optional[torch.dtype] = None,
+                                             **kwargs: Any):
+        if not checkpoint_files:
+            raise ValueError(f"{METHOD}: loading needs the checkpoint's safetensors files")
+        root = Path(checkpoint_files[0]).parent
+        conf = _ckpt._read_json(root / "config.json")
+        conf.pop("quantization_config", None)
+        if self.quantization_config.checkpoint_config is not None:
+            conf["quantization_config"] = self.quantization_config.checkpoint_config
+        dtype = dtype or torch.bfloat16
+        scheme, t = _ckpt._open(root, conf, model.config.model_type, _ckpt._device(device_map))
+        dense = _ckpt.load_quantized_modules(model, t, scheme, dtype)
+        _ckpt._warn_dense(dense, scheme, dtype)
+        # transformers replaces the tensors it does not find in the checkpoint by empty ones: the FP4
+        # modules wait outside the model until the dense tensors are loaded, their stored tensors
+        # are not reported as unexpected
+        self._pending = {}
+        patterns = set()
+        for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, FP4Buffers)]:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, torch.nn.Module())
+            self._pending[name] = module
+            patterns.update(rf"^{re.escape(v)}[._]" for v in scheme._names(name))
+        model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | patterns
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs: Any):
+        for name, module in getattr(self, "_pending", {}).items():
+            model.set_submodule(name, module)
+        self._pending = {}
+        return model
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+    def is_serializable(self, safe_serialization: Any = None) -> bool:
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+def transformers_config(path: Union[str, Path], **kwargs: Any):
+    """``AutoConfig.from_pretrained(path)`` with its quantization_config handed to autofp4
+    (pass it as ``from_pretrained(path, config=...)``)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path), **kwargs)
+    own = getattr(config, "quantization_config", None)
+    if isinstance(own, QuantizationConfigMixin):
+        own = own.to_dict()
+    if isinstance(own, dict) and own.get("quant_method") == METHOD:
+        own = own.get("checkpoint_config")
+    config.quantization_config = {"quant_method": METHOD, "checkpoint_config": own}
+    return config
+
+
+def register() -> None:
+    """Register autofp4's config and quantizer (and ``"modelopt"`` if free) with transformers; idempotent."""
+    for method in (METHOD, "modelopt"):
+        if method in AUTO_QUANTIZER_MAPPING or method in AUTO_QUANTIZATION_CONFIG_MAPPING:
+            continue
+        register_quantization_config(method)(AutoFP4Config)
+        register_quantizer(method)(AutoFP4Quantizer)
+
+
+register()

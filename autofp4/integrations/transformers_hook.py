@@ -1,0 +1,64 @@
+"""Registers autofp4's transformers quantizer (:mod:`autofp4.integrations.hf_quantizer`) when
+transformers loads its quantizer tables, without importing transformers before that.
+
+``install()`` (run by ``import autofp4``) registers at once if ``transformers.quantizers.auto``
+is already imported, and otherwise puts a finder on ``sys.meta_path`` that registers right after
+that module runs. ``AUTOFP4_NO_TRANSFORMERS_HOOK=1`` skips both; :func:`register_transformers`
+registers explicitly.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import os
+import sys
+import warnings
+
+_TARGET = "transformers.quantizers.auto"
+
+
+def register_transformers() -> None:
+    """Register autofp4's quantization config and quantizer with transformers (imports it)."""
+    from . import hf_quantizer
+
+    hf_quantizer.register()
+
+
+def _register_quietly() -> None:
+    try:
+        register_transformers()
+    except Exception as e:  # an incompatible transformers must not break its own import
+        warnings.warn(f"autofp4: could not register its transformers quantizer: {e!r}", stacklevel=3)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != _TARGET:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            import importlib.util
+
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            _register_quietly()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install() -> None:
+    if os.environ.get("AUTOFP4_NO_TRANSFORMERS_HOOK"):
+        return
+    if _TARGET in sys.modules:
+        _register_quietly()
+    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())

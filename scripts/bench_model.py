@@ -1,0 +1,275 @@
+"""Whole transformers models, bf16 against autofp4's NVFP4 and MXFP4 (``quantize_model``).
+
+For each example config (``examples/*.json``, or ``--configs``), a transformers model with random
+bf16 weights (``--layers N`` keeps the first N decoder layers, for MoE models that do not fit whole;
+the default keeps all of them for dense models and 8 for MoE ones), and for each variant (bf16,
+NVFP4, MXFP4) and mode (``eager``; ``compiled``: a static KV cache and ``torch.compile`` of the
+decode step):
+
+* decode tokens/s at batch 1, 8 and 64 (``--batches``): one new token per sequence per step on a
+  KV cache pre-filled with ``--context`` tokens, median over ``--steps`` steps;
+* prefill tokens/s of ``--prefill`` tokens (batch 1);
+* output agreement: the cosine of the prefill's last-token logits against the same model with
+  the FP4 weights dequantized to bf16 (``deq``: the kernels' own error) and against the bf16
+  model (``bf16``: kernels plus quantization).
+
+The table is printed last; the JSON goes to ``--out`` (default ``docs/results/<gpu>/model.json``).
+
+    python scripts/bench_model.py                                            # on the GPU
+    python scripts/bench_model.py --configs examples/qwen3-30b-a3b.json --layers 12
+    python scripts/bench_model.py --device cpu --tiny --out /tmp/r           # a smoke run anywhere
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from _common import ROOT, provenance, results_dir
+
+FMTS = ("nvfp4", "mxfp4")
+MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+TINY = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, vocab_size=512, num_hidden_layers=2)
+
+
+def load_config(path: Path, layers: int | None, tiny: bool):
+    from transformers import AutoConfig
+
+    d = json.loads(Path(path).read_text())
+    d.pop("quantization_config", None)
+    for k in ("torch_dtype", "dtype"):
+        d.pop(k, None)
+    if tiny:
+        d.update({k: v for k, v in TINY.items() if k in d or k in ("head_dim",)})
+        for f in MOE_FIELDS:
+            if f in d:
+                d[f] = min(d[f], 8)
+        for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if isinstance(d.get(k), int) and d[k] >= d["vocab_size"]:
+                d[k] = None
+    moe = any(d.get(f) for f in MOE_FIELDS)
+    n = layers if layers else (d["num_hidden_layers"] if not moe or tiny else 8)
+    d["num_hidden_layers"] = min(n, d["num_hidden_layers"])
+    for k in ("first_k_dense_replace",):
+        if k in d:
+            d[k] = min(d[k], d["num_hidden_layers"] - 1)
+    if "layer_types" in d:
+        d["layer_types"] = d["layer_types"][: d["num_hidden_layers"]]
+    model_type = d.pop("model_type")
+    return AutoConfig.for_model(model_type, **d), moe
+
+
+def build(config, device, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def dequantized(model):
+    """A bf16 copy of an FP4 model with every FP4 weight dequantized into a dense module."""
+    from torch import nn
+
+    from autofp4.integrations.transformers import FP4Experts
+    from autofp4.nn import FP4Linear
+
+    out = copy.deepcopy(model)
+    for name, m in list(out.named_modules()):
+        parent_name, _, child = name.rpartition(".")
+        parent = out.get_submodule(parent_name) if parent_name else out
+        if isinstance(m, FP4Linear):
+            lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=m.weight_packed.device,
+                            dtype=torch.bfloat16)
+            lin.weight.data = m.fp4_weight().dequantize(torch.bfloat16)
+            if m.bias is not None:
+                lin.bias.data = m.bias.data.to(torch.bfloat16)
+            setattr(parent, child, lin)
+        elif isinstance(m, FP4Experts):
+            setattr(parent, child, _DenseExperts(m))
+    return out
+
+
+class _DenseExperts(torch.nn.Module):
+    """FP4Experts' computation with the dequantized weights, token by token over the experts."""
+
+    def __init__(self, m) -> None:
+        super().__init__()
+        self.w13 = m.fp4_weight("gate_up_proj").dequantize(torch.bfloat16)
+        self.w2 = m.fp4_weight("down_proj").dequantize(torch.bfloat16)
+        self.b13, self.b2, self.activation = m.gate_up_proj_bias, m.down_proj_bias, m.activation
+
+    def forward(self, x, top_k_index, top_k_weights):
+        from autofp4.kernels._moe_act import SWIGLU_ALPHA, SWIGLU_LIMIT
+
+        out = torch.zeros_like(x, dtype=torch.float32)
+        i = self.w13.shape[1] // 2
+        for e in top_k_index.unique().tolist():
+            tok, slot = (top_k_index == e).nonzero(as_tuple=True)
+            gu = x[tok] @ self.w13[e].T
+            if self.b13 is not None:
+                gu = gu + self.b13[e].to(gu.dtype)
+            g, u = gu[:, :i].float(), gu[:, i:].float()
+            if self.activation == "swigluoai":
+                g, u = g.clamp(max=SWIGLU_LIMIT), u.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+                a = g * torch.sigmoid(SWIGLU_ALPHA * g) * (u + 1)
+            elif self.activation == "gelu":
+                a = torch.nn.functional.gelu(g, approximate="tanh") * u
+            else:
+                a = torch.nn.functional.silu(g) * u
+            y = a.to(x.dtype) @ self.w2[e].T
+            if self.b2 is not None:
+                y = y + self.b2[e].to(y.dtype)
+            out.index_add_(0, tok, y.float() * top_k_weights[tok, slot, None].float())
+        return out.to(x.dtype)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def decode_rate(model, config, batch: int, context: int, steps: int, compiled: bool, device) -> float:
+    """Decode tokens/s: ``batch`` sequences, each one token per step after ``context`` tokens."""
+    from transformers import DynamicCache, StaticCache
+
+    ids = torch.randint(0, config.vocab_size, (batch, context), device=device)
+    if compiled:
+        cache = StaticCache(config=config, max_cache_len=context + steps + 4)
+    else:
+        cache = DynamicCache(config=config)
+    import inspect
+
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        out = model(ids, use_cache=True, **{kw: cache})
+        step = model.forward
+        if compiled:
+            step = torch.compile(model.forward, mode="reduce-overhead" if device.type == "cuda" else "default",
+                                 fullgraph=False, dynamic=False)
+        nxt = out.logits[:, -1:].argmax(-1)
+        pos = context
+        times = []
+        for s in range(steps + 2):  # the first two steps warm up (and compile)
+            cp = torch.full((1,), pos, device=device, dtype=torch.long)
+            _sync(device)
+            t0 = time.perf_counter()
+            out = step(input_ids=nxt, cache_position=cp, use_cache=True, **{kw: cache})
+            nxt = out.logits[:, -1:].argmax(-1)
+            _sync(device)
+            if s >= 2:
+                times.append(time.perf_counter() - t0)
+            pos += 1
+    return batch / statistics.median(times)
+
+
+def prefill(model, ids, reps: int, device) -> tuple[float, torch.Tensor]:
+    with torch.no_grad():
+        logits = model(ids).logits[:, -1].float()
+        t = _timed(lambda: model(ids), device, reps)
+    return ids.numel() / t, logits
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def bench_config(path: Path, args, device) -> list[dict]:
+    import autofp4
+
+    config, moe = load_config(path, args.layers, args.tiny)
+    rows = []
+    base = build(config, device)
+    ids = torch.randint(0, config.vocab_size, (1, args.prefill), device=device)
+    _, bf16_logits = prefill(base, ids, 1, device)
+    variants = [("bf16", base)] + [(fmt, None) for fmt in args.fmts]
+    for name, model in variants:
+        ref_logits = None
+        if model is None:
+            model = copy.deepcopy(base)
+            autofp4.quantize_model(model, name)
+            ref_logits = prefill(dequantized(model), ids, 1, device)[1]
+        for mode in args.modes:
+            row = {"config": path.stem, "layers": config.num_hidden_layers, "moe": moe, "variant": name,
+                   "mode": mode}
+            comp = mode == "compiled"
+            for b in args.batches:
+                row[f"decode_b{b}"] = decode_rate(model, config, b, args.context, args.steps, comp, device)
+            row["prefill"], logits = prefill(model, ids, args.reps, device)
+            row["cos_bf16"] = cosine(logits, bf16_logits)
+            row["cos_deq"] = None if ref_logits is None else cosine(logits, ref_logits)
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+        del model
+    return rows
+
+
+def table(rows: list[dict], batches) -> str:
+    cols = ["config", "layers", "variant", "mode"] + [f"decode_b{b}" for b in batches] + ["prefill", "cos_deq",
+                                                                                          "cos_bf16"]
+    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+    lines = [head]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append("-" if v is None else f"{v:.4f}" if c.startswith("cos") else
+                         f"{v:,.0f}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\ndecode and prefill in tokens/s; cos: cosine of the last-token logits"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", default="", help="comma-separated config.json paths (default: examples/*.json)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers to keep (default: all; 8 for MoE)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--prefill", type=int, default=2048)
+    p.add_argument("--context", type=int, default=512, help="tokens in the KV cache before decoding")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--fmts", default=",".join(FMTS))
+    p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--tiny", action="store_true", help="shrink each config (a smoke run)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_model.py needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
+        return 2
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.fmts = [f for f in args.fmts.split(",") if f]
+    args.modes = [m for m in args.modes.split(",") if m]
+    paths = [Path(c) for c in args.configs.split(",") if c] or sorted((ROOT / "examples").glob("*.json"))
+    rows = []
+    for path in paths:
+        rows += bench_config(path, args, device)
+    doc = {**provenance(device), "rows": rows, "batches": args.batches, "prefill_tokens": args.prefill,
+           "context": args.context}
+    out = results_dir(args.out, device) / "model.json"
+    out.write_text(json.dumps(doc, indent=1))
+    print(table(rows, args.batches))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

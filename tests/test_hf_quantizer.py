@@ -1,0 +1,55 @@
+"""transformers' AutoModelForCausalLM.from_pretrained on FP4 checkpoints through autofp4's
+registered quantizer: ModelOpt's config.json directly, compressed-tensors and gpt-oss MXFP4
+through autofp4.transformers_config; the models match autofp4.from_pretrained's."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import autofp4  # noqa: E402
+from autofp4 import FP4Linear  # noqa: E402
+from autofp4.integrations.transformers import FP4Experts  # noqa: E402
+
+from test_checkpoints_moe import CONFIGS, _random_state, write_checkpoint  # noqa: E402
+
+
+def _logits(model, vocab):
+    ids = torch.randint(0, vocab, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("arch,layout", [("qwen3_moe", "modelopt"), ("mixtral", "modelopt"),
+                                         ("qwen3_moe", "compressed-tensors"), ("gpt_oss", "mxfp4")])
+def test_auto_model_loads_through_the_autofp4_quantizer(tmp_path, arch, layout):
+    cfg = CONFIGS[arch]()
+    write_checkpoint(tmp_path / "c", cfg, _random_state(cfg, 7), layout)
+    kw = {} if layout == "modelopt" else {"config": autofp4.transformers_config(tmp_path / "c")}
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "c", dtype=torch.bfloat16, **kw)
+    assert type(model.hf_quantizer).__name__ == "AutoFP4Quantizer"
+    assert isinstance(model.model.layers[0].mlp.experts, FP4Experts)
+    assert not isinstance(model.model.layers[1].mlp.experts, FP4Experts)  # excluded by the checkpoint
+    assert sum(isinstance(m, FP4Linear) for m in model.modules()) == (0 if layout == "mxfp4" else 8)
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    ours = autofp4.from_pretrained(tmp_path / "c", dtype=torch.bfloat16)
+    a, b = _logits(model, cfg.vocab_size), _logits(ours, cfg.vocab_size)
+    assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_registration_waits_for_transformers():
+    code = ("import sys, autofp4; assert 'transformers' not in sys.modules;"
+            "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as m;"
+            "print(m['autofp4'].__name__, m['modelopt'].__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["AutoFP4Quantizer", "AutoFP4Quantizer"]
+    env_code = "import os; os.environ['AUTOFP4_NO_TRANSFORMERS_HOOK'] = '1';" + code.replace("print(", "print('modelopt' in m, ")
+    res = subprocess.run([sys.executable, "-c", env_code.split("print(")[0] + "print('autofp4' in m)"],
+                         capture_output=True, text=True, check=True).stdout
+    assert res.strip() == "False"
