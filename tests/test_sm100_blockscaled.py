@@ -115,9 +115,9 @@ def test_the_tuner_checks_a_w4a4_backend_against_the_w4a4_reference():
     key = ProblemKey("linear", "mxfp4", "bfloat16", 64, 128)
     d = trial._setup_data(key, 4, 3, torch.device("cpu"), copies_hint=False, numerics="w4a4")
     d = trial._setup_data(key, 4, 3, torch.device("cpu"), copies_hint=False)
-    x, bias = d.acts[4][0]
-    assert torch.equal(d.refs[4, "w4a4"], reference_linear_w4a4(x, d.weights[0], bias))
-    assert torch.equal(d.refs[4, "w4a16"], reference_linear(x, d.weights[0], bias))
+    x, bias = d.acts[4, "uniform"][0]
+    assert torch.equal(d.refs[4, "uniform", "w4a4"], reference_linear_w4a4(x, d.weights[0], bias))
+    assert torch.equal(d.refs[4, "uniform", "w4a16"], reference_linear(x, d.weights[0], bias))
     assert get_backend("sm100_blockscaled").numerics == "w4a4" and get_backend("reference").numerics == "w4a16"
     with pytest.raises(ValueError, match="numerics"):
         reference_runner("w8a8", key)

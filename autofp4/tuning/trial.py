@@ -29,6 +29,17 @@ SLOW_CALL_US = 1000.0
 TRIAL_TARGET_S = 2.0
 #: but never fewer samples than this.
 MIN_REPS = 5
+#: the routings a MoE trial runs on (the request's ``routing``): ``uniform``, the search's (random
+#: router logits), and ``skewed``, the one the tuner checks its pick on (job.py): a share
+#: ``SKEW_HOT_FRACTION`` of the experts (at least top-k of them, drawn from the seed) get
+#: ``SKEW_LOGIT_BIAS`` added to their router logits, so that most (token, slot) pairs go to them
+#: (the logits are standard normal: with a bias of 2 the hot experts take about 80% of the pairs at
+#: 8 experts and top-2, 95% at 128 and top-8)
+ROUTINGS = ("uniform", "skewed")
+SKEW_HOT_FRACTION = 0.25
+SKEW_LOGIT_BIAS = 2.0
+#: how a trial row on the skewed routing starts its ``error`` text (an ``ok`` one: just this)
+SKEWED_TRIAL = "skewed routing"
 
 
 # -----------------------------------------------------------------------------------------
@@ -41,8 +52,8 @@ class _TrialData:
         self.ident: tuple | None = None
         self.weights: list[Any] = []  # per copy: FP4Weight (linear) or (w13, w2) (moe)
         self.prepared: dict[tuple[str, int], Any] = {}
-        self.acts: dict[int, list[tuple]] = {}  # m -> per copy: (x, bias) or (x, tw, ti)
-        self.refs: dict[tuple[int, str], torch.Tensor] = {}  # (m, numerics) -> reference output
+        self.acts: dict[tuple[int, str], list[tuple]] = {}  # (m, routing) -> per copy: (x, bias) or (x, tw, ti)
+        self.refs: dict[tuple[int, str, str], torch.Tensor] = {}  # (m, routing, numerics) -> reference output
 
 
 _DATA = _TrialData()
@@ -86,13 +97,24 @@ def _weight_bytes(w: Any) -> int:
     return sum(x.nbytes for x in ws)
 
 
-def _acts_for(key: ProblemKey, m: int, device: torch.device, gen: torch.Generator) -> tuple:
+def hot_experts(key: ProblemKey) -> int:
+    """How many experts the skewed routing favours (see ``ROUTINGS``)."""
+    return min(key.experts, max(key.topk, round(SKEW_HOT_FRACTION * key.experts)))
+
+
+def _acts_for(key: ProblemKey, m: int, device: torch.device, gen: torch.Generator,
+              routing: str = "uniform") -> tuple:
+    """The activations of a trial; a MoE's routing ``uniform`` or ``skewed`` (the same ``x``
+    and logit noise for the same ``gen``)."""
     dt = key.torch_dtype
     x = torch.randn((m, key.k), generator=gen).to(device=device, dtype=dt)
     if key.op == "linear":
         bias = torch.randn((key.n,), generator=gen).to(device=device, dtype=dt)
         return (x, bias)
     logits = torch.randn((m, key.experts), generator=gen)
+    if routing == "skewed":
+        hot = torch.randperm(key.experts, generator=gen)[: hot_experts(key)]
+        logits[:, hot] += SKEW_LOGIT_BIAS
     tw, ti = torch.topk(torch.softmax(logits, dim=-1), key.topk, dim=-1)
     tw = (tw / tw.sum(-1, keepdim=True)).float().to(device)
     return (x, tw, ti.to(torch.int32).to(device))
@@ -132,7 +154,7 @@ def _copies(key: ProblemKey, m: int, weight_bytes: int, device: torch.device) ->
 
 
 def _setup_data(key: ProblemKey, m: int, seed: int, device: torch.device, copies_hint: bool,
-                numerics: str = "w4a16") -> _TrialData:
+                numerics: str = "w4a16", routing: str = "uniform") -> _TrialData:
     d = _DATA
     ident = (key, seed, str(device))
     if d.ident != ident:
@@ -146,11 +168,11 @@ def _setup_data(key: ProblemKey, m: int, seed: int, device: torch.device, copies
             for _ in range(_copies(key, m, _weight_bytes(d.weights[0]), device) - 1):
                 d.weights.append(_weights_for(key, device, gen))
         d.ident = ident
-    if m not in d.acts:
+    if (m, routing) not in d.acts:
         gen = torch.Generator().manual_seed(seed * 7919 + m)
-        d.acts[m] = [_acts_for(key, m, device, gen) for _ in d.weights]
-    if (m, numerics) not in d.refs:  # the oracle of the candidate's numerics (W4A16 or W4A4)
-        d.refs[m, numerics] = _call(key, reference_runner(numerics, key), d.weights[0], d.acts[m][0])
+        d.acts[m, routing] = [_acts_for(key, m, device, gen, routing) for _ in d.weights]
+    if (m, routing, numerics) not in d.refs:  # the oracle of the candidate's numerics (W4A16 or W4A4)
+        d.refs[m, routing, numerics] = _call(key, reference_runner(numerics, key), d.weights[0], d.acts[m, routing][0])
     return d
 
 
@@ -189,7 +211,8 @@ def run_trial(req: dict[str, Any]) -> dict[str, Any]:
     """Compile, check and time one candidate; never raises (the outcome says what happened).
 
     ``req``: ``backend``, ``spec``, ``config`` (JSON), ``key`` (dict), ``m``, ``seed``,
-    ``device``, ``warmup``, ``reps``, ``graph`` (allow CUDA graphs). Returns ``outcome``,
+    ``device``, ``warmup``, ``reps``, ``graph`` (allow CUDA graphs), optionally ``routing``
+    (a MoE's, one of ``ROUTINGS``; default ``uniform``). Returns ``outcome``,
     ``median_us``, ``spread_us``, ``samples``, ``error`` and ``fatal`` (the CUDA context
     may be dead: restart the process).
     """
@@ -200,6 +223,9 @@ def run_trial(req: dict[str, Any]) -> dict[str, Any]:
         b = _backend_from(req["backend"], req["spec"])
         cfg = b.parse_config(json.loads(req["config"]))
         reason = b.is_valid(cfg, key)
+        routing = req.get("routing", "uniform")
+        if routing not in ROUTINGS or (routing != "uniform" and key.op != "moe"):
+            reason = reason or f"no routing {routing!r} for {key.op}"
     except Exception as e:
         return {**res, "outcome": "invalid", "error": _short_error(e)}
     if reason:
@@ -212,21 +238,23 @@ def run_trial(req: dict[str, Any]) -> dict[str, Any]:
     stage = "preparing data"
     try:
         t_setup = time.perf_counter()
-        d = _setup_data(key, m, int(req["seed"]), device, copies_hint=True, numerics=b.numerics)
+        d = _setup_data(key, m, int(req["seed"]), device, copies_hint=True, numerics=b.numerics,
+                        routing=routing)
         stage = "preparing the weight"
         prepared = [_prepare(b, w) for w in d.weights]
         # one-off work (random weights for a new problem, a layout packed for a new kernel):
         # the job's time share must not take it for the cost of every trial
         res["setup_s"] = time.perf_counter() - t_setup
         stage = "running"
-        out = _call(key, runner, prepared[0], d.acts[m][0])
+        acts = d.acts[m, routing]
+        out = _call(key, runner, prepared[0], acts[0])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        why = _check(out, d.refs[m, b.numerics], key.dtype)
+        why = _check(out, d.refs[m, routing, b.numerics], key.dtype)
         if why:
             return {**res, "outcome": "wrong_result", "error": why}
         stage = "timing"
-        args = [(p, a) for p, a in zip(prepared, d.acts[m])]
+        args = [(p, a) for p, a in zip(prepared, acts)]
 
         def fn(p: Any, a: tuple) -> Any:
             return _call(key, runner, p, a, with_bias=False)
