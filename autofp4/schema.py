@@ -292,7 +292,9 @@ class ExportedRecord(_ResultFields):
 
 
 class TrialRecord(_KeyFields):
-    """One measured (or failed) config of the tuner: the evidence behind a result."""
+    """One measured (or failed) config of the tuner: the evidence behind a result. ``error``:
+    why it failed; a MoE pick's check on the skewed routing starts it with ``skewed routing``
+    (an ``ok`` one: just that), the other trials ran on the uniform routing."""
 
     m: Annotated[int, Strict(), Field(ge=1, le=MAX_M)]
     config: ConfigDict_

@@ -20,9 +20,15 @@ from .compile_pool import _compile_only, _prefetch_default, _request, _short_err
 from .jobs import Job, JobResult, _Ctx
 from .measurer import _Measurer
 from .search import _ask, _finished, _make_study, _started, _was_enqueued
+from .trial import SKEWED_TRIAL, hot_experts
 
 #: relative gain a tuned config needs over the default, on top of the noise rule.
 MIN_GAIN = 0.0
+#: a MoE pick is timed again with the default on the skewed routing (trial.ROUTINGS); slower
+#: than the default there by more than this (relative), it is not stored
+SKEW_MARGIN = 0.10
+#: the picks checked so, fastest first, before the default is stored instead
+SKEW_TRIES = 3
 
 
 class _Interrupted(Exception):
@@ -31,19 +37,23 @@ class _Interrupted(Exception):
         self.result = result
 
 
-def _record_trial(db: Any, ctx: _Ctx, job: Job, cand: _Cand, res: dict[str, Any]) -> None:
+def _record_trial(db: Any, ctx: _Ctx, job: Job, cand: _Cand, res: dict[str, Any], routing: str = "uniform") -> None:
+    """One trial row; one on the skewed routing says so first in its ``error`` text."""
     from ..schema import TrialRecord
 
     k = job.key
     ok = res["outcome"] == "ok"
     config = json.loads(cand.config_json)
+    error = str(res.get("error") or "")
+    if routing == "skewed":
+        error = f"{SKEWED_TRIAL}: {error}" if error else SKEWED_TRIAL
     tr = TrialRecord(
         op=k.op, fmt=k.fmt, dtype=k.dtype, backend=cand.backend.name, m_bucket=job.m,
         n=k.n, k=k.k, experts=k.experts, topk=k.topk, m=job.m,
         config=config, outcome=res["outcome"],
         median_us=res.get("median_us") if ok else None,
         spread_us=res.get("spread_us") if ok else None,
-        error=str(res.get("error") or ""), env_key=ctx.env_key,
+        error=error, env_key=ctx.env_key,
         backend_source=backend_source_hash(cand.backend, config),
     )
     db.add_trial(tr)
@@ -358,9 +368,12 @@ class JobTuner:
             result.status = "out_of_time" if _out_of_time(ctx) else "no_valid_config"
             result.note = "no candidate passed the correctness check" if not _out_of_time(ctx) else "stopped before a config was measured"
             return result
-        best = min(oks, key=lambda c: (stats[c.ident].median_us, c.backend.name, c.config_json))
+        oks.sort(key=lambda c: (stats[c.ident].median_us, c.backend.name, c.config_json))
         d_stats = stats.get(self.default.ident)
-        winner, result.note = self._winner(best, stats, d_stats)
+        winner, result.note = self._winner(oks[0], stats, d_stats)
+        if self.job.key.op == "moe" and winner is not self.default and d_stats is not None:
+            ahead = [c for c in oks if c is not self.default and faster_beyond_noise(stats[c.ident], d_stats, MIN_GAIN)]
+            winner = self._skew_checked(ahead[:SKEW_TRIES])
         unmeasured = [i for i in self.current_rows if i not in stats and i not in self.failed]
         if unmeasured and winner.ident not in self.current_rows:
             return self._keep(self.current_rows[unmeasured[0]])
@@ -406,6 +419,44 @@ class JobTuner:
                 notes.append("no config beat the default beyond the noise")
         return winner, "; ".join(notes)
 
+    def _skew_checked(self, picks: Sequence[_Cand]) -> _Cand:
+        """The first of ``picks`` (fastest first) that is at most ``SKEW_MARGIN`` slower than
+        the default on the skewed routing, else the default; why, in the job's note."""
+        base = self._skew_us(self.default)
+        key = self.job.key
+        where = f"the skewed routing ({hot_experts(key)} of {key.experts} experts hot)"
+        if base is None:
+            self._add_note(f"the default failed on {where}: the pick is stored unchecked")
+            return picks[0]
+        slow = []
+        for c in picks:
+            us = self._skew_us(c)
+            if us is not None and us <= base * (1 + SKEW_MARGIN):
+                break
+            slow.append(f"{c.backend.name} {c.config_json} " + ("failed" if us is None else f"{us:.2f} us"))
+        else:
+            c = self.default
+        if slow:
+            stored = "the default" if c is self.default else f"{c.backend.name} {c.config_json}"
+            self._add_note(f"on {where} the default took {base:.2f} us and {', '.join(slow)} (more than "
+                           f"{SKEW_MARGIN:.0%} slower, or failed): {stored} stored instead")
+        return c
+
+    def _skew_us(self, cand: _Cand) -> float | None:
+        """``cand`` timed on the skewed routing (a trial row of its own): its median, None if it failed."""
+        req = {**_request(self.ctx, self.job, cand, self.seed), "routing": "skewed"}
+        res = self.meas.run(req)
+        with self.ctx.lock:
+            _record_trial(self.db, self.ctx, self.job, cand, res, routing="skewed")
+        self.result.trials_run += 1
+        if res["outcome"] != "ok":
+            self.result.trials_failed += 1
+            return None
+        return float(res["median_us"])
+
+    def _add_note(self, note: str) -> None:
+        self.result.note = "; ".join(n for n in (self.result.note, note) if n)
+
     def _keep(self, row: TuningRecord) -> JobResult:
         """The stored winner ``row`` was not measured again: it stays (status ``kept``)."""
         result = self.result
@@ -438,7 +489,6 @@ class JobTuner:
             written = self.db.upsert_result(rec, replacing=replacing)
             stored = None if written else self.db.get_result(*rec.key_tuple(), rec.env_key)
         if stored is not None:
-            note = (f"the row another run stored meanwhile is as fast or faster and stays ({stored.backend} "
-                    f"{json.dumps(stored.config, sort_keys=True, separators=(',', ':'))} {stored.median_us:.2f} us)")
-            result.note = "; ".join(n for n in (result.note, note) if n)
+            self._add_note(f"the row another run stored meanwhile is as fast or faster and stays ({stored.backend} "
+                           f"{json.dumps(stored.config, sort_keys=True, separators=(',', ':'))} {stored.median_us:.2f} us)")
         return result
