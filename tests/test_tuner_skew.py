@@ -118,3 +118,24 @@ def test_the_default_is_stored_when_every_pick_collapses(monkeypatch, tmp_path):
 def test_linear_jobs_are_not_checked_on_a_skewed_routing(monkeypatch, tmp_path):
     r, res, trials, skewed = _run(monkeypatch, tmp_path, CollapsingBackend, KEY, 4)
     assert res.config == {"chunk_n": 64} and skewed == [] and len(trials) == 3 and CLOCK.seen == []
+
+
+def test_a_default_that_fails_on_the_skewed_routing_leaves_the_pick_unchecked(monkeypatch, tmp_path):
+    class DefaultFails(EvenBackend):
+        name = "test_skew_default_fails"
+
+        def compile(self, config, key):
+            run = super().compile(config, key)
+            if config.chunk_n:
+                return run
+
+            def fails_when_concentrated(*args):
+                out = run(*args)
+                if CLOCK.seen[-1] > 2.5:
+                    raise RuntimeError("kernel exploded")
+                return out
+            return fails_when_concentrated
+
+    r, res, _, skewed = _run(monkeypatch, tmp_path, DefaultFails, MOE, 32)
+    assert res.config == {"chunk_n": 64} and [(c, o) for c, o, _ in skewed] == [(0, "runtime_fault")]
+    assert "the default failed on the skewed routing" in r.note and r.trials_failed == 1
