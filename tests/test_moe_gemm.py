@@ -16,23 +16,16 @@ import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-import autofp4  # noqa: E402
 from autofp4.backends import get_backend  # noqa: E402
 from autofp4.backends.reference import reference_moe  # noqa: E402
 from autofp4.problem import ProblemKey  # noqa: E402
+from moe_cases import MODELS, experts as _experts, routing  # noqa: E402
 
 G = pytest.importorskip("autofp4.kernels.sm90_moe_gemm")
 from autofp4.kernels import sm90_w4a16_gemm as D  # noqa: E402
 
 SEED = int.from_bytes(os.urandom(4), "little")
-MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "gpt-oss-120b": (128, 4, 2880, 2880),
-          "mixtral-8x7b": (8, 2, 4096, 14336), "deepseek-v3-ep8": (32, 8, 7168, 2048)}
 
-
-def _experts(e, n, k, fmt, gen, device="cpu"):
-    """Random experts whose scales differ per expert, sized so that a layer's outputs stay O(1)."""
-    w = torch.randn(e, n, k, generator=gen) * torch.exp(0.5 * torch.randn(e, 1, 1, generator=gen)) / k ** 0.5
-    return autofp4.quantize(w.to(device), fmt)
 
 
 def test_gate_up_rows_alternate_groups_of_eight():
@@ -117,13 +110,7 @@ def _gpu():
 
 
 def _routing(t, e, k, mode, gen):
-    logits = torch.randn(t, e, generator=gen)
-    if mode == "one_expert":  # every token's first choice is expert 0
-        logits[:, 0] += 100.0
-    if mode == "few_experts":  # only experts 0 .. k+1 get tokens
-        logits[:, k + 2:] -= 100.0
-    w, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
-    return (w / w.sum(-1, keepdim=True)).float().cuda(), ids.to(torch.int32).cuda()
+    return tuple(a.cuda() for a in routing(t, e, k, mode, gen))
 
 
 def _layer(t, e, k, h, i, fmt, dtype, mode, gen):

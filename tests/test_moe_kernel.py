@@ -20,20 +20,13 @@ import autofp4  # noqa: E402
 from autofp4.backends import get_backend  # noqa: E402
 from autofp4.backends.reference import reference_moe  # noqa: E402
 from autofp4.problem import ProblemKey  # noqa: E402
+from moe_cases import MODELS, experts as _experts, routing as _routing  # noqa: E402
 
 M = pytest.importorskip("autofp4.kernels.w4a16_moe")
 from autofp4.kernels import w4a16_decode as D  # noqa: E402
 
 SEED = int.from_bytes(os.urandom(4), "little")
-MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "gpt-oss-120b": (128, 4, 2880, 2880),
-          "mixtral-8x7b": (8, 2, 4096, 14336), "deepseek-v3-ep8": (32, 8, 7168, 2048)}
 
-
-def _experts(e, n, k, fmt, gen, device="cpu"):
-    """Random experts whose scales differ per expert, sized so that a layer's outputs stay O(1)
-    (within fp16's range)."""
-    w = torch.randn(e, n, k, generator=gen) * torch.exp(0.5 * torch.randn(e, 1, 1, generator=gen)) / k ** 0.5
-    return autofp4.quantize(w.to(device), fmt)
 
 
 def _unpack_expert(p, e, dtype="bfloat16"):
@@ -148,16 +141,6 @@ def test_activations_and_biases_compile_for_sm90a(monkeypatch, tmp_path):
 
 
 # ----------------------------------------------------------------------------- GPU
-def _routing(t, e, k, mode, gen):
-    logits = torch.randn(t, e, generator=gen)
-    if mode == "one_expert":  # every token's first choice is expert 0
-        logits[:, 0] += 100.0
-    if mode == "few_experts":  # only experts 0 .. k+1 get tokens: the others get none
-        logits[:, k + 2:] -= 100.0
-    w, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
-    return (w / w.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
-
-
 CASES = [  # (T, E, top_k, H, I, routing)
     (1, 8, 2, 512, 256, "uniform"), (3, 16, 4, 640, 96, "uniform"), (16, 8, 1, 512, 256, "uniform"),
     (33, 64, 8, 1024, 384, "few_experts"), (100, 8, 2, 512, 768, "one_expert"), (257, 16, 4, 512, 256, "uniform"),

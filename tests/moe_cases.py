@@ -1,0 +1,28 @@
+"""Shared inputs of the MoE kernel tests: the models' layer shapes, random experts, routings."""
+import torch
+
+import autofp4
+
+#: name -> (experts, top-k, hidden H, intermediate I) of one MoE layer (DeepSeek-V3: one EP-8 rank)
+MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "gpt-oss-120b": (128, 4, 2880, 2880),
+          "mixtral-8x7b": (8, 2, 4096, 14336), "deepseek-v3-ep8": (32, 8, 7168, 2048)}
+
+
+def experts(e, n, k, fmt, gen, device="cpu"):
+    """Random experts whose scales differ per expert, sized so that a layer's outputs stay O(1)
+    (within fp16's range)."""
+    w = torch.randn(e, n, k, generator=gen) * torch.exp(0.5 * torch.randn(e, 1, 1, generator=gen)) / k ** 0.5
+    return autofp4.quantize(w.to(device), fmt)
+
+
+def routing(t, e, k, mode, gen):
+    """Renormalized softmax top-k routing (fp32 weights, int32 ids, on the CPU); ``mode``:
+    ``"uniform"``, ``"one_expert"`` (every token's first choice is expert 0) or ``"few_experts"``
+    (only experts 0 .. k+1 get tokens: the others get none)."""
+    logits = torch.randn(t, e, generator=gen)
+    if mode == "one_expert":
+        logits[:, 0] += 100.0
+    if mode == "few_experts":
+        logits[:, k + 2:] -= 100.0
+    w, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    return (w / w.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
