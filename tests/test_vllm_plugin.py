@@ -135,17 +135,17 @@ def _bf16_dir(tmp_path):
     return tmp_path, sd
 
 
-def _model_config(path, quantization=None) -> ModelConfig:
-    return ModelConfig(model=str(path), quantization=quantization, skip_tokenizer_init=True, dtype="bfloat16")
+def _model_config(path, quantization=None, **kw) -> ModelConfig:
+    return ModelConfig(model=str(path), quantization=quantization, skip_tokenizer_init=True, dtype="bfloat16", **kw)
 
 
-def _load(path, quantization, monkeypatch):
+def _load(path, quantization, monkeypatch, load_format="auto", **kw):
     """vLLM's get_model on the checkpoint at ``path``."""
     from vllm.model_executor.model_loader import get_model
 
     # the loader empties the accelerator's cache; a CPU build of torch has no accelerator
     monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
-    vc = VllmConfig(model_config=_model_config(path, quantization), load_config=LoadConfig())
+    vc = VllmConfig(model_config=_model_config(path, quantization, **kw), load_config=LoadConfig(load_format=load_format))
     with set_current_vllm_config(vc):
         return vc, get_model(vllm_config=vc)
 
@@ -325,16 +325,30 @@ def test_modelopt_experts_layer_matches_the_reference_moe():
 
 
 # -- online quantization ----------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_online_quantization_of_a_bf16_checkpoint(tmp_path, monkeypatch, fmt):
+def test_a_dummy_load_of_a_modelopt_checkpoint_gives_valid_fp4_weights(tmp_path, monkeypatch):
+    path, _ = _modelopt_dir(tmp_path)
+    _, model = _load(path, "autofp4", monkeypatch, load_format="dummy")  # random bytes, fixed scales
+    layer = model.model.layers[0]
+    x = torch.randn(2, H, dtype=BF16)
+    assert torch.isfinite(layer.self_attn.qkv_proj.quant_method.apply(layer.self_attn.qkv_proj, x)).all()
+    assert torch.equal(layer.mlp.experts.routed_experts.autofp4_w13_global_scale, torch.full((E,), 1e-3))
+
+
+@pytest.mark.parametrize("how", ["mxfp4", "nvfp4", "hf-overrides"])
+def test_online_quantization_of_a_bf16_checkpoint(tmp_path, monkeypatch, how):
     path, sd = _bf16_dir(tmp_path)
-    if fmt == "nvfp4":
+    monkeypatch.delenv("AUTOFP4_VLLM_FORMAT", raising=False)  # the default is MXFP4
+    kw, fmt = {}, "nvfp4" if how != "mxfp4" else "mxfp4"
+    if how == "nvfp4":
         monkeypatch.setenv("AUTOFP4_VLLM_FORMAT", "nvfp4")
-    else:
-        monkeypatch.delenv("AUTOFP4_VLLM_FORMAT", raising=False)  # the default is MXFP4
-    vc, model = _load(path, "autofp4", monkeypatch)
+    elif how == "hf-overrides":  # --hf-overrides '{"quantization_config": {...}}'
+        kw["hf_overrides"] = {"quantization_config": {"quant_method": "autofp4", "format": "nvfp4",
+                                                      "ignore": ["*.o_proj"]}}
+    vc, model = _load(path, "autofp4", monkeypatch, **kw)
     assert vc.quant_config.checkpoint is None and vc.quant_config.fmt == fmt
     layer = model.model.layers[0]
+    o_method = type(layer.self_attn.o_proj.quant_method).__name__
+    assert o_method == ("UnquantizedLinearMethod" if how == "hf-overrides" else "AutoFP4OnlineLinearMethod")
     assert type(layer.mlp.gate.quant_method).__name__ == "UnquantizedLinearMethod"  # the router stays bf16
     assert type(model.lm_head.quant_method).__name__ == "UnquantizedEmbeddingMethod"
     p = "model.layers.0."
