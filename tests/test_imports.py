@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("autofp4.dispatch", "autofp4.models"),
     ("autofp4.ops",),
     ("autofp4.nn", "autofp4.tuning"),
-    ("autofp4.integrations",),
+    ("autofp4.integrations", "autofp4.integrations.vllm"),
     ("autofp4.cli_db",),
     ("autofp4.cli",),
     ("autofp4", "autofp4.__main__"),

@@ -1,0 +1,95 @@
+"""FP4 weights on vLLM layers: parameters for loading, buffers for running.
+
+After loading, a layer holds each FP4 weight as three non-persistent buffers
+``autofp4_<stem>packed`` (uint8 E2M1 codes), ``autofp4_<stem>scale`` (block scales) and
+``autofp4_<stem>global_scale`` (NVFP4's fp32 global scale; None for MXFP4), with ``stem`` ``""``
+for a linear layer and ``"w13_"`` / ``"w2_"`` for routed experts. The loaded parameters are
+deleted; each weight parameter is left as a 0-element tensor of its dtype on its device, for
+code that reads ``layer.weight.dtype`` or ``.device``.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+
+from ...problem import BLOCK_SIZE
+from ...weights import FP4Weight
+
+_E4M3_NAN = 0x7F
+
+
+def check_divisible(size: int, fmt: str, what: str, prefix: str) -> None:
+    """A ValueError unless ``size`` (a per-rank K) is a multiple of ``fmt``'s block size."""
+    bs = BLOCK_SIZE[fmt]
+    if size % bs:
+        raise ValueError(
+            f"autofp4 {fmt.upper()} requires {what} ({size}) to be divisible by {bs} "
+            f"(layer {prefix or '?'}); serve this model without --quantization autofp4, "
+            "or with a tensor-parallel size that keeps the shards divisible"
+        )
+
+
+def add_param(layer: torch.nn.Module, name: str, param: torch.nn.Parameter, attrs: Optional[dict[str, Any]] = None,
+              fill: Optional[float] = None, dummy: Optional[float] = None) -> torch.nn.Parameter:
+    """Register ``param`` as ``name`` with the vLLM weight attributes ``attrs`` (weight loader,
+    ...). ``fill`` pre-fills it (NaN marks a scale the checkpoint never provided); ``dummy`` is the
+    value vLLM's dummy loader (``--load-format dummy``) writes instead of random bytes."""
+    from vllm.model_executor.utils import set_weight_attrs
+
+    if fill is not None:
+        param.data.fill_(fill)
+    layer.register_parameter(name, param)
+    attrs = dict(attrs or {})
+    if dummy is not None:
+        attrs["dummy_weight_value"] = dummy
+    set_weight_attrs(param, attrs)
+    return param
+
+
+def check_loaded(layer: torch.nn.Module, names: Iterable[str], prefix: str) -> None:
+    """A RuntimeError if a scale still holds the NaN it was created with (never loaded)."""
+    for name in names:
+        t = getattr(layer, name)
+        bad = (t.view(torch.uint8) == _E4M3_NAN) if t.dtype == torch.float8_e4m3fn else torch.isnan(t)
+        if bool(bad.any()):
+            raise RuntimeError(
+                f"autofp4: {prefix or 'a layer'}.{name} was never loaded (still NaN): the checkpoint likely "
+                "stores this layer unquantized; list it in the checkpoint's exclude_modules"
+            )
+
+
+def install(layer: torch.nn.Module, stem: str, w: FP4Weight, release: Iterable[str]) -> None:
+    """Make ``w`` the layer's FP4 weight ``stem`` and delete the parameters ``release``."""
+    for name in release:
+        old = getattr(layer, name, None)
+        if name in layer._parameters:
+            del layer._parameters[name]
+        elif hasattr(layer, name):
+            delattr(layer, name)
+        if name.endswith("weight") and isinstance(old, torch.Tensor):
+            setattr(layer, name, torch.empty(0, dtype=old.dtype, device=w.device))
+    layer.register_buffer(f"autofp4_{stem}packed", w.data, persistent=False)
+    layer.register_buffer(f"autofp4_{stem}scale", w.scale, persistent=False)
+    layer.register_buffer(f"autofp4_{stem}global_scale", w.global_scale, persistent=False)
+    if w.input_scale is not None:
+        layer.register_buffer(f"autofp4_{stem}input_scale", w.input_scale, persistent=False)
+    layer.autofp4_fmt = w.fmt
+    layer.__dict__.setdefault("_autofp4_weights", {})[stem] = w
+
+
+def tensors(layer: torch.nn.Module, stem: str) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(packed, scale, global_scale)`` of the layer's FP4 weight ``stem``."""
+    return (getattr(layer, f"autofp4_{stem}packed"), getattr(layer, f"autofp4_{stem}scale"),
+            getattr(layer, f"autofp4_{stem}global_scale"))
+
+
+def fp4_weight(layer: torch.nn.Module, stem: str) -> FP4Weight:
+    """The FP4Weight ``stem`` over the layer's current buffers (rebuilt after ``.to()``)."""
+    w = layer.__dict__["_autofp4_weights"][stem]
+    data, scale, gs = tensors(layer, stem)
+    if w.data is not data or w.scale is not scale or w.global_scale is not gs:
+        ins = getattr(layer, f"autofp4_{stem}input_scale", None)
+        w = FP4Weight(layer.autofp4_fmt, data, scale, gs, ins, check_values=False)
+        layer.__dict__["_autofp4_weights"][stem] = w
+    return w

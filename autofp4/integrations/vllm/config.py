@@ -1,0 +1,211 @@
+"""The ``autofp4`` quantization config for vLLM: which layers run autofp4, and how.
+
+Two modes, told apart by what vLLM hands :meth:`AutoFP4Config.from_config`:
+
+- **ModelOpt NVFP4 checkpoint** (``hf_quant_config.json`` or ``config.json``
+  ``quantization_config`` with ``quant_algo`` ``NVFP4`` or ``W4A16_NVFP4``): vLLM's own
+  ``ModelOptNvFp4Config`` parses it (exclusions, group size, KV-cache algorithm) and is kept as
+  :attr:`AutoFP4Config.checkpoint`; linear layers get
+  :class:`~autofp4.integrations.vllm.linear.AutoFP4ModelOptLinearMethod`, routed experts
+  :class:`~autofp4.integrations.vllm.moe.AutoFP4ModelOptMoEMethod`, attention vLLM's
+  ``ModelOptKVCacheMethod`` and excluded layers vLLM's unquantized methods.
+- **online** (a checkpoint without a quantization config; vLLM builds the config with no
+  arguments): linear and routed-expert weights are loaded in the model's dtype and quantized
+  to :attr:`AutoFP4Config.fmt` after loading. The MoE router (``GateLinear``, or a layer named
+  ``gate``, ``router`` or ``shared_expert_gate``), ``lm_head``, embeddings and attention stay
+  as vLLM has them. ``--hf-overrides '{"quantization_config": {"quant_method": "autofp4",
+  "format": "nvfp4", "ignore": ["*.o_proj"]}}'`` also picks the format and skips layers by glob.
+
+vLLM imports are function-local where they are heavy (the linear, MoE and ModelOpt modules are
+imported by the first :meth:`get_quant_method` or ModelOpt :meth:`from_config`).
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+from typing import Any, Optional
+
+import torch
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+from ...problem import FORMATS
+
+__all__ = ["AutoFP4Config", "CLAIM_ENV", "FORMAT_ENV", "is_modelopt_nvfp4"]
+
+#: ``AUTOFP4_VLLM_CLAIM=1``: run every ModelOpt NVFP4 checkpoint with autofp4 unless the user
+#: names another ``--quantization``
+CLAIM_ENV = "AUTOFP4_VLLM_CLAIM"
+#: ``AUTOFP4_VLLM_FORMAT=mxfp4|nvfp4``: the format of online quantization (default mxfp4)
+FORMAT_ENV = "AUTOFP4_VLLM_FORMAT"
+
+_MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4")
+_ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
+# layers of vision towers that ModelOpt exports leave unquantized without listing them
+_VISION_NAMES = ("vision_tower", "vision_model", "vit_large_projector")
+
+
+def _modelopt_algo(hf_quant_cfg: Any) -> Optional[str]:
+    """The upper-cased ModelOpt ``quant_algo`` of a checkpoint's quantization config, or None
+    if it is not a ModelOpt config."""
+    if not isinstance(hf_quant_cfg, dict):
+        return None
+    if not str(hf_quant_cfg.get("quant_method", "")).lower().startswith("modelopt"):
+        return None
+    section = hf_quant_cfg.get("quantization", hf_quant_cfg)
+    if not isinstance(section, dict):
+        return None
+    return str(section.get("quant_algo", "")).upper()
+
+
+def is_modelopt_nvfp4(hf_quant_cfg: Any) -> bool:
+    """Whether ``hf_quant_cfg`` (as vLLM reads it from ``config.json`` or
+    ``hf_quant_config.json``) is a ModelOpt NVFP4 (W4A4 or W4A16) checkpoint."""
+    return _modelopt_algo(hf_quant_cfg) in _MODELOPT_ALGOS
+
+
+def _claim_enabled() -> bool:
+    value = os.environ.get(CLAIM_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{CLAIM_ENV} must be 1 or 0, got {os.environ[CLAIM_ENV]!r}")
+
+
+def _format(fmt: Any, source: str) -> str:
+    if not isinstance(fmt, str) or fmt.strip().lower() not in FORMATS:
+        raise ValueError(f"autofp4: {source} must be one of {FORMATS}, got {fmt!r}")
+    return fmt.strip().lower()
+
+
+class AutoFP4Config(QuantizationConfig):
+    """vLLM quantization config ``autofp4`` (see the module docstring for the two modes).
+
+    ``fmt``: the format of online quantization (None: ``$AUTOFP4_VLLM_FORMAT``, default
+    ``"mxfp4"``); a checkpoint is always NVFP4. ``checkpoint``: vLLM's ``ModelOptNvFp4Config``
+    of a ModelOpt checkpoint, or None for online quantization. ``ignore``: glob patterns of
+    layer names that online quantization leaves in high precision.
+    """
+
+    NAME = "autofp4"
+
+    def __init__(self, fmt: Optional[str] = None, checkpoint: Any = None, ignore: Any = ()) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+        if checkpoint is not None:
+            self.fmt = "nvfp4"
+        elif fmt is None:
+            self.fmt = _format(os.environ.get(FORMAT_ENV) or "mxfp4", FORMAT_ENV)
+        else:
+            self.fmt = _format(fmt, "fmt")
+        if isinstance(ignore, str) or not all(isinstance(p, str) for p in ignore):
+            raise TypeError(f"autofp4: ignore must be a list of glob patterns (str), got {ignore!r}")
+        self.ignore = list(ignore)
+
+    def __repr__(self) -> str:
+        mode = f"ModelOpt {self.checkpoint.quant_method}" if self.checkpoint is not None else "online"
+        return f"AutoFP4Config({mode}, fmt={self.fmt!r})"
+
+    # -- what vLLM asks of a config ---------------------------------------------------------
+    def get_name(self) -> str:
+        return self.NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80  # bf16 activations; the fast kernels need sm_90, elsewhere the reference backend runs
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        # vLLM reads hf_quant_config.json into the model config itself; with no file to look
+        # for, a checkpoint without a quantization config builds AutoFP4Config() (online).
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "AutoFP4Config":
+        """A ModelOpt NVFP4 checkpoint's config, or ``{"quant_method": "autofp4", "format":
+        ..., "ignore": [...]}`` for online quantization."""
+        if str(config.get("quant_method", "")).lower() == cls.NAME:
+            unknown = sorted(set(config) - {"quant_method", "format", "ignore"})
+            if unknown:
+                raise ValueError(f"autofp4: unknown quantization_config keys {unknown} (known: format, ignore)")
+            fmt = config.get("format")
+            return cls(fmt=None if fmt is None else _format(fmt, "quantization_config format"),
+                       ignore=config.get("ignore", ()))
+        algo = _modelopt_algo(config)
+        if algo not in _MODELOPT_ALGOS:
+            raise ValueError(
+                f"autofp4 runs ModelOpt NVFP4 checkpoints (quant_algo {' or '.join(_MODELOPT_ALGOS)}) and "
+                f"unquantized ones; this checkpoint's quantization config is {config!r}"
+            )
+        from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+
+        checkpoint = ModelOptNvFp4Config.from_config(config)
+        if checkpoint.group_size != 16:
+            raise ValueError(f"autofp4: NVFP4 needs a group_size of 16, the checkpoint has {checkpoint.group_size}")
+        return cls(checkpoint=checkpoint)
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> Optional[str]:
+        """Claim a ModelOpt NVFP4 checkpoint when the user asks for ``--quantization autofp4``,
+        or, with ``AUTOFP4_VLLM_CLAIM=1``, when the user names no quantization method."""
+        if not is_modelopt_nvfp4(hf_quant_cfg):
+            return None
+        if user_quant == cls.NAME or (user_quant is None and _claim_enabled()):
+            return cls.NAME
+        return None
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        if self.checkpoint is not None:
+            self.checkpoint.apply_vllm_mapper(hf_to_vllm_mapper)
+        if self.ignore:
+            self.ignore = hf_to_vllm_mapper.apply_list(self.ignore)
+
+    # -- which method each layer gets --------------------------------------------------------
+    def _skipped(self, layer: torch.nn.Module, prefix: str) -> bool:
+        """Whether ``layer`` stays in high precision (or as vLLM runs it)."""
+        if self.checkpoint is not None:
+            self.checkpoint.packed_modules_mapping = self.packed_modules_mapping
+            return self.checkpoint.is_layer_excluded(prefix) or any(v in prefix for v in _VISION_NAMES)
+        from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+        if isinstance(layer, GateLinear) or prefix.rsplit(".", 1)[-1] in _ROUTER_NAMES:
+            return True
+        return any(fnmatch.fnmatchcase(prefix, p) for p in self.ignore)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
+        from vllm.model_executor.layers.attention import Attention, MLAAttention
+        from vllm.model_executor.layers.fused_moe import RoutedExperts
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+        if isinstance(layer, (Attention, MLAAttention)):
+            if self.checkpoint is None:
+                return None
+            from vllm.model_executor.layers.quantization.modelopt import ModelOptKVCacheMethod
+
+            return ModelOptKVCacheMethod(self.checkpoint)
+        if not isinstance(layer, (LinearBase, RoutedExperts, ParallelLMHead)):
+            return None
+        if self._skipped(layer, prefix):
+            return None if isinstance(layer, RoutedExperts) else UnquantizedLinearMethod()
+        if isinstance(layer, ParallelLMHead):
+            if self.checkpoint is None:
+                return None  # lm_head stays in the model's dtype
+            raise NotImplementedError(
+                f"autofp4: the checkpoint quantizes {prefix!r} (an lm_head), which autofp4 does not run; "
+                "serve it with --quantization modelopt_fp4"
+            )
+        if isinstance(layer, LinearBase):
+            from .linear import AutoFP4ModelOptLinearMethod, AutoFP4OnlineLinearMethod
+
+            if self.checkpoint is not None:
+                return AutoFP4ModelOptLinearMethod(self)
+            return AutoFP4OnlineLinearMethod(self)
+        from .moe import AutoFP4ModelOptMoEMethod, AutoFP4OnlineMoEMethod
+
+        if self.checkpoint is not None:
+            return AutoFP4ModelOptMoEMethod(self, layer.moe_config, prefix)
+        return AutoFP4OnlineMoEMethod(self, layer.moe_config, prefix)

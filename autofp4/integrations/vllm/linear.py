@@ -1,0 +1,111 @@
+"""vLLM linear methods that run :func:`autofp4.linear` (custom op ``autofp4::linear``).
+
+:class:`AutoFP4ModelOptLinearMethod` loads a ModelOpt NVFP4 layer (``weight`` uint8 [N, K/2],
+``weight_scale`` E4M3 [N, K/16], ``weight_scale_2`` one fp32 per fused part, ``input_scale``
+for W4A4 checkpoints); the parts of a merged layer (q/k/v, gate/up) that carry different
+``weight_scale_2`` are brought to their largest one by :func:`autofp4.loaders.fuse_modelopt`,
+which re-rounds the other parts' block scales (its docstring gives the error bound). W4A4
+checkpoints run W4A16: the activations stay bf16/fp16 and ``input_scale`` (the largest of the
+parts') is kept on the weight as ``FP4Weight.input_scale``.
+
+:class:`AutoFP4OnlineLinearMethod` loads the weight in the model's dtype and quantizes it with
+:func:`autofp4.quantize` after loading.
+
+Both keep per-rank shapes: under tensor parallelism each rank's FP4Weight is its own shard
+``[N/tp, K]`` or ``[N, K/tp]``, and the dispatcher picks kernels for those shapes.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
+from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
+
+from ...loaders import from_modelopt, fuse_modelopt
+from ...ops import linear
+from ...weights import quantize
+from ._layer import add_param, check_divisible, check_loaded, fp4_weight, install, tensors
+
+__all__ = ["AutoFP4ModelOptLinearMethod", "AutoFP4OnlineLinearMethod", "run_linear"]
+
+
+def run_linear(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x @ W^T + bias`` with the layer's FP4 weight."""
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    if torch.compiler.is_compiling():
+        data, scale, gs = tensors(layer, "")
+        return torch.ops.autofp4.linear(x, data, scale, gs, bias, layer.autofp4_fmt)
+    return linear(x, fp4_weight(layer, ""), bias)
+
+
+class _FP4LinearMethod(LinearMethodBase):
+    def __init__(self, quant_config) -> None:
+        super().__init__()
+        self.quant_config = quant_config
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return run_linear(layer, x, bias)
+
+
+@register_weight_loader_v2_supported_method
+class AutoFP4ModelOptLinearMethod(_FP4LinearMethod):
+    """A ModelOpt NVFP4 linear layer run by :func:`autofp4.linear` (W4A16)."""
+
+    def __init__(self, quant_config) -> None:
+        super().__init__(quant_config)
+        self.w4a4 = quant_config.checkpoint.quant_method == "NVFP4"
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, **extra_weight_attrs):
+        k, n, parts = input_size_per_partition, sum(output_partition_sizes), len(output_partition_sizes)
+        check_divisible(k, "nvfp4", "the input size per partition", getattr(layer, "prefix", ""))
+        wl = extra_weight_attrs["weight_loader"]
+        layer.logical_widths = list(output_partition_sizes)
+        add_param(layer, "weight", ModelWeightParameter(
+            data=torch.empty(n, k // 2, dtype=torch.uint8), input_dim=1, output_dim=0, weight_loader=wl))
+        add_param(layer, "weight_scale", ModelWeightParameter(
+            data=torch.empty(n, k // 16, dtype=torch.float8_e4m3fn), input_dim=1, output_dim=0, weight_loader=wl),
+            fill=float("nan"), dummy=1.0)
+        add_param(layer, "weight_scale_2", PerTensorScaleParameter(
+            data=torch.empty(parts, dtype=torch.float32), weight_loader=wl), fill=float("nan"), dummy=1e-3)
+        if self.w4a4:
+            add_param(layer, "input_scale", PerTensorScaleParameter(
+                data=torch.empty(parts, dtype=torch.float32), weight_loader=wl), fill=float("nan"), dummy=1e-2)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        prefix = getattr(layer, "prefix", "")
+        names = ["weight_scale", "weight_scale_2"] + (["input_scale"] if self.w4a4 else [])
+        check_loaded(layer, names, prefix)
+        weight, scale, s2 = layer.weight.data, layer.weight_scale.data, layer.weight_scale_2.data
+        ins = layer.input_scale.data.max() if self.w4a4 else None
+        if bool((s2 == s2[0]).all()):
+            w = from_modelopt(weight, scale, s2[0], ins)  # no copy
+        else:
+            bounds, start = [], 0
+            for width in layer.logical_widths:
+                bounds.append((start, start + width))
+                start += width
+            w = fuse_modelopt([(weight[a:b], scale[a:b], s2[i]) for i, (a, b) in enumerate(bounds)], ins)
+        install(layer, "", w, ["weight", "weight_scale", "weight_scale_2", "input_scale"])
+
+
+@register_weight_loader_v2_supported_method
+class AutoFP4OnlineLinearMethod(_FP4LinearMethod):
+    """A linear layer loaded in high precision and quantized to MXFP4 or NVFP4 after loading."""
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, **extra_weight_attrs):
+        fmt = self.quant_config.fmt
+        check_divisible(input_size_per_partition, fmt, "the input size per partition", getattr(layer, "prefix", ""))
+        attrs = dict(extra_weight_attrs)
+        wl = attrs.pop("weight_loader")
+        layer.logical_widths = list(output_partition_sizes)
+        add_param(layer, "weight", ModelWeightParameter(
+            data=torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            input_dim=1, output_dim=0, weight_loader=wl), attrs)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        w = quantize(layer.weight.data, self.quant_config.fmt)
+        install(layer, "", w, ["weight"])

@@ -1,0 +1,409 @@
+"""The vLLM plugin (autofp4.integrations.vllm) with vLLM's own classes, on the CPU.
+
+vLLM's layers, its ModelOpt config parser, its model config and its model loader are the real
+ones; on the CPU autofp4's ops run the reference backend. A ModelOpt NVFP4 checkpoint (dense
+linears with q/k/v parts at different global scales, MoE experts whose gate and up scales
+differ) and a bf16 checkpoint are written here as safetensors and loaded through vLLM's
+``get_model``. Skipped when vLLM (its Python package) cannot be imported.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import weakref
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM cannot infer a device otherwise
+
+try:
+    from vllm.config import LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import (cleanup_dist_env_and_memory, init_distributed_environment,
+                                  initialize_model_parallel)
+    from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+    from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.quantization import get_quantization_config
+except Exception as e:  # vLLM absent, or its Python package does not import here
+    pytest.skip(f"vLLM does not import: {type(e).__name__}: {e}", allow_module_level=True)
+
+import autofp4
+from autofp4.backends.reference import reference_moe
+from autofp4.integrations.vllm import register
+from autofp4.integrations.vllm.config import AutoFP4Config
+from autofp4.loaders import from_modelopt, fuse_modelopt
+
+register()
+
+H, I, E, TOP_K, NH, NKV, HD, V = 64, 32, 4, 2, 4, 2, 16, 256
+BF16 = torch.bfloat16
+MODELOPT_JSON = {"producer": {"name": "modelopt", "version": "0.29.0"},
+                 "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                                  "exclude_modules": ["lm_head", "*.mlp.gate"]}}
+MODELOPT_IN_CONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                      "ignore": ["lm_head", "*.mlp.gate"]}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_world():
+    """vLLM's tensor-parallel group of one rank (gloo), as its own CPU tests set it up."""
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tempfile.mktemp()}")
+        initialize_model_parallel(1, 1)
+        yield
+    cleanup_dist_env_and_memory()
+
+
+@pytest.fixture(autouse=True)
+def fresh_vllm_config():
+    """Each test builds its layers under a config of its own (vLLM refuses a layer name twice)."""
+    with set_current_vllm_config(VllmConfig()):
+        yield
+
+
+def _config(path, arch: str = "Qwen3MoeForCausalLM") -> None:
+    cfg = {"architectures": [arch], "model_type": "qwen3_moe" if "Moe" in arch else "llama", "hidden_size": H,
+           "intermediate_size": 2 * H, "moe_intermediate_size": I, "num_experts": E, "num_experts_per_tok": TOP_K,
+           "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_attention_heads": NH,
+           "num_key_value_heads": NKV, "head_dim": HD, "num_hidden_layers": 1, "vocab_size": V,
+           "max_position_embeddings": 128, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6}
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _modelopt_dir(tmp_path, in_config: bool = False):
+    """A one-layer Qwen3-MoE ModelOpt NVFP4 checkpoint; returns (dir, {name: FP4Weight})."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    sd, parts = {}, {}
+
+    def fp4(name, shape, scale):
+        w = autofp4.quantize(torch.randn(shape, dtype=BF16) * scale, "nvfp4")
+        parts[name] = w
+        sd.update({f"{name}.weight": w.data, f"{name}.weight_scale": w.scale,
+                   f"{name}.weight_scale_2": w.global_scale.reshape(()), f"{name}.input_scale": torch.tensor(0.01 * scale)})
+
+    p = "model.layers.0."
+    for proj, n, scale in (("q", NH, 1.0), ("k", NKV, 4.0), ("v", NKV, 0.5)):  # three different weight_scale_2
+        fp4(f"{p}self_attn.{proj}_proj", (n * HD, H), scale)
+    fp4(f"{p}self_attn.o_proj", (H, NH * HD), 1.0)
+    for e in range(E):  # gate and up scales differ for every expert
+        for proj, shape, scale in (("gate", (I, H), 1.0 + e), ("up", (I, H), 2.0), ("down", (H, I), 1.0)):
+            fp4(f"{p}mlp.experts.{e}.{proj}_proj", shape, scale)
+    sd.update(_dense_rest())
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
+    _config(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    if in_config:
+        cfg["quantization_config"] = MODELOPT_IN_CONFIG
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+    else:
+        (tmp_path / "hf_quant_config.json").write_text(json.dumps(MODELOPT_JSON))
+    return tmp_path, parts
+
+
+def _dense_rest() -> dict[str, torch.Tensor]:
+    p = "model.layers.0."
+    return {"model.embed_tokens.weight": torch.randn(V, H, dtype=BF16), "lm_head.weight": torch.randn(V, H, dtype=BF16),
+            "model.norm.weight": torch.ones(H, dtype=BF16), f"{p}input_layernorm.weight": torch.ones(H, dtype=BF16),
+            f"{p}post_attention_layernorm.weight": torch.ones(H, dtype=BF16),
+            f"{p}self_attn.q_norm.weight": torch.ones(HD, dtype=BF16),
+            f"{p}self_attn.k_norm.weight": torch.ones(HD, dtype=BF16), f"{p}mlp.gate.weight": torch.randn(E, H, dtype=BF16)}
+
+
+def _bf16_dir(tmp_path):
+    """The same model unquantized; returns (dir, state dict)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    p = "model.layers.0."
+    sd = _dense_rest()
+    for proj, n in (("q", NH), ("k", NKV), ("v", NKV)):
+        sd[f"{p}self_attn.{proj}_proj.weight"] = torch.randn(n * HD, H, dtype=BF16)
+    sd[f"{p}self_attn.o_proj.weight"] = torch.randn(H, NH * HD, dtype=BF16)
+    for e in range(E):
+        for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            sd[f"{p}mlp.experts.{e}.{proj}_proj.weight"] = torch.randn(shape, dtype=BF16)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    _config(tmp_path)
+    return tmp_path, sd
+
+
+def _model_config(path, quantization=None, **kw) -> ModelConfig:
+    return ModelConfig(model=str(path), quantization=quantization, skip_tokenizer_init=True, dtype="bfloat16", **kw)
+
+
+def _load(path, quantization, monkeypatch, load_format="auto", **kw):
+    """vLLM's get_model on the checkpoint at ``path``."""
+    from vllm.model_executor.model_loader import get_model
+
+    # the loader empties the accelerator's cache; a CPU build of torch has no accelerator
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    vc = VllmConfig(model_config=_model_config(path, quantization, **kw), load_config=LoadConfig(load_format=load_format))
+    with set_current_vllm_config(vc):
+        return vc, get_model(vllm_config=vc)
+
+
+def _stack(parts, name, proj) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ws = [parts[f"model.layers.0.mlp.experts.{e}.{proj}_proj"] for e in range(E)]
+    return (torch.stack([w.data for w in ws]), torch.stack([w.scale for w in ws]),
+            torch.stack([w.global_scale for w in ws]))
+
+
+# -- registration and claiming ----------------------------------------------------------------
+def test_the_entry_point_registers_the_config():
+    from importlib.metadata import PackageNotFoundError, distribution, entry_points
+
+    try:
+        distribution("autofp4")
+    except PackageNotFoundError:
+        pytest.skip("autofp4 is not installed (pip install -e .), so it has no entry points")
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "autofp4"]
+    assert [ep.value for ep in eps] == ["autofp4.integrations.vllm:register"]
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # vLLM's own plugin loading, as each of its processes runs it
+    register()  # idempotent
+    assert get_quantization_config("autofp4") is AutoFP4Config
+
+
+@pytest.mark.parametrize("in_config", [False, True], ids=["hf_quant_config.json", "config.json"])
+def test_a_modelopt_nvfp4_checkpoint_is_claimed_only_when_asked(tmp_path, monkeypatch, in_config):
+    path, _ = _modelopt_dir(tmp_path, in_config)
+    monkeypatch.delenv("AUTOFP4_VLLM_CLAIM", raising=False)
+    assert _model_config(path, "autofp4").quantization == "autofp4"
+    assert _model_config(path).quantization == "modelopt_fp4"  # not claimed without the opt-in
+    monkeypatch.setenv("AUTOFP4_VLLM_CLAIM", "1")
+    assert _model_config(path).quantization == "autofp4"
+    assert _model_config(path, "modelopt_fp4").quantization == "modelopt_fp4"  # an explicit choice stands
+
+
+def test_other_checkpoints_are_not_claimed(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOFP4_VLLM_CLAIM", "1")
+    fp8 = {"quant_method": "modelopt", "quant_algo": "FP8"}
+    assert AutoFP4Config.override_quantization_method(fp8, "autofp4") is None
+    assert AutoFP4Config.override_quantization_method({"quant_method": "compressed-tensors"}, None) is None
+    path, _ = _bf16_dir(tmp_path)
+    assert _model_config(path).quantization is None
+
+
+# -- pre-quantized ModelOpt NVFP4 ---------------------------------------------------------------
+def test_a_modelopt_checkpoint_loads_into_autofp4_methods(tmp_path, monkeypatch):
+    path, parts = _modelopt_dir(tmp_path)
+    vc, model = _load(path, "autofp4", monkeypatch)
+    assert isinstance(vc.quant_config, AutoFP4Config) and vc.quant_config.checkpoint is not None
+    layer = model.model.layers[0]
+    methods = {n: type(m.quant_method).__name__ for n, m in model.named_modules() if hasattr(m, "quant_method")}
+    assert methods == {
+        "model.embed_tokens": "UnquantizedEmbeddingMethod",
+        "model.layers.0.self_attn.qkv_proj": "AutoFP4ModelOptLinearMethod",
+        "model.layers.0.self_attn.o_proj": "AutoFP4ModelOptLinearMethod",
+        "model.layers.0.self_attn.attn": "ModelOptKVCacheMethod",  # vLLM's own
+        "model.layers.0.mlp.gate": "UnquantizedLinearMethod",  # excluded by the checkpoint
+        "model.layers.0.mlp.experts.routed_experts": "AutoFP4ModelOptMoEMethod",
+        "lm_head": "UnquantizedLinearMethod",
+    }
+    x = torch.randn(5, H, dtype=BF16)
+
+    # qkv: three parts at different global scales, folded to the largest
+    qkv = layer.self_attn.qkv_proj
+    names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    folded = fuse_modelopt([(parts[n].data, parts[n].scale, parts[n].global_scale) for n in names])
+    assert len({parts[n].global_scale.item() for n in names}) == 3
+    assert torch.equal(qkv.quant_method.apply(qkv, x), autofp4.linear(x, folded))
+    assert [n for n, _ in qkv.named_parameters()] == []  # the loaded parameters are gone
+    assert qkv.weight.numel() == 0
+    assert qkv.autofp4_input_scale.item() == pytest.approx(0.04)  # W4A4's input scale kept (max of the parts)
+
+    # o_proj: one part, the stored tensors used as they are
+    o = layer.self_attn.o_proj
+    w = parts["model.layers.0.self_attn.o_proj"]
+    assert torch.equal(o.quant_method.apply(o, x), autofp4.linear(x, from_modelopt(w.data, w.scale, w.global_scale)))
+
+    # experts: gate and up at different global scales per expert
+    ex = layer.mlp.experts.routed_experts
+    w13 = fuse_modelopt([_stack(parts, "w13", "gate"), _stack(parts, "w13", "up")])
+    w2 = from_modelopt(*_stack(parts, "w2", "down"))
+    tw, ti = autofp4.route(torch.randn(5, E), TOP_K)
+    assert torch.equal(ex.quant_method.apply(ex, x, tw, ti, None, None), reference_moe(x, w13, w2, tw, ti, "silu"))
+    assert [n for n, _ in ex.named_parameters()] == []
+    assert ex.autofp4_w13_packed.shape == (E, 2 * I, H // 2) and ex.w13_weight.numel() == 0
+
+
+def _qkv(quant_config, bias=True) -> QKVParallelLinear:
+    return QKVParallelLinear(H, HD, NH, NKV, bias=bias, params_dtype=BF16, quant_config=quant_config,
+                             prefix="model.layers.0.self_attn.qkv_proj")
+
+
+@pytest.mark.parametrize("same_scale", [False, True], ids=["scales-differ", "scales-equal"])
+def test_modelopt_qkv_layer_folds_the_scales_adds_the_bias_and_frees_the_originals(same_scale):
+    qc = AutoFP4Config.from_config(MODELOPT_IN_CONFIG)
+    layer = _qkv(qc)
+    torch.manual_seed(2)
+    parts = []
+    for shard, n, scale in (("q", NH, 1.0), ("k", NKV, 3.0), ("v", NKV, 0.25)):
+        w = autofp4.quantize(torch.randn(n * HD, H, dtype=BF16) * (1.0 if same_scale else scale), "nvfp4")
+        parts.append(w)
+        for param, t in ((layer.weight, w.data), (layer.weight_scale, w.scale), (layer.weight_scale_2, w.global_scale),
+                         (layer.input_scale, torch.tensor(0.1))):
+            layer.weight_loader_v2(param, t, shard)
+    if same_scale:  # quantize gives each part its own amax: give them one global scale
+        for i in range(3):
+            layer.weight_scale_2.data[i] = parts[0].global_scale
+        parts = [autofp4.FP4Weight("nvfp4", p.data, p.scale, parts[0].global_scale) for p in parts]
+    bias = torch.randn(layer.bias.shape, dtype=BF16)
+    layer.bias.data.copy_(bias)
+    originals = [weakref.ref(layer.weight), weakref.ref(layer.weight_scale)]
+    packed_ptr = layer.weight.data_ptr()
+    layer.quant_method.process_weights_after_loading(layer)
+    gc.collect()
+    assert all(r() is None for r in originals)  # freed
+    assert [n for n, _ in layer.named_parameters()] == ["bias"]
+    assert (layer.autofp4_packed.data_ptr() == packed_ptr) == same_scale  # equal scales: no copy
+    x = torch.randn(3, 2, H, dtype=BF16)
+    want = autofp4.linear(x, fuse_modelopt([(p.data, p.scale, p.global_scale) for p in parts]), bias)
+    out, _ = layer(x)
+    assert torch.equal(out, want)
+
+
+def test_modelopt_w4a16_checkpoint_has_no_input_scale_and_unloaded_scales_are_caught():
+    qc = AutoFP4Config.from_config(dict(MODELOPT_IN_CONFIG, quant_algo="W4A16_NVFP4"))
+    layer = RowParallelLinear(H, H, bias=False, params_dtype=BF16, quant_config=qc, prefix="model.layers.0.mlp.down_proj")
+    assert not hasattr(layer, "input_scale")
+    w = autofp4.quantize(torch.randn(H, H, dtype=BF16), "nvfp4")
+    layer.weight_loader_v2(layer.weight, w.data)
+    layer.weight_loader_v2(layer.weight_scale_2, w.global_scale)
+    with pytest.raises(RuntimeError, match="weight_scale was never loaded"):
+        layer.quant_method.process_weights_after_loading(layer)
+    layer.weight_loader_v2(layer.weight_scale, w.scale)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(4, H, dtype=BF16)
+    assert torch.equal(layer(x)[0], autofp4.linear(x, w))
+
+
+def _experts(quant_config, activation="silu"):
+    runner = FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I, params_dtype=BF16,
+                             quant_config=quant_config, prefix="model.layers.0.mlp.experts", activation=activation)
+    return runner.routed_experts
+
+
+def test_modelopt_experts_layer_matches_the_reference_moe():
+    ex = _experts(AutoFP4Config.from_config(MODELOPT_IN_CONFIG))
+    torch.manual_seed(3)
+    ws = {}
+    prefix = "model.layers.0.mlp.experts.routed_experts."
+    for e in range(E):
+        for proj, shard, stem, shape, scale in (("gate", "w1", "w13_", (I, H), 1.0), ("up", "w3", "w13_", (I, H), 5.0),
+                                                ("down", "w2", "w2_", (H, I), 1.0)):
+            w = ws[(e, proj)] = autofp4.quantize(torch.randn(shape, dtype=BF16) * scale * (e + 1), "nvfp4")
+            for suffix, t in (("weight", w.data), ("weight_scale", w.scale), ("weight_scale_2", w.global_scale),
+                              ("input_scale", torch.tensor(0.1 + e + (shard == "w3")))):
+                ex.weight_loader(getattr(ex, stem + suffix), t, prefix + stem + suffix, shard, e)
+    originals = [weakref.ref(ex.w13_weight), weakref.ref(ex.w13_weight_scale)]
+    ex.quant_method.process_weights_after_loading(ex)
+    gc.collect()
+    assert all(r() is None for r in originals) and [n for n, _ in ex.named_parameters()] == []
+    assert torch.equal(ex.autofp4_w13_input_scale, torch.tensor([1.1, 2.1, 3.1, 4.1]))  # max of gate's and up's
+
+    def stack(proj):
+        return (torch.stack([ws[(e, proj)].data for e in range(E)]), torch.stack([ws[(e, proj)].scale for e in range(E)]),
+                torch.stack([ws[(e, proj)].global_scale for e in range(E)]))
+
+    w13, w2 = fuse_modelopt([stack("gate"), stack("up")]), from_modelopt(*stack("down"))
+    x = torch.randn(6, H, dtype=BF16)
+    tw, ti = autofp4.route(torch.randn(6, E), TOP_K)
+    assert torch.equal(ex.quant_method.apply(ex, x, tw, ti, None, None), reference_moe(x, w13, w2, tw, ti, "silu"))
+    # under torch.compile the method calls the custom op on the layer's buffers
+    compiled = torch.compile(lambda x: ex.quant_method.apply(ex, x, tw, ti, None, None), backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), reference_moe(x, w13, w2, tw, ti, "silu"))
+
+
+# -- online quantization ----------------------------------------------------------------------------
+def test_a_dummy_load_of_a_modelopt_checkpoint_gives_valid_fp4_weights(tmp_path, monkeypatch):
+    path, _ = _modelopt_dir(tmp_path)
+    _, model = _load(path, "autofp4", monkeypatch, load_format="dummy")  # random bytes, fixed scales
+    layer = model.model.layers[0]
+    x = torch.randn(2, H, dtype=BF16)
+    assert torch.isfinite(layer.self_attn.qkv_proj.quant_method.apply(layer.self_attn.qkv_proj, x)).all()
+    assert torch.equal(layer.mlp.experts.routed_experts.autofp4_w13_global_scale, torch.full((E,), 1e-3))
+
+
+@pytest.mark.parametrize("how", ["mxfp4", "nvfp4", "hf-overrides"])
+def test_online_quantization_of_a_bf16_checkpoint(tmp_path, monkeypatch, how):
+    path, sd = _bf16_dir(tmp_path)
+    monkeypatch.delenv("AUTOFP4_VLLM_FORMAT", raising=False)  # the default is MXFP4
+    kw, fmt = {}, "nvfp4" if how != "mxfp4" else "mxfp4"
+    if how == "nvfp4":
+        monkeypatch.setenv("AUTOFP4_VLLM_FORMAT", "nvfp4")
+    elif how == "hf-overrides":  # --hf-overrides '{"quantization_config": {...}}'
+        kw["hf_overrides"] = {"quantization_config": {"quant_method": "autofp4", "format": "nvfp4",
+                                                      "ignore": ["*.o_proj"]}}
+    vc, model = _load(path, "autofp4", monkeypatch, **kw)
+    assert vc.quant_config.checkpoint is None and vc.quant_config.fmt == fmt
+    layer = model.model.layers[0]
+    o_method = type(layer.self_attn.o_proj.quant_method).__name__
+    assert o_method == ("UnquantizedLinearMethod" if how == "hf-overrides" else "AutoFP4OnlineLinearMethod")
+    assert type(layer.mlp.gate.quant_method).__name__ == "UnquantizedLinearMethod"  # the router stays bf16
+    assert type(model.lm_head.quant_method).__name__ == "UnquantizedEmbeddingMethod"
+    p = "model.layers.0."
+
+    qkv = layer.self_attn.qkv_proj
+    want = autofp4.quantize(torch.cat([sd[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]), fmt)
+    assert torch.equal(qkv.autofp4_packed, want.data)
+    assert torch.equal(qkv.autofp4_scale.view(torch.uint8), want.scale.view(torch.uint8))
+    assert [n for n, _ in qkv.named_parameters()] == []
+    x = torch.randn(5, H, dtype=BF16)
+    assert torch.equal(qkv.quant_method.apply(qkv, x), autofp4.linear(x, want))
+    compiled = torch.compile(lambda x: qkv.quant_method.apply(qkv, x), backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), autofp4.linear(x, want))
+
+    ex = layer.mlp.experts.routed_experts
+
+    def stacked(*projs):
+        return torch.stack([torch.cat([sd[f"{p}mlp.experts.{e}.{q}_proj.weight"] for q in projs]) for e in range(E)])
+
+    w13, w2 = autofp4.quantize(stacked("gate", "up"), fmt), autofp4.quantize(stacked("down"), fmt)
+    assert torch.equal(ex.autofp4_w13_packed, w13.data) and torch.equal(ex.autofp4_w2_packed, w2.data)
+    assert [n for n, _ in ex.named_parameters()] == []
+    tw, ti = autofp4.route(torch.randn(5, E), TOP_K)
+    assert torch.equal(ex.quant_method.apply(ex, x, tw, ti, None, None), reference_moe(x, w13, w2, tw, ti, "silu"))
+
+
+def test_online_quantization_checks_the_sizes_and_the_activation():
+    mx = AutoFP4Config(fmt="mxfp4")
+    with pytest.raises(ValueError, match=r"MXFP4 requires the input size per partition \(48\) to be divisible by 32"):
+        RowParallelLinear(48, H, bias=False, params_dtype=BF16, quant_config=mx, prefix="model.layers.0.o_proj")
+    RowParallelLinear(48, H, bias=False, params_dtype=BF16, quant_config=AutoFP4Config(fmt="nvfp4"), prefix="o")
+    with pytest.raises(ValueError, match="MoE activation 'gelu'"):
+        _experts(mx, activation="gelu")
+    with pytest.raises(ValueError, match="must be one of"):
+        AutoFP4Config(fmt="fp8")
+    assert AutoFP4Config.from_config({"quant_method": "autofp4", "format": "nvfp4"}).fmt == "nvfp4"
+
+
+def test_online_swigluoai_experts_are_deinterleaved():
+    ex = _experts(AutoFP4Config(fmt="mxfp4"), activation="swigluoai")
+    torch.manual_seed(4)
+    w13 = torch.randn(E, 2 * I, H, dtype=BF16)  # rows g0, u0, g1, u1, ... as gpt-oss stores them
+    ex.w13_weight.data.copy_(w13)
+    ex.w2_weight.data.copy_(torch.randn(E, H, I, dtype=BF16))
+    w2 = autofp4.quantize(ex.w2_weight.data.clone(), "mxfp4")
+    ex.quant_method.process_weights_after_loading(ex)
+    packed = autofp4.quantize(torch.cat([w13[:, 0::2], w13[:, 1::2]], dim=1), "mxfp4")
+    assert torch.equal(ex.autofp4_w13_packed, packed.data)
+    x = torch.randn(4, H, dtype=BF16)
+    tw, ti = autofp4.route(torch.randn(4, E), TOP_K)
+    want = reference_moe(x, packed, w2, tw, ti, "swigluoai")
+    assert torch.equal(ex.quant_method.apply(ex, x, tw, ti, None, None), want)
+
+
+def test_importing_autofp4_never_imports_vllm():
+    code = ("import sys, autofp4, autofp4.integrations.vllm; "
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'vllm'], 'vllm imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
