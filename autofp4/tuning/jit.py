@@ -69,7 +69,7 @@ def _settings(mode: str, budget_s: float | None, ops: Iterable[str], backends: S
     return dict(mode=mode, budget_s=budget_s, ops=ops, backends=specs, duty=duty)
 
 
-class _Session:
+class _Scope:
     """One activation (settings of :func:`_settings`): the jobs met so far, one worker per
     (device, DB)."""
 
@@ -153,17 +153,17 @@ class _Session:
         self.monitor.close()
 
 
-_STACK: list[_Session] = []
+_STACK: list[_Scope] = []
 _STACK_LOCK = threading.Lock()
 
 
-def _push(s: _Session) -> None:
+def _push(s: _Scope) -> None:
     with _STACK_LOCK:
         _STACK.append(s)
         dispatch.set_miss_hook(s.on_miss)
 
 
-def _pop(s: _Session) -> None:
+def _pop(s: _Scope) -> None:
     with _STACK_LOCK:
         if s in _STACK:
             _STACK.remove(s)
@@ -180,7 +180,7 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def active() -> _Session | None:
+def active() -> _Scope | None:
     """The autotuning in effect (the innermost), or None."""
     return _STACK[-1] if _STACK else None
 
@@ -209,15 +209,15 @@ class autotune:
     def __init__(self, mode: str = "blocking", budget_s: float | None = None, ops: Iterable[str] = OPS,
                  backends: Sequence[str] | None = None, duty: float | None = None) -> None:
         self.settings = _settings(mode, budget_s, ops, backends, duty)
-        self._session: _Session | None = None
+        self._scope: _Scope | None = None
 
     def __enter__(self) -> "autotune":
-        self._session = _Session(**self.settings)
-        _push(self._session)
+        self._scope = _Scope(**self.settings)
+        _push(self._scope)
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        s, self._session = self._session, None
+        s, self._scope = self._scope, None
         if s is None:
             return
         try:
@@ -256,7 +256,7 @@ def from_env() -> None:
     ops_text = os.environ.get("AUTOFP4_AUTOTUNE_OPS")
     ops = OPS if ops_text is None else tuple(o.strip() for o in ops_text.split(",") if o.strip())
     try:
-        s = _Session(**_settings(mode, _env_float("AUTOFP4_AUTOTUNE_BUDGET_S"), ops, None,
+        s = _Scope(**_settings(mode, _env_float("AUTOFP4_AUTOTUNE_BUDGET_S"), ops, None,
                                  _env_float("AUTOFP4_AUTOTUNE_DUTY")))
     except ValueError as e:
         warnings.warn(f"autofp4: AUTOFP4_AUTOTUNE={mode!r} ignored: {e}", RuntimeWarning, stacklevel=2)
