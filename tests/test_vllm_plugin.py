@@ -9,36 +9,51 @@ differ) and a bf16 checkpoint are written here as safetensors and loaded through
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import types
 import weakref
 
 import pytest
 import torch
 
+import autofp4
+from autofp4.backends.reference import reference_moe
+from autofp4.loaders import from_modelopt, fuse_modelopt
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed", allow_module_level=True)
 if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM cannot infer a device otherwise
 
-try:
+# vLLM (and the plugin, which imports it) is imported when these tests start, not when pytest
+# collects them: importing vLLM patches parts of torch's compiler, which the tests of other
+# files should not run under.
+vl = types.SimpleNamespace()
+
+
+def _import_vllm() -> None:
     from vllm.config import LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import (cleanup_dist_env_and_memory, init_distributed_environment,
-                                  initialize_model_parallel)
+    from vllm.distributed import cleanup_dist_env_and_memory, init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.layers.fused_moe import FusedMoEFactory
     from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
     from vllm.model_executor.layers.quantization import get_quantization_config
-except Exception as e:  # vLLM absent, or its Python package does not import here
-    pytest.skip(f"vLLM does not import: {type(e).__name__}: {e}", allow_module_level=True)
 
-import autofp4
-from autofp4.backends.reference import reference_moe
-from autofp4.integrations.vllm import register
-from autofp4.integrations.vllm.config import AutoFP4Config
-from autofp4.loaders import from_modelopt, fuse_modelopt
+    from autofp4.integrations.vllm import register
+    from autofp4.integrations.vllm.config import AutoFP4Config
 
-register()
+    vl.__dict__.update(
+        LoadConfig=LoadConfig, ModelConfig=ModelConfig, VllmConfig=VllmConfig,
+        set_current_vllm_config=set_current_vllm_config, cleanup_dist_env_and_memory=cleanup_dist_env_and_memory,
+        init_distributed_environment=init_distributed_environment, initialize_model_parallel=initialize_model_parallel,
+        FusedMoEFactory=FusedMoEFactory, QKVParallelLinear=QKVParallelLinear, RowParallelLinear=RowParallelLinear,
+        get_quantization_config=get_quantization_config, register=register, AutoFP4Config=AutoFP4Config)
+    register()
+
 
 H, I, E, TOP_K, NH, NKV, HD, V = 64, 32, 4, 2, 4, 2, 16, 256
 BF16 = torch.bfloat16
@@ -51,19 +66,23 @@ MODELOPT_IN_CONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_
 
 @pytest.fixture(scope="module", autouse=True)
 def vllm_world():
-    """vLLM's tensor-parallel group of one rank (gloo), as its own CPU tests set it up."""
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tempfile.mktemp()}")
-        initialize_model_parallel(1, 1)
+    """vLLM imported, and its tensor-parallel group of one rank (gloo), as its own CPU tests set it up."""
+    try:
+        _import_vllm()
+    except Exception as e:  # vLLM's Python package does not import here
+        pytest.skip(f"vLLM does not import: {type(e).__name__}: {e}")
+    with vl.set_current_vllm_config(vl.VllmConfig()):
+        vl.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                       distributed_init_method=f"file://{tempfile.mktemp()}")
+        vl.initialize_model_parallel(1, 1)
         yield
-    cleanup_dist_env_and_memory()
+    vl.cleanup_dist_env_and_memory()
 
 
 @pytest.fixture(autouse=True)
-def fresh_vllm_config():
+def fresh_vllm_config(vllm_world):
     """Each test builds its layers under a config of its own (vLLM refuses a layer name twice)."""
-    with set_current_vllm_config(VllmConfig()):
+    with vl.set_current_vllm_config(vl.VllmConfig()):
         yield
 
 
@@ -135,8 +154,8 @@ def _bf16_dir(tmp_path):
     return tmp_path, sd
 
 
-def _model_config(path, quantization=None, **kw) -> ModelConfig:
-    return ModelConfig(model=str(path), quantization=quantization, skip_tokenizer_init=True, dtype="bfloat16", **kw)
+def _model_config(path, quantization=None, **kw):
+    return vl.ModelConfig(model=str(path), quantization=quantization, skip_tokenizer_init=True, dtype="bfloat16", **kw)
 
 
 def _load(path, quantization, monkeypatch, load_format="auto", **kw):
@@ -145,8 +164,8 @@ def _load(path, quantization, monkeypatch, load_format="auto", **kw):
 
     # the loader empties the accelerator's cache; a CPU build of torch has no accelerator
     monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
-    vc = VllmConfig(model_config=_model_config(path, quantization, **kw), load_config=LoadConfig(load_format=load_format))
-    with set_current_vllm_config(vc):
+    vc = vl.VllmConfig(model_config=_model_config(path, quantization, **kw), load_config=vl.LoadConfig(load_format=load_format))
+    with vl.set_current_vllm_config(vc):
         return vc, get_model(vllm_config=vc)
 
 
@@ -169,8 +188,8 @@ def test_the_entry_point_registers_the_config():
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # vLLM's own plugin loading, as each of its processes runs it
-    register()  # idempotent
-    assert get_quantization_config("autofp4") is AutoFP4Config
+    vl.register()  # idempotent
+    assert vl.get_quantization_config("autofp4") is vl.AutoFP4Config
 
 
 @pytest.mark.parametrize("in_config", [False, True], ids=["hf_quant_config.json", "config.json"])
@@ -187,8 +206,8 @@ def test_a_modelopt_nvfp4_checkpoint_is_claimed_only_when_asked(tmp_path, monkey
 def test_other_checkpoints_are_not_claimed(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOFP4_VLLM_CLAIM", "1")
     fp8 = {"quant_method": "modelopt", "quant_algo": "FP8"}
-    assert AutoFP4Config.override_quantization_method(fp8, "autofp4") is None
-    assert AutoFP4Config.override_quantization_method({"quant_method": "compressed-tensors"}, None) is None
+    assert vl.AutoFP4Config.override_quantization_method(fp8, "autofp4") is None
+    assert vl.AutoFP4Config.override_quantization_method({"quant_method": "compressed-tensors"}, None) is None
     path, _ = _bf16_dir(tmp_path)
     assert _model_config(path).quantization is None
 
@@ -197,7 +216,7 @@ def test_other_checkpoints_are_not_claimed(tmp_path, monkeypatch):
 def test_a_modelopt_checkpoint_loads_into_autofp4_methods(tmp_path, monkeypatch):
     path, parts = _modelopt_dir(tmp_path)
     vc, model = _load(path, "autofp4", monkeypatch)
-    assert isinstance(vc.quant_config, AutoFP4Config) and vc.quant_config.checkpoint is not None
+    assert isinstance(vc.quant_config, vl.AutoFP4Config) and vc.quant_config.checkpoint is not None
     layer = model.model.layers[0]
     methods = {n: type(m.quant_method).__name__ for n, m in model.named_modules() if hasattr(m, "quant_method")}
     assert methods == {
@@ -236,14 +255,14 @@ def test_a_modelopt_checkpoint_loads_into_autofp4_methods(tmp_path, monkeypatch)
     assert ex.autofp4_w13_packed.shape == (E, 2 * I, H // 2) and ex.w13_weight.numel() == 0
 
 
-def _qkv(quant_config, bias=True) -> QKVParallelLinear:
-    return QKVParallelLinear(H, HD, NH, NKV, bias=bias, params_dtype=BF16, quant_config=quant_config,
+def _qkv(quant_config, bias=True):
+    return vl.QKVParallelLinear(H, HD, NH, NKV, bias=bias, params_dtype=BF16, quant_config=quant_config,
                              prefix="model.layers.0.self_attn.qkv_proj")
 
 
 @pytest.mark.parametrize("same_scale", [False, True], ids=["scales-differ", "scales-equal"])
 def test_modelopt_qkv_layer_folds_the_scales_adds_the_bias_and_frees_the_originals(same_scale):
-    qc = AutoFP4Config.from_config(MODELOPT_IN_CONFIG)
+    qc = vl.AutoFP4Config.from_config(MODELOPT_IN_CONFIG)
     layer = _qkv(qc)
     torch.manual_seed(2)
     parts = []
@@ -273,8 +292,8 @@ def test_modelopt_qkv_layer_folds_the_scales_adds_the_bias_and_frees_the_origina
 
 
 def test_modelopt_w4a16_checkpoint_has_no_input_scale_and_unloaded_scales_are_caught():
-    qc = AutoFP4Config.from_config(dict(MODELOPT_IN_CONFIG, quant_algo="W4A16_NVFP4"))
-    layer = RowParallelLinear(H, H, bias=False, params_dtype=BF16, quant_config=qc, prefix="model.layers.0.mlp.down_proj")
+    qc = vl.AutoFP4Config.from_config(dict(MODELOPT_IN_CONFIG, quant_algo="W4A16_NVFP4"))
+    layer = vl.RowParallelLinear(H, H, bias=False, params_dtype=BF16, quant_config=qc, prefix="model.layers.0.mlp.down_proj")
     assert not hasattr(layer, "input_scale")
     w = autofp4.quantize(torch.randn(H, H, dtype=BF16), "nvfp4")
     layer.weight_loader_v2(layer.weight, w.data)
@@ -288,13 +307,13 @@ def test_modelopt_w4a16_checkpoint_has_no_input_scale_and_unloaded_scales_are_ca
 
 
 def _experts(quant_config, activation="silu"):
-    runner = FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I, params_dtype=BF16,
+    runner = vl.FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I, params_dtype=BF16,
                              quant_config=quant_config, prefix="model.layers.0.mlp.experts", activation=activation)
     return runner.routed_experts
 
 
 def test_modelopt_experts_layer_matches_the_reference_moe():
-    ex = _experts(AutoFP4Config.from_config(MODELOPT_IN_CONFIG))
+    ex = _experts(vl.AutoFP4Config.from_config(MODELOPT_IN_CONFIG))
     torch.manual_seed(3)
     ws = {}
     prefix = "model.layers.0.mlp.experts.routed_experts."
@@ -376,19 +395,19 @@ def test_online_quantization_of_a_bf16_checkpoint(tmp_path, monkeypatch, how):
 
 
 def test_online_quantization_checks_the_sizes_and_the_activation():
-    mx = AutoFP4Config(fmt="mxfp4")
+    mx = vl.AutoFP4Config(fmt="mxfp4")
     with pytest.raises(ValueError, match=r"MXFP4 requires the input size per partition \(48\) to be divisible by 32"):
-        RowParallelLinear(48, H, bias=False, params_dtype=BF16, quant_config=mx, prefix="model.layers.0.o_proj")
-    RowParallelLinear(48, H, bias=False, params_dtype=BF16, quant_config=AutoFP4Config(fmt="nvfp4"), prefix="o")
+        vl.RowParallelLinear(48, H, bias=False, params_dtype=BF16, quant_config=mx, prefix="model.layers.0.o_proj")
+    vl.RowParallelLinear(48, H, bias=False, params_dtype=BF16, quant_config=vl.AutoFP4Config(fmt="nvfp4"), prefix="o")
     with pytest.raises(ValueError, match="MoE activation 'gelu'"):
         _experts(mx, activation="gelu")
     with pytest.raises(ValueError, match="must be one of"):
-        AutoFP4Config(fmt="fp8")
-    assert AutoFP4Config.from_config({"quant_method": "autofp4", "format": "nvfp4"}).fmt == "nvfp4"
+        vl.AutoFP4Config(fmt="fp8")
+    assert vl.AutoFP4Config.from_config({"quant_method": "autofp4", "format": "nvfp4"}).fmt == "nvfp4"
 
 
 def test_online_swigluoai_experts_are_deinterleaved():
-    ex = _experts(AutoFP4Config(fmt="mxfp4"), activation="swigluoai")
+    ex = _experts(vl.AutoFP4Config(fmt="mxfp4"), activation="swigluoai")
     torch.manual_seed(4)
     w13 = torch.randn(E, 2 * I, H, dtype=BF16)  # rows g0, u0, g1, u1, ... as gpt-oss stores them
     ex.w13_weight.data.copy_(w13)
