@@ -129,7 +129,7 @@ def test_a_job_whose_candidates_all_fail_stores_the_failures_and_the_default_kee
     assert _rel_err(y, x, w) < 1e-2 and torch.equal(y, y2)
     assert dispatch.get_dispatcher(CPU).misses() == [(KEY, 2, 2)]  # the default: a miss each call
     with autofp4.autotune(mode="blocking", backends=[AlwaysWrongBackend.name]):
-        autofp4.linear(x, w)  # a new session meets the job again: the failures are not run again
+        autofp4.linear(x, w)  # a new autotune block meets the job again: the failures are not run again
     with TuningDB(_own_db) as db:
         assert len(db.trials(env_key)) == 2
 
