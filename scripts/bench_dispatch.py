@@ -89,6 +89,22 @@ def _decode_layers(w, cfg, x, calls, sync) -> list[tuple[str, float]]:
     ]
 
 
+def _module_rows(w, dense, x, calls, sync) -> list[tuple[str, float]]:
+    """What a transformers model pays per layer: ``FP4Linear.forward`` on the 3-D activation
+    ``[1, M, K]`` it passes, against ``nn.Linear`` with the dequantized weight on the same input."""
+    from autofp4.nn import FP4Linear
+
+    lin = torch.nn.Linear(dense.shape[1], dense.shape[0], bias=False, device=x.device, dtype=dense.dtype)
+    lin.weight.data = dense
+    fp4 = FP4Linear.from_linear(lin, w.fmt)
+    x3 = x.unsqueeze(0)
+    fp4(x3)  # packs the weight once
+    nn_us = per_call_us(lambda: lin(x3), calls, sync=sync)
+    fp4_us = per_call_us(lambda: fp4(x3), calls, sync=sync)
+    return [("nn.Linear bf16 forward, x [1, M, K]", nn_us), ("FP4Linear.forward, x [1, M, K]", fp4_us),
+            ("  FP4Linear.forward over nn.Linear (target <= 2 us)", fp4_us - nn_us)]
+
+
 def _row_of(d: Dispatcher, key: ProblemKey, m: int):
     """A tuned row for ``key`` at ``m``'s bucket: the default config, as the tuner stores it."""
     from autofp4.dispatch import backend_source_hash, bucket_for
@@ -156,6 +172,7 @@ def main() -> int:
         rows.append((f"runner(x, w) direct [{backend.name}]", direct))
         rows.append(("autofp4.linear(x, w) eager", full))
         rows.append(("  overhead of autofp4.linear", full - direct))
+        rows += _module_rows(w, dense, x, calls, sync)
         bare = next((us for name, us in rows if name.startswith("bare decode launch")), None)
         if bare is not None:  # the same config launched bare: the issue's "added per eager call"
             rows.append(("  autofp4.linear over the bare launch (same config)", full - bare))

@@ -113,6 +113,7 @@ def fresh(work: Path, name: str, keep_cache: bool) -> None:
     compile) in ``work`` for the phase ``name``."""
     if not keep_cache:
         os.environ["AUTOFP4_KERNEL_CACHE"] = str(work / f"kernels-{name}")
+    os.environ["AUTOFP4_SHIPPED_DB"] = str(work / "no-shipped")  # the shipped rows would be hits
     dispatch.set_db(work / f"{name}.db")
 
 
@@ -121,6 +122,18 @@ def decode_all(stack: Stack, args) -> dict:
 
 
 def offline(stack: Stack, shapes, args, work: Path) -> dict:
+    if args.offline_db:  # rows an earlier offline tune stored (the shipped DB): decode with them
+        db = args.offline_db.resolve()
+        if db.suffix == ".json":  # an export: read as the only shipped layer, the user DB empty
+            ship = work / "offline-shipped"
+            ship.mkdir(exist_ok=True)
+            (ship / db.name).write_bytes(db.read_bytes())
+            os.environ["AUTOFP4_SHIPPED_DB"] = str(ship)
+            dispatch.set_db(work / "offline-empty.db")
+        else:
+            os.environ["AUTOFP4_SHIPPED_DB"] = str(work / "no-shipped")
+            dispatch.set_db(db)
+        return {"tune_s": None, "db": str(db), "decode": decode_all(stack, args)}
     fresh(work, "offline", args.keep_kernel_cache)
     t0 = time.perf_counter()
     report = autofp4.tune(shapes, m_buckets=args.m, fmt=args.fmt, db=dispatch.user_db_path(), device=stack.dev,
@@ -189,7 +202,8 @@ def derive(doc: dict) -> dict:
 
 def table(doc: dict) -> str:
     off, blk, bg, der = doc["offline"], doc["blocking"], doc["background"], doc["derived"]
-    lines = [f"offline tune: {off['tuned']}/{off['jobs']} jobs in {off['tune_s']:.1f} s",
+    lines = [f"offline tune: {off['tuned']}/{off['jobs']} jobs in {off['tune_s']:.1f} s" if off["tune_s"] is not None
+             else f"offline: the rows of {Path(off['db']).name} (an offline `autofp4 tune --model` run, not re-run here)",
              f"blocking warm-up (first forward at M = {', '.join(blk['first_forward_s'])}): {blk['warmup_s']:.1f} s"
              f" (target < {TARGETS['warmup_s']:.0f} s on an H200)",
              "  first forward s by M: " + ", ".join(f"{m}: {v:.2f}" for m, v in blk["first_forward_s"].items()),
@@ -228,6 +242,8 @@ def parse(argv: list[str] | None):
     p.add_argument("--reps", type=int, default=20, help="forward passes per timing window")
     p.add_argument("--rounds", type=int, default=5, help="timing windows per decode time")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="the background phase gives up then")
+    p.add_argument("--offline-db", type=Path,
+                   help="decode with this DB's offline-tuned rows instead of tuning offline (e.g. tuning_db/nvidia-h200.json)")
     p.add_argument("--keep-kernel-cache", action="store_true", help="every phase uses the kernel cache as it is")
     p.add_argument("--out", help="results directory (default: docs/results/<device>/)")
     args = p.parse_args(argv)

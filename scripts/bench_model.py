@@ -192,6 +192,21 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 
 
+def autotune_warmup(model, config, args, device) -> float:
+    """Seconds of eager warm-up passes inside ``autofp4.autotune(mode="blocking")``: one forward
+    at each decode batch (``[b, 1]`` tokens) and the prefill, so that every linear shape of the
+    model meets its decode and prefill M buckets and the misses are tuned (rows in the user DB)."""
+    import autofp4
+
+    t0 = time.perf_counter()
+    with torch.no_grad(), autofp4.autotune(mode="blocking", budget_s=args.autotune, ops=("linear",)):
+        for b in args.batches:
+            model(torch.randint(0, config.vocab_size, (b, 1), device=device))
+        model(torch.randint(0, config.vocab_size, (1, args.prefill), device=device))
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def bench_config(path: Path, args, device) -> list[dict]:
     import autofp4
 
@@ -207,15 +222,20 @@ def bench_config(path: Path, args, device) -> list[dict]:
             model = copy.deepcopy(base)
             autofp4.quantize_model(model, name)
             ref_logits = prefill(dequantized(model), ids, 1, device)[1]
+        warmup_s = autotune_warmup(model, config, args, device) if name != "bf16" and args.autotune else None
         for mode in args.modes:
             row = {"config": path.stem, "layers": config.num_hidden_layers, "moe": moe, "variant": name,
-                   "mode": mode}
+                   "mode": mode, "autotune_warmup_s": warmup_s}
             comp = mode == "compiled"
-            for b in args.batches:
-                row[f"decode_b{b}"] = decode_rate(model, config, b, args.context, args.steps, comp, device)
-            row["prefill"], logits = prefill(model, ids, args.reps, device)
-            row["cos_bf16"] = cosine(logits, bf16_logits)
-            row["cos_deq"] = None if ref_logits is None else cosine(logits, ref_logits)
+            try:
+                for b in (args.compiled_batches if comp else args.batches):
+                    row[f"decode_b{b}"] = decode_rate(model, config, b, args.context, args.steps, comp, device)
+                row["prefill"], logits = prefill(model, ids, args.reps, device)
+                row["cos_bf16"] = cosine(logits, bf16_logits)
+                row["cos_deq"] = None if ref_logits is None else cosine(logits, ref_logits)
+            except Exception as e:  # the other rows still count: the failure is reported in this one
+                row["error"] = f"{type(e).__name__}: {e}"[:500]
+                torch._dynamo.reset()
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
         del model
@@ -224,16 +244,28 @@ def bench_config(path: Path, args, device) -> list[dict]:
 
 def table(rows: list[dict], batches) -> str:
     cols = ["config", "layers", "variant", "mode"] + [f"decode_b{b}" for b in batches] + ["prefill", "cos_deq",
-                                                                                          "cos_bf16"]
+                                                                                          "cos_bf16", "autotune_warmup_s"]
     head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
     lines = [head]
+    errors = [f"{r['config']} {r['variant']} {r['mode']}: {r['error']}" for r in rows if r.get("error")]
     for r in rows:
         cells = []
         for c in cols:
             v = r.get(c)
-            cells.append("-" if v is None else f"{v:.4f}" if c.startswith("cos") else
+            cells.append("-" if v is None else f"{v:.4f}" if c.startswith("cos") else f"{v:.1f}" if c.endswith("_s") else
                          f"{v:,.0f}" if isinstance(v, float) else str(v))
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "speedup over bf16 (same config and mode):", ""]
+    rate_cols = [c for c in cols if c.startswith("decode_") or c == "prefill"]
+    lines += ["| config | variant | mode | " + " | ".join(rate_cols) + " |", "|" + "---|" * (3 + len(rate_cols))]
+    base = {(r["config"], r["mode"]): r for r in rows if r["variant"] == "bf16"}
+    for r in rows:
+        b = base.get((r["config"], r["mode"]))
+        if r["variant"] == "bf16" or b is None:
+            continue
+        cells = ["-" if r.get(c) is None or not b.get(c) else f"{r[c] / b[c]:.2f}x" for c in rate_cols]
+        lines.append(f"| {r['config']} | {r['variant']} | {r['mode']} | " + " | ".join(cells) + " |")
+    lines += [f"FAILED {e}" for e in errors]
     return "\n".join(lines) + "\n\ndecode and prefill in tokens/s; cos: cosine of the last-token logits"
 
 
@@ -247,6 +279,11 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=512, help="tokens in the KV cache before decoding")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--compiled-batches", default=None, help="decode batches of the compiled mode (default: --batches)")
+    p.add_argument("--autotune", type=float, default=0.0, metavar="BUDGET_S",
+                   help="tune each FP4 model's misses first in eager warm-up passes (blocking autotune, "
+                        "this budget per job; 0: off)")
+    p.add_argument("--db", default=None, help="the user tuning DB (default: autofp4's)")
     p.add_argument("--fmts", default=",".join(FMTS))
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--tiny", action="store_true", help="shrink each config (a smoke run)")
@@ -257,6 +294,12 @@ def main(argv=None) -> int:
         print("bench_model.py needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
         return 2
     args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.compiled_batches = (args.batches if args.compiled_batches is None else
+                             [int(b) for b in args.compiled_batches.split(",") if b])
+    if args.db:
+        from autofp4 import dispatch
+
+        dispatch.set_db(args.db)
     args.fmts = [f for f in args.fmts.split(",") if f]
     args.modes = [m for m in args.modes.split(",") if m]
     paths = [Path(c) for c in args.configs.split(",") if c] or sorted((ROOT / "examples").glob("*.json"))

@@ -28,3 +28,23 @@ def test_a_tiny_run_writes_every_row(tmp_path, capsys):
         if r["variant"] != "bf16":
             assert r["cos_deq"] > 0.999 and r["cos_bf16"] > 0.9, r
     assert capsys.readouterr().out.strip().endswith("cosine of the last-token logits")
+
+
+def test_autotune_tunes_the_misses_of_the_warm_up_into_the_given_db(tmp_path):
+    from autofp4 import dispatch
+    from autofp4.db import TuningDB
+
+    db = tmp_path / "model.db"
+    try:
+        rc = B.main(["--device", "cpu", "--tiny", "--configs", str(EXAMPLES / "llama-3.1-8b.json"), "--batches", "1",
+                     "--prefill", "4", "--context", "4", "--steps", "1", "--reps", "1", "--modes", "eager",
+                     "--fmts", "nvfp4", "--autotune", "5", "--db", str(db), "--out", str(tmp_path)])
+    finally:
+        dispatch.set_db(None)
+    assert rc == 0
+    rows = json.loads((tmp_path / "model.json").read_text())["rows"]
+    assert rows[0]["autotune_warmup_s"] is None and rows[1]["autotune_warmup_s"] > 0
+    with TuningDB(db) as d:
+        stored = d.results()
+    # q/o, k/v, gate/up and down of the tiny Llama at M = 1 and M = 4 (the warm-up's prefill)
+    assert {(r.n, r.k, r.m_bucket, r.origin) for r in stored} >= {(128, 128, 1, "jit"), (128, 128, 4, "jit")}

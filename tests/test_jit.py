@@ -31,7 +31,10 @@ KEY = ProblemKey("linear", "nvfp4", "bfloat16", 256, 128)
 
 
 @pytest.fixture(autouse=True)
-def _own_db(tmp_path):
+def _own_db(tmp_path, monkeypatch):
+    """A fresh user DB and no shipped rows (the H200's shipped rows would make the GPU tests'
+    problems tuned hits)."""
+    monkeypatch.setenv("AUTOFP4_SHIPPED_DB", str(tmp_path / "no-shipped"))
     dispatch.set_db(tmp_path / "jit.db")
     yield tmp_path / "jit.db"
     dispatch.set_db(None)
@@ -53,6 +56,21 @@ class AlwaysWrongBackend(ReferenceBackend):
             out[:, :32] = -out[:, :32]
             return out
         return wrong
+
+
+class SlowCompileBackend(ReferenceBackend):
+    """The reference, slow as a cold GPU host: building its configs takes 1 s and each compile
+    1.5 s."""
+
+    name = "test_slow_compile"
+
+    def config_space(self, key):
+        time.sleep(1.0)
+        return {"chunk_n": [0, 64]}
+
+    def compile(self, config, key):
+        time.sleep(1.5)
+        return super().compile(config, key)
 
 
 def _weight(n, k, seed=0):
@@ -132,6 +150,23 @@ def test_a_job_whose_candidates_all_fail_stores_the_failures_and_the_default_kee
         autofp4.linear(x, w)  # a new autotune block meets the job again: the failures are not run again
     with TuningDB(_own_db) as db:
         assert len(db.trials(env_key)) == 2
+
+
+def test_a_first_compile_longer_than_the_budget_still_stores_a_measured_row(monkeypatch, _own_db):
+    """A job's time cannot end before it has measured a config: a budget shorter than one cold
+    compile (in a compile process, as on the GPU) still stores a row (the default's, measured),
+    and the second call is a tuned hit."""
+    monkeypatch.setitem(registry._REGISTRY, SlowCompileBackend.name,
+                        f"{SlowCompileBackend.__module__}:{SlowCompileBackend.__qualname__}")
+    monkeypatch.setitem(registry._INSTANCES, SlowCompileBackend.name, SlowCompileBackend())
+    w, x = _weight(KEY.n, KEY.k), _act(2, KEY.k)
+    with autofp4.autotune(mode="blocking", budget_s=0.2, backends=[SlowCompileBackend.name], workers=1):
+        y = autofp4.linear(x, w)
+        autofp4.linear(x, w)
+        assert _fast_entry(w, x)[4] is None
+    (row,) = _rows(_own_db)
+    assert (row.backend, row.m_bucket, row.origin) == (SlowCompileBackend.name, 2, "jit")
+    assert row.median_us > 0 and _rel_err(y, x, w) < 1e-2
 
 
 def test_killing_the_worker_loses_no_row_and_leaves_the_db_intact(_own_db):

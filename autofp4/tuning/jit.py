@@ -52,7 +52,7 @@ def _capturing(device: torch.device) -> bool:
 
 
 def _settings(mode: str, budget_s: float | None, ops: Iterable[str], backends: Sequence[str] | None,
-              duty: float | None) -> dict[str, Any]:
+              duty: float | None, workers: int | None = None) -> dict[str, Any]:
     """The settings of an activation, checked (ValueError), with the mode's default duty."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -64,9 +64,11 @@ def _settings(mode: str, budget_s: float | None, ops: Iterable[str], backends: S
     duty = (BACKGROUND_DUTY if mode == "background" else 1.0) if duty is None else float(duty)
     if not 0 < duty <= 1:
         raise ValueError(f"duty must be in (0, 1], got {duty}")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+        raise ValueError(f"workers must be an int >= 0 or None, got {workers!r}")
     # named backends travel to the worker by class, so that plug-ins run there too
     specs = None if backends is None else {n: _spec(get_backend(n)) for n in backends}
-    return dict(mode=mode, budget_s=budget_s, ops=ops, backends=specs, duty=duty)
+    return dict(mode=mode, budget_s=budget_s, ops=ops, backends=specs, duty=duty, workers=workers)
 
 
 class _Scope:
@@ -74,8 +76,9 @@ class _Scope:
     (device, DB)."""
 
     def __init__(self, mode: str, budget_s: float | None, ops: frozenset, backends: dict | None,
-                 duty: float) -> None:
+                 duty: float, workers: int | None = None) -> None:
         self.mode, self.budget_s, self.ops, self.backends, self.duty = mode, budget_s, ops, backends, duty
+        self.workers_n = workers
         self.path = dispatch.user_db_path()
         self.monitor = ChangeMonitor(self.path)
         self.next_check = 0.0
@@ -121,7 +124,7 @@ class _Scope:
         if w is None:
             w = self.workers[(device, self.path)] = WorkerClient({
                 "device": str(device), "db": str(self.path), "budget_s": self.budget_s, "backends": self.backends,
-                "duty": self.duty, "nice": BACKGROUND_NICE if self.mode == "background" else 0,
+                "duty": self.duty, "workers": self.workers_n, "nice": BACKGROUND_NICE if self.mode == "background" else 0,
             })
         return w
 
@@ -197,18 +200,20 @@ class autotune:
     job's time (default 3 s on the GPU; none on the CPU). ``ops``: the ops tuned (an empty tuple:
     none, new rows are only picked up). ``backends``: backend names (default: every one that
     runs on the device). ``duty``: the share of the wall time the worker may spend measuring
-    (default 0.5 in background mode, 1 in blocking mode).
+    (default 0.5 in background mode, 1 in blocking mode). ``workers``: the worker's compile
+    processes (default: the tuner's, CPU cores - 2 on the GPU; 0 compiles in the worker itself).
 
     Leaving the block in blocking mode first finishes the jobs queued during CUDA graph capture
     (:meth:`wait`); in background mode the worker finishes the job in flight and the rest are
     dropped (call :meth:`wait` first to keep them). ``AUTOFP4_AUTOTUNE=blocking|background`` turns
-    it on for a whole process (with ``AUTOFP4_AUTOTUNE_BUDGET_S``, ``AUTOFP4_AUTOTUNE_DUTY`` and
-    ``AUTOFP4_AUTOTUNE_OPS``, comma-separated).
+    it on for a whole process (with ``AUTOFP4_AUTOTUNE_BUDGET_S``, ``AUTOFP4_AUTOTUNE_DUTY``,
+    ``AUTOFP4_AUTOTUNE_WORKERS`` and ``AUTOFP4_AUTOTUNE_OPS``, comma-separated).
     """
 
     def __init__(self, mode: str = "blocking", budget_s: float | None = None, ops: Iterable[str] = OPS,
-                 backends: Sequence[str] | None = None, duty: float | None = None) -> None:
-        self.settings = _settings(mode, budget_s, ops, backends, duty)
+                 backends: Sequence[str] | None = None, duty: float | None = None,
+                 workers: int | None = None) -> None:
+        self.settings = _settings(mode, budget_s, ops, backends, duty, workers)
         self._scope: _Scope | None = None
 
     def __enter__(self) -> "autotune":
@@ -256,8 +261,9 @@ def from_env() -> None:
     ops_text = os.environ.get("AUTOFP4_AUTOTUNE_OPS")
     ops = OPS if ops_text is None else tuple(o.strip() for o in ops_text.split(",") if o.strip())
     try:
+        workers = os.environ.get("AUTOFP4_AUTOTUNE_WORKERS", "").strip()
         s = _Scope(**_settings(mode, _env_float("AUTOFP4_AUTOTUNE_BUDGET_S"), ops, None,
-                                 _env_float("AUTOFP4_AUTOTUNE_DUTY")))
+                                 _env_float("AUTOFP4_AUTOTUNE_DUTY"), int(workers) if workers else None))
     except ValueError as e:
         warnings.warn(f"autofp4: AUTOFP4_AUTOTUNE={mode!r} ignored: {e}", RuntimeWarning, stacklevel=2)
         return

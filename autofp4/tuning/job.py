@@ -129,6 +129,14 @@ class JobTuner:
         """Is a stored winner (the best evidence an earlier run left) not measured yet?"""
         return any(i not in self.measured_here and i not in self.failed for i in self.priors)
 
+    def late(self) -> bool:
+        """Past the run's hard stop (or stopped). A just-in-time job (``ctx.measure_first``) is not
+        late before it has a measured config: its caller waits for a row, and on a cold host the
+        setup and first compile alone can outlast a short budget."""
+        if self.ctx.measure_first and not self.ctx.stop.is_set() and not self.has_result():
+            return False
+        return _out_of_time(self.ctx)
+
     def share_used(self, compiled: bool = False) -> bool:
         """With a result in hand, would one more trial (its kernel ``compiled`` already or not)
         end past this job's share of the time? A stored winner not measured yet (it comes right
@@ -165,7 +173,7 @@ class JobTuner:
         from optuna.trial import TrialState
 
         ctx, study, cands = self.ctx, self.study, self.cands
-        while len(self.inflight) < ctx.window and not self.exhausted() and not _out_of_time(ctx):
+        while len(self.inflight) < ctx.window and not self.exhausted() and not self.late():
             if self.share_used():
                 self.stop_why = self.stop_why or self.why_share(False)
                 break
@@ -252,7 +260,7 @@ class JobTuner:
         ctx = self.ctx
         trial, cand, fut = self.inflight.popleft()
         ready = fut is None or fut.done()
-        late = _out_of_time(ctx)
+        late = self.late()
         if late or self.share_used(compiled=ready):
             if not late:
                 self.stop_why = self.stop_why or self.why_share(ready)

@@ -185,3 +185,4 @@ class _Ctx:
     started_at: str = ""  # when the run started (UTC, as rows' created_at): rows from then on are this run's or a peer's
     claims: Any = None  # JobClaims of the DB (no shared storage): one process per job at a time
     origin: str = "offline"  # what the rows stored say about how they were tuned (schema.Origin)
+    measure_first: bool = False  # the hard stop waits for the job's first measured config (just in time)

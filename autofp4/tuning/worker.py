@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     if s.get("nice"):  # below the workload on the CPU too (the compile workers inherit it)
         os.nice(s["nice"])
     out = os.fdopen(s["fd"], "w", encoding="utf-8")
-    tuner = OnlineTuner(s["device"], s["db"], s["budget_s"], list(s["backends"] or ()) or None, duty=s["duty"])
+    tuner = OnlineTuner(s["device"], s["db"], s["budget_s"], list(s["backends"] or ()) or None, s.get("workers"),
+                        duty=s["duty"])
     try:
         serve(tuner, _inbox(sys.stdin), out)
     finally:
