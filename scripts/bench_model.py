@@ -13,7 +13,12 @@ decode step):
   the FP4 weights dequantized to bf16 (``deq``: the kernels' own error) and against the bf16
   model (``bf16``: kernels plus quantization).
 
-The table is printed last; the JSON goes to ``--out`` (default ``docs/results/<gpu>/model.json``).
+``--profile`` also splits the batch-1 decode step's time: its wall time and the GPU kernel time in
+linear layers, attention and the rest (``torch.profiler``). ``--autotune BUDGET_S`` first tunes
+each FP4 model's misses in eager warm-up passes (blocking just-in-time tuning, rows in ``--db``).
+
+The table is printed last and written with the JSON to ``--out`` (default
+``docs/results/<gpu>/``: ``model.md``, ``model.json``).
 
     python scripts/bench_model.py                                            # on the GPU
     python scripts/bench_model.py --configs examples/qwen3-30b-a3b.json --layers 12
@@ -24,13 +29,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from _common import ROOT, provenance, results_dir
+from _common import ROOT, provenance, provenance_line, results_dir
 
 FMTS = ("nvfp4", "mxfp4")
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -147,13 +153,51 @@ def _timed(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
-def decode_rate(model, config, batch: int, context: int, steps: int, compiled: bool, device) -> float:
-    """Decode tokens/s: ``batch`` sequences, each one token per step after ``context`` tokens."""
+_LINEAR = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|w4a16|decode", re.I)
+_ATTENTION = re.compile(r"flash|fmha|attention|sdpa", re.I)
+
+
+def breakdown(run_step, steps: int, device) -> dict:
+    """Where a decode step's time goes (``--profile``): the step's wall time, and the GPU kernel
+    time per step split into linear layers (GEMM/GEMV and autofp4's kernels), attention and the
+    rest (norms, rotary, residuals, sampling, copies), from ``torch.profiler`` over ``steps`` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            run_step()
+        _sync(device)
+        wall = (time.perf_counter() - t0) / steps
+    sums = {"linear": 0.0, "attention": 0.0, "other": 0.0}
+    names: dict[str, list] = {}
+    count = 0
+    for e in prof.events():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA or not e.device_time:
+            continue
+        cat = "linear" if _LINEAR.search(e.name) else "attention" if _ATTENTION.search(e.name) else "other"
+        sums[cat] += e.device_time
+        count += 1
+        n = names.setdefault(e.name[:90], [cat, 0.0, 0])
+        n[1] += e.device_time
+        n[2] += 1
+    top = sorted(names.items(), key=lambda kv: -kv[1][1])[:20]
+    return {"step_ms": wall * 1e3, **{f"{k}_ms": v / steps / 1e3 for k, v in sums.items()},
+            "kernels_per_step": count / steps,
+            "top": [{"name": k, "cat": c, "ms_per_step": t / steps / 1e3, "calls_per_step": n / steps}
+                    for k, (c, t, n) in top]}
+
+
+def decode_rate(model, config, batch: int, context: int, steps: int, compiled: bool, device,
+                profile_into: dict | None = None) -> float:
+    """Decode tokens/s: ``batch`` sequences, each one token per step after ``context`` tokens
+    (``profile_into``: a dict the step's :func:`breakdown` is put in, after the timed steps)."""
     from transformers import DynamicCache, StaticCache
 
     ids = torch.randint(0, config.vocab_size, (batch, context), device=device)
     if compiled:
-        cache = StaticCache(config=config, max_cache_len=context + steps + 4)
+        cache = StaticCache(config=config, max_cache_len=context + 2 * steps + 8)
     else:
         cache = DynamicCache(config=config)
     import inspect
@@ -178,6 +222,15 @@ def decode_rate(model, config, batch: int, context: int, steps: int, compiled: b
             if s >= 2:
                 times.append(time.perf_counter() - t0)
             pos += 1
+        if profile_into is not None:
+            state = {"nxt": nxt, "pos": pos}
+
+            def one() -> None:
+                cp = torch.full((1,), state["pos"], device=device, dtype=torch.long)
+                o = step(input_ids=state["nxt"], cache_position=cp, use_cache=True, **{kw: cache})
+                state["nxt"], state["pos"] = o.logits[:, -1:].argmax(-1), state["pos"] + 1
+
+            profile_into.update(breakdown(one, min(steps, 5), device))
     return batch / statistics.median(times)
 
 
@@ -229,7 +282,10 @@ def bench_config(path: Path, args, device) -> list[dict]:
             comp = mode == "compiled"
             try:
                 for b in (args.compiled_batches if comp else args.batches):
-                    row[f"decode_b{b}"] = decode_rate(model, config, b, args.context, args.steps, comp, device)
+                    prof = {} if args.profile and b == 1 else None
+                    row[f"decode_b{b}"] = decode_rate(model, config, b, args.context, args.steps, comp, device, prof)
+                    if prof:
+                        row["profile_b1"] = prof
                 row["prefill"], logits = prefill(model, ids, args.reps, device)
                 row["cos_bf16"] = cosine(logits, bf16_logits)
                 row["cos_deq"] = None if ref_logits is None else cosine(logits, ref_logits)
@@ -265,6 +321,15 @@ def table(rows: list[dict], batches) -> str:
             continue
         cells = ["-" if r.get(c) is None or not b.get(c) else f"{r[c] / b[c]:.2f}x" for c in rate_cols]
         lines.append(f"| {r['config']} | {r['variant']} | {r['mode']} | " + " | ".join(cells) + " |")
+    profiled = [r for r in rows if r.get("profile_b1")]
+    if profiled:
+        lines += ["", "batch-1 decode step, ms (GPU kernel time per step by kind, torch.profiler):", "",
+                  "| config | variant | mode | step wall | GPU linear | GPU attention | GPU other | kernels |",
+                  "|---|---|---|---:|---:|---:|---:|---:|"]
+        for r in profiled:
+            p = r["profile_b1"]
+            lines.append(f"| {r['config']} | {r['variant']} | {r['mode']} | {p['step_ms']:.2f} | {p['linear_ms']:.2f} | "
+                         f"{p['attention_ms']:.2f} | {p['other_ms']:.2f} | {p['kernels_per_step']:.0f} |")
     lines += [f"FAILED {e}" for e in errors]
     return "\n".join(lines) + "\n\ndecode and prefill in tokens/s; cos: cosine of the last-token logits"
 
@@ -283,6 +348,8 @@ def main(argv=None) -> int:
     p.add_argument("--autotune", type=float, default=0.0, metavar="BUDGET_S",
                    help="tune each FP4 model's misses first in eager warm-up passes (blocking autotune, "
                         "this budget per job; 0: off)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile the batch-1 decode step: GPU time in linear layers, attention and the rest")
     p.add_argument("--db", default=None, help="the user tuning DB (default: autofp4's)")
     p.add_argument("--fmts", default=",".join(FMTS))
     p.add_argument("--modes", default="eager,compiled")
@@ -308,9 +375,11 @@ def main(argv=None) -> int:
         rows += bench_config(path, args, device)
     doc = {**provenance(device), "rows": rows, "batches": args.batches, "prefill_tokens": args.prefill,
            "context": args.context}
-    out = results_dir(args.out, device) / "model.json"
-    out.write_text(json.dumps(doc, indent=1))
-    print(table(rows, args.batches))
+    out = results_dir(args.out, device)
+    (out / "model.json").write_text(json.dumps(doc, indent=1))
+    text = table(rows, args.batches)
+    (out / "model.md").write_text(f"{provenance_line(doc)}\n\n{text}\n")
+    print(text)
     return 0
 
 

@@ -79,3 +79,22 @@ def test_torch_compile_inductor_cuda(gen):
         eager = model(x)
         out = torch.compile(model, fullgraph=True)(x)
     assert torch.allclose(out.float(), eager.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_reduce_overhead_compile_without_an_eager_call_first(gen):
+    """torch.compile's CUDA graphs warm up with allocations routed to the graph's pool: weights
+    packed in that first run must stay out of it (else recording refuses the untracked tensors)."""
+    dev = torch.device("cuda")
+    layers = []
+    for n, k in ((1024, 512), (512, 1024)):
+        lin = torch.nn.Linear(k, n, bias=False).to(dev, torch.bfloat16)
+        layers.append(autofp4.FP4Linear.from_linear(lin, "mxfp4"))
+    model = torch.nn.Sequential(layers[0], torch.nn.SiLU(), layers[1])
+    ref = [(layer.fp4_weight().dequantize(torch.float32).to(dev)) for layer in layers]
+    step = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(4):  # warm-up, recording, replays
+            x = torch.randn(1, 512, generator=gen).to(dev, torch.bfloat16)
+            out = step(x).float().clone()
+            h = torch.nn.functional.silu((x.float() @ ref[0].T).to(torch.bfloat16).float())
+            assert rel_err(out, h.to(torch.bfloat16).float() @ ref[1].T) < 2e-2

@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..problem import ProblemKey, bucket_for
+from ..weights import outside_graph_pools
 from . import sm90_heuristics
 from .base import Backend, BackendConfig, Runner, grid
 from .reference import reference_linear, reference_moe
@@ -116,20 +117,23 @@ class SM90Prepared:
         interleaved)."""
         packed = self._moe.get((kernel, gate_up))
         if packed is None:
-            packed = self._moe[kernel, gate_up] = _by_tag()[kernel].pack_experts(self.weight, gate_up)
+            packed = self._moe[kernel, gate_up] = self._pack(lambda: _by_tag()[kernel].pack_experts(self.weight, gate_up))
         return packed
 
     @property
     def decode(self):
         if self._decode is None:
-            self._decode = _kernels()[0].pack_weight(self.weight)
+            self._decode = self._pack(lambda: _kernels()[0].pack_weight(self.weight))
         return self._decode
 
     @property
     def gemm(self):
         if self._gemm is None:
-            self._gemm = _kernels()[1].pack_weight(self.weight)
+            self._gemm = self._pack(lambda: _kernels()[1].pack_weight(self.weight))
         return self._gemm
+
+    def _pack(self, fn):
+        return outside_graph_pools(fn, self.weight.data.device)
 
 
 def _fp16_range_problem(prep: SM90Prepared, kernel: str) -> str | None:
