@@ -27,6 +27,7 @@ Writes ``jit.json`` and ``jit.md`` (the table, printed last) to ``--out`` (defau
 ``docs/results/<device>/``).
 
     python scripts/bench_jit.py                                   # on the GPU (about 25 minutes)
+    python scripts/bench_jit.py --phases blocking --offline-db tuning_db/nvidia-h200.json   # a part
     python scripts/bench_jit.py --device cpu --out /tmp/jit       # the smoke check
 """
 from __future__ import annotations
@@ -53,6 +54,7 @@ TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_si
 GPU_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CPU_MS = (1, 2, 4)
 TARGETS = {"warmup_s": 180.0, "background_cost": 0.10}
+PHASES = ("offline", "blocking", "background")
 
 
 # -----------------------------------------------------------------------------------------
@@ -133,14 +135,20 @@ def offline(stack: Stack, shapes, args, work: Path) -> dict:
         else:
             os.environ["AUTOFP4_SHIPPED_DB"] = str(work / "no-shipped")
             dispatch.set_db(db)
-        return {"tune_s": None, "db": str(db), "decode": decode_all(stack, args)}
+        dec = decode_all(stack, args)
+        return {"tune_s": None, "db": str(db), "decode": dec, "untuned_calls": _missed(stack.dev)}
     fresh(work, "offline", args.keep_kernel_cache)
     t0 = time.perf_counter()
     report = autofp4.tune(shapes, m_buckets=args.m, fmt=args.fmt, db=dispatch.user_db_path(), device=stack.dev,
                           progress=False)
     out = {"tune_s": time.perf_counter() - t0, "jobs": len(report.results), "tuned": len(report.tuned)}
     dispatch.reload()
-    return {**out, "decode": decode_all(stack, args)}
+    return {**out, "decode": decode_all(stack, args), "untuned_calls": _missed(stack.dev)}
+
+
+def _missed(dev: torch.device) -> int:
+    """Calls the dispatcher of ``dev`` ran untuned since it was built (its misses)."""
+    return sum(c for _, _, c in dispatch.get_dispatcher(dev).misses())
 
 
 def blocking(stack: Stack, args, work: Path) -> dict:
@@ -186,38 +194,47 @@ def _summary(wins: list[float]) -> dict:
 # the table
 # -----------------------------------------------------------------------------------------
 def derive(doc: dict) -> dict:
-    """Ratios against the targets: decode after blocking / offline, background throughput lost."""
-    off, blk, bg = doc["offline"], doc["blocking"], doc["background"]
-    out = {"warmup_s": blk["warmup_s"], "decode": {}}
-    for m in off["decode"]:
-        o, b = off["decode"][m], blk["decode"][m]
-        mean, idle = bg["decode_meanwhile"][m]["us"], bg["decode"][m]["us"]
-        out["decode"][m] = {
-            "blocking_over_offline": b["us"] / o["us"],
-            "within_noise": abs(b["us"] - o["us"]) <= b["spread_us"] + o["spread_us"],
-            "background_cost": None if mean is None else 1 - idle / mean,
-        }
+    """Ratios against the targets (of the phases run): decode after blocking / offline,
+    background throughput lost."""
+    off, blk, bg = doc.get("offline"), doc.get("blocking"), doc.get("background")
+    out = {"warmup_s": blk["warmup_s"] if blk else None, "decode": {}}
+    for m in map(str, doc["decode_m"]):
+        d = out["decode"][m] = {"blocking_over_offline": None, "within_noise": None, "background_cost": None}
+        if off and blk:
+            o, b = off["decode"][m], blk["decode"][m]
+            d["blocking_over_offline"] = b["us"] / o["us"]
+            d["within_noise"] = abs(b["us"] - o["us"]) <= b["spread_us"] + o["spread_us"]
+        if bg and bg["decode_meanwhile"][m]["us"] is not None:
+            d["background_cost"] = 1 - bg["decode"][m]["us"] / bg["decode_meanwhile"][m]["us"]
     return out
 
 
 def table(doc: dict) -> str:
-    off, blk, bg, der = doc["offline"], doc["blocking"], doc["background"], doc["derived"]
-    lines = [f"offline tune: {off['tuned']}/{off['jobs']} jobs in {off['tune_s']:.1f} s" if off["tune_s"] is not None
-             else f"offline: the rows of {Path(off['db']).name} (an offline `autofp4 tune --model` run, not re-run here)",
-             f"blocking warm-up (first forward at M = {', '.join(blk['first_forward_s'])}): {blk['warmup_s']:.1f} s"
-             f" (target < {TARGETS['warmup_s']:.0f} s on an H200)",
-             "  first forward s by M: " + ", ".join(f"{m}: {v:.2f}" for m, v in blk["first_forward_s"].items()),
-             f"background: every miss tuned after {bg['all_tuned_s']:.1f} s (duty {bg['duty']})"
-             + ("" if bg["all_tuned"] else ", NOT all tuned before the timeout"), ""]
+    off, blk, bg, der = doc.get("offline"), doc.get("blocking"), doc.get("background"), doc["derived"]
+    lines = []
+    if off:
+        lines.append(f"offline tune: {off['tuned']}/{off['jobs']} jobs in {off['tune_s']:.1f} s" if off["tune_s"] is not None
+                     else f"offline: the rows of {Path(off['db']).name} (an offline `autofp4 tune --model` run, not re-run here)")
+    if blk:
+        lines += [f"blocking warm-up (first forward at M = {', '.join(blk['first_forward_s'])}): {blk['warmup_s']:.1f} s"
+                  f" (target < {TARGETS['warmup_s']:.0f} s on an H200)",
+                  "  first forward s by M: " + ", ".join(f"{m}: {v:.2f}" for m, v in blk["first_forward_s"].items())]
+    if bg:
+        lines.append(f"background: every miss tuned after {bg['all_tuned_s']:.1f} s (duty {bg['duty']})"
+                     + ("" if bg["all_tuned"] else ", NOT all tuned before the timeout"))
+    lines.append("")
+
+    def us(phase, key, m):
+        return "-" if not phase or phase[key][m]["us"] is None else f"{phase[key][m]['us']:.1f}"
+
     head = ("decode M", "untuned us", "offline us", "blocking us", "blk/off", "in noise", "bg idle us",
             "bg meanwhile us", "bg cost")
     rows = [head]
     for m, d in der["decode"].items():
-        mean = bg["decode_meanwhile"][m]["us"]
-        rows.append((m, f"{blk['decode_before'][m]['us']:.1f}", f"{off['decode'][m]['us']:.1f}",
-                     f"{blk['decode'][m]['us']:.1f}", f"{d['blocking_over_offline']:.3f}",
-                     "yes" if d["within_noise"] else "no", f"{bg['decode'][m]['us']:.1f}",
-                     "-" if mean is None else f"{mean:.1f}",
+        rows.append((m, us(blk, "decode_before", m), us(off, "decode", m), us(blk, "decode", m),
+                     "-" if d["blocking_over_offline"] is None else f"{d['blocking_over_offline']:.3f}",
+                     "-" if d["within_noise"] is None else "yes" if d["within_noise"] else "no",
+                     us(bg, "decode", m), us(bg, "decode_meanwhile", m),
                      "-" if d["background_cost"] is None else f"{100 * d['background_cost']:.1f}%"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     for j, r in enumerate(rows):
@@ -244,12 +261,17 @@ def parse(argv: list[str] | None):
     p.add_argument("--timeout-s", type=float, default=3600.0, help="the background phase gives up then")
     p.add_argument("--offline-db", type=Path,
                    help="decode with this DB's offline-tuned rows instead of tuning offline (e.g. tuning_db/nvidia-h200.json)")
+    p.add_argument("--phases", default=",".join(PHASES),
+                   help="the phases to run, comma-separated (each fits a shorter run; default: all)")
     p.add_argument("--keep-kernel-cache", action="store_true", help="every phase uses the kernel cache as it is")
     p.add_argument("--out", help="results directory (default: docs/results/<device>/)")
     args = p.parse_args(argv)
     on_cpu = torch.device(args.device).type == "cpu"
     args.m = [int(v) for v in args.m.split(",")] if args.m else list(CPU_MS if on_cpu else GPU_MS)
     args.decode_m = [int(v) for v in args.decode_m.split(",")]
+    args.phases = [v for v in args.phases.split(",") if v]
+    if not args.phases or set(args.phases) - set(PHASES):
+        p.error(f"--phases: a comma-separated subset of {','.join(PHASES)}, got {args.phases}")
     return args
 
 
@@ -270,13 +292,17 @@ def main(argv: list[str] | None = None) -> int:
         for name, run in (("offline", lambda: offline(stack, shapes, args, Path(work))),
                           ("blocking", lambda: blocking(stack, args, Path(work))),
                           ("background", lambda: background(stack, args, Path(work)))):
+            if name not in args.phases:
+                continue
             print(f"{name} ...", file=sys.stderr)
             doc[name] = run()
+            print(json.dumps({name: doc[name]})[:2000], file=sys.stderr)  # kept if a later phase is cut short
         dispatch.set_db(None)
     doc["derived"] = derive(doc)
     text = table(doc)
-    (out / "jit.json").write_text(json.dumps(doc, indent=1))
-    (out / "jit.md").write_text(f"{provenance_line(doc)}\n\n```\n{text}```\n")
+    stem = "jit" if args.phases == list(PHASES) else "jit-" + "-".join(args.phases)
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+    (out / f"{stem}.md").write_text(f"{provenance_line(doc)}\n\n```\n{text}```\n")
     print(text)
     return 0
 
