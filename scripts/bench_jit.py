@@ -27,7 +27,7 @@ Writes ``jit.json`` and ``jit.md`` (the table, printed last) to ``--out`` (defau
 ``docs/results/<device>/``).
 
     python scripts/bench_jit.py                                   # on the GPU (about 25 minutes)
-    python scripts/bench_jit.py --phases blocking --offline-db tuning_db/nvidia-h200.json   # a part
+    python scripts/bench_jit.py --phases offline,blocking --offline-db tuning_db/nvidia-h200.json
     python scripts/bench_jit.py --device cpu --out /tmp/jit       # the smoke check
 """
 from __future__ import annotations
