@@ -48,6 +48,24 @@ def _gpu_list(text: str) -> list[int]:
     return _int_list(text, "--gpus")
 
 
+def _devices_list(text: str) -> list[str]:
+    """``--devices``: ``all`` (every CUDA GPU), CUDA indices ``0,1,...``, or ``cpu`` entries
+    (``cpu,cpu``: processes on the CPU standing in for GPUs)."""
+    items = [v.strip() for v in text.split(",") if v.strip()]
+    if items == ["all"]:
+        return ["all"]
+    if items and all(v == "cpu" for v in items):
+        return items
+    try:
+        idx = [int(v) for v in items]
+    except ValueError:
+        idx = []
+    if not idx or min(idx) < 0 or len(set(idx)) != len(idx):
+        raise argparse.ArgumentTypeError(
+            f"expected 'all', distinct CUDA indices (0,1,...) or cpu entries (cpu,cpu), got {text!r}")
+    return [f"cuda:{i}" for i in idx]
+
+
 def _int_at_least(lo: int, what: str):
     """An argparse type: an int >= ``lo``; ``what`` names it in the error."""
 
@@ -112,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tune what a workload missed (default file: next to the user DB)")
     t.add_argument("--force", action="store_true",
                    help="re-tune jobs that already have a result (the stored winner is tried right after the default)")
-    t.add_argument("--gpus", type=_gpu_list, metavar="0,1,...", help="CUDA devices, one job stream each")
+    t.add_argument("--devices", type=_devices_list, metavar="all|0,1,...",
+                   help="one tuning process per device (all: every GPU; cpu,cpu: CPU processes), one job queue")
+    t.add_argument("--gpus", type=_gpu_list, metavar="0,1,...", help="CUDA devices, one job stream (thread) each")
     t.add_argument("--storage", metavar="URL", help="optuna storage shared by cooperating processes (sqlite:///study.db)")
     t.add_argument("--workers", type=_nonneg_int, metavar="N", help="compile worker processes (0: compile in-process)")
     t.add_argument("--db", metavar="PATH", help="tuning DB file (default: $AUTOFP4_DB or ~/.cache/autofp4/tuning.db)")
@@ -192,6 +212,21 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 def _tune_device(args: argparse.Namespace) -> tuple[bool, str]:
     """``(on_cpu, note)``: whether ``tune`` runs on the CPU, and the line that says why."""
     cuda = torch.cuda.is_available()
+    if args.devices and args.gpus:
+        raise _UsageError("give --devices or --gpus, not both")
+    if args.devices and args.devices[0] != "cpu":
+        if not cuda:
+            raise _UsageError(f"--devices {','.join(args.devices)} given, but no CUDA GPU is available")
+        count = torch.cuda.device_count()
+        if args.devices == ["all"]:
+            args.devices = [f"cuda:{i}" for i in range(count)]
+        bad = [d for d in args.devices if int(d.split(":")[1]) >= count]
+        if bad:
+            raise _UsageError(f"--devices: {', '.join(bad)} not present ({count} CUDA GPUs)")
+        if args.device == "cpu":
+            raise _UsageError("--devices with CUDA GPUs and --device cpu contradict each other")
+    elif args.devices:
+        args.device = "cpu"
     if args.gpus and not cuda:
         raise _UsageError(f"--gpus {','.join(map(str, args.gpus))} given, but no CUDA GPU is available")
     if args.device == "cuda" and not cuda:
@@ -225,7 +260,8 @@ def _tune_misses(args: argparse.Namespace, on_cpu: bool, cpu_note: str, common: 
     if on_cpu:
         print(cpu_note, file=out)
     try:
-        report = tuning.tune_from_misses(path, device="cpu" if on_cpu else None, **common)
+        report = (tuning.tune_from_misses(path, device="cpu" if on_cpu else None, **common) if not args.devices
+                  else _on_devices(args, tuning.misses_jobs(path), common))
     except (RuntimeError, ValueError) as e:  # setup: a backend that cannot run here, ...
         raise _UsageError(str(e)) from None
     return _finish(report, db_path, out)
@@ -255,10 +291,19 @@ def _tune_model(args: argparse.Namespace, on_cpu: bool, cpu_note: str, common: d
         print(cpu_note, file=out)
     print(f"tuning {len(jobs)} (shape, M) jobs into {db_path}", file=out)
     try:
-        report = tuning.tune_jobs(jobs, device="cpu" if on_cpu else None, **common)
+        report = (tuning.tune_jobs(jobs, device="cpu" if on_cpu else None, **common) if not args.devices
+                  else _on_devices(args, jobs, common))
     except (RuntimeError, ValueError) as e:  # setup: a backend that cannot run here, ...
         raise _UsageError(str(e)) from None
     return _finish(report, db_path, out)
+
+
+def _on_devices(args: argparse.Namespace, jobs: list[Any], common: dict[str, Any]) -> Any:
+    """``--devices``: one tuning process per device, all on one job queue (:mod:`.tuning.fleet`)."""
+    from .tuning.fleet import tune_on_devices
+
+    kw = {k: v for k, v in common.items() if k not in ("gpus", "progress")}
+    return tune_on_devices(jobs, args.devices, progress=common["progress"], **kw)
 
 
 def _one_line(text: str, limit: int = 1000) -> str:

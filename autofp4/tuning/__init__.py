@@ -55,7 +55,8 @@ job), :mod:`.candidates`,
 :mod:`.compile_pool` (compile workers, trial requests, backend specs), :mod:`.trial` (one
 trial: data, check, timing), :mod:`.measurer` (the timing process), :mod:`.search` (optuna),
 :mod:`.job` (tuning one job), :mod:`.run` (:func:`tune_jobs`, :func:`tune`,
-:func:`tune_from_misses`), :mod:`.warm` (:func:`warm_kernel_cache`), then just-in-time tuning:
+:func:`tune_from_misses`), :mod:`.fleet` (:func:`~.fleet.tune_on_devices`: one process per
+device), :mod:`.warm` (:func:`warm_kernel_cache`), then just-in-time tuning:
 :mod:`.online` (jobs one at a time, as they come), :mod:`.worker` (the tuning worker process and
 its parent's end) and :mod:`.jit` (:class:`~.jit.autotune`, the dispatcher's miss hook).
 """
@@ -63,7 +64,8 @@ from __future__ import annotations
 
 from .budget import job_share_deadline, setup_cap, trial_estimate
 from .jobs import CPU_DEFAULTS, CPU_M_BUCKETS, GPU_DEFAULTS, Job, JobResult, TuneReport, jobs_for
-from .run import tune, tune_from_misses, tune_jobs
+from .fleet import tune_on_devices
+from .run import misses_jobs, tune, tune_from_misses, tune_jobs
 from .trial import TOLERANCE, run_trial
 from .warm import WarmReport, warm_kernel_cache
 
@@ -79,6 +81,8 @@ __all__ = [
     "tune",
     "tune_jobs",
     "tune_from_misses",
+    "tune_on_devices",
+    "misses_jobs",
     "warm_kernel_cache",
     "jobs_for",
     "run_trial",

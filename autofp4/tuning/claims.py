@@ -1,4 +1,10 @@
-"""Claims on jobs between tuning processes that write one DB without a shared optuna storage.
+"""Claims on jobs between tuning processes: a process tunes a job only while it holds its claim.
+
+:class:`JobClaims` serves the processes of one host that write one DB (no shared optuna
+storage); :class:`RDBClaims` the processes of several hosts that share an optuna RDB storage
+(``autofp4 tune --devices ... --storage postgresql://...``): a table in that database.
+
+File claims:
 
 A process tunes a job only while it holds the job's claim: an exclusive ``flock`` on a lock file
 in a folder beside the DB (``<db>.claims/``), which the operating system releases when the
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +98,143 @@ class JobClaims:
             self.dir.rmdir()
         except OSError:
             pass
+
+
+# -----------------------------------------------------------------------------------------
+# claims in an RDB, for processes on several hosts
+# -----------------------------------------------------------------------------------------
+#: a claim whose holder has not renewed it for this long is taken over (its holder died)
+RDB_CLAIM_TTL_S = 60.0
+
+
+class RDBClaim(Claim):
+    """A claim held in :class:`RDBClaims`' table (``elsewhere``: the job's result was stored
+    by another process; nothing is held, the job is to be skipped)."""
+
+    def __init__(self, owner: "RDBClaims | None", ident: str, elsewhere: bool = False) -> None:
+        super().__init__()
+        self.owner, self.ident, self.elsewhere = owner, ident, elsewhere
+
+    def release(self, done: bool = False) -> None:
+        if self.owner is not None:
+            self.owner._release(self.ident, done)
+            self.owner = None
+
+
+class RDBClaims:
+    """The claims of jobs in a table of an SQL database (``autofp4_job_claims`` in the optuna
+    storage's database: PostgreSQL, MySQL or SQLite by SQLAlchemy URL), for tuning processes on
+    several hosts: a claim is a row (``INSERT`` of the job's key, unique), renewed by its
+    holder every ``ttl_s / 4`` seconds; a row not renewed for ``ttl_s`` (its holder died) is
+    taken over by a compare-and-set ``UPDATE``; a job whose result was stored keeps its row,
+    marked done, and the others skip it (their own DB may not hold that row: per-host DBs are
+    merged with ``autofp4 db merge``)."""
+
+    def __init__(self, url: str, ttl_s: float | None = None) -> None:
+        import socket
+        import threading
+        import uuid
+
+        import sqlalchemy as sa
+
+        self.ttl_s = float(ttl_s if ttl_s is not None else os.environ.get("AUTOFP4_CLAIM_TTL_S", RDB_CLAIM_TTL_S))
+        kw: dict[str, Any] = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+        self.engine = sa.create_engine(url, **kw)
+        meta = sa.MetaData()
+        self.table = sa.Table(
+            "autofp4_job_claims", meta,
+            sa.Column("ident", sa.String(64), primary_key=True),
+            sa.Column("owner", sa.String(200), nullable=False),
+            sa.Column("heartbeat", sa.Float, nullable=False),
+            sa.Column("done", sa.Integer, nullable=False),
+        )
+        for attempt in range(5):  # peers may create the table at the same moment
+            try:
+                meta.create_all(self.engine, checkfirst=True)
+                break
+            except sa.exc.SQLAlchemyError:
+                if attempt == 4:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+        self.me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.held: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._renew, name="autofp4-claims", daemon=True)
+        self._beat.start()
+
+    @staticmethod
+    def ident(env_key: str, job: Any) -> str:
+        k = job.key
+        text = f"{env_key}|{k.op}|{k.fmt}|{k.dtype}|{k.n}|{k.k}|{k.experts}|{k.topk}|{job.m}"
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def take(self, env_key: str, job: Any) -> RDBClaim | None:
+        """The claim of ``job``; an ``elsewhere`` claim where another process stored its result;
+        None while another live process holds it."""
+        import sqlalchemy as sa
+
+        t, ident = self.table, self.ident(env_key, job)
+        for _ in range(3):
+            now = time.time()
+            try:
+                with self.engine.begin() as c:
+                    c.execute(t.insert().values(ident=ident, owner=self.me, heartbeat=now, done=0))
+                return self._held(ident)
+            except sa.exc.IntegrityError:
+                pass
+            with self.engine.begin() as c:
+                row = c.execute(sa.select(t.c.owner, t.c.heartbeat, t.c.done).where(t.c.ident == ident)).first()
+                if row is None:  # released between our insert and our read: again
+                    continue
+                if row.done:
+                    return RDBClaim(None, ident, elsewhere=True)
+                if now - row.heartbeat <= self.ttl_s:
+                    return None
+                taken = c.execute(t.update().where(t.c.ident == ident, t.c.owner == row.owner,
+                                                   t.c.heartbeat == row.heartbeat)
+                                  .values(owner=self.me, heartbeat=now)).rowcount
+            if taken == 1:
+                return self._held(ident)
+            return None  # another process took it over first
+        return None
+
+    def _held(self, ident: str) -> RDBClaim:
+        with self._lock:
+            self.held.add(ident)
+        return RDBClaim(self, ident)
+
+    def _release(self, ident: str, done: bool) -> None:
+        t = self.table
+        with self._lock:
+            self.held.discard(ident)
+        mine = (t.c.ident == ident) & (t.c.owner == self.me)
+        with self.engine.begin() as c:
+            if done:
+                c.execute(t.update().where(mine).values(done=1, heartbeat=time.time()))
+            else:
+                c.execute(t.delete().where(mine))
+
+    def _renew(self) -> None:
+        t = self.table
+        while not self._stop.wait(self.ttl_s / 4):
+            with self._lock:
+                held = list(self.held)
+            if not held:
+                continue
+            try:
+                with self.engine.begin() as c:
+                    c.execute(t.update().where(t.c.ident.in_(held), t.c.owner == self.me, t.c.done == 0)
+                              .values(heartbeat=time.time()))
+            except Exception:  # a lost connection: renewed again on the next beat
+                pass
+
+    def close(self) -> None:
+        """Stop renewing; the claims still held are released (not done)."""
+        self._stop.set()
+        for ident in list(self.held):
+            try:
+                self._release(ident, False)
+            except Exception:
+                pass
+        self.engine.dispose()

@@ -84,6 +84,7 @@ class TuneReport:
     results: list[JobResult] = field(default_factory=list)
     elapsed_s: float = 0.0
     interrupted: bool = False
+    failed_devices: dict[str, int | None] = field(default_factory=dict)  # devices whose process died: exit codes
 
     @property
     def tuned(self) -> list[JobResult]:

@@ -30,6 +30,19 @@ from .measurer import _Measurer
 from .search import _ask_lock_path, _open_storage
 
 
+def _claims(db_path: Path, url: str | None, storage: Any, exclusive: bool) -> Any:
+    """Who may tune a job: file claims beside the DB (processes of one host), claims in the
+    storage's database with ``exclusive`` and a shared storage (processes on several hosts), or
+    none (a shared storage without ``exclusive``: the processes share each job's study)."""
+    if storage is None:
+        return JobClaims(db_path)
+    if exclusive:
+        from .claims import RDBClaims
+
+        return RDBClaims(url)
+    return None
+
+
 def _open_db(db: Any) -> tuple[Any, bool, Path]:
     """``(TuningDB, owned, path)`` for a TuningDB, a path or None (the user DB)."""
     from ..db import TuningDB
@@ -72,6 +85,8 @@ def _stream(
                     time.sleep(CLAIM_POLL_S)
                     busy = 0
                 continue
+            elif getattr(claim, "elsewhere", False):
+                out[i] = JobResult(job, "skipped", note="tuned by another process of the shared storage")
             else:
                 busy = 0
                 try:
@@ -192,7 +207,11 @@ def _open_pool(workers: int, on_gpu: bool) -> cf.ProcessPoolExecutor | None:
     return pool
 
 
-def _progress_bar(progress: bool, total: int) -> Any:
+def _progress_bar(progress: Any, total: int) -> Any:
+    """A tqdm bar (``progress`` True), none (False), or ``progress`` itself: an object with
+    tqdm's ``update``, ``set_postfix_str`` and ``close``."""
+    if not isinstance(progress, bool):
+        return progress
     if not progress:
         return None
     from tqdm.auto import tqdm
@@ -264,11 +283,15 @@ def tune_jobs(
     warmup: int | None = None,
     reps: int | None = None,
     devices: Sequence[torch.device | str] | None = None,
+    exclusive: bool = False,
 ) -> TuneReport:
     """Tune explicit :class:`Job` s (see :func:`tune` for the parameters).
 
     ``devices`` generalizes ``gpus``: one job stream (a thread driving its own timing
     worker process and DB connection) per entry; entries may repeat (``["cpu", "cpu"]``).
+    ``exclusive``: with a shared ``storage`` too, a job is tuned by one process at a time (claims
+    in the storage's database, :class:`~.claims.RDBClaims`), not by every process on the shared
+    study (:mod:`.fleet`).
     """
     from ..env import current_environment
     from ..schema import utc_now
@@ -290,7 +313,7 @@ def tune_jobs(
     storage_obj = _open_storage(storage)
     main_db, owned, db_path = _open_db(db)
     main_db.add_environment(env)
-    claims = JobClaims(db_path) if storage_obj is None else None  # a shared storage shares the studies
+    claims = _claims(db_path, storage, storage_obj, exclusive)
     pool = _open_pool(workers, on_gpu)
     pbar = _progress_bar(progress, len(jobs))
     lock = threading.Lock()
@@ -379,15 +402,16 @@ def tune(
     )
 
 
-def tune_from_misses(misses_path: str | os.PathLike | None = None, **kwargs: Any) -> TuneReport:
-    """Tune exactly the ``(key, M bucket)`` pairs a workload missed (see :mod:`autofp4.dispatch`).
-
-    ``misses_path`` defaults to the misses file next to the user DB; ``kwargs`` go to
-    :func:`tune_jobs`. Jobs are ordered by how many calls missed them (most first).
-    """
-    misses = load_misses(misses_path)
+def misses_jobs(misses_path: str | os.PathLike | None = None) -> list[Job]:
+    """The jobs of the ``(key, M bucket)`` pairs a workload missed, ordered by how many calls
+    missed them (most first); ``misses_path`` defaults to the misses file next to the user DB."""
     counts: dict[tuple[ProblemKey, int], int] = {}
-    for key, m, c in misses:
+    for key, m, c in load_misses(misses_path):
         counts[(key, m)] = counts.get((key, m), 0) + c
-    jobs = [Job(k, m, f"{c} calls") for (k, m), c in sorted(counts.items(), key=lambda kv: -kv[1])]
-    return tune_jobs(jobs, **kwargs)
+    return [Job(k, m, f"{c} calls") for (k, m), c in sorted(counts.items(), key=lambda kv: -kv[1])]
+
+
+def tune_from_misses(misses_path: str | os.PathLike | None = None, **kwargs: Any) -> TuneReport:
+    """Tune exactly the ``(key, M bucket)`` pairs a workload missed (see :mod:`autofp4.dispatch`;
+    :func:`misses_jobs`); ``kwargs`` go to :func:`tune_jobs`."""
+    return tune_jobs(misses_jobs(misses_path), **kwargs)
