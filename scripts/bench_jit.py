@@ -55,6 +55,8 @@ GPU_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CPU_MS = (1, 2, 4)
 TARGETS = {"warmup_s": 180.0, "background_cost": 0.10}
 PHASES = ("offline", "blocking", "background")
+#: what the phases set for themselves (restored when the run ends)
+_PHASE_ENV = ("AUTOFP4_KERNEL_CACHE", "AUTOFP4_SHIPPED_DB")
 
 
 # -----------------------------------------------------------------------------------------
@@ -288,16 +290,24 @@ def main(argv: list[str] | None = None) -> int:
     out = results_dir(args.out, dev)
     doc = {**provenance(dev), "model": args.model or ("tiny llama" if dev.type == "cpu" else "llama-3.1-8b"),
            "shapes": [[s.name, s.n, s.k] for s in shapes], "layers": copies, "m": args.m, "decode_m": args.decode_m}
-    with tempfile.TemporaryDirectory(prefix="bench-jit-") as work:
-        for name, run in (("offline", lambda: offline(stack, shapes, args, Path(work))),
-                          ("blocking", lambda: blocking(stack, args, Path(work))),
-                          ("background", lambda: background(stack, args, Path(work)))):
-            if name not in args.phases:
-                continue
-            print(f"{name} ...", file=sys.stderr)
-            doc[name] = run()
-            print(json.dumps({name: doc[name]})[:2000], file=sys.stderr)  # kept if a later phase is cut short
+    saved = {k: os.environ.get(k) for k in _PHASE_ENV}
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-jit-") as work:
+            for name, run in (("offline", lambda: offline(stack, shapes, args, Path(work))),
+                              ("blocking", lambda: blocking(stack, args, Path(work))),
+                              ("background", lambda: background(stack, args, Path(work)))):
+                if name not in args.phases:
+                    continue
+                print(f"{name} ...", file=sys.stderr)
+                doc[name] = run()
+                print(json.dumps({name: doc[name]})[:2000], file=sys.stderr)  # kept if a later phase is cut short
+    finally:
         dispatch.set_db(None)
+        for k, v in saved.items():  # the caller's DB layers and kernel cache again
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     doc["derived"] = derive(doc)
     text = table(doc)
     stem = "jit" if args.phases == list(PHASES) else "jit-" + "-".join(args.phases)

@@ -1,6 +1,7 @@
 """scripts/bench_jit.py end to end on the CPU (the reference backend, a tiny Llama): every phase
 runs, its JSON holds what the table reports, and each phase's rows came from its own tuning."""
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -10,7 +11,9 @@ import bench_jit as B  # noqa: E402
 
 
 def test_the_cpu_smoke_run_measures_every_phase(tmp_path, capsys):
+    env = {k: os.environ.get(k) for k in B._PHASE_ENV}
     assert B.main(["--device", "cpu", "--out", str(tmp_path), "--reps", "2", "--rounds", "2"]) == 0
+    assert {k: os.environ.get(k) for k in B._PHASE_ENV} == env  # the phases' settings do not leak
     doc = json.loads((tmp_path / "jit.json").read_text())
     assert doc["offline"]["tuned"] == doc["offline"]["jobs"] == 4 * len(B.CPU_MS)
     assert doc["offline"]["untuned_calls"] == 0
