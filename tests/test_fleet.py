@@ -235,3 +235,23 @@ def test_two_hosts_share_the_jobs_through_the_storage_and_merge_their_dbs(tmp_pa
     # no job tuned twice: host 0's rows and host 1's (before its kill) are disjoint
     per_host = [{(r.n, r.k, r.m_bucket) for r in _rows(db)} if db.exists() else set() for db in dbs]
     assert not (per_host[0] & per_host[1])
+
+
+def test_the_misses_of_a_workload_on_two_processes(tmp_path, capsys):
+    from autofp4 import dispatch
+    from autofp4.dispatch import Dispatcher
+
+    db = tmp_path / "t.db"
+    dispatch.set_db(db)
+    try:
+        d = Dispatcher(torch.device("cpu"), [], misses_file=dispatch.misses_path())
+        for n, k in SHAPES:
+            d.resolve(ProblemKey("linear", "nvfp4", "bfloat16", n, k), 3)
+        d.flush_misses()
+        rc = cli(["tune", "--from-misses", "--db", str(db), "--devices", "cpu,cpu", "--no-progress"])
+    finally:
+        dispatch.set_db(None)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "3 tuned" in out and "on cpu, cpu" in out
+    assert sorted((r.n, r.k, r.m_bucket) for r in _rows(db)) == sorted((n, k, 4) for n, k in SHAPES)
