@@ -20,6 +20,11 @@ Every size depends on ``T * top_k``, ``E`` and ``block_m`` only: ``max_rows`` is
 experts (decode): one block per pair, holding just that pair (two small ops instead of a sort,
 scans and scatters); an expert that several pairs choose is then read once per pair.
 
+Tensors that depend on the sizes only (the per-pair rows and block count, the index ranges the
+sorting uses) are built once per ``(sizes, device)`` and shared by later calls (in a CUDA graph
+each would otherwise be one more small kernel per layer): treat the returned metadata as
+read-only. They are not shared when built during CUDA graph capture or ``torch.compile`` tracing.
+
 Expert parallelism: with ``expert_map`` (``[E_global]`` int, the local index of each global
 expert or ``-1`` where another rank holds it), pairs routed to experts elsewhere are left out
 (not in ``sorted_rows``, not counted); ``E`` is then the number of local experts.
@@ -43,6 +48,29 @@ class MoERouting:
     num_blocks: torch.Tensor  # [1]
     block_m: int
     top_k: int
+
+
+_CONSTS: dict[tuple, torch.Tensor] = {}
+_CONSTS_MAX = 512  # entries kept (per-pair routing meets at most E sizes per layer shape)
+
+
+def _const(key: tuple, device: torch.device, build) -> torch.Tensor:
+    """``build()`` (a tensor of sizes only), built once per ``(key, device)``: outside CUDA graph
+    memory pools, and not kept when built under stream capture (its values would exist only
+    once the graph replays) or while ``torch.compile`` traces."""
+    k = (*key, device)
+    t = _CONSTS.get(k)
+    if t is not None:
+        return t
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return build()
+    from .weights import outside_graph_pools
+
+    t = outside_graph_pools(build, device)
+    if len(_CONSTS) >= _CONSTS_MAX:
+        _CONSTS.clear()
+    _CONSTS[k] = t
+    return t
 
 
 def routing_sizes(pairs: int, experts: int, block_m: int) -> tuple[int, int]:
@@ -87,14 +115,14 @@ def moe_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     raw_start = torch.cumsum(counts_all, 0) - counts_all  # start of each expert in the sorted pairs
     order = torch.sort(local, stable=True).indices  # pairs by expert, in token order within one
     e_sorted = local[order]
-    rank = torch.arange(pairs, device=dev) - raw_start[e_sorted]
+    rank = _const(("arange", pairs), dev, lambda: torch.arange(pairs, device=dev)) - raw_start[e_sorted]
     valid = e_sorted < num_experts
     dest = torch.where(valid, pad_start[e_sorted.clamp(max=num_experts - 1)] + rank,
                        torch.full_like(rank, max_rows))  # elsewhere: a dropped slot
     rows = torch.full((max_rows + 1,), -1, dtype=torch.long, device=dev)
     rows.scatter_(0, dest, order)
     total = pad_end[-1:]
-    starts = torch.arange(max_blocks, device=dev) * block_m
+    starts = _const(("starts", max_blocks, block_m), dev, lambda: torch.arange(max_blocks, device=dev) * block_m)
     block_expert = torch.searchsorted(pad_end, starts, right=True)
     block_expert = torch.where(starts < total, block_expert, torch.full_like(block_expert, -1))
     return MoERouting(
@@ -119,14 +147,18 @@ def per_pair_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         raise ValueError(f"block_m must be a positive int, got {block_m!r}")
     dev = topk_ids.device
     pairs = topk_ids.numel()
-    rows = torch.full((pairs, block_m), -1, dtype=torch.int32, device=dev)
-    rows[:, 0] = torch.arange(pairs, dtype=torch.int32, device=dev)
+
+    def rows() -> torch.Tensor:
+        r = torch.full((pairs, block_m), -1, dtype=torch.int32, device=dev)
+        r[:, 0] = torch.arange(pairs, dtype=torch.int32, device=dev)
+        return r.reshape(-1)
+
     return MoERouting(
-        counts=torch.empty(0, dtype=torch.int32, device=dev),
-        sorted_rows=rows.reshape(-1),
+        counts=_const(("empty",), dev, lambda: torch.empty(0, dtype=torch.int32, device=dev)),
+        sorted_rows=_const(("per_pair_rows", pairs, block_m), dev, rows),
         block_expert=(topk_ids.reshape(-1) if expert_map is None
                       else expert_map.to(device=dev)[topk_ids.reshape(-1).long()]).to(torch.int32),
-        num_blocks=torch.full((1,), pairs, dtype=torch.int32, device=dev),
+        num_blocks=_const(("num_blocks", pairs), dev, lambda: torch.full((1,), pairs, dtype=torch.int32, device=dev)),
         block_m=block_m,
         top_k=topk_ids.shape[1],
     )

@@ -144,3 +144,30 @@ def test_routing_on_the_gpu_matches_the_cpu_and_captures_in_a_graph():
         g.replay()
         ref = moe_routing(static.cpu(), 64, 16)
         assert torch.equal(out.sorted_rows.cpu(), ref.sorted_rows) and torch.equal(out.num_blocks.cpu(), ref.num_blocks)
+
+
+def test_size_only_tensors_are_built_once_and_shared():
+    """The per-pair rows and block count depend on the sizes only: later calls of the same sizes
+    share them (no kernel per call); other sizes get their own; the data-dependent parts stay
+    per call."""
+    g = torch.Generator().manual_seed(5)
+    ids_a = torch.randint(0, 16, (3, 2), generator=g, dtype=torch.int32)
+    ids_b = torch.randint(0, 16, (3, 2), generator=g, dtype=torch.int32)
+    ra, rb = per_pair_routing(ids_a, 16, 8), per_pair_routing(ids_b, 16, 8)
+    assert ra.sorted_rows.data_ptr() == rb.sorted_rows.data_ptr()
+    assert ra.num_blocks.data_ptr() == rb.num_blocks.data_ptr() and int(ra.num_blocks) == 6
+    expect = torch.full((6, 8), -1, dtype=torch.int32)
+    expect[:, 0] = torch.arange(6)
+    assert torch.equal(rb.sorted_rows, expect.reshape(-1))
+    assert torch.equal(rb.block_expert, ids_b.reshape(-1)) and not torch.equal(ra.block_expert, rb.block_expert)
+    rc = per_pair_routing(torch.randint(0, 16, (4, 2), generator=g, dtype=torch.int32), 16, 8)
+    assert rc.sorted_rows.numel() == 64 and int(rc.num_blocks) == 8
+    # the sorted routing's index ranges are shared too; its results still follow the data
+    s1 = moe_routing(ids_a, 16, 4)
+    s2 = moe_routing(ids_b, 16, 4)
+    assert not torch.equal(s1.sorted_rows, s2.sorted_rows)
+    for ids, r in ((ids_a, s1), (ids_b, s2)):
+        rows = r.sorted_rows[r.sorted_rows >= 0].long()
+        experts = ids.reshape(-1)[rows]
+        assert torch.equal(experts, experts.sort().values)  # sorted by expert
+        assert sorted(rows.tolist()) == list(range(ids.numel()))  # every pair once
