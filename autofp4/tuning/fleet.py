@@ -16,8 +16,9 @@ claims still decide which process measures a job.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
-import queue
+import pickle
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -41,22 +42,23 @@ def compile_workers_per_device(devices: int, cores: int | None = None) -> int:
 
 class _EventBar:
     """The progress-bar interface a job stream drives (:func:`~.run.tune_jobs`), forwarding to
-    the parent: ``("update", i, n)`` per finished job, ``("trial", i, text)`` per measured trial."""
+    the parent over the process's pipe: ``("update", i, n)`` per finished job, ``("trial", i,
+    text)`` per measured trial."""
 
-    def __init__(self, index: int, events: Any) -> None:
-        self.index, self.events = index, events
+    def __init__(self, index: int, conn: Any) -> None:
+        self.index, self.conn = index, conn
 
     def update(self, n: int = 1) -> None:
-        self.events.put(("update", self.index, n))
+        self.conn.send(("update", self.index, n))
 
     def set_postfix_str(self, text: str, refresh: bool = True) -> None:
-        self.events.put(("trial", self.index, text))
+        self.conn.send(("trial", self.index, text))
 
     def close(self) -> None:
         pass
 
 
-def _child(index: int, device: str, jobs: list[Job], kwargs: dict[str, Any], events: Any,
+def _child(index: int, device: str, jobs: list[Job], kwargs: dict[str, Any], conn: Any,
            sys_path: list[str], registry: dict[str, str]) -> None:
     for p in sys_path:  # where the parent found its modules (plug-in backends among them)
         if p not in sys.path:
@@ -66,13 +68,14 @@ def _child(index: int, device: str, jobs: list[Job], kwargs: dict[str, Any], eve
 
     for name, spec in registry.items():  # the parent's backends, plug-ins included
         register(name, spec)
-    events.put(("started", index, os.getpid()))
+    conn.send(("started", index, os.getpid()))
     try:
-        report = tune_jobs(jobs, devices=[device], progress=_EventBar(index, events), exclusive=True, **kwargs)
+        report = tune_jobs(jobs, devices=[device], progress=_EventBar(index, conn), exclusive=True, **kwargs)
     except BaseException as e:
-        events.put(("failed", index, f"{type(e).__name__}: {e}"[:500]))
+        conn.send(("failed", index, f"{type(e).__name__}: {e}"[:500]))
         raise
-    events.put(("report", index, report.results, report.interrupted))
+    conn.send(("report", index, report.results, report.interrupted))
+    conn.close()
 
 
 def _merge(jobs: Sequence[Job], reports: dict[int, list[JobResult]], devices: Sequence[str]) -> list[JobResult]:
@@ -125,31 +128,37 @@ def tune_on_devices(
     jobs = list(jobs)
     t0 = time.monotonic()
     ctx = mp.get_context("spawn")
-    events = ctx.Queue()
     from ..backends import _REGISTRY
 
-    procs = [ctx.Process(target=_child, args=(i, d, jobs, kwargs, events, list(sys.path), dict(_REGISTRY)),
-                         name=f"autofp4-tune-{d}") for i, d in enumerate(devs)]
+    # one pipe per process, not one shared queue: a process killed while it writes takes only its
+    # own channel with it (a shared queue's lock would stay taken and hang the others' exit)
+    procs, conns = [], []
+    for i, d in enumerate(devs):
+        r, w = ctx.Pipe(duplex=False)
+        procs.append(ctx.Process(target=_child, args=(i, d, jobs, kwargs, w, list(sys.path), dict(_REGISTRY)),
+                                 name=f"autofp4-tune-{d}"))
+        conns.append((r, w))
     bars = _bars(devs, len(jobs)) if progress else []
     reports: dict[int, list[JobResult]] = {}
     interrupted = False
     pids: dict[int, int] = {}
-    exited: set[int] = set()
     try:
-        for p in procs:
+        for p, (_, w) in zip(procs, conns):
             p.start()
-        while len(exited) < len(procs):
-            try:
-                ev = events.get(timeout=0.2)
-            except queue.Empty:
-                for i, p in enumerate(procs):
-                    if i not in exited and not p.is_alive():
-                        _drain(events, bars, reports, pids, on_event)
-                        exited.add(i)
-                        if on_event is not None:
-                            on_event("exited", i, pids.get(i), p.exitcode)
-                continue
-            interrupted |= _handle(ev, bars, reports, pids, on_event)
+            w.close()  # the child holds the write end: its exit ends the parent's reads
+        live = {r: i for i, (r, _) in enumerate(conns)}
+        while live:
+            for r in mp_connection.wait(list(live), timeout=1.0):
+                i = live[r]
+                try:
+                    ev = r.recv()
+                except (EOFError, OSError, pickle.UnpicklingError):  # ended (or died mid-message)
+                    del live[r]
+                    procs[i].join()
+                    if on_event is not None:
+                        on_event("exited", i, pids.get(i), procs[i].exitcode)
+                    continue
+                interrupted |= _handle(ev, bars, reports, pids, on_event)
     except KeyboardInterrupt:
         interrupted = True
         for p in procs:
@@ -161,6 +170,8 @@ def tune_on_devices(
             if p.is_alive():
                 p.kill()
                 p.join()
+        for r, _ in conns:
+            r.close()
         for b in bars:
             b.close()
     env = current_environment(torch.device(devs[0]))
@@ -188,15 +199,6 @@ def _handle(ev: tuple, bars: list, reports: dict, pids: dict, on_event: Callable
     if on_event is not None:
         on_event(kind, i, pids.get(i), *data)
     return kind == "report" and bool(data[1])
-
-
-def _drain(events: Any, bars: list, reports: dict, pids: dict, on_event: Callable[..., None] | None) -> None:
-    """Handle what a process that ended left in the queue."""
-    while True:
-        try:
-            _handle(events.get(timeout=0.5), bars, reports, pids, on_event)
-        except queue.Empty:
-            return
 
 
 def _bars(devs: Sequence[str], total: int) -> list:
