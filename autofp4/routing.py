@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .graph_pools import outside_graph_pools
+
 __all__ = ["MoERouting", "moe_routing", "per_pair_routing", "routing_sizes"]
 
 
@@ -64,8 +66,6 @@ def _const(key: tuple, device: torch.device, build) -> torch.Tensor:
         return t
     if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return build()
-    from .weights import outside_graph_pools
-
     t = outside_graph_pools(build, device)
     if len(_CONSTS) >= _CONSTS_MAX:
         _CONSTS.clear()

@@ -178,7 +178,7 @@ def test_rdb_claims_one_holder_done_elsewhere_and_a_dead_holder_taken_over(stora
         assert b.take("env", j1) is None  # still renewed past the TTL
         c1.release(done=True)
         assert b.take("env", j1).elsewhere  # stored by a: skipped
-        c2 = a.take("env", j2)
+        assert a.take("env", j2) is not None  # a holds j2
         a._stop.set()  # a stops renewing, as a dead process
         assert b.take("env", j2) is None
         time.sleep(1.0)

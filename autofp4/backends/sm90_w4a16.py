@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..problem import ProblemKey, bucket_for
-from ..weights import outside_graph_pools
+from ..graph_pools import outside_graph_pools
 from . import sm90_heuristics
 from .base import Backend, BackendConfig, Runner, grid
 from .reference import reference_linear, reference_moe
