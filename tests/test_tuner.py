@@ -758,3 +758,22 @@ def test_next_jobs_default_is_compiled_ahead(monkeypatch, tmp_path):
     # each job compiles both candidates; jobs 2 and 3 had their default compiled once more, ahead
     assert sorted(line for line in lines if line) == sorted(
         ["256 0", "256 64", "384 0", "384 0", "384 64", "512 0", "512 0", "512 64"])
+
+
+def test_closing_a_run_stops_compile_workers_still_compiling():
+    """The end of a run does not wait for compiles still running (a process exits only once its
+    pool's workers have; a cold compile can take a minute): the workers are stopped."""
+    from autofp4.tuning.run import _close_run, _open_pool
+
+    pool = _open_pool(2, on_gpu=False)
+    procs = list(pool._processes.values())
+    assert len(procs) == 2 and all(p.is_alive() for p in procs)
+    for _ in range(3):  # two running, one waiting
+        pool.submit(time.sleep, 60)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    _close_run(pool, None, None)
+    for p in procs:
+        p.join(10)
+    assert not any(p.is_alive() for p in procs), "a compile worker outlived its run"
+    assert time.monotonic() - t0 < 10

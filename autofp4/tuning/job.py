@@ -293,7 +293,7 @@ class JobTuner:
         res: dict[str, Any] | None = None
         # with a result in hand, wait for a compile only as long as the job's share
         # lasts (a cold compile can take longer than a whole share; it still lands in
-        # the kernel cache for a later run)
+        # the kernel cache for a later job of the run)
         wait = ctx.compile_timeout_s
         if ctx.job_deadline is not None and self.has_result() and not cand.prior:
             wait = min(wait, max(0.0, ctx.job_deadline - t_trial))

@@ -231,11 +231,27 @@ def _close_run(pool: cf.ProcessPoolExecutor | None, pbar: Any, db: Any) -> None:
     """Stop the compile workers (queued compiles cancelled), close the progress bar and ``db``
     (the DB the run opened, None for one it was given)."""
     if pool is not None:
-        pool.shutdown(wait=False, cancel_futures=True)
+        _stop_pool(pool)
     if pbar is not None:
         pbar.close()
     if db is not None:
         db.close()
+
+
+def _stop_pool(pool: cf.ProcessPoolExecutor) -> None:
+    """Shut the compile pool down without waiting for the compiles still running: they serve
+    no job of this run any more, and a process exits only once its pool's workers have (a cold
+    compile can take a minute). Killing one mid-compile loses nothing: the kernel cache
+    writes its files under a temporary name and renames them."""
+    terminate = getattr(pool, "terminate_workers", None)  # Python >= 3.14
+    if terminate is not None:
+        terminate()
+        return
+    procs = list((getattr(pool, "_processes", None) or {}).values())  # shutdown() forgets them
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
 
 
 def _run_streams(
