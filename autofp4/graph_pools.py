@@ -1,6 +1,7 @@
 """Building long-lived CUDA tensors outside CUDA graph memory pools."""
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import torch
@@ -9,24 +10,39 @@ _SIDE_STREAMS: dict[torch.device, Any] = {}
 
 
 def outside_graph_pools(fn: Callable[[], Any], device: torch.device) -> Any:
-    """``fn()`` (a one-off build of tensors kept for later calls: a packed weight) with its CUDA
-    allocations outside any CUDA graph memory pool: on a side stream of ``device``.
+    """``fn()`` (a one-off build of tensors kept for later calls: a packed weight, a kernel's
+    per-device state) with its CUDA allocations outside any CUDA graph memory pool.
 
-    ``torch.compile(mode="reduce-overhead")`` warms a graph up with the current stream's
-    allocations routed to the graph's private pool; a weight packed during that run would be a
-    live tensor of the pool that the graph does not own, and recording the graph refuses it
-    ("tensors in the cudagraph pool not tracked as outputs"). Allocations of another stream are
-    not routed. The side stream waits for the current one before ``fn`` and the current one for
-    it after, so the order of work is as if ``fn`` ran in line. Under stream capture (and off
-    CUDA) ``fn`` runs as is."""
+    ``torch.compile(mode="reduce-overhead")`` warms a graph up with the allocations of the
+    calling thread routed to the graph's private pool; a weight packed during that run would be
+    a live tensor of the pool that the graph does not own, and recording the graph refuses it
+    ("tensors in the cudagraph pool not tracked as outputs"). Allocations of another thread are
+    not routed, so ``fn`` runs on a helper thread (with the caller's grad and inference modes),
+    on a side stream of ``device`` that waits for the caller's current stream before ``fn``, the
+    caller's stream waiting for it after: the order of work is as if ``fn`` ran in line. Its
+    exception is raised here. Under stream capture (and off CUDA) ``fn`` runs as is."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return fn()
     side = _SIDE_STREAMS.get(device)
     if side is None:
         side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     cur = torch.cuda.current_stream(device)
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        out = fn()
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            with torch.cuda.device(device), torch.cuda.stream(side), torch.inference_mode(inference), \
+                    torch.set_grad_enabled(grad):
+                side.wait_stream(cur)
+                box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            box["err"] = e
+
+    t = threading.Thread(target=work, name="autofp4-outside-graph-pools", daemon=True)
+    t.start()
+    t.join()
+    if "err" in box:
+        raise box["err"]
     cur.wait_stream(side)
-    return out
+    return box["out"]

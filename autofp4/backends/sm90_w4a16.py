@@ -26,7 +26,7 @@ import functools
 import importlib.util
 import warnings
 from dataclasses import replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -100,7 +100,28 @@ def _valid_grid(op: str, n: int, k: int, fmt: str, dtype: str) -> tuple[Any, ...
 @functools.lru_cache(maxsize=None)
 def _compiled(cfg: Any, n: int, k: int, fmt: str, dtype: str):
     """One compiled kernel per (config, n, k, fmt, dtype), shared by every runner."""
-    return _module(cfg).compile_kernel(cfg, n, k, fmt, dtype)
+    return _first_call_outside_pools(_module(cfg).compile_kernel(cfg, n, k, fmt, dtype))
+
+
+def _first_call_outside_pools(run: Callable) -> Callable:
+    """``run`` (a kernel module's ``run(x, ...) -> tensor``), its first call on each device made
+    outside CUDA graph memory pools: that call builds the kernel's per-device state (split-K
+    counters, placeholder bias and workspace tensors) that every later call reuses, and state
+    built during ``torch.compile(mode="reduce-overhead")``'s graph warm-up would be a live tensor
+    of the graph's pool that the graph does not own (:func:`~autofp4.graph_pools.outside_graph_pools`).
+    That call's result is returned as a copy made in line: the warm-up's outputs must be
+    allocated in its pool."""
+    seen: set[torch.device] = set()
+
+    def call(x: torch.Tensor, *args: Any) -> Any:
+        dev = x.device
+        if dev in seen:
+            return run(x, *args)
+        out = outside_graph_pools(lambda: run(x, *args), dev)
+        seen.add(dev)
+        return out.clone() if dev.type == "cuda" else out
+
+    return call
 
 
 class SM90Prepared:
