@@ -161,7 +161,30 @@ def blocking(stack: Stack, args, work: Path) -> dict:
         for m in args.m:
             first[str(m)] = stack.timed(m)
         after = decode_all(stack, args)  # as a server runs on: its worker idle
-    return {"decode_before": before, "first_forward_s": first, "warmup_s": sum(first.values()), "decode": after}
+        jobs = autofp4.autotune.jobs()
+    return {"decode_before": before, "first_forward_s": first, "warmup_s": sum(first.values()), "decode": after,
+            "jobs": jobs, "jobs_summary": jobs_summary(jobs)}
+
+
+def jobs_summary(jobs: list[dict]) -> dict:
+    """Where the just-in-time jobs' time went: their wall times in the worker (the first job of
+    each shape apart: it builds the problem's weights), and how many picked other than the default."""
+    if not jobs:
+        return {"jobs": 0}
+    seen, first, later = set(), [], []
+    for j in jobs:
+        shape = (j["op"], j["n"], j["k"])
+        (later if shape in seen else first).append(j["wall_s"])
+        seen.add(shape)
+    walls = [j["wall_s"] for j in jobs]
+    not_default = sum(1 for j in jobs if j["status"] == "tuned"
+                      and (j["backend"], j["config"]) != (j["default_backend"], j["default_config"]))
+    return {"jobs": len(jobs), "statuses": {s: sum(1 for j in jobs if j["status"] == s) for s in {j["status"] for j in jobs}},
+            "wall_s_sum": sum(walls), "wall_s_median": statistics.median(walls), "wall_s_max": max(walls),
+            "first_of_shape_s_median": statistics.median(first), "later_s_median": statistics.median(later) if later else None,
+            "trials_median": statistics.median(j["trials_run"] for j in jobs), "not_default": not_default,
+            "speedup_geomean": statistics.geometric_mean([j["default_us"] / j["median_us"] for j in jobs
+                                                          if j["median_us"] and j["default_us"]] or [1.0])}
 
 
 def background(stack: Stack, args, work: Path) -> dict:
@@ -182,7 +205,9 @@ def background(stack: Stack, args, work: Path) -> dict:
         done = autofp4.autotune.wait(0 if autofp4.autotune.pending() else None)
         idle = decode_all(stack, args)
         duty = jit.active().duty
+        jobs = autofp4.autotune.jobs()
     return {"decode_before": idle_before, "all_tuned_s": all_tuned_s, "all_tuned": done, "duty": duty,
+            "jobs": jobs, "jobs_summary": jobs_summary(jobs),
             "decode_meanwhile": {m: _summary(v) for m, v in meanwhile.items()}, "decode": idle}
 
 
@@ -211,6 +236,16 @@ def derive(doc: dict) -> dict:
     return out
 
 
+def jobs_line(js: dict) -> str:
+    if not js["jobs"]:
+        return "jobs: none finished"
+    later = "-" if js["later_s_median"] is None else f"{js['later_s_median']:.2f}"
+    return (f"jobs: {js['jobs']} {js['statuses']}, wall in the worker {js['wall_s_sum']:.1f} s (median {js['wall_s_median']:.2f},"
+            f" max {js['wall_s_max']:.2f}; first of a shape {js['first_of_shape_s_median']:.2f}, later {later}),"
+            f" median {js['trials_median']:g} trials, {js['not_default']} picks other than the default"
+            f" (geomean {js['speedup_geomean']:.3f}x)")
+
+
 def table(doc: dict) -> str:
     off, blk, bg, der = doc.get("offline"), doc.get("blocking"), doc.get("background"), doc["derived"]
     lines = []
@@ -220,10 +255,12 @@ def table(doc: dict) -> str:
     if blk:
         lines += [f"blocking warm-up (first forward at M = {', '.join(blk['first_forward_s'])}): {blk['warmup_s']:.1f} s"
                   f" (target < {TARGETS['warmup_s']:.0f} s on an H200)",
-                  "  first forward s by M: " + ", ".join(f"{m}: {v:.2f}" for m, v in blk["first_forward_s"].items())]
+                  "  first forward s by M: " + ", ".join(f"{m}: {v:.2f}" for m, v in blk["first_forward_s"].items()),
+                  "  " + jobs_line(blk["jobs_summary"])]
     if bg:
         lines.append(f"background: every miss tuned after {bg['all_tuned_s']:.1f} s (duty {bg['duty']})"
                      + ("" if bg["all_tuned"] else ", NOT all tuned before the timeout"))
+        lines.append("  " + jobs_line(bg["jobs_summary"]))
     lines.append("")
 
     def us(phase, key, m):

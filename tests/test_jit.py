@@ -106,6 +106,11 @@ def test_blocking_first_call_stores_a_row_and_the_second_call_is_a_tuned_hit(_ow
         y2 = autofp4.linear(x, w)
         assert _fast_entry(w, x)[4] is None  # a tuned hit: no miss to count
         assert dispatch.get_dispatcher(CPU).misses() == [(KEY, 4, 1)]
+        (rep,) = autofp4.autotune.jobs()  # the job's report: what it picked and what it took
+        assert (rep["n"], rep["k"], rep["m"], rep["status"], rep["backend"]) == (KEY.n, KEY.k, 4, "tuned", "reference")
+        assert rep["config"] == row.config and rep["median_us"] == pytest.approx(row.median_us)
+        assert rep["trials_run"] >= 1 and 0 < rep["wall_s"] < 120
+    assert autofp4.autotune.jobs() == []  # none in effect
     assert _rel_err(y, x, w) < 1e-2 and torch.equal(y, y2)
     with TuningDB(_own_db) as db:
         trials = db.trials(current_environment(CPU).key())

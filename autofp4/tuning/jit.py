@@ -141,6 +141,11 @@ class _Scope:
         dispatch.refresh()
         return ok
 
+    def reports(self) -> list[dict[str, Any]]:
+        with self.lock:
+            workers = list(self.workers.values())
+        return [r for w in workers for r in w.finished()]
+
     def forked(self) -> None:
         """In a child forked from this process: workers, DB connection and lock of its own (the
         parent's worker answers only the parent; the jobs the parent met are still its own)."""
@@ -237,6 +242,15 @@ class autotune:
         """Jobs queued or being tuned, not finished yet (0 with no autotuning on)."""
         s = active()
         return 0 if s is None else sum(len(w.pending) for w in list(s.workers.values()))
+
+    @staticmethod
+    def jobs() -> list[dict[str, Any]]:
+        """The jobs finished so far under the autotuning in effect, in the order they finished:
+        the problem (op, fmt, dtype, n, k, ...), ``m``, ``status``, the pick (``backend``,
+        ``config``, ``median_us`` against ``default_us``), ``trials_run`` / ``trials_failed``,
+        ``note``, and ``wall_s``: the job's time in the worker (its queueing left out)."""
+        s = active()
+        return [] if s is None else s.reports()
 
     @staticmethod
     def wait(timeout: float | None = None) -> bool:

@@ -85,14 +85,26 @@ def serve(tuner: Any, inbox: "queue.Queue[str | None]", out: IO[str]) -> None:
         if not todo:
             continue
         i, job = todo.popleft()
-        status = tuner.tune(job).status
+        t0 = time.perf_counter()
+        res = tuner.tune(job)
+        status = res.status
         if status == "busy":
             later.append((time.monotonic() + RETRY_S, i, job))
             if i in told:
                 continue
             told.add(i)
-        out.write(json.dumps({"id": i, "status": status, "final": status != "busy"}) + "\n")
+        out.write(json.dumps({"id": i, "status": status, "final": status != "busy",
+                              "report": _report(res, time.perf_counter() - t0)}) + "\n")
         out.flush()
+
+
+def _report(res: Any, wall_s: float) -> dict[str, Any]:
+    """What a job's status line tells its parent besides the status: the pick, its time against
+    the default's, the trials, and the job's wall time in the worker (seconds)."""
+    return {"wall_s": round(wall_s, 3), "backend": res.backend, "config": res.config, "median_us": res.median_us,
+            "default_backend": res.default_backend, "default_config": res.default_config,
+            "default_us": res.default_us, "trials_run": res.trials_run, "trials_failed": res.trials_failed,
+            "note": res.note}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +156,7 @@ class WorkerClient:
         self.proc: subprocess.Popen | None = None
         self.pending: dict[int, Job] = {}  # sent, no final status yet
         self.status: dict[int, str] = {}  # the latest status of each job
+        self.reports: dict[int, dict[str, Any]] = {}  # the final report of each job (see _report)
         self.restarts = 0
         self._ids = itertools.count()
         self._cv = threading.Condition()
@@ -160,6 +173,11 @@ class WorkerClient:
             self.pending[i] = job
             self._send(i, job)
         return i
+
+    def finished(self) -> list[dict[str, Any]]:
+        """The reports of the jobs finished so far, in the order they finished."""
+        with self._cv:
+            return list(self.reports.values())
 
     def wait_for(self, i: int, timeout: float | None) -> str | None:
         """The first status of job ``i`` (``busy`` or final), or None after ``timeout`` seconds."""
@@ -219,7 +237,10 @@ class WorkerClient:
                 with self._cv:
                     self.status[msg["id"]] = msg["status"]
                     if msg["final"]:
-                        self.pending.pop(msg["id"], None)
+                        job = self.pending.pop(msg["id"], None)
+                        if job is not None:
+                            self.reports[msg["id"]] = {**asdict(job.key), "m": job.m, "status": msg["status"],
+                                                       **msg.get("report", {})}
                     self._cv.notify_all()
         with self._cv:  # the worker ended
             self._cv.notify_all()
