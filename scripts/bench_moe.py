@@ -162,6 +162,11 @@ def bench_model(model: str, ep: int, fmts: list[str], ts: list[int], args, bw: f
                 row["autofp4_timing"] = "graph" if graph else "eager"
                 row["autofp4_backend"] = picked
                 row["autofp4_config"] = repr(get_dispatcher(dev).pick(ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, k), t)[1])
+                if t in args.profile_t:
+                    try:
+                        row["profile"] = kernel_profile(fn, q_args)
+                    except Exception as e:  # the timings stand without it
+                        row["profile"] = {"error": f"{type(e).__name__}: {e}"[:300]}
                 if args.kernels and graph:
                     row.update(each_kernel(ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, k), t, q_args, args,
                                            expert_map))
@@ -170,6 +175,32 @@ def bench_model(model: str, ep: int, fmts: list[str], ts: list[int], args, bw: f
         del fp4, dense_t
         torch.cuda.empty_cache()
     return rows
+
+
+def kernel_profile(fn, q_args: list, calls: int = 20) -> dict:
+    """The GPU kernels of one layer call (``--profile-t``), from ``torch.profiler`` over ``calls``
+    eager calls after a warm-up: kernels per call, their summed GPU time per call (the graph
+    time less this is launch gaps), and each kernel's time and count per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for a in q_args[:2]:
+        fn(*a)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for j in range(calls):
+            fn(*q_args[j % len(q_args)])
+        torch.cuda.synchronize()
+    names: dict[str, list] = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA or not e.device_time:
+            continue
+        n = names.setdefault(e.name[:100], [0.0, 0])
+        n[0] += e.device_time
+        n[1] += 1
+    return {"kernels_per_call": sum(c for _, c in names.values()) / calls,
+            "gpu_us_per_call": sum(t for t, _ in names.values()) / calls,
+            "kernels": [{"name": k, "us_per_call": t / calls, "per_call": c / calls}
+                        for k, (t, c) in sorted(names.items(), key=lambda kv: -kv[1][0])]}
 
 
 def each_kernel(key, t: int, q_args: list, args, expert_map) -> dict:
@@ -292,6 +323,8 @@ def main() -> int:
                          "(eagerly, slow)")
     ap.add_argument("--kernels", action="store_true",
                     help="also time the default config of each Hopper MoE kernel, forced (where the two cross)")
+    ap.add_argument("--profile-t", default="", help="token counts whose tuned layer call is also profiled "
+                    "(its GPU kernels: count, time; in the JSON)")
     ap.add_argument("--out", help="results directory (default: docs/results/<gpu>/)")
     ap.add_argument("--plot", metavar="JSON", help="only re-render the tables and plot of a saved run, next to it")
     args = ap.parse_args()
@@ -313,6 +346,7 @@ def main() -> int:
     l2 = l2_cache_bytes(torch.device("cuda"))
     doc = {**provenance(), "copy_bandwidth_tbs": bw / 1e12, "rows": []}
     ts = sorted(int(v) for v in args.t.split(","))
+    args.profile_t = {int(v) for v in args.profile_t.split(",") if v.strip()}
     for m in models:
         doc["rows"] += bench_model(m, MODELS[m], args.fmt.split(","), ts, args, bw, l2)
         (out / "moe.json").write_text(json.dumps(doc, indent=1) + "\n")
