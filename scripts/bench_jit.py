@@ -258,8 +258,8 @@ def table(doc: dict) -> str:
                   "  first forward s by M: " + ", ".join(f"{m}: {v:.2f}" for m, v in blk["first_forward_s"].items()),
                   "  " + jobs_line(blk["jobs_summary"])]
     if bg:
-        lines.append(f"background: every miss tuned after {bg['all_tuned_s']:.1f} s (duty {bg['duty']})"
-                     + ("" if bg["all_tuned"] else ", NOT all tuned before the timeout"))
+        lines.append(f"background: every miss tuned after {bg['all_tuned_s']:.1f} s (duty {bg['duty']})" if bg["all_tuned"]
+                     else f"background: jobs still queued at the {bg['all_tuned_s']:.1f} s timeout (duty {bg['duty']})")
         lines.append("  " + jobs_line(bg["jobs_summary"]))
     lines.append("")
 
