@@ -2,6 +2,7 @@
 files, real subprocesses; on the CPU the reference backend, on a GPU the Hopper kernels."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -290,6 +291,73 @@ def test_two_processes_meeting_one_shape_tune_it_once(tmp_path, _own_db):
         trials = db.trials(current_environment(CPU).key(), n=n, m_bucket=4)
     configs = [config_json(t.config) for t in trials]
     assert configs and len(configs) == len(set(configs)), configs  # no config measured twice
+
+
+def test_the_worker_tells_each_job_the_one_expected_next(_own_db):
+    """A blocking warm-up sends one job at a time, in layer order at every M: from the second M
+    on, each job is told the problem that followed it last time (at its own M), so that its
+    default compiles while this job is measured; a queued job is told first."""
+    import queue
+    import threading
+
+    from autofp4.tuning.online import OnlineTuner
+    from autofp4.tuning.worker import serve
+
+    seen, gate = [], threading.Event()
+
+    class Recording(OnlineTuner):
+        def tune(self, job, then=None):
+            gate.wait(30)
+            seen.append((job.key.n, job.m, None if then is None else (then.key.n, then.m)))
+            return super().tune(job, then)
+
+    class Out:  # the status lines, as the parent reads them
+        def __init__(self):
+            self.lines: queue.Queue = queue.Queue()
+
+        def write(self, text):
+            self.lines.put(json.loads(text))
+
+        def flush(self):
+            pass
+
+    def send(i, n, m):
+        key = ProblemKey("linear", "nvfp4", "bfloat16", n, 128)
+        inbox.put(json.dumps({"id": i, "key": dataclasses.asdict(key), "m": m}) + "\n")
+
+    def worker():  # the tuner's DB connection stays on the thread that opened it
+        tuner = Recording(CPU, _own_db, workers=0)
+        try:
+            serve(tuner, inbox, out)
+        finally:
+            tuner.close()
+
+    inbox, out = queue.Queue(), Out()
+    th = threading.Thread(target=worker, daemon=True)
+    th.start()
+    try:
+        gate.set()
+        i = 0
+        for m in (1, 2):  # a forward pass at M = 1, then at M = 2: one job at a time
+            for n in (128, 256, 384):
+                if i == 5:
+                    gate.clear()  # the last one waits: two jobs queue up behind it
+                send(i, n, m)
+                if i < 5:
+                    assert out.lines.get(timeout=60)["status"] == "tuned"
+                i += 1
+        send(10, 128, 4)
+        send(11, 384, 4)  # queued behind 10: its next, not the guess (256)
+        time.sleep(0.3)
+        gate.set()
+        assert [out.lines.get(timeout=60)["status"] for _ in range(3)] == ["tuned"] * 3
+    finally:
+        inbox.put(None)
+        th.join(60)
+    assert seen[:5] == [(128, 1, None), (256, 1, None), (384, 1, None), (128, 2, (256, 2)), (256, 2, (384, 2))]
+    assert seen[5] in ((384, 2, (128, 2)), (384, 2, (128, 4)))  # the guess, or job 10 if it was queued by then
+    assert seen[6:] == [(128, 4, (384, 4)), (384, 4, (128, 4))]
+    assert len(_rows(_own_db)) == 8
 
 
 def test_settings_are_checked(monkeypatch):

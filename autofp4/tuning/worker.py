@@ -73,12 +73,34 @@ def _take(inbox: "queue.Queue[str | None]", todo: deque, later: deque) -> bool:
         block = False
 
 
+class _NextGuess:
+    """Which job comes after this one. A workload meets its layers in the same order at every
+    M bucket (a forward pass), and a blocking call sends one job at a time: the problem that
+    followed a problem last time is guessed to follow it again, at the same M."""
+
+    def __init__(self) -> None:
+        self.after: dict[ProblemKey, ProblemKey] = {}
+        self.last: ProblemKey | None = None
+
+    def __call__(self, job: Job, queued: deque) -> Job | None:
+        """The job expected after ``job`` (which starts now): the first one queued, else the guess."""
+        if self.last is not None and self.last != job.key:
+            self.after[self.last] = job.key
+        self.last = job.key
+        if queued:
+            return queued[0][1]
+        nxt = self.after.get(job.key)
+        return None if nxt is None else Job(nxt, job.m, job.name)
+
+
 def serve(tuner: Any, inbox: "queue.Queue[str | None]", out: IO[str]) -> None:
     """Tune the jobs of ``inbox`` in order, each job's status written to ``out`` (``busy`` once,
-    not final; the job is taken up again after :data:`RETRY_S`), until the inbox ends."""
+    not final; the job is taken up again after :data:`RETRY_S`), until the inbox ends. Each job
+    is told the job expected next (:class:`_NextGuess`: its default compiles meanwhile)."""
     todo: deque[tuple[int, Job]] = deque()
     later: deque[tuple[float, int, Job]] = deque()  # (when, id, job): jobs another process holds
     told: set[int] = set()
+    guess = _NextGuess()
     while _take(inbox, todo, later):
         while later and later[0][0] <= time.monotonic():
             todo.append(later.popleft()[1:])
@@ -86,7 +108,7 @@ def serve(tuner: Any, inbox: "queue.Queue[str | None]", out: IO[str]) -> None:
             continue
         i, job = todo.popleft()
         t0 = time.perf_counter()
-        res = tuner.tune(job)
+        res = tuner.tune(job, guess(job, todo))
         status = res.status
         if status == "busy":
             later.append((time.monotonic() + RETRY_S, i, job))
