@@ -27,14 +27,26 @@ def outside_graph_pools(fn: Callable[[], Any], device: torch.device) -> Any:
     if side is None:
         side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     cur = torch.cuda.current_stream(device)
+
+    def on_side() -> Any:
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            side.wait_stream(cur)
+            return fn()
+
+    out = on_helper_thread(on_side)
+    cur.wait_stream(side)
+    return out
+
+
+def on_helper_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run on a new thread (waited for) with this thread's grad and inference modes; its
+    result returned, its exception raised here."""
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
     box: dict[str, Any] = {}
 
     def work() -> None:
         try:
-            with torch.cuda.device(device), torch.cuda.stream(side), torch.inference_mode(inference), \
-                    torch.set_grad_enabled(grad):
-                side.wait_stream(cur)
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                 box["out"] = fn()
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             box["err"] = e
@@ -44,5 +56,4 @@ def outside_graph_pools(fn: Callable[[], Any], device: torch.device) -> Any:
     t.join()
     if "err" in box:
         raise box["err"]
-    cur.wait_stream(side)
     return box["out"]
