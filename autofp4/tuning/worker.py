@@ -121,12 +121,11 @@ def serve(tuner: Any, inbox: "queue.Queue[str | None]", out: IO[str]) -> None:
 
 
 def _report(res: Any, wall_s: float) -> dict[str, Any]:
-    """What a job's status line tells its parent besides the status: the pick, its time against
-    the default's, the trials, and the job's wall time in the worker (seconds)."""
-    return {"wall_s": round(wall_s, 3), "backend": res.backend, "config": res.config, "median_us": res.median_us,
-            "default_backend": res.default_backend, "default_config": res.default_config,
-            "default_us": res.default_us, "trials_run": res.trials_run, "trials_failed": res.trials_failed,
-            "note": res.note}
+    """What a job's status line tells its parent besides the status: the fields of its
+    :class:`~.jobs.JobResult` (the pick, its time against the default's, the trials, the note)
+    and the job's wall time in the worker (seconds)."""
+    fields = {k: v for k, v in asdict(res).items() if k not in ("job", "status")}
+    return {**fields, "wall_s": round(wall_s, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
