@@ -131,6 +131,18 @@ def require_gpu(script: str, alternatives: str = "") -> int | None:
     return 2
 
 
+def kernel_times(prof) -> dict[str, list]:
+    """The GPU kernels a ``torch.profiler`` run saw: ``{name: [total device time in us, calls]}``."""
+    out: dict[str, list] = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA or not e.device_time:
+            continue
+        n = out.setdefault(e.name, [0.0, 0])
+        n[0] += e.device_time
+        n[1] += 1
+    return out
+
+
 def measure_copy_bandwidth() -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write), 1 GiB buffers."""
     from autofp4.timing import time_cuda

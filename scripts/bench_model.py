@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import ROOT, provenance, provenance_line, results_dir
+from _common import ROOT, kernel_times, provenance, provenance_line, results_dir
 
 FMTS = ("nvfp4", "mxfp4")
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -173,15 +173,13 @@ def breakdown(run_step, steps: int, device) -> dict:
     sums = {"linear": 0.0, "attention": 0.0, "other": 0.0}
     names: dict[str, list] = {}
     count = 0
-    for e in prof.events():
-        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA or not e.device_time:
-            continue
-        cat = "linear" if _LINEAR.search(e.name) else "attention" if _ATTENTION.search(e.name) else "other"
-        sums[cat] += e.device_time
-        count += 1
-        n = names.setdefault(e.name[:90], [cat, 0.0, 0])
-        n[1] += e.device_time
-        n[2] += 1
+    for name, (t, c) in kernel_times(prof).items():
+        cat = "linear" if _LINEAR.search(name) else "attention" if _ATTENTION.search(name) else "other"
+        sums[cat] += t
+        count += c
+        n = names.setdefault(name[:90], [cat, 0.0, 0])
+        n[1] += t
+        n[2] += c
     top = sorted(names.items(), key=lambda kv: -kv[1][1])[:20]
     return {"step_ms": wall * 1e3, **{f"{k}_ms": v / steps / 1e3 for k, v in sums.items()},
             "kernels_per_step": count / steps,

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import (ROOT, geomean, measure_copy_bandwidth, provenance, provenance_line, require_gpu,
-                     results_dir)
+from _common import (ROOT, geomean, kernel_times, measure_copy_bandwidth, provenance, provenance_line,
+                     require_gpu, results_dir)
 
 #: model name (examples/<name>.json) -> expert-parallel ranks of the layer measured
 MODELS: dict[str, int] = {"qwen3-30b-a3b": 1, "gpt-oss-120b": 1, "mixtral-8x7b": 1, "deepseek-v3": 8}
@@ -191,12 +191,10 @@ def kernel_profile(fn, q_args: list, calls: int = 20) -> dict:
             fn(*q_args[j % len(q_args)])
         torch.cuda.synchronize()
     names: dict[str, list] = {}
-    for e in prof.events():
-        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA or not e.device_time:
-            continue
-        n = names.setdefault(e.name[:100], [0.0, 0])
-        n[0] += e.device_time
-        n[1] += 1
+    for name, (t, c) in kernel_times(prof).items():
+        n = names.setdefault(name[:100], [0.0, 0])
+        n[0] += t
+        n[1] += c
     return {"kernels_per_call": sum(c for _, c in names.values()) / calls,
             "gpu_us_per_call": sum(t for t, _ in names.values()) / calls,
             "kernels": [{"name": k, "us_per_call": t / calls, "per_call": c / calls}
