@@ -111,14 +111,14 @@ def _first_call_outside_pools(run: Callable) -> Callable:
     of the graph's pool that the graph does not own (:func:`~autofp4.graph_pools.outside_graph_pools`).
     That call's result is returned as a copy made in line: the warm-up's outputs must be
     allocated in its pool."""
-    seen: set[torch.device] = set()
+    seen: set[int] = set()  # x.get_device() of the devices called on (cheaper than x.device)
 
     def call(x: torch.Tensor, *args: Any) -> Any:
-        dev = x.device
-        if dev in seen:
+        if x.get_device() in seen:
             return run(x, *args)
+        dev = x.device
         out = outside_graph_pools(lambda: run(x, *args), dev)
-        seen.add(dev)
+        seen.add(x.get_device())
         return out.clone() if dev.type == "cuda" else out
 
     return call
