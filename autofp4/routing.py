@@ -25,13 +25,19 @@ sorting uses) are built once per ``(sizes, device)`` and shared by later calls (
 each would otherwise be one more small kernel per layer): treat the returned metadata as
 read-only. They are not shared when built during CUDA graph capture or ``torch.compile`` tracing.
 
+On a CUDA device :func:`moe_routing` is one CuTeDSL kernel (:mod:`autofp4.kernels.moe_route`,
+the same values) where CuTeDSL is installed and the call fits one CTA (up to
+``MAX_PAIRS`` pairs); the torch ops otherwise, or everywhere with ``$AUTOFP4_MOE_ROUTING=torch``.
+
 Expert parallelism: with ``expert_map`` (``[E_global]`` int, the local index of each global
 expert or ``-1`` where another rank holds it), pairs routed to experts elsewhere are left out
 (not in ``sorted_rows``, not counted); ``E`` is then the number of local experts.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -73,6 +79,33 @@ def _const(key: tuple, device: torch.device, build) -> torch.Tensor:
     return t
 
 
+#: build sorted routing with the routing kernel where it can run (``$AUTOFP4_MOE_ROUTING=torch``: never)
+USE_KERNEL = os.environ.get("AUTOFP4_MOE_ROUTING", "kernel").strip().lower() != "torch"
+_KERNELS: dict[tuple, Callable | None] = {}
+
+
+def _kernel(experts: int, block_m: int, pairs: int, ids64: bool, mapped: bool) -> Callable | None:
+    """The compiled routing kernel for these sizes, or None where it does not apply (no
+    CuTeDSL, too many pairs or experts, tracing)."""
+    if not USE_KERNEL or torch.compiler.is_compiling():
+        return None
+    try:
+        from .kernels import moe_route
+    except ImportError:  # pragma: no cover - the module itself imports only torch
+        return None
+    if not moe_route.supported(experts, pairs):
+        return None
+    key = (experts, block_m, ids64, mapped)
+    if key not in _KERNELS:
+        try:
+            import cutlass  # noqa: F401
+        except ImportError:
+            _KERNELS[key] = None
+        else:
+            _KERNELS[key] = moe_route.compile_kernel(*key)
+    return _KERNELS[key]
+
+
 def routing_sizes(pairs: int, experts: int, block_m: int) -> tuple[int, int]:
     """``(max_rows, max_blocks)`` for ``pairs = T * top_k`` routed pairs over ``experts``."""
     if block_m < 1 or experts < 1 or pairs < 0:
@@ -100,6 +133,16 @@ def moe_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     flat = topk_ids.reshape(-1).long()
     pairs = flat.numel()
     max_rows, max_blocks = routing_sizes(pairs, num_experts, block_m)
+    if dev.type == "cuda" and pairs:
+        emap = None if expert_map is None else expert_map.to(device=dev, dtype=torch.int32).contiguous()
+        fn = _kernel(num_experts, block_m, pairs, topk_ids.dtype == torch.int64, emap is not None)
+        if fn is not None:
+            from .kernels.moe_route import route
+
+            counts, rows, bexp, nblk = route(topk_ids.reshape(-1).contiguous(), num_experts, block_m, max_rows,
+                                             max_blocks, emap, fn)
+            return MoERouting(counts=counts, sorted_rows=rows, block_expert=bexp, num_blocks=nblk,
+                              block_m=block_m, top_k=top_k)
     if expert_map is not None:
         local = expert_map.to(device=dev, dtype=torch.long)[flat]
         local = torch.where(local < 0, torch.full_like(local, num_experts), local)  # elsewhere: a last bin

@@ -146,6 +146,60 @@ def test_routing_on_the_gpu_matches_the_cpu_and_captures_in_a_graph():
         assert torch.equal(out.sorted_rows.cpu(), ref.sorted_rows) and torch.equal(out.num_blocks.cpu(), ref.num_blocks)
 
 
+@pytest.mark.parametrize("experts,block_m,ids64,mapped", [(8, 16, False, False), (128, 8, True, False),
+                                                          (32, 64, True, True), (1, 1, False, False),
+                                                          (1024, 256, False, True)])
+def test_the_routing_kernel_compiles_for_sm90a(monkeypatch, experts, block_m, ids64, mapped):
+    pytest.importorskip("cutlass")
+    from autofp4.kernels import moe_route
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
+    assert moe_route._compile_now(experts, block_m, ids64, mapped) is not None
+    assert moe_route.supported(experts, moe_route.MAX_PAIRS) and not moe_route.supported(experts, moe_route.MAX_PAIRS + 1)
+    assert not moe_route.supported(moe_route.MAX_EXPERTS + 1, 1)
+    with pytest.raises(ValueError, match="experts"):
+        moe_route.compile_kernel(moe_route.MAX_EXPERTS + 1, block_m, ids64, mapped)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_the_routing_kernel_matches_the_reference(dtype):
+    """The CUDA routing (one CuTeDSL kernel) against the plain-Python reference, every case of the
+    CPU test, and expert-parallel slices; the kernel (not the torch fallback) built them."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("cutlass")
+    import autofp4.routing as R
+
+    assert R.USE_KERNEL
+    wide = [(t, k, e, bm, "skewed") for (t, k, e) in [(300, 8, 128), (1000, 2, 8)] for bm in (128, 256)]
+    for t, k, e, bm, mode in CASES + wide + [(0, 2, 8, 16, "uniform"), (2, 2, 1000, 8, "uniform")]:
+        rng = random.Random(SEED + t * 7 + k * 13 + e + bm)
+        ids = _ids(rng, t, k, e, mode) if t else []
+        r = moe_routing(torch.tensor(ids, dtype=dtype).reshape(t, k).cuda(), e, bm)
+        assert R._KERNELS[(e, bm, dtype == torch.int64, False)] is not None
+        counts, rows, blocks = reference(ids, e, bm)
+        max_rows, max_blocks = routing_sizes(t * k, e, bm)
+        case = (t, k, e, bm, mode)
+        assert r.counts.tolist() == counts, case
+        assert r.sorted_rows.tolist() == rows + [-1] * (max_rows - len(rows)), case
+        assert r.block_expert.tolist() == blocks + [-1] * (max_blocks - len(blocks)), case
+        assert r.num_blocks.tolist() == [len(blocks)], case
+    for t, k, e_global, ranks in [(1, 8, 256, 8), (33, 8, 256, 8), (200, 2, 8, 2), (5, 4, 16, 16)]:
+        rng = random.Random(SEED + t + e_global)
+        ids = _ids(rng, t, k, e_global, "uniform")
+        per = e_global // ranks
+        for rank in range(ranks):
+            emap = [i - rank * per if rank * per <= i < (rank + 1) * per else -1 for i in range(e_global)]
+            r = moe_routing(torch.tensor(ids, dtype=dtype).cuda(), per, 8,
+                            expert_map=torch.tensor(emap, dtype=torch.int32).cuda())
+            counts, rows, blocks = reference(ids, per, 8, emap)
+            max_rows, max_blocks = routing_sizes(t * k, per, 8)
+            assert r.counts.tolist() == counts, (t, rank)
+            assert r.sorted_rows.tolist() == rows + [-1] * (max_rows - len(rows)), (t, rank)
+            assert r.block_expert.tolist() == blocks + [-1] * (max_blocks - len(blocks)), (t, rank)
+
+
 def test_size_only_tensors_are_built_once_and_shared():
     """The per-pair rows and block count depend on the sizes only: later calls of the same sizes
     share them (no kernel per call); other sizes get their own; the data-dependent parts stay

@@ -1,0 +1,184 @@
+"""The MoE routing metadata of :func:`autofp4.routing.moe_routing` in one CuTeDSL kernel.
+
+One CTA of ``THREADS`` threads builds, from ``topk_ids`` (flattened, ``pairs = T * top_k``
+entries, int32 or int64) and optionally an expert map (``[E_global]`` int32, ``-1``: another
+rank's expert), what the grouped MoE kernels read: ``counts [E]``, ``sorted_rows [max_rows]``,
+``block_expert [max_blocks]`` and ``num_blocks [1]``, with the same values as the torch ops
+(pairs sorted by expert, in token order within an expert, each expert's run padded with ``-1`` to
+a multiple of ``block_m``). In a CUDA graph that is one node where the torch ops are some forty.
+
+Phases, between CTA barriers, with everything but the outputs in shared memory:
+
+1. every thread: the local expert of its pairs (``E`` for a pair routed elsewhere) into shared
+   memory, and one shared-memory atomic add per pair into the expert's count; the outputs'
+   padding (``-1``) is written meanwhile;
+2. warp 0: the padded counts' running sum (a warp scan per 32 experts), the start of each
+   expert's run;
+3. warp 0: each pair's place, 32 pairs at a time in pair order: lanes of the same expert find
+   each other (``match.any``), a lane's place is its expert's next free row plus the lanes of that
+   expert before it, and the first of them moves the expert's next free row on. Token order within
+   an expert follows from the pair order; one warp walks ``pairs / 32`` steps;
+4. every thread: the expert of each block (a binary search of the run ends), ``-1`` past the
+   used blocks; the counts and the number of used blocks.
+
+``MAX_PAIRS`` bounds ``pairs`` (the shared-memory copy of the local experts);
+:func:`autofp4.routing.moe_routing` uses the torch ops above it.
+"""
+from typing import Callable, Optional
+
+import torch
+
+#: most (token, slot) pairs one call takes (their local experts are kept in shared memory)
+MAX_PAIRS = 8192
+#: most local experts (the counts and run ends are kept in shared memory)
+MAX_EXPERTS = 1024
+THREADS = 512
+
+
+def _build(experts: int, block_m: int, ids64: bool, mapped: bool):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32, Uint32
+
+    E, BM, NT = experts, block_m, THREADS
+    SCANS = -(-E // 32)
+    STEPS = [1 << s for s in range(max(E - 1, 1).bit_length() - 1, -1, -1)]  # binary search over E
+
+    @cute.kernel
+    def route_kernel(ids: cute.Tensor, emap: cute.Tensor, counts: cute.Tensor, rows: cute.Tensor,
+                     bexp: cute.Tensor, nblk: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp, lane = tidx // 32, tidx % 32
+        pairs = ids.shape[0]
+        max_rows = rows.shape[0]
+        max_blocks = bexp.shape[0]
+        smem = cutlass.memory.SmemAllocator()
+        le = smem.allocate_tensor(Int32, cute.make_layout(MAX_PAIRS), byte_alignment=16)
+        cnt = smem.allocate_tensor(Int32, cute.make_layout(E + 1), byte_alignment=16)
+        nxt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)  # next free row
+        end = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)  # padded run's end
+        for i in cutlass.range(tidx, E + 1, NT):
+            cnt[i] = Int32(0)
+        for i in cutlass.range(tidx, max_rows, NT):
+            rows[i] = Int32(-1)
+        cute.arch.barrier()
+        # 1: local experts and counts
+        for p in cutlass.range(tidx, pairs, NT):
+            e = Int32(ids[p])
+            if cutlass.const_expr(mapped):
+                e = emap[e]
+            if (e < 0) | (e >= E):
+                e = Int32(E)
+            le[p] = e
+            cute.arch.atomic_add(cnt.iterator + e, Int32(1), scope="cta")
+        cute.arch.barrier()
+        # 2: the padded runs' running sum
+        if warp == 0:
+            carry = Int32(0)
+            for s in cutlass.range_constexpr(SCANS):
+                i = s * 32 + lane
+                c = Int32(0)
+                if i < E:
+                    c = cnt[i]
+                v = (c + (BM - 1)) // BM * BM
+                run = v
+                for off in cutlass.range_constexpr(5):
+                    u = cute.arch.shuffle_sync_up(run, 1 << off)
+                    if lane >= (1 << off):
+                        run = run + u
+                if i < E:
+                    end[i] = carry + run
+                    nxt[i] = carry + run - v
+                carry = carry + cute.arch.shuffle_sync(run, 31)
+        cute.arch.barrier()
+        # 3: each pair's row, in pair order
+        if warp == 0:
+            for base in cutlass.range(0, pairs, 32):
+                p = base + lane
+                e = Int32(E + 1) + lane  # past the pairs: a key no pair has
+                if p < pairs:
+                    e = le[p]
+                same = cute.arch.match_sync(Uint32(0xFFFFFFFF), e)
+                before = cute.arch.popc(same & cute.arch.lanemask_lt())
+                start = Int32(0)
+                if e < E:
+                    start = nxt[e]
+                cute.arch.sync_warp()
+                if e < E:
+                    rows[start + Int32(before)] = p
+                    if before == Uint32(0):
+                        nxt[e] = start + Int32(cute.arch.popc(same))
+                cute.arch.sync_warp()
+        # 4: each block's expert
+        total = end[E - 1]
+        for b in cutlass.range(tidx, max_blocks, NT):
+            s = b * BM
+            x = Int32(-1)
+            if s < total:
+                x = Int32(0)
+                for step in cutlass.range_constexpr(len(STEPS)):
+                    st = STEPS[step]
+                    if x + st <= E - 1:
+                        if end[x + st - 1] <= s:
+                            x = x + st
+            bexp[b] = x
+        for i in cutlass.range(tidx, E, NT):
+            counts[i] = cnt[i]
+        if tidx == 0:
+            nblk[0] = total // BM
+
+    @cute.jit
+    def launch(ids: cute.Tensor, emap: cute.Tensor, counts: cute.Tensor, rows: cute.Tensor, bexp: cute.Tensor,
+               nblk: cute.Tensor, stream):
+        route_kernel(ids, emap, counts, rows, bexp, nblk).launch(grid=[1, 1, 1], block=[NT, 1, 1], stream=stream)
+
+    return launch
+
+
+def _compile_now(experts: int, block_m: int, ids64: bool, mapped: bool):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    fids = make_fake_compact_tensor(cutlass.Int64 if ids64 else cutlass.Int32, (cute.sym_int(),),
+                                    assumed_align=8 if ids64 else 4)
+    fmap = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
+    fcounts = make_fake_compact_tensor(cutlass.Int32, (experts,), assumed_align=4)
+    frows = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
+    fbexp = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
+    fnblk = make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(_build(experts, block_m, ids64, mapped), fids, fmap, fcounts, frows, fbexp, fnblk, stream,
+                        options="--enable-tvm-ffi --gpu-arch sm_90a")
+
+
+def supported(experts: int, pairs: int) -> bool:
+    """Whether one CTA takes this call (see ``MAX_PAIRS``, ``MAX_EXPERTS``)."""
+    return 1 <= experts <= MAX_EXPERTS and pairs <= MAX_PAIRS
+
+
+def compile_kernel(experts: int, block_m: int, ids64: bool, mapped: bool) -> Callable:
+    """``run(ids [pairs], emap, counts [E], rows [max_rows], bexp [max_blocks], nblk [1])`` (all
+    int32 but ``ids``, int64 when ``ids64``; ``emap``: the expert map, or any int32 tensor when
+    not ``mapped``), filling the four outputs on the current stream."""
+    from ..kernel_cache import compile_cached
+
+    if not supported(experts, 0):
+        raise ValueError(f"the routing kernel takes 1..{MAX_EXPERTS} experts, got {experts}")
+    if not isinstance(block_m, int) or block_m < 1:
+        raise ValueError(f"block_m must be a positive int, got {block_m!r}")
+    return compile_cached("moe_route", __name__, (experts, block_m, ids64, mapped),
+                          lambda: _compile_now(experts, block_m, ids64, mapped))
+
+
+def route(ids: torch.Tensor, experts: int, block_m: int, max_rows: int, max_blocks: int,
+          expert_map: Optional[torch.Tensor], fn: Callable) -> tuple[torch.Tensor, ...]:
+    """``(counts, sorted_rows, block_expert, num_blocks)`` of ``ids`` (flat topk_ids) by ``fn``
+    (:func:`compile_kernel` of these sizes)."""
+    dev = ids.device
+    counts = torch.empty(experts, dtype=torch.int32, device=dev)
+    rows = torch.empty(max_rows, dtype=torch.int32, device=dev)
+    bexp = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    nblk = torch.empty(1, dtype=torch.int32, device=dev)
+    fn(ids, counts if expert_map is None else expert_map, counts, rows, bexp, nblk)
+    return counts, rows, bexp, nblk
