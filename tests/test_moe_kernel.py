@@ -61,6 +61,10 @@ def test_gate_up_order_pairs_the_same_rows():
     (M.MoEDecodeConfig(m_block=4), 1536, 2048, "m_block"),
     (M.MoEDecodeConfig(warps=3), 1536, 2048, "warps"),
     (M.MoEDecodeConfig(k_split=4), 1536, 2048, "k_split=4 exceeds"),
+    (M.MoEDecodeConfig(warps=2, k_warps=4), 1536, 2048, "divide warps"),
+    (M.MoEDecodeConfig(k_warps=3), 1536, 2048, "k_warps"),
+    (M.MoEDecodeConfig(k_warps=4), 1536, 1536, "leaves a warp without work"),  # 3 K groups
+    (M.MoEDecodeConfig(warps=8, k_warps=8), 1536, 2048, "leaves a warp without work"),
     (M.MoEDecodeConfig(), 1528, 2048, "multiple of 32"),
     (M.MoEDecodeConfig(), 1536, 2040, "multiple of 32"),
 ])
@@ -237,6 +241,42 @@ def test_every_config_kind_matches_the_reference(fmt, t, e, k):
         got = run(x, p13, p2, tw, ti, "swigluoai", w13_bias=b13, w2_bias=b2)
         err = float((got.float() - want_b).norm() / want_b.norm())
         assert err < 2e-2, (cfg, "biases", err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("t,h", [(1, 2048), (3, 2560), (24, 2048)])
+def test_up_gemm_k_shared_by_warps_matches_the_reference(fmt, t, h):
+    """``k_warps``: the warps of a tile pair split H (4 K groups in shares of 1 and 2; 5 groups
+    in shares of 3 and 2), their sums meet in shared memory; per pair and sorted, with biases."""
+    _gpu()
+    b = get_backend("sm90_w4a16")
+    e, k, i = 16, 4, 256
+    gen = torch.Generator().manual_seed(SEED + 7 * t + h)
+    key = ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, k)
+    w13 = _experts(e, 2 * i, h, fmt, gen, "cuda")
+    w2 = _experts(e, h, i, fmt, gen, "cuda")
+    x = torch.randn(t, h, generator=gen).cuda().bfloat16()
+    tw, ti = (a.cuda() for a in _routing(t, e, k, "uniform", gen))
+    b13, b2 = _biases(e, i, h, gen)
+    want = reference_moe(x.float(), w13, w2, tw, ti, "silu").float()
+    want_b = reference_moe(x.float(), w13, w2, tw, ti, "swigluoai", w13_bias=b13, w2_bias=b2).float()
+    p13, p2 = w13.packed(b.name, b.prepare), w2.packed(b.name, b.prepare)
+    cfgs = [M.MoEDecodeConfig(warps=4, k_warps=2, per_pair=True), M.MoEDecodeConfig(warps=8, k_warps=2, m_block=16),
+            M.MoEDecodeConfig(warps=8, k_warps=4, k_split=2, per_pair=True), M.MoEDecodeConfig(warps=4, k_warps=4)]
+    ran = 0
+    for cfg in cfgs:
+        if b.is_valid(cfg, key) is not None:
+            continue
+        ran += 1
+        run = b.compile(cfg, key)
+        got = run(x, p13, p2, tw, ti, "silu")
+        err = float((got.float() - want).norm() / want.norm())
+        assert err < 2e-2, (cfg, err)
+        got = run(x, p13, p2, tw, ti, "swigluoai", w13_bias=b13, w2_bias=b2)
+        err = float((got.float() - want_b).norm() / want_b.norm())
+        assert err < 2e-2, (cfg, "biases", err)
+    assert ran >= 2
 
 
 def _ep_case(fmt, device, gen, t=9, eg=16, k=4, h=256, i=128, ranks=4):

@@ -414,11 +414,11 @@ def _moe_gemm_default(n: int, k: int, fmt: str, dtype: str, per_expert: float):
 def moe_seeds(n: int, k: int, fmt: str, dtype: str, experts: int, topk: int, m: int | None = None) -> list[Any]:
     """Grouped-GEMM configs next to the default where a hit expert gets enough pairs: the other
     token block, the other raster, 128-deep K tiles, 256-row weight tiles."""
-    per_expert = _pairs_per_expert(experts, topk, m)
-    if per_expert < MOE_GEMM_MIN_PAIRS / 2:
-        return []
     from dataclasses import replace
 
+    per_expert = _pairs_per_expert(experts, topk, m)
+    if per_expert < MOE_GEMM_MIN_PAIRS / 2:
+        return _moe_decode_seeds(moe_decode_default(n, k, fmt, dtype, experts, topk, m))
     d = _moe_gemm_default(n, k, fmt, dtype, per_expert)
     return [replace(d, tile_m=192 - d.tile_m), replace(d, raster="m"), replace(d, tile_k=128, stages=4),
             replace(d, tile_n=256, stages=4), replace(d, producer=not d.producer), replace(d, tile_m=256, stages=4)]
@@ -428,19 +428,50 @@ def moe_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
     """Values of the grouped MoE kernels worth sweeping."""
     M = _moe_kernel()
     return {"m_block": list(M.M_BLOCKS), "warps": [2, 4, 8], "k_split": [1, 2, 4], "pdl": [False, True],
-            "per_pair": [False, True]}
+            "per_pair": [False, True], "k_warps": [1, 2, 4]}
+
+
+#: up-GEMM warp tasks (hit blocks x tile pairs x K shares) up to which the warp-level MoE
+#: default splits H over more warps of a CTA (``k_warps``): about 16 warps per SM of the H200
+MOE_UP_WARP_TASKS = 2048
+
+
+def _moe_k_warps(n: int, k: int, blocks: int, warps: int) -> int:
+    """The most ``k_warps`` (dividing ``warps``, valid for H = ``k``) that keep ``blocks`` x
+    (``n`` / 32 tile pairs) x ``k_warps`` within ``MOE_UP_WARP_TASKS``."""
+    M = _moe_kernel()
+    best = 1
+    for kw in (2, 4, 8):
+        cfg = M.MoEDecodeConfig(warps=warps, k_warps=kw)
+        if kw <= warps and blocks * (n // 32) * kw <= MOE_UP_WARP_TASKS and M.validate(cfg, n, k, "nvfp4", "bfloat16") is None:
+            best = kw
+    return best
+
+
+def _moe_decode_seeds(d: Any) -> list[Any]:
+    """Warp-level configs next to its default ``d``: other K shares of the up GEMM (``k_warps``)
+    at 4 and 8 warps, the down GEMM's K split 2 and 4, dependent launch on."""
+    from dataclasses import replace
+
+    out = [replace(d, warps=w, k_warps=kw) for w, kw in ((4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8))]
+    out += [replace(d, k_split=2), replace(d, k_split=4), replace(d, pdl=True)]
+    return [c for c in out if c != d]
 
 
 def moe_decode_default(n: int, k: int, fmt: str, dtype: str, experts: int, topk: int, m: int | None = None) -> Any:
     """The warp-level MoE kernel's default: one block per pair, unsorted, while the batch has at
     most as many (token, slot) pairs as experts (the winner at Qwen3-30B-A3B's T = 16); else the
     pairs sorted by expert in blocks of 16 rows where a hit expert gets more than 8 pairs on
-    average (uniform routing), of 8 below; 4 warps; K of the down GEMM not split."""
+    average (uniform routing), of 8 below; 4 warps; K of the down GEMM not split; the up GEMM's
+    H split over as many of a CTA's warps as keep its warp tasks within ``MOE_UP_WARP_TASKS``."""
     M = _moe_kernel()
     pairs = (m if m is not None else 1) * topk
     if pairs <= experts:
-        return M.MoEDecodeConfig(m_block=8, warps=4, k_split=1, per_pair=True)
-    return M.MoEDecodeConfig(m_block=16 if _pairs_per_expert(experts, topk, m) > 8 else 8, warps=4, k_split=1)
+        return M.MoEDecodeConfig(m_block=8, warps=4, k_split=1, per_pair=True,
+                                 k_warps=_moe_k_warps(n, k, pairs, 4))
+    m_block = 16 if _pairs_per_expert(experts, topk, m) > 8 else 8
+    blocks = min(experts, pairs) + pairs // m_block  # hit experts' blocks, about
+    return M.MoEDecodeConfig(m_block=m_block, warps=4, k_split=1, k_warps=_moe_k_warps(n, k, blocks, 4))
 
 
 def moe_gemm_default(n: int, k: int, fmt: str, dtype: str, experts: int, topk: int, m: int | None = None) -> Any:

@@ -14,12 +14,15 @@ experts ``w13 [E, 2I, H]`` (gate rows ``0..I-1``, up rows ``I..2I-1``) and ``w2 
   per chunk of 64 that holds its A fragments for 4 MMAs; the tokens of a block are the MMA's N
   (``m_block / 8`` n8 tiles). x rows are gathered by index: a lane loads the row of its column's
   pair (no load for padding).
-* **Up** (``up_kernel``): grid ``(weight tile pairs / warps, blocks)``. The experts' w13 are
-  packed with the gate and up rows interleaved in 16-row tiles (gate rows ``16 q ..`` then up
-  rows ``16 q ..``), so one warp holds the gate and the up tile of the same 16 rows and applies
+* **Up** (``up_kernel``): grid ``(weight tile pairs / (warps / k_warps), blocks)``. The experts'
+  w13 are packed with the gate and up rows interleaved in 16-row tiles (gate rows ``16 q ..`` then
+  up rows ``16 q ..``), so one warp holds the gate and the up tile of the same 16 rows and applies
   the activation to its accumulators (plus the expert's gate and up biases, if any):
   ``h = act(gate, up)`` (:mod:`._moe_act`: SiLU, tanh-GELU or gpt-oss's clamped SwiGLU) in fp32,
-  stored in the activation dtype at the pair's sorted position, ``h [rows, I]``.
+  stored in the activation dtype at the pair's sorted position, ``h [rows, I]``. With
+  ``k_warps > 1`` the ``k_warps`` warps of a tile pair split its K (= H) range: each leaves its
+  partial sums in shared memory and, after one CTA barrier, the first sums them and applies the
+  activation (more loads in flight per expert where a batch hits few experts).
 * **Down** (``down_kernel``): grid ``(weight tiles / warps, blocks, k_split)``: ``h`` of the block
   (contiguous rows) times W2 of its expert, times the expert's alpha, plus the expert's bias (if
   any; the CTAs of K slice 0 add it), times the pair's router weight, added into an fp32
@@ -60,6 +63,8 @@ class MoEDecodeConfig:
     m_block: pair rows per block (the routing's token tile): 8 or 16 (one or two n8 MMA tiles).
     warps:   warps per CTA (each warp: one 16-row tile pair in the up GEMM, one tile in down).
     k_split: CTAs that share the down GEMM's K (= I) range; their sums meet in the fp32 atomics.
+    k_warps: warps of a CTA that share one up-GEMM tile pair's K (= H) range; their sums meet in
+             shared memory (``warps / k_warps`` tile pairs per CTA).
     pdl:     launch with programmatic dependent launch (a launch flag, one binary).
     per_pair: one block per (token, slot) pair, unsorted (:func:`autofp4.routing.per_pair_routing`:
              no sort or scan on the host stream; an expert chosen by several pairs is read once
@@ -72,6 +77,7 @@ class MoEDecodeConfig:
     k_split: int = 1
     pdl: bool = False
     per_pair: bool = False
+    k_warps: int = 1
 
 
 def validate(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str | None:
@@ -95,6 +101,12 @@ def validate(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str) -> str 
     if cfg.k_split > _groups(n // 2):
         return (f"k_split={cfg.k_split} exceeds the {_groups(n // 2)} K groups of {GROUP_K} of the down GEMM "
                 f"(intermediate {n // 2}); some CTAs would have no work")
+    if not (isinstance(cfg.k_warps, int) and cfg.k_warps in WARPS_CHOICES and cfg.warps % cfg.k_warps == 0):
+        return f"k_warps must be one of {WARPS_CHOICES} and divide warps={cfg.warps}, got {cfg.k_warps!r}"
+    per_warp = -(-_groups(k) // cfg.k_warps)
+    if cfg.k_warps > _groups(k) or -(-_groups(k) // per_warp) != cfg.k_warps:
+        return (f"k_warps={cfg.k_warps} leaves a warp without work: the up GEMM's {_groups(k)} K groups "
+                f"of {GROUP_K} (hidden {k}) in shares of {per_warp}")
     if not isinstance(cfg.pdl, bool):
         return f"pdl must be a bool, got {cfg.pdl!r}"
     if not isinstance(cfg.per_pair, bool):
@@ -181,6 +193,9 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
 
     inter, hidden = n // 2, k
     WARPS, NT, BM, KS = cfg.warps, cfg.m_block // 8, cfg.m_block, cfg.k_split
+    KW = cfg.k_warps
+    PW = WARPS // KW  # up-GEMM tile pairs per CTA
+    ACC13 = 2 * NT * 4  # a lane's up-GEMM accumulators (gate and up tiles x n8 tiles x 4)
     SLOTS = 32 if fmt == "nvfp4" else 16
     TERMS = decode_terms(dtype)
     BF16 = dtype == "bfloat16"
@@ -193,6 +208,7 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
     D13, S13 = T13 * G13 * CHUNKS * 512, T13 * G13 * SLOTS * 16
     D2, S2 = T2 * G2 * CHUNKS * 512, T2 * G2 * SLOTS * 16
     GPS2 = -(-G2 // KS)
+    GPW13 = -(-G13 // KW)  # up-GEMM K groups per warp of a tile pair
 
     def ld16(addr, pred, stream: bool):
         return ld_global_v4(addr, pred, stream)
@@ -254,11 +270,12 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
         e = bexp[blk]
         warp, lane = tidx // 32, tidx % 32
         g, t = lane // 4, lane % 4
-        pair = bx * WARPS + warp  # this warp's (gate, up) tile pair: packed tiles 2 pair, 2 pair + 1
+        kw = warp % KW  # this warp's share of the K range
+        pair = bx * PW + warp // KW  # its (gate, up) tile pair: packed tiles 2 pair, 2 pair + 1
+        acc = cute.make_rmem_tensor((ACC13,), Float32)
+        for i in cutlass.range_constexpr(ACC13):
+            acc[i] = Float32(0.0)
         if (e >= 0) & (pair * 2 < T13):
-            acc = cute.make_rmem_tensor((2 * NT * 4,), Float32)
-            for i in cutlass.range_constexpr(2 * NT * 4):
-                acc[i] = Float32(0.0)
             xv = cute.make_rmem_tensor((NT * 8,), Uint32)
             buf = cute.make_rmem_tensor((2 * NBUF,), Uint32)
             xrow = cute.make_rmem_tensor((NT,), Int32)
@@ -270,11 +287,25 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
             su = Uint32(sadd[e, DI])
             wb0, sb0 = lane_bases(wq, sc, e, pair * 2, lane, g, t, D13, S13, G13)
             wb1, sb1 = lane_bases(wq, sc, e, pair * 2 + 1, lane, g, t, D13, S13, G13)
-            for gi in cutlass.range(0, G13, 1):
+            for gi in cutlass.range(kw * GPW13, cutlass.min(kw * GPW13 + GPW13, G13), 1):
                 load_group(buf, 0, wb0, sb0, gi, Int32(1))
                 load_group(buf, NBUF, wb1, sb1, gi, Int32(1))
                 compute_group(buf, acc, xv, xrow, x.iterator.toint(), hidden, 2, gi, t, su)
             griddep_launch_dependents()
+        if cutlass.const_expr(KW > 1):
+            # [warp][accumulator][lane]: the K shares of each tile pair meet in its first warp
+            smem = cutlass.memory.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout(WARPS * ACC13 * 32), byte_alignment=16)
+            if e >= 0:
+                if kw > 0:
+                    for i in cutlass.range_constexpr(ACC13):
+                        red[(warp * ACC13 + i) * 32 + lane] = acc[i]
+                cute.arch.barrier()
+                if kw == 0:
+                    for j in cutlass.range_constexpr(1, KW):
+                        for i in cutlass.range_constexpr(ACC13):
+                            acc[i] = acc[i] + red[((warp + j) * ACC13 + i) * 32 + lane]
+        if (e >= 0) & (kw == 0) & (pair * 2 < T13):
             al = alpha[e, DI]
             for nt in cutlass.range_constexpr(NT):
                 for i in cutlass.range_constexpr(4):
@@ -339,7 +370,7 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
                y: cute.Tensor, top_k: Int32, use_pdl: Int32, stream):
         blocks = bexp.shape[0]
         up_kernel(x, w13, s13, a13, sa13, b13, rows, bexp, h, top_k).launch(
-            grid=[-(-T13 // (2 * WARPS)), blocks, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=use_pdl)
+            grid=[-(-T13 // (2 * PW)), blocks, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=use_pdl)
         down_kernel(h, w2, s2, a2, sa2, b2, rows, bexp, tw, y, top_k).launch(
             grid=[-(-T2 // WARPS), blocks, KS], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=use_pdl)
 
