@@ -283,7 +283,11 @@ class Difference:
 
 
 def better_evidenced(a: TuningRecord, b: TuningRecord) -> bool:
-    """Is ``a`` better evidence than ``b``? More samples, then a lower spread/median ratio, then newer."""
+    """Is ``a`` better evidence than ``b``? Measured with another source of the kernel: the newer
+    (a re-tune after a kernel change replaces the rows it retired). Else more samples, then a
+    lower spread/median ratio, then newer."""
+    if a.backend_source != b.backend_source:
+        return parse_timestamp(a.created_at) > parse_timestamp(b.created_at)
     if a.samples != b.samples:
         return a.samples > b.samples
     ra, rb = a.spread_ratio, b.spread_ratio

@@ -480,6 +480,10 @@ def test_better_evidenced_order():
     assert not better_evidenced(rec(samples=20, spread_us=2.0, median_us=60.0), base)  # 3.3% > 2.5%
     assert better_evidenced(rec(created_at="2025-01-02T00:00:00Z"), base)  # tie -> newer
     assert not better_evidenced(base, rec(created_at="2025-01-02T00:00:00Z"))
+    # another kernel source: the newer measurement, whatever its evidence
+    retuned = rec(samples=5, spread_us=9.0, backend_source="src2", created_at="2025-01-03T00:00:00Z")
+    assert better_evidenced(retuned, base) and not better_evidenced(base, retuned)
+    assert not better_evidenced(rec(samples=99, backend_source="src0", created_at="2024-12-01T00:00:00Z"), base)
 
 
 def test_merge_keeps_better_evidenced_rows_and_reports_conflicts(tmp_path):
