@@ -62,7 +62,7 @@ its parent's end) and :mod:`.jit` (:class:`~.jit.autotune`, the dispatcher's mis
 """
 from __future__ import annotations
 
-from .budget import job_share_deadline, setup_cap, trial_estimate
+from .budget import job_share_deadline, setup_cap, setup_reserve, trial_estimate
 from .jobs import CPU_DEFAULTS, CPU_M_BUCKETS, GPU_DEFAULTS, Job, JobResult, TuneReport, jobs_for
 from .fleet import tune_on_devices
 from .run import misses_jobs, tune, tune_from_misses, tune_jobs
@@ -88,5 +88,6 @@ __all__ = [
     "run_trial",
     "job_share_deadline",
     "setup_cap",
+    "setup_reserve",
     "trial_estimate",
 ]

@@ -147,7 +147,7 @@ class JobTuner:
             return False
         end = budget._now() + trial_estimate(self.run_s, self.wait_s, compiled)
         if self.priors_left():
-            cap = setup_cap(ctx.deadline, ctx.jobs_after, ctx.trial_s, ctx.streams)
+            cap = setup_cap(ctx.deadline, ctx.jobs_after, ctx.trial_s, ctx.streams, ctx.setup_s, ctx.setups_after)
             return cap is not None and end > max(ctx.job_deadline, cap)
         return end > ctx.job_deadline
 
@@ -321,8 +321,10 @@ class JobTuner:
         if ctx.job_deadline is not None and setup > 0:
             # a problem's random weights serve all its M buckets: building them does not
             # use up the share of the job that happens to come first (as far as the jobs
-            # after it keep time for one trial each)
-            cap = setup_cap(ctx.deadline, ctx.jobs_after, ctx.trial_s, ctx.streams)
+            # after it keep time for one trial each, and the problems after it for their
+            # setup)
+            ctx.setup_s.append(setup)
+            cap = setup_cap(ctx.deadline, ctx.jobs_after, ctx.trial_s, ctx.streams, ctx.setup_s, ctx.setups_after)
             ctx.job_deadline = max(ctx.job_deadline, min(ctx.job_deadline + setup, cap))
 
     def _record(self, trial: Any, cand: _Cand, res: dict[str, Any]) -> None:
