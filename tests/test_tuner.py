@@ -812,3 +812,21 @@ def test_closing_a_run_stops_compile_workers_still_compiling():
         p.join(10)
     assert not any(p.is_alive() for p in procs), "a compile worker outlived its run"
     assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.gpu
+def test_a_problems_random_weights_are_drawn_on_the_gpu_from_the_seed():
+    """The trial data's random weights are drawn on the GPU (the CPU's normal draws took most of
+    a MoE job's setup), still determined by the run's seed: the same seed gives the same FP4
+    weights, another seed others, and the values are standard normal before quantizing."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from autofp4.tuning import trial
+
+    dev = torch.device("cuda")
+    for key in (ProblemKey("moe", "nvfp4", "bfloat16", 512, 256, 8, 2), ProblemKey("linear", "mxfp4", "bfloat16", 768, 512)):
+        a, b, c = (trial._weights_for(key, dev, torch.Generator().manual_seed(s)) for s in (5, 5, 6))
+        for x, y, z in zip(*((w,) if not isinstance(w, tuple) else w for w in (a, b, c))):
+            assert x.data.is_cuda and torch.equal(x.data, y.data) and torch.equal(x.scale, y.scale)
+            assert not torch.equal(x.data, z.data)
+            assert 0.85 < float(x.dequantize().std()) < 1.15

@@ -59,19 +59,29 @@ class _TrialData:
 _DATA = _TrialData()
 
 
+def _randn(shape: tuple[int, ...], device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """Normal values of ``shape`` on ``device``, determined by the CPU generator ``gen``. On a
+    GPU they are drawn there, from a device generator seeded by ``gen``: the CPU draws some
+    10^8 values a second, and a MoE problem's rotated weight copies are 10^9-10^10 values."""
+    if device.type != "cuda":
+        return torch.randn(shape, generator=gen, device="cpu").to(device)
+    g = torch.Generator(device=device)
+    g.manual_seed(int(torch.randint(0, 1 << 62, (1,), generator=gen)))
+    return torch.randn(shape, generator=g, device=device)
+
+
 def _random_fp4(shape: tuple[int, ...], fmt: str, device: torch.device, gen: torch.Generator) -> Any:
     """A random FP4 weight of ``shape`` (quantized in expert chunks to bound fp32 memory)."""
     from ..weights import FP4Weight, quantize
 
     if len(shape) == 2:
-        w = torch.randn(shape, generator=gen, device="cpu").to(device)
-        return quantize(w, fmt)
+        return quantize(_randn(shape, device, gen), fmt)
     e, n, k = shape
     per = max(1, (1 << 27) // max(1, n * k))
     parts = []
     for s in range(0, e, per):
         c = min(per, e - s)
-        w = torch.randn((c, n, k), generator=gen, device="cpu").to(device)
+        w = _randn((c, n, k), device, gen)
         parts.append(quantize(w, fmt))
         del w
     if len(parts) == 1:
