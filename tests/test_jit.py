@@ -293,10 +293,11 @@ def test_two_processes_meeting_one_shape_tune_it_once(tmp_path, _own_db):
     assert configs and len(configs) == len(set(configs)), configs  # no config measured twice
 
 
-def test_the_worker_tells_each_job_the_one_expected_next(_own_db):
+def test_the_worker_tells_each_job_the_ones_expected_next(_own_db):
     """A blocking warm-up sends one job at a time, in layer order at every M: from the second M
-    on, each job is told the problem that followed it last time (at its own M), so that its
-    default compiles while this job is measured; a queued job is told first."""
+    on, each job is told the problem that followed it last time (at its own M), and every job
+    its own problem at the next M bucket, so that their defaults compile while this job is
+    measured; a queued job is told first."""
     import queue
     import threading
 
@@ -308,7 +309,7 @@ def test_the_worker_tells_each_job_the_one_expected_next(_own_db):
     class Recording(OnlineTuner):
         def tune(self, job, then=None):
             gate.wait(30)
-            seen.append((job.key.n, job.m, None if then is None else (then.key.n, then.m)))
+            seen.append((job.key.n, job.m, [(t.key.n, t.m) for t in then]))
             return super().tune(job, then)
 
     class Out:  # the status lines, as the parent reads them
@@ -354,9 +355,11 @@ def test_the_worker_tells_each_job_the_one_expected_next(_own_db):
     finally:
         inbox.put(None)
         th.join(60)
-    assert seen[:5] == [(128, 1, None), (256, 1, None), (384, 1, None), (128, 2, (256, 2)), (256, 2, (384, 2))]
-    assert seen[5] in ((384, 2, (128, 2)), (384, 2, (128, 4)))  # the guess, or job 10 if it was queued by then
-    assert seen[6:] == [(128, 4, (384, 4)), (384, 4, (128, 4))]
+    assert seen[:5] == [(128, 1, [(128, 2)]), (256, 1, [(256, 2)]), (384, 1, [(384, 2)]),
+                        (128, 2, [(256, 2), (128, 4)]), (256, 2, [(384, 2), (256, 4)])]
+    # the guess, or job 10 if it was queued by then
+    assert seen[5] in ((384, 2, [(128, 2), (384, 4)]), (384, 2, [(128, 4), (384, 4)]))
+    assert seen[6:] == [(128, 4, [(384, 4), (128, 8)]), (384, 4, [(128, 4), (384, 8)])]
     assert len(_rows(_own_db)) == 8
 
 

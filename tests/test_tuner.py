@@ -795,6 +795,28 @@ def test_next_jobs_default_is_compiled_ahead(monkeypatch, tmp_path):
         ["256 0", "256 64", "384 0", "384 0", "384 64", "512 0", "512 0", "512 64"])
 
 
+def test_every_job_expected_next_has_its_default_compiled_ahead(monkeypatch, tmp_path):
+    """Just-in-time tuning tells a job several jobs expected next (the next problem, the same
+    problem at the next M bucket): each one's default goes to the compile workers."""
+    from autofp4.tuning.online import OnlineTuner
+
+    _register(monkeypatch, LoggedCompileBackend)
+    log = tmp_path / "compiles.log"
+    monkeypatch.setenv("AUTOFP4_TEST_COMPILE_LOG", str(log))
+    tuner = OnlineTuner("cpu", tmp_path / "t.db", backends=["test_logged"], workers=1)
+    try:
+        nxt = [Job(ProblemKey("linear", "nvfp4", "bfloat16", 384, 128), 1), Job(KEY, 2)]
+        assert tuner.tune(Job(KEY, 1), nxt).status == "tuned"
+        deadline = time.monotonic() + 60
+        while len(log.read_text().split()) < 8 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the prefetches may still be compiling
+    finally:
+        tuner.close()
+    lines = sorted(line for line in log.read_text().split("\n") if line)
+    # the job's two candidates, then the defaults of the two jobs expected next
+    assert lines == sorted(["256 0", "256 64", "384 0", "256 0"]), lines
+
+
 def test_closing_a_run_stops_compile_workers_still_compiling():
     """The end of a run does not wait for compiles still running (a process exits only once its
     pool's workers have; a cold compile can take a minute): the workers are stopped."""

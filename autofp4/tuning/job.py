@@ -59,8 +59,9 @@ def _record_trial(db: Any, ctx: _Ctx, job: Job, cand: _Cand, res: dict[str, Any]
     db.add_trial(tr)
 
 
-def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = None) -> JobResult:
-    """Tune one (key, M bucket). ``then``: the job that follows on this stream; its default
+def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer,
+              then: Job | Sequence[Job] | None = None) -> JobResult:
+    """Tune one (key, M bucket). ``then``: the job (or jobs) expected after it on this stream; their default
     config is sent to the compile workers right after this job's first candidates."""
     key = job.key
     backends = _applicable(key, ctx.backends, ctx.reference_as_fallback)
@@ -237,13 +238,13 @@ class JobTuner:
         return False
 
     # -- measuring --
-    def run(self, then: Job | None = None) -> JobResult:
+    def run(self, then: Job | Sequence[Job] | None = None) -> JobResult:
         """Measure the job's trials, then choose and store its winner (``then``: see
         :func:`_tune_job`). Ctrl-C gives up the trials in flight and raises :class:`_Interrupted`."""
         try:
             self.refill()
-            if then is not None:
-                _prefetch_default(self.ctx, then)
+            for nxt in (then,) if isinstance(then, Job) else (then or ()):
+                _prefetch_default(self.ctx, nxt)
             while self.inflight:
                 self._step()
         except KeyboardInterrupt:

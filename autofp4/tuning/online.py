@@ -62,10 +62,10 @@ class OnlineTuner:
             reference_as_fallback=auto, claims=claims, origin="jit", measure_first=True,
         )
 
-    def tune(self, job: Job, then: Job | None = None) -> JobResult:
+    def tune(self, job: Job, then: Job | Sequence[Job] | None = None) -> JobResult:
         """Tune ``job`` now and store its winner, unless another process holds its claim (then
         status ``busy``, nothing done). A job already tuned (here or elsewhere) is ``skipped``.
-        ``then``: the job expected next, whose default config the compile workers compile while
+        ``then``: the job (or jobs) expected next, whose default configs the compile workers compile while
         this one is measured (into the kernel cache, where the next job's first trial finds it)."""
         claim = self.ctx.claims.take(self.ctx.env_key, job)
         if claim is None:

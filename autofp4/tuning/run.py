@@ -115,7 +115,8 @@ def _run_job(jobs: "queue.Queue[tuple[int, Job]]", job: Job, ctx: _Ctx, db: Any,
     return _guarded_job(job, ctx, db, meas, nxt)
 
 
-def _guarded_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer, then: Job | None = None) -> JobResult:
+def _guarded_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer,
+                 then: Job | Sequence[Job] | None = None) -> JobResult:
     """:func:`_tune_job`, with Ctrl-C stopping the run (``ctx.stop``) and any other failure
     reported as the job's ``error``."""
     try:

@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from ..problem import ProblemKey
+from ..problem import DEFAULT_M_BUCKETS, ProblemKey
 from .jobs import Job
 
 #: a job another process is tuning is tried again this often (seconds)
@@ -74,23 +74,30 @@ def _take(inbox: "queue.Queue[str | None]", todo: deque, later: deque) -> bool:
 
 
 class _NextGuess:
-    """Which job comes after this one. A workload meets its layers in the same order at every
+    """Which jobs come after this one. A workload meets its layers in the same order at every
     M bucket (a forward pass), and a blocking call sends one job at a time: the problem that
-    followed a problem last time is guessed to follow it again, at the same M."""
+    followed a problem last time is guessed to follow it again, at the same M; and a warm-up
+    goes through growing M, so the same problem at the next M bucket is guessed too."""
 
     def __init__(self) -> None:
         self.after: dict[ProblemKey, ProblemKey] = {}
         self.last: ProblemKey | None = None
 
-    def __call__(self, job: Job, queued: deque) -> Job | None:
-        """The job expected after ``job`` (which starts now): the first one queued, else the guess."""
+    def __call__(self, job: Job, queued: deque) -> list[Job]:
+        """The jobs expected after ``job`` (which starts now): the first one queued, else the
+        guessed next problem; then ``job``'s problem at the next M bucket."""
         if self.last is not None and self.last != job.key:
             self.after[self.last] = job.key
         self.last = job.key
+        out: list[Job] = []
         if queued:
-            return queued[0][1]
-        nxt = self.after.get(job.key)
-        return None if nxt is None else Job(nxt, job.m, job.name)
+            out.append(queued[0][1])
+        elif job.key in self.after:
+            out.append(Job(self.after[job.key], job.m, job.name))
+        bigger = [b for b in DEFAULT_M_BUCKETS if b > job.m]
+        if bigger and not any(j.key == job.key and j.m == bigger[0] for j in out):
+            out.append(Job(job.key, bigger[0], job.name))
+        return out
 
 
 def serve(tuner: Any, inbox: "queue.Queue[str | None]", out: IO[str]) -> None:
