@@ -85,6 +85,24 @@ def test_the_backend_serves_moe_with_its_own_configs():
     assert {m.__name__ for m in b.source_modules("moe_decode")} == {M.__name__}
 
 
+def test_decode_defaults_split_k_where_few_experts_are_hit():
+    """The warp-level default splits the up GEMM's H over a CTA's warps and the down GEMM's I
+    over CTAs while their warp tasks stay within the heuristic's limits: at T = 1 the H200
+    tuning winners' splits (Qwen3-30B-A3B 4 and 2, gpt-oss-120b 2 and 4, Mixtral-8x7B 4 and 4);
+    none at T = 16, where enough pairs are in flight; every default valid."""
+    from autofp4.backends import sm90_heuristics as H
+
+    want = {"qwen3-30b-a3b": (4, 2), "gpt-oss-120b": (2, 4), "mixtral-8x7b": (4, 4)}
+    for name, (e, topk, h, i) in MODELS.items():
+        one, sixteen = (H.moe_decode_default(2 * i, h, "nvfp4", "bfloat16", e, topk, t) for t in (1, 16))
+        for cfg in (one, sixteen):
+            assert M.validate(cfg, 2 * i, h, "nvfp4", "bfloat16") is None, (name, cfg)
+        if name in want:
+            assert (one.k_warps, one.k_split) == want[name], (name, one)
+        assert (sixteen.k_warps, sixteen.k_split) == (1, 1), (name, sixteen)
+        assert one.k_warps >= sixteen.k_warps
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_default_configs_of_the_models_compile_for_sm90a(fmt):

@@ -432,29 +432,41 @@ def moe_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
 
 
 #: up-GEMM warp tasks (hit blocks x tile pairs x K shares) up to which the warp-level MoE
-#: default splits H over more warps of a CTA (``k_warps``): about 16 warps per SM of the H200
-MOE_UP_WARP_TASKS = 2048
+#: default splits H over more warps of a CTA (``k_warps``): about 62 warps per SM of the H200.
+#: In the H200 tuning runs the most shares won at T = 1 and 4 (Qwen3-30B-A3B, Mixtral-8x7B,
+#: gpt-oss-120b: 4, 4 and 2, the most valid)
+MOE_UP_WARP_TASKS = 8192
+#: down-GEMM warp tasks (hit blocks x 16-row tiles of H x K slices) up to which the default
+#: splits I over CTAs (``k_split``): the T = 1 winners were 2 (Qwen3-30B-A3B, 1024 tasks), 4
+#: (gpt-oss-120b, 720; Mixtral-8x7B, 512), by 11-39% over no split
+MOE_DOWN_WARP_TASKS = 3072
 
 
-def _moe_k_warps(n: int, k: int, blocks: int, warps: int) -> int:
-    """The most ``k_warps`` (dividing ``warps``, valid for H = ``k``) that keep ``blocks`` x
-    (``n`` / 32 tile pairs) x ``k_warps`` within ``MOE_UP_WARP_TASKS``."""
+def _moe_split(n: int, k: int, blocks: int, warps: int) -> tuple[int, int]:
+    """``(k_warps, k_split)``: the most K shares of the up GEMM (dividing ``warps``, valid for
+    H = ``k``) that keep ``blocks`` x (``n`` / 32 tile pairs) x ``k_warps`` within
+    ``MOE_UP_WARP_TASKS``, and the most K slices of the down GEMM that keep ``blocks`` x
+    (``k`` / 16 tiles) x ``k_split`` within ``MOE_DOWN_WARP_TASKS``."""
     M = _moe_kernel()
-    best = 1
+    kw_best = ks_best = 1
     for kw in (2, 4, 8):
         cfg = M.MoEDecodeConfig(warps=warps, k_warps=kw)
         if kw <= warps and blocks * (n // 32) * kw <= MOE_UP_WARP_TASKS and M.validate(cfg, n, k, "nvfp4", "bfloat16") is None:
-            best = kw
-    return best
+            kw_best = kw
+    for ks in (2, 4):
+        cfg = M.MoEDecodeConfig(warps=warps, k_split=ks)
+        if blocks * (k // 16) * ks <= MOE_DOWN_WARP_TASKS and M.validate(cfg, n, k, "nvfp4", "bfloat16") is None:
+            ks_best = ks
+    return kw_best, ks_best
 
 
 def _moe_decode_seeds(d: Any) -> list[Any]:
     """Warp-level configs next to its default ``d``: other K shares of the up GEMM (``k_warps``)
-    at 4 and 8 warps, the down GEMM's K split 2 and 4, dependent launch on."""
+    at 4 and 8 warps, other K splits of the down GEMM (1, 2, 4), dependent launch on."""
     from dataclasses import replace
 
     out = [replace(d, warps=w, k_warps=kw) for w, kw in ((4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8))]
-    out += [replace(d, k_split=2), replace(d, k_split=4), replace(d, pdl=True)]
+    out += [replace(d, k_split=s) for s in (1, 2, 4)] + [replace(d, pdl=True)]
     return [c for c in out if c != d]
 
 
@@ -462,16 +474,18 @@ def moe_decode_default(n: int, k: int, fmt: str, dtype: str, experts: int, topk:
     """The warp-level MoE kernel's default: one block per pair, unsorted, while the batch has at
     most as many (token, slot) pairs as experts (the winner at Qwen3-30B-A3B's T = 16); else the
     pairs sorted by expert in blocks of 16 rows where a hit expert gets more than 8 pairs on
-    average (uniform routing), of 8 below; 4 warps; K of the down GEMM not split; the up GEMM's
-    H split over as many of a CTA's warps as keep its warp tasks within ``MOE_UP_WARP_TASKS``."""
+    average (uniform routing), of 8 below; 4 warps; the up GEMM's H split over as many of a
+    CTA's warps and the down GEMM's I over as many CTAs as keep their warp tasks within
+    ``MOE_UP_WARP_TASKS`` and ``MOE_DOWN_WARP_TASKS``."""
     M = _moe_kernel()
     pairs = (m if m is not None else 1) * topk
     if pairs <= experts:
-        return M.MoEDecodeConfig(m_block=8, warps=4, k_split=1, per_pair=True,
-                                 k_warps=_moe_k_warps(n, k, pairs, 4))
+        kw, ks = _moe_split(n, k, pairs, 4)
+        return M.MoEDecodeConfig(m_block=8, warps=4, k_split=ks, per_pair=True, k_warps=kw)
     m_block = 16 if _pairs_per_expert(experts, topk, m) > 8 else 8
     blocks = min(experts, pairs) + pairs // m_block  # hit experts' blocks, about
-    return M.MoEDecodeConfig(m_block=m_block, warps=4, k_split=1, k_warps=_moe_k_warps(n, k, blocks, 4))
+    kw, ks = _moe_split(n, k, blocks, 4)
+    return M.MoEDecodeConfig(m_block=m_block, warps=4, k_split=ks, k_warps=kw)
 
 
 def moe_gemm_default(n: int, k: int, fmt: str, dtype: str, experts: int, topk: int, m: int | None = None) -> Any:
