@@ -266,6 +266,13 @@ def render(doc: dict) -> str:
         for fmt in sorted({r["fmt"] for r in timed}):
             sel = [r for r in timed if r["fmt"] == fmt]
             lines.append(f"- {fmt}: {geomean(r['speedup'] for r in sel):.3f}x over {len(sel)} rows")
+        lines += ["", "Geomean percent of the HBM floor, per format and T range (the issue's targets: "
+                  "T = 1 at least 50%, T = 16-256 at least 70%):", ""]
+        for fmt in sorted({r["fmt"] for r in timed}):
+            for what, ts in (("T = 1", (1,)), ("T = 16-256", (16, 64, 256))):
+                sel = [r for r in timed if r["fmt"] == fmt and r["T"] in ts]
+                if sel:
+                    lines.append(f"- {fmt}, {what}: {geomean(r['floor_pct'] for r in sel):.0f}% over {len(sel)} rows")
     return "\n".join(lines) + "\n"
 
 

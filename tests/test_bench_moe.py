@@ -113,6 +113,7 @@ def test_tables_from_a_saved_run(tmp_path, monkeypatch):
     assert "| mixtral-8x7b | 1 | nvfp4 | 16 | 7.5 | 800.0 | 400.0 | graph | 2.00x | 160.0 | 40% |" in md
     assert "| deepseek-v3 | 8 | nvfp4 | 16 | 7.5 | 800.0 | - | - | - | 160.0 | - | - |" in md
     assert "nvfp4: 2.000x over 1 rows" in md
+    assert "- nvfp4, T = 16-256: 40% over 1 rows" in md and "T = 1:" not in md
 
 
 def test_without_a_gpu_it_says_so(monkeypatch, capsys):
