@@ -25,7 +25,7 @@ sorting uses) are built once per ``(sizes, device)`` and shared by later calls (
 each would otherwise be one more small kernel per layer): treat the returned metadata as
 read-only. They are not shared when built during CUDA graph capture or ``torch.compile`` tracing.
 
-On a CUDA device :func:`moe_routing` is one CuTeDSL kernel (:mod:`autofp4.kernels.moe_route`,
+On a Hopper GPU :func:`moe_routing` is one CuTeDSL kernel (:mod:`autofp4.kernels.moe_route`,
 the same values) where CuTeDSL is installed and the call fits one CTA (up to
 ``MAX_PAIRS`` pairs); the torch ops otherwise, or everywhere with ``$AUTOFP4_MOE_ROUTING=torch``.
 
@@ -36,6 +36,7 @@ expert or ``-1`` where another rank holds it), pairs routed to experts elsewhere
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -84,15 +85,15 @@ USE_KERNEL = os.environ.get("AUTOFP4_MOE_ROUTING", "kernel").strip().lower() != 
 _KERNELS: dict[tuple, Callable | None] = {}
 
 
-def _kernel(experts: int, block_m: int, pairs: int, ids64: bool, mapped: bool) -> Callable | None:
+def _kernel(experts: int, block_m: int, pairs: int, ids64: bool, mapped: bool,
+            device: torch.device) -> Callable | None:
     """The compiled routing kernel for these sizes, or None where it does not apply (no
-    CuTeDSL, too many pairs or experts, tracing)."""
-    if not USE_KERNEL or torch.compiler.is_compiling():
+    CuTeDSL, not a Hopper GPU: the binary is sm_90a's, too many pairs or experts, tracing). A
+    kernel that fails to compile warns once and leaves these sizes to the torch ops."""
+    if not USE_KERNEL or torch.compiler.is_compiling() or not _on_hopper(device):
         return None
-    try:
-        from .kernels import moe_route
-    except ImportError:  # pragma: no cover - the module itself imports only torch
-        return None
+    from .kernels import moe_route
+
     if not moe_route.supported(experts, pairs):
         return None
     key = (experts, block_m, ids64, mapped)
@@ -101,9 +102,25 @@ def _kernel(experts: int, block_m: int, pairs: int, ids64: bool, mapped: bool) -
             import cutlass  # noqa: F401
         except ImportError:
             _KERNELS[key] = None
-        else:
+            return None
+        try:
             _KERNELS[key] = moe_route.compile_kernel(*key)
+        except Exception as e:  # a broken toolchain must not take the MoE layer down
+            warnings.warn(f"autofp4: the MoE routing kernel {key} did not compile ({e}); "
+                          "using torch ops for its routing", RuntimeWarning, stacklevel=3)
+            _KERNELS[key] = None
     return _KERNELS[key]
+
+
+_HOPPER: dict[int, bool] = {}
+
+
+def _on_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is an sm_90 GPU (looked up once per device)."""
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _HOPPER:
+        _HOPPER[i] = torch.cuda.get_device_capability(i) == (9, 0)
+    return _HOPPER[i]
 
 
 def routing_sizes(pairs: int, experts: int, block_m: int) -> tuple[int, int]:
@@ -135,7 +152,7 @@ def moe_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     max_rows, max_blocks = routing_sizes(pairs, num_experts, block_m)
     if dev.type == "cuda" and pairs:
         emap = None if expert_map is None else expert_map.to(device=dev, dtype=torch.int32).contiguous()
-        fn = _kernel(num_experts, block_m, pairs, topk_ids.dtype == torch.int64, emap is not None)
+        fn = _kernel(num_experts, block_m, pairs, topk_ids.dtype == torch.int64, emap is not None, dev)
         if fn is not None:
             from .kernels.moe_route import route
 

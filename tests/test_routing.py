@@ -161,6 +161,34 @@ def test_the_routing_kernel_compiles_for_sm90a(monkeypatch, experts, block_m, id
         moe_route.compile_kernel(moe_route.MAX_EXPERTS + 1, block_m, ids64, mapped)
 
 
+def test_the_routing_kernel_is_used_on_hopper_only_and_a_failed_compile_falls_back(monkeypatch):
+    """The kernel's binary is sm_90a's: on another GPU the torch ops build the routing (nothing is
+    compiled); a compile that fails warns once and leaves those sizes to the torch ops."""
+    pytest.importorskip("cutlass")
+    import autofp4.routing as R
+    from autofp4.kernels import moe_route
+
+    calls = []
+
+    def broken(*key):
+        calls.append(key)
+        raise RuntimeError("no toolchain")
+
+    monkeypatch.setattr(moe_route, "compile_kernel", broken)
+    monkeypatch.setattr(R, "_KERNELS", {})
+    monkeypatch.setattr(R, "_HOPPER", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (8, 0))
+    assert R._kernel(8, 16, 32, False, False, torch.device("cuda", 0)) is None and not calls
+    monkeypatch.setattr(R, "_HOPPER", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
+    with pytest.warns(RuntimeWarning, match="did not compile"):
+        assert R._kernel(8, 16, 32, False, False, torch.device("cuda", 0)) is None
+    assert R._kernel(8, 16, 32, False, False, torch.device("cuda", 0)) is None and len(calls) == 1  # once
+    assert R._kernel(8, 16, moe_route.MAX_PAIRS + 1, False, False, torch.device("cuda", 0)) is None
+    monkeypatch.setattr(R, "USE_KERNEL", False)
+    assert R._kernel(4, 16, 32, False, False, torch.device("cuda", 0)) is None and len(calls) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_the_routing_kernel_matches_the_reference(dtype):
