@@ -92,6 +92,20 @@ def test_default_configs_of_the_models_compile_for_sm90a(fmt):
         b.compile_only(cfg, key)
 
 
+def test_small_token_blocks_are_seeded_where_they_fit_and_compile_for_sm90a():
+    """Token blocks of 16 and 32 rows (the dense GEMM's smallest wgmma N) come first among the
+    grouped-GEMM seeds where a hit expert gets about that many pairs (each expert's run is
+    padded to a block), not where it gets far more; both compile for sm_90a."""
+    b = get_backend("sm90_w4a16")
+    e, topk, h, i = MODELS["qwen3-30b-a3b"]
+    key = ProblemKey("moe", "nvfp4", "bfloat16", 2 * i, h, e, topk)
+    seeds = b.seeds(key, 256)  # 16 pairs per expert
+    assert [c.tile_m for c in seeds[:2]] == [16, 32]
+    assert all(c.tile_m >= 64 for c in b.seeds(key, 4096))  # 256 pairs per expert
+    for cfg in seeds[:2]:
+        b.compile_only(cfg, key)
+
+
 def test_a_random_sample_of_the_space_compiles_for_sm90a():
     rng = random.Random(SEED)
     b = get_backend("sm90_w4a16")
@@ -126,7 +140,8 @@ def _err(got, want):
 
 CONFIGS = [G.MoEGemmConfig(), G.MoEGemmConfig(tile_m=64, raster="n"), G.MoEGemmConfig(tile_m=256, stages=3),
            G.MoEGemmConfig(cluster_n=2, raster="n", producer=True, scale_select=True),
-           G.MoEGemmConfig(tile_n=256, tile_k=128, stages=3, producer=True)]
+           G.MoEGemmConfig(tile_n=256, tile_k=128, stages=3, producer=True),
+           G.MoEGemmConfig(tile_m=16, raster="n", stages=6), G.MoEGemmConfig(tile_m=32, producer=True)]
 
 
 @pytest.mark.gpu

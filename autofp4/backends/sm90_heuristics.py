@@ -385,7 +385,7 @@ MOE_GEMM_BIG_EXPERT = 16 << 20
 
 def moe_gemm_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
     """Values of the grouped MoE GEMM worth sweeping."""
-    return {"tile_n": [128, 256], "tile_m": [64, 128, 256], "tile_k": [64, 128], "stages": [3, 4, 6, 8],
+    return {"tile_n": [128, 256], "tile_m": [16, 32, 64, 128, 256], "tile_k": [64, 128], "stages": [3, 4, 6, 8],
             "cluster_n": [1, 2], "raster": ["m", "n"], "producer": [False, True], "scale_select": [False, True],
             "pdl": [False, True]}
 
@@ -412,16 +412,20 @@ def _moe_gemm_default(n: int, k: int, fmt: str, dtype: str, per_expert: float):
 
 
 def moe_seeds(n: int, k: int, fmt: str, dtype: str, experts: int, topk: int, m: int | None = None) -> list[Any]:
-    """Grouped-GEMM configs next to the default where a hit expert gets enough pairs: the other
-    token block, the other raster, 128-deep K tiles, 256-row weight tiles."""
+    """Grouped-GEMM configs next to the default where a hit expert gets enough pairs: token
+    blocks of 16 or 32 where they fit the pairs per expert, the other token block, the other
+    raster, 128-deep K tiles, 256-row weight tiles; else the warp-level kernel's seeds."""
     from dataclasses import replace
 
     per_expert = _pairs_per_expert(experts, topk, m)
     if per_expert < MOE_GEMM_MIN_PAIRS / 2:
         return _moe_decode_seeds(moe_decode_default(n, k, fmt, dtype, experts, topk, m))
     d = _moe_gemm_default(n, k, fmt, dtype, per_expert)
-    return [replace(d, tile_m=192 - d.tile_m), replace(d, raster="m"), replace(d, tile_k=128, stages=4),
-            replace(d, tile_n=256, stages=4), replace(d, producer=not d.producer), replace(d, tile_m=256, stages=4)]
+    out = [replace(d, tile_m=192 - d.tile_m), replace(d, raster="m"), replace(d, tile_k=128, stages=4),
+           replace(d, tile_n=256, stages=4), replace(d, producer=not d.producer), replace(d, tile_m=256, stages=4)]
+    # token blocks that fit the pairs per hit expert (each expert's run is padded to a block)
+    small = [tm for tm in (16, 32) if per_expert <= 1.5 * tm]
+    return [replace(d, tile_m=tm) for tm in small] + out
 
 
 def moe_config_space(n: int, k: int, fmt: str, dtype: str) -> dict[str, list]:
