@@ -795,6 +795,43 @@ def test_next_jobs_default_is_compiled_ahead(monkeypatch, tmp_path):
         ["256 0", "256 64", "384 0", "384 0", "384 64", "512 0", "512 0", "512 64"])
 
 
+class SlowCompileBackend(ReferenceBackend):
+    """chunk_n=64 takes 3 s to compile (in the tuner's compile workers); the default compiles at once."""
+
+    name = "test_slow_compile"
+
+    def config_space(self, key):
+        return {"chunk_n": [0, 64]}
+
+    def compile_only(self, config, key):
+        if config.chunk_n == 64:
+            time.sleep(3.0)
+
+
+@pytest.mark.parametrize("grace", [0.1, None])
+def test_a_blocking_callers_job_takes_what_is_compiled(monkeypatch, tmp_path, grace):
+    """Just in time with ``compile_grace_s`` (blocking mode): once the default is measured, the job
+    waits for another candidate's compile at most that long, and ends with what it has; without it,
+    it waits for the 3 s compile and measures both."""
+    from autofp4.tuning.online import OnlineTuner
+
+    _register(monkeypatch, SlowCompileBackend)
+    tuner = OnlineTuner("cpu", tmp_path / "t.db", backends=["test_slow_compile"], workers=1, compile_grace_s=grace)
+    try:
+        t0 = time.monotonic()
+        res = tuner.tune(Job(KEY, 1))
+        took = time.monotonic() - t0
+    finally:
+        tuner.close()
+    assert res.status == "tuned"
+    if grace is None:
+        assert res.trials_run == 2 and took >= 3.0, (res.trials_run, took, res.note)
+    else:
+        assert res.trials_run == 1 and took < 2.5 and "compile outlasted" in res.note, (res.trials_run, took, res.note)
+    with pytest.raises(ValueError, match="compile_grace_s"):
+        OnlineTuner("cpu", tmp_path / "u.db", compile_grace_s=-1.0)
+
+
 def test_every_job_expected_next_has_its_default_compiled_ahead(monkeypatch, tmp_path):
     """Just-in-time tuning tells a job several jobs expected next (the next problem, the same
     problem at the next M bucket): each one's default goes to the compile workers."""

@@ -42,6 +42,9 @@ RELOAD_S = 0.5
 BACKGROUND_DUTY = 0.5
 #: and its CPU priority below the workload's (compiles must not take the serving loop's cores)
 BACKGROUND_NICE = 10
+#: in blocking mode a job with a measured config waits at most this long for another candidate's
+#: compile (the caller waits for the job; what is not compiled yet still lands in the kernel cache)
+BLOCKING_COMPILE_GRACE_S = 0.25
 #: a blocking call waits this long for its job, plus three times the job's budget (seconds):
 #: the worker's start (imports, compile workers, timing process) comes first
 START_WAIT_S = 300.0
@@ -125,6 +128,7 @@ class _Scope:
             w = self.workers[(device, self.path)] = WorkerClient({
                 "device": str(device), "db": str(self.path), "budget_s": self.budget_s, "backends": self.backends,
                 "duty": self.duty, "workers": self.workers_n, "nice": BACKGROUND_NICE if self.mode == "background" else 0,
+                "compile_grace_s": BLOCKING_COMPILE_GRACE_S if self.mode == "blocking" else None,
             })
         return w
 

@@ -298,6 +298,8 @@ class JobTuner:
         wait = ctx.compile_timeout_s
         if ctx.job_deadline is not None and self.has_result() and not cand.prior:
             wait = min(wait, max(0.0, ctx.job_deadline - t_trial))
+        if ctx.compile_grace_s is not None and self.has_result() and not cand.prior:
+            wait = min(wait, ctx.compile_grace_s)  # a caller waits for this job: take what is compiled
         try:
             err = fut.result(timeout=wait)
         except cf.TimeoutError:

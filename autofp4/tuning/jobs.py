@@ -190,3 +190,4 @@ class _Ctx:
     claims: Any = None  # JobClaims of the DB (no shared storage): one process per job at a time
     origin: str = "offline"  # what the rows stored say about how they were tuned (schema.Origin)
     measure_first: bool = False  # the hard stop waits for the job's first measured config (just in time)
+    compile_grace_s: float | None = None  # with a result in hand, wait at most this for a compile (None: the share)

@@ -31,22 +31,28 @@ class OnlineTuner:
     where the reference backend's three trials bound it); ``backends``: names (default: every
     backend that runs on the device, the reference backend only where no other applies);
     ``duty``: the share of the wall time spent measuring (:class:`~.measurer._PacedMeasurer`;
-    a job's time stretches by ``1 / duty``). The compile workers and the timing process start
+    a job's time stretches by ``1 / duty``). ``compile_grace_s``: once a job has a measured
+    config, how long it waits for another candidate's compile (None: while its time lasts; a
+    blocking caller's jobs take what is compiled, the rest still lands in the kernel cache). The compile workers and the timing process start
     here, before any job's clock."""
 
     def __init__(self, device: torch.device | str, db_path: Any, budget_s: float | None = None,
-                 backends: Sequence[str] | None = None, workers: int | None = None, duty: float = 1.0) -> None:
+                 backends: Sequence[str] | None = None, workers: int | None = None, duty: float = 1.0,
+                 compile_grace_s: float | None = None) -> None:
         dev = _resolve_devices(None, None, device)[0]
         on_gpu = dev.type == "cuda"
         defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
         if budget_s is not None and not budget_s > 0:
             raise ValueError(f"budget_s must be > 0, got {budget_s}")
+        if compile_grace_s is not None and not compile_grace_s >= 0:
+            raise ValueError(f"compile_grace_s must be >= 0, got {compile_grace_s}")
         self.budget_s = (GPU_BUDGET_S if on_gpu else None) if budget_s is None else float(budget_s)
         workers = _default_workers(on_gpu) if workers is None else workers
         self.db, _, path = _open_db(db_path)
         self.meas = _PacedMeasurer(dev, on_gpu, defaults.trial_timeout_s, duty)
         self.ctx = self._settings(dev, defaults, _chosen_backends(backends, dev), workers, not backends,
                                   JobClaims(path))
+        self.ctx.compile_grace_s = compile_grace_s
         self.db.add_environment(self.ctx.env)
         self.ctx.pool = _open_pool(workers, on_gpu)
         self.meas.start()

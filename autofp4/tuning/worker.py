@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         os.nice(s["nice"])
     out = os.fdopen(s["fd"], "w", encoding="utf-8")
     tuner = OnlineTuner(s["device"], s["db"], s["budget_s"], list(s["backends"] or ()) or None, s.get("workers"),
-                        duty=s["duty"])
+                        duty=s["duty"], compile_grace_s=s.get("compile_grace_s"))
     try:
         serve(tuner, _inbox(sys.stdin), out)
     finally:
