@@ -325,8 +325,10 @@ class JobTuner:
             # a problem's random weights serve all its M buckets: building them does not
             # use up the share of the job that happens to come first (as far as the jobs
             # after it keep time for one trial each, and the problems after it for their
-            # setup)
-            ctx.setup_s.append(setup)
+            # setup: the first setup of each problem, its random weights, is what those expect)
+            if self.job.key not in ctx.setup_seen:
+                ctx.setup_seen.add(self.job.key)
+                ctx.setup_s.append(setup)
             cap = setup_cap(ctx.deadline, ctx.jobs_after, ctx.trial_s, ctx.streams, ctx.setup_s, ctx.setups_after)
             ctx.job_deadline = max(ctx.job_deadline, min(ctx.job_deadline + setup, cap))
 
