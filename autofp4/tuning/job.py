@@ -148,7 +148,8 @@ class JobTuner:
             return False
         end = budget._now() + trial_estimate(self.run_s, self.wait_s, compiled)
         if self.priors_left():
-            cap = setup_cap(ctx.deadline, ctx.jobs_after, ctx.trial_s, ctx.streams, ctx.setup_s, ctx.setups_after)
+            cap = setup_cap(ctx.deadline, ctx.jobs_after, ctx.trial_s, ctx.streams, list(ctx.setup_s.values()),
+                            ctx.setups_after)
             return cap is not None and end > max(ctx.job_deadline, cap)
         return end > ctx.job_deadline
 
@@ -326,10 +327,9 @@ class JobTuner:
             # use up the share of the job that happens to come first (as far as the jobs
             # after it keep time for one trial each, and the problems after it for their
             # setup: the first setup of each problem, its random weights, is what those expect)
-            if self.job.key not in ctx.setup_seen:
-                ctx.setup_seen.add(self.job.key)
-                ctx.setup_s.append(setup)
-            cap = setup_cap(ctx.deadline, ctx.jobs_after, ctx.trial_s, ctx.streams, ctx.setup_s, ctx.setups_after)
+            ctx.setup_s.setdefault(self.job.key, setup)
+            cap = setup_cap(ctx.deadline, ctx.jobs_after, ctx.trial_s, ctx.streams, list(ctx.setup_s.values()),
+                            ctx.setups_after)
             ctx.job_deadline = max(ctx.job_deadline, min(ctx.job_deadline + setup, cap))
 
     def _record(self, trial: Any, cand: _Cand, res: dict[str, Any]) -> None:

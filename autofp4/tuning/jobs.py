@@ -184,8 +184,7 @@ class _Ctx:
     jobs_after: int = 0  # jobs queued behind the current one when it started
     setups_after: int = 0  # problems queued behind it that this stream has not set up
     set_up: set = field(default_factory=set)  # the problems (ProblemKeys) this stream's jobs set up
-    setup_s: list[float] = field(default_factory=list)  # the first setup of each problem on this stream: seconds
-    setup_seen: set = field(default_factory=set)  # the problems (ProblemKeys) whose first setup is in setup_s
+    setup_s: dict = field(default_factory=dict)  # ProblemKey -> its first setup on this stream, seconds
     trial_s: list[float] = field(default_factory=list)  # this stream's trials: wall time, setup excluded
     started_at: str = ""  # when the run started (UTC, as rows' created_at): rows from then on are this run's or a peer's
     claims: Any = None  # JobClaims of the DB (no shared storage): one process per job at a time

@@ -105,13 +105,13 @@ def _run_job(jobs: "queue.Queue[tuple[int, Job]]", job: Job, ctx: _Ctx, db: Any,
     """Tune ``job`` with its share of the time (the jobs still queued after it share the rest)."""
     with jobs.mutex:  # peek: the next job's first compile overlaps this job
         nxt = jobs.queue[0][1] if jobs.queue else None
-    with jobs.mutex:
         queued = {j.key for _, j in jobs.queue}
     ctx.jobs_after = jobs.qsize()
     ctx.set_up.add(job.key)
     ctx.setups_after = len(queued - ctx.set_up)
     ctx.job_deadline = job_share_deadline(budget._now(), ctx.deadline, ctx.jobs_after + 1, ctx.streams,
-                                          budget.setup_reserve(ctx.setup_s, ctx.setups_after, ctx.streams))
+                                          budget.setup_reserve(list(ctx.setup_s.values()), ctx.setups_after,
+                                                               ctx.streams))
     return _guarded_job(job, ctx, db, meas, nxt)
 
 
