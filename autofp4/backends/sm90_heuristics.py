@@ -446,7 +446,7 @@ MOE_UP_WARP_TASKS = 8192
 MOE_DOWN_WARP_TASKS = 3072
 
 
-def _moe_split(n: int, k: int, blocks: int, warps: int) -> tuple[int, int]:
+def _moe_split(n: int, k: int, fmt: str, dtype: str, blocks: int, warps: int) -> tuple[int, int]:
     """``(k_warps, k_split)``: the most K shares of the up GEMM (dividing ``warps``, valid for
     H = ``k``) that keep ``blocks`` x (``n`` / 32 tile pairs) x ``k_warps`` within
     ``MOE_UP_WARP_TASKS``, and the most K slices of the down GEMM that keep ``blocks`` x
@@ -455,11 +455,11 @@ def _moe_split(n: int, k: int, blocks: int, warps: int) -> tuple[int, int]:
     kw_best = ks_best = 1
     for kw in (2, 4, 8):
         cfg = M.MoEDecodeConfig(warps=warps, k_warps=kw)
-        if kw <= warps and blocks * (n // 32) * kw <= MOE_UP_WARP_TASKS and M.validate(cfg, n, k, "nvfp4", "bfloat16") is None:
+        if kw <= warps and blocks * (n // 32) * kw <= MOE_UP_WARP_TASKS and M.validate(cfg, n, k, fmt, dtype) is None:
             kw_best = kw
     for ks in (2, 4):
         cfg = M.MoEDecodeConfig(warps=warps, k_split=ks)
-        if blocks * (k // 16) * ks <= MOE_DOWN_WARP_TASKS and M.validate(cfg, n, k, "nvfp4", "bfloat16") is None:
+        if blocks * (k // 16) * ks <= MOE_DOWN_WARP_TASKS and M.validate(cfg, n, k, fmt, dtype) is None:
             ks_best = ks
     return kw_best, ks_best
 
@@ -484,11 +484,11 @@ def moe_decode_default(n: int, k: int, fmt: str, dtype: str, experts: int, topk:
     M = _moe_kernel()
     pairs = (m if m is not None else 1) * topk
     if pairs <= experts:
-        kw, ks = _moe_split(n, k, pairs, 4)
+        kw, ks = _moe_split(n, k, fmt, dtype, pairs, 4)
         return M.MoEDecodeConfig(m_block=8, warps=4, k_split=ks, per_pair=True, k_warps=kw)
     m_block = 16 if _pairs_per_expert(experts, topk, m) > 8 else 8
     blocks = min(experts, pairs) + pairs // m_block  # hit experts' blocks, about
-    kw, ks = _moe_split(n, k, blocks, 4)
+    kw, ks = _moe_split(n, k, fmt, dtype, blocks, 4)
     return M.MoEDecodeConfig(m_block=m_block, warps=4, k_split=ks, k_warps=kw)
 
 
