@@ -796,10 +796,10 @@ def test_next_jobs_default_is_compiled_ahead(monkeypatch, tmp_path):
         ["256 0", "256 64", "384 0", "384 0", "384 64", "512 0", "512 0", "512 64"])
 
 
-class SlowCompileBackend(ReferenceBackend):
+class SlowWorkerCompileBackend(ReferenceBackend):
     """chunk_n=64 takes 3 s to compile (in the tuner's compile workers); the default compiles at once."""
 
-    name = "test_slow_compile"
+    name = "test_slow_worker_compile"
 
     def config_space(self, key):
         return {"chunk_n": [0, 64]}
@@ -816,8 +816,9 @@ def test_a_blocking_callers_job_takes_what_is_compiled(monkeypatch, tmp_path, gr
     it waits for the 3 s compile and measures both."""
     from autofp4.tuning.online import OnlineTuner
 
-    _register(monkeypatch, SlowCompileBackend)
-    tuner = OnlineTuner("cpu", tmp_path / "t.db", backends=["test_slow_compile"], workers=1, compile_grace_s=grace)
+    _register(monkeypatch, SlowWorkerCompileBackend)
+    tuner = OnlineTuner("cpu", tmp_path / "t.db", backends=["test_slow_worker_compile"], workers=1,
+                        compile_grace_s=grace)
     try:
         t0 = time.monotonic()
         res = tuner.tune(Job(KEY, 1))
