@@ -27,7 +27,13 @@ experts ``w13 [E, 2I, H]`` (gate rows ``0..I-1``, up rows ``I..2I-1``) and ``w2 
   (contiguous rows) times W2 of its expert, times the expert's alpha, plus the expert's bias (if
   any; the CTAs of K slice 0 add it), times the pair's router weight, added into an fp32
   ``[T, H]`` with ``red.global.add.f32`` (the top-k sum; K split across CTAs adds into the same
-  sums). The caller converts to the activation dtype.
+  sums), which the up kernel's grid zeroes first. The caller converts to the activation dtype.
+* Dependent launch (``pdl``): the up kernel lets the down kernel launch right after its own
+  ``griddepcontrol.wait``, so the down kernel's CTAs arrive while the up GEMM streams its
+  weights; before its wait, a down warp reads its block's expert (the routing is complete by
+  then: every up CTA has passed its wait), loads its first K group of weights and scales into
+  registers and pulls the rest of its K range into L2. After the wait it reads the expert again
+  (and reloads that group if it changed); ``h`` and ``y`` are touched only after the wait.
 * Biases (``w13_bias [E, 2I]``, ``w2_bias [E, H]``) are compile-time options: a kernel built
   without them reads none; with them it reads fp32, bf16 or fp16 values and adds them in fp32.
 * Each expert's packed weights are at a fixed stride; its epilogue factor (``alpha``: NVFP4
@@ -189,7 +195,7 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
 
     from ._fp4_bits import decode_terms
     from ._ptx import (asm_void, decode_pair, griddep_launch_dependents, griddep_wait, ld_global_v4,
-                       make_load_group, mma_m16n8k16, mul_x2)
+                       make_load_group, mma_m16n8k16, mul_x2, prefetch_l2)
 
     inter, hidden = n // 2, k
     WARPS, NT, BM, KS = cfg.warps, cfg.m_block // 8, cfg.m_block, cfg.k_split
@@ -218,6 +224,9 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
 
     def red_add(addr, v):
         asm_void("red.global.add.f32 [$0], $1;", "l,f", Int64(addr), Float32(v))
+
+    def st_zero16(addr):
+        asm_void("st.global.v4.u32 [$0], {$1, $1, $1, $1};", "l,r", Int64(addr), Uint32(0))
 
     load_group = make_load_group(SLOTS, CHUNKS)
 
@@ -263,10 +272,18 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
 
     @cute.kernel
     def up_kernel(x: cute.Tensor, wq: cute.Tensor, sc: cute.Tensor, alpha: cute.Tensor, sadd: cute.Tensor,
-                  b13: cute.Tensor, rows: cute.Tensor, bexp: cute.Tensor, h: cute.Tensor, top_k: Int32):
+                  b13: cute.Tensor, rows: cute.Tensor, bexp: cute.Tensor, h: cute.Tensor, y: cute.Tensor,
+                  top_k: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bx, blk, _ = cute.arch.block_idx()
         griddep_wait()
+        # the down kernel may launch now: its CTAs pull their weights while this one streams its own
+        griddep_launch_dependents()
+        # the fp32 top-k sums start at zero: the grid clears y ([T, H], 16 bytes a thread a step)
+        gx, gy, _ = cute.arch.grid_dim()
+        step = gx * gy * (32 * WARPS)
+        for i in cutlass.range((blk * gx + bx) * (32 * WARPS) + tidx, y.shape[0] * (hidden // 4), step, unroll=1):
+            st_zero16(y.iterator.toint() + Int64(i) * 16)
         e = bexp[blk]
         warp, lane = tidx // 32, tidx % 32
         g, t = lane // 4, lane % 4
@@ -291,7 +308,6 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
                 load_group(buf, 0, wb0, sb0, gi, Int32(1))
                 load_group(buf, NBUF, wb1, sb1, gi, Int32(1))
                 compute_group(buf, acc, xv, xrow, x.iterator.toint(), hidden, 2, gi, t, su)
-            griddep_launch_dependents()
         if cutlass.const_expr(KW > 1):
             # [warp][accumulator][lane]: the K shares of each tile pair meet in its first warp
             smem = cutlass.memory.SmemAllocator()
@@ -325,17 +341,32 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
                     top_k: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bx, blk, bz = cute.arch.block_idx()
-        griddep_wait()
-        e = bexp[blk]
         warp, lane = tidx // 32, tidx % 32
         g, t = lane // 4, lane % 4
         tile = bx * WARPS + warp
-        if (e >= 0) & (tile < T2):
+        g0 = bz * GPS2
+        g1 = cutlass.min(g0 + GPS2, G2)
+        # Before the wait: this grid launched once every CTA of the up kernel had passed its own
+        # wait, so the routing is written; this warp loads its first K group of weights into
+        # registers and pulls the rest of its K range into L2. The expert is read again after
+        # the wait (and the group reloaded if it differs); h and y only after it.
+        e_pre = bexp[blk]
+        ok_pre = (e_pre >= 0) & (e_pre < alpha.shape[0]) & (tile < T2) & (g0 < g1)
+        buf = cute.make_rmem_tensor((NBUF,), Uint32)
+        wb, sb = lane_bases(wq, sc, cutlass.max(e_pre, 0), tile, lane, g, t, D2, S2, G2)
+        load_group(buf, 0, wb, sb, g0, Int32(ok_pre))
+        if ok_pre & (lane == 0) & (g1 - g0 > 1):
+            w0 = wq.iterator.toint() + Int64(e_pre) * D2 + Int64((tile * G2 + g0 + 1) * (CHUNKS * 512))
+            s0 = sc.iterator.toint() + Int64(e_pre) * S2 + Int64((tile * G2 + g0 + 1) * (SLOTS * 16))
+            prefetch_l2(w0, (g1 - g0 - 1) * (CHUNKS * 512))
+            prefetch_l2(s0, (g1 - g0 - 1) * (SLOTS * 16))
+        griddep_wait()
+        e = bexp[blk]
+        if (e >= 0) & (tile < T2) & (g0 < g1):
             acc = cute.make_rmem_tensor((NT * 4,), Float32)
             for i in cutlass.range_constexpr(NT * 4):
                 acc[i] = Float32(0.0)
             xv = cute.make_rmem_tensor((NT * 8,), Uint32)
-            buf = cute.make_rmem_tensor((NBUF,), Uint32)
             xrow = cute.make_rmem_tensor((NT,), Int32)
             for nt in cutlass.range_constexpr(NT):
                 r = blk * BM + nt * 8 + g
@@ -344,9 +375,10 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
                     xrow[nt] = r
             su = Uint32(sadd[e, DI])
             wb, sb = lane_bases(wq, sc, e, tile, lane, g, t, D2, S2, G2)
-            g0 = bz * GPS2
-            g1 = cutlass.min(g0 + GPS2, G2)
-            for gi in cutlass.range(g0, g1, 1):
+            if e != e_pre:
+                load_group(buf, 0, wb, sb, g0, Int32(1))
+            compute_group(buf, acc, xv, xrow, h.iterator.toint(), inter, 1, g0, t, su)
+            for gi in cutlass.range(g0 + 1, g1, 1):
                 load_group(buf, 0, wb, sb, gi, Int32(1))
                 compute_group(buf, acc, xv, xrow, h.iterator.toint(), inter, 1, gi, t, su)
             griddep_launch_dependents()
@@ -369,7 +401,7 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
                b2: cute.Tensor, rows: cute.Tensor, bexp: cute.Tensor, tw: cute.Tensor, h: cute.Tensor,
                y: cute.Tensor, top_k: Int32, use_pdl: Int32, stream):
         blocks = bexp.shape[0]
-        up_kernel(x, w13, s13, a13, sa13, b13, rows, bexp, h, top_k).launch(
+        up_kernel(x, w13, s13, a13, sa13, b13, rows, bexp, h, y, top_k).launch(
             grid=[-(-T13 // (2 * PW)), blocks, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=use_pdl)
         down_kernel(h, w2, s2, a2, sa2, b2, rows, bexp, tw, y, top_k).launch(
             grid=[-(-T2 // WARPS), blocks, KS], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=use_pdl)
@@ -494,7 +526,7 @@ def compile_kernel(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str) -
         route = per_pair_routing if cfg.per_pair else moe_routing
         r = route(topk_ids, p13.experts, cfg.m_block, expert_map=expert_map)
         h = torch.empty(r.sorted_rows.numel(), n // 2, dtype=tdt, device=x.device)
-        y = torch.zeros(x.shape[0], k, dtype=torch.float32, device=x.device)
+        y = torch.empty(x.shape[0], k, dtype=torch.float32, device=x.device)  # the up kernel zeroes it
         if x.shape[0] == 0:
             return y.to(tdt)
         tw = topk_weights.reshape(-1).float().contiguous()
