@@ -26,3 +26,17 @@ def routing(t, e, k, mode, gen):
         logits[:, k + 2:] -= 100.0
     w, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
     return (w / w.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
+
+
+def replays(graph, x, tw, ti, e, gen, modes=("uniform", "one_expert", "few_experts")):
+    """Replay a captured layer on fresh inputs: for each routing of ``modes``, new random ``x``,
+    router weights and expert ids copied into the captured tensors, then ``graph.replay()``;
+    yields the mode after each replay."""
+    t, h = x.shape
+    for mode in modes:
+        ntw, nti = routing(t, e, ti.shape[1], mode, gen)
+        x.copy_(torch.randn(t, h, generator=gen).to(x.dtype))
+        tw.copy_(ntw)
+        ti.copy_(nti)
+        graph.replay()
+        yield mode

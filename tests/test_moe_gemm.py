@@ -19,7 +19,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 from autofp4.backends import get_backend  # noqa: E402
 from autofp4.backends.reference import reference_moe  # noqa: E402
 from autofp4.problem import ProblemKey  # noqa: E402
-from moe_cases import MODELS, experts as _experts, routing  # noqa: E402
+from moe_cases import MODELS, experts as _experts, replays, routing  # noqa: E402
 
 G = pytest.importorskip("autofp4.kernels.sm90_moe_gemm")
 from autofp4.kernels import sm90_w4a16_gemm as D  # noqa: E402
@@ -218,12 +218,7 @@ def test_graph_replay_with_changing_routing_matches_eager():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = run(x, p13, p2, tw, ti, "silu")
-    for mode in ("uniform", "one_expert", "few_experts"):
-        ntw, nti = _routing(t, e, k, mode, gen)
-        x.copy_(torch.randn(t, h, generator=gen).bfloat16())
-        tw.copy_(ntw)
-        ti.copy_(nti)
-        g.replay()
+    for mode in replays(g, x, tw, ti, e, gen):
         want = run(x, p13, p2, tw, ti, "silu")
         torch.cuda.synchronize()
         assert torch.equal(out, want), mode  # no atomics: the same sums in the same order

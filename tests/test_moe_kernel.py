@@ -20,7 +20,7 @@ import autofp4  # noqa: E402
 from autofp4.backends import get_backend  # noqa: E402
 from autofp4.backends.reference import reference_moe  # noqa: E402
 from autofp4.problem import ProblemKey  # noqa: E402
-from moe_cases import MODELS, experts as _experts, routing as _routing  # noqa: E402
+from moe_cases import MODELS, experts as _experts, replays, routing as _routing  # noqa: E402
 
 M = pytest.importorskip("autofp4.kernels.w4a16_moe")
 from autofp4.kernels import w4a16_decode as D  # noqa: E402
@@ -217,16 +217,43 @@ def test_graph_replay_with_changing_routing_matches_eager(fmt):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = autofp4.moe(x, w13, w2, tw, ti)
-    for mode in ("uniform", "one_expert", "few_experts"):
-        ntw, nti = _routing(t, e, k, mode, gen)
-        x.copy_(torch.randn(t, h, generator=gen).bfloat16())
-        tw.copy_(ntw)
-        ti.copy_(nti)
-        g.replay()
+    for mode in replays(g, x, tw, ti, e, gen):
         want = autofp4.moe(x, w13, w2, tw, ti)
         torch.cuda.synchronize()
         # the top-k sums meet in fp32 atomics, in no fixed order: equal up to rounding
         assert float((out.float() - want.float()).norm() / want.float().norm()) < 2e-3, mode
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_dependent_launch_under_graph_replay_matches_the_reference(fmt):
+    """``pdl``: the down kernel launches during the up kernel and reads its blocks' experts before
+    its wait. A graph replayed on new routings (other experts per block, empty blocks) must
+    still match the reference."""
+    _gpu()
+    b = get_backend("sm90_w4a16")
+    gen = torch.Generator().manual_seed(SEED + 11)
+    t, e, k, h, i = 24, 16, 4, 1024, 1024
+    key = ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, k)
+    w13 = _experts(e, 2 * i, h, fmt, gen, "cuda")
+    w2 = _experts(e, h, i, fmt, gen, "cuda")
+    x = torch.randn(t, h, generator=gen).cuda().bfloat16()
+    tw, ti = (a.cuda() for a in _routing(t, e, k, "uniform", gen))
+    p13, p2 = w13.packed(b.name, b.prepare), w2.packed(b.name, b.prepare)
+    cfgs = (M.MoEDecodeConfig(m_block=8, k_split=2, pdl=True, per_pair=True),
+            M.MoEDecodeConfig(m_block=16, warps=4, k_split=2, k_warps=2, pdl=True))
+    for cfg in cfgs:
+        assert b.is_valid(cfg, key) is None, cfg
+        run = b.compile(cfg, key)
+        run(x, p13, p2, tw, ti, "silu")  # compile outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = run(x, p13, p2, tw, ti, "silu")
+        for mode in replays(g, x, tw, ti, e, gen):
+            torch.cuda.synchronize()
+            want = reference_moe(x.float(), w13, w2, tw, ti, "silu").float()
+            err = float((out.float() - want).norm() / want.norm())
+            assert err < 2e-2, (cfg, mode, err)
 
 
 def _configs_match_the_reference(fmt, t, e, k, h, i, seed, cfgs, all_valid: bool) -> int:
