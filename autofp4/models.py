@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
@@ -66,7 +66,9 @@ class ModelShape:
     For ``linear``: the weight is ``[n, k]`` and ``experts == topk == 0``. For ``moe``:
     ``n == 2 * intermediate`` (fused gate/up ``w13 [experts, 2I, H]``), ``k == hidden``;
     the down projection ``w2 [experts, H, I]`` belongs to the same op. ``count`` is how many
-    layers use the shape.
+    layers use the shape. ``experts_global``: for one rank's slice of an expert-parallel layer,
+    the layer's experts, among which each token's top-k are chosen (the slice holds
+    ``experts`` of them); 0 for a layer that holds all its experts.
     """
 
     op: str
@@ -78,6 +80,7 @@ class ModelShape:
     count: int = 1
     intermediate: int = 0
     hidden: int = 0
+    experts_global: int = 0
 
     def __post_init__(self) -> None:
         if self.op not in ("linear", "moe"):
@@ -99,7 +102,12 @@ class ModelShape:
                     f"n={self.n}, k={self.k}, intermediate={self.intermediate}, "
                     f"hidden={self.hidden}"
                 )
-        elif self.experts or self.topk:
+            if self.experts_global and self.experts_global <= self.experts:
+                raise ValueError(
+                    f"{self.name}: experts_global must exceed the slice's experts (or be 0), got "
+                    f"experts_global={self.experts_global}, experts={self.experts}"
+                )
+        elif self.experts or self.topk or self.experts_global:
             raise ValueError(f"{self.name}: linear shapes have no experts/topk")
 
     @property
@@ -493,7 +501,7 @@ def _moe(m: _Model, inter_key: str, experts_key: str, topk_key: str) -> ModelSha
     return ModelShape(
         "moe", "experts", 2 * local_inter, hidden,
         experts=local_experts, topk=min(topk, local_experts),
-        intermediate=local_inter, hidden=hidden,
+        intermediate=local_inter, hidden=hidden, experts_global=experts if m.ep > 1 else 0,
     )
 
 
@@ -629,16 +637,11 @@ def _dedup(groups: _Groups) -> list[ModelShape]:
         for s in layer:
             prev = merged.get(s.dedup_key)
             if prev is None:
-                merged[s.dedup_key] = ModelShape(
-                    s.op, s.name, s.n, s.k, s.experts, s.topk, count, s.intermediate, s.hidden,
-                )
+                merged[s.dedup_key] = replace(s, count=count)
                 continue
             names = prev.name.split("+")
             name = prev.name if s.name in names else f"{prev.name}+{s.name}"
-            merged[s.dedup_key] = ModelShape(
-                prev.op, name, prev.n, prev.k, prev.experts, prev.topk,
-                prev.count + count, prev.intermediate, prev.hidden,
-            )
+            merged[s.dedup_key] = replace(prev, name=name, count=prev.count + count)
     return list(merged.values())
 
 
@@ -660,10 +663,7 @@ def _union(first: list[ModelShape], second: list[ModelShape]) -> list[ModelShape
             continue
         names = prev.name.split("+")
         name = "+".join(names + [x for x in s.name.split("+") if x not in names])
-        merged[s.dedup_key] = ModelShape(
-            prev.op, name, prev.n, prev.k, prev.experts, prev.topk,
-            max(prev.count, s.count), prev.intermediate, prev.hidden,
-        )
+        merged[s.dedup_key] = replace(prev, name=name, count=max(prev.count, s.count))
     return list(merged.values())
 
 
@@ -725,7 +725,8 @@ def shapes_table(shapes: Sequence[ModelShape]) -> str:
         moe = s.op == "moe"
         rows.append((
             s.op, s.name, str(s.n), str(s.k),
-            str(s.experts) if moe else "-", str(s.topk) if moe else "-",
+            (f"{s.experts} of {s.experts_global}" if s.experts_global else str(s.experts)) if moe else "-",
+            str(s.topk) if moe else "-",
             str(s.intermediate) if moe else "-", str(s.hidden) if moe else "-",
             str(s.count),
         ))

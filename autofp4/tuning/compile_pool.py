@@ -114,7 +114,7 @@ def _request(ctx: _Ctx, job: Job, cand: _Cand, seed: int) -> dict[str, Any]:
     return {
         "backend": cand.backend.name, "spec": _spec(cand.backend), "config": cand.config_json,
         "key": asdict(job.key), "m": job.m, "seed": seed, "device": str(ctx.device),
-        "warmup": ctx.warmup, "reps": ctx.reps, "graph": True,
+        "warmup": ctx.warmup, "reps": ctx.reps, "graph": True, "experts_global": job.experts_global,
     }
 
 

@@ -439,7 +439,8 @@ class JobTuner:
         the default on the skewed routing, else the default; why, in the job's note."""
         base = self._skew_us(self.default)
         key = self.job.key
-        where = f"the skewed routing ({hot_experts(key)} of {key.experts} experts hot)"
+        eg = self.job.experts_global
+        where = f"the skewed routing ({hot_experts(key, eg)} of {eg or key.experts} experts hot)"
         if base is None:
             self._add_note(f"the default failed on {where}: the pick is stored unchecked")
             return picks[0]

@@ -38,11 +38,16 @@ CPU_DEFAULTS = _Defaults(budget=3, warmup=0, reps=3, trial_timeout_s=600.0, time
 # -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Job:
-    """One unit of tuning: a problem at one M bucket (``name``: the model's layer names)."""
+    """One unit of tuning: a problem at one M bucket (``name``: the model's layer names).
+    ``experts_global``: a MoE job of one rank's slice of an expert-parallel layer (see
+    :class:`~autofp4.models.ModelShape`): its trials route each token's top-k among that many
+    experts and run the slice with the rank's expert map, so that the slice gets its share of
+    the pairs; 0: every pair is routed to the job's own experts."""
 
     key: ProblemKey
     m: int
     name: str = ""
+    experts_global: int = 0
 
 
 #: the statuses of a job whose result is stored (by this run or another)
@@ -143,15 +148,15 @@ def jobs_for(
     seen: set[tuple[ProblemKey, int]] = set()
     for s in shapes:
         if isinstance(s, ProblemKey):
-            key, name = s, ""
+            key, name, eg = s, "", 0
         elif hasattr(s, "problem_key"):
-            key, name = s.problem_key(fmt, dtype), getattr(s, "name", "")
+            key, name, eg = s.problem_key(fmt, dtype), getattr(s, "name", ""), getattr(s, "experts_global", 0)
         else:
             raise TypeError(f"expected a ModelShape or a ProblemKey, got {type(s).__name__}")
         for m in m_buckets:
             if (key, m) not in seen:
                 seen.add((key, m))
-                out.append(Job(key, int(m), name))
+                out.append(Job(key, int(m), name, eg))
     return out
 
 

@@ -107,36 +107,46 @@ def _weight_bytes(w: Any) -> int:
     return sum(x.nbytes for x in ws)
 
 
-def hot_experts(key: ProblemKey) -> int:
-    """How many experts the skewed routing favours (see ``ROUTINGS``)."""
-    return min(key.experts, max(key.topk, round(SKEW_HOT_FRACTION * key.experts)))
+def hot_experts(key: ProblemKey, experts_global: int = 0) -> int:
+    """How many experts the skewed routing favours (see ``ROUTINGS``), among the layer's
+    ``experts_global`` for a slice of an expert-parallel layer."""
+    e = experts_global or key.experts
+    return min(e, max(key.topk, round(SKEW_HOT_FRACTION * e)))
 
 
 def _acts_for(key: ProblemKey, m: int, device: torch.device, gen: torch.Generator,
-              routing: str = "uniform") -> tuple:
+              routing: str = "uniform", experts_global: int = 0) -> tuple:
     """The activations of a trial; a MoE's routing ``uniform`` or ``skewed`` (the same ``x``
-    and logit noise for the same ``gen``)."""
+    and logit noise for the same ``gen``). With ``experts_global`` (a slice of an
+    expert-parallel layer) the top-k are chosen among that many experts and a fourth element,
+    the expert map of the rank that holds experts ``0 .. key.experts - 1``, goes with them."""
     dt = key.torch_dtype
     x = torch.randn((m, key.k), generator=gen).to(device=device, dtype=dt)
     if key.op == "linear":
         bias = torch.randn((key.n,), generator=gen).to(device=device, dtype=dt)
         return (x, bias)
-    logits = torch.randn((m, key.experts), generator=gen)
+    e = experts_global or key.experts
+    logits = torch.randn((m, e), generator=gen)
     if routing == "skewed":
-        hot = torch.randperm(key.experts, generator=gen)[: hot_experts(key)]
+        hot = torch.randperm(e, generator=gen)[: hot_experts(key, experts_global)]
         logits[:, hot] += SKEW_LOGIT_BIAS
     tw, ti = torch.topk(torch.softmax(logits, dim=-1), key.topk, dim=-1)
     tw = (tw / tw.sum(-1, keepdim=True)).float().to(device)
-    return (x, tw, ti.to(torch.int32).to(device))
+    act = (x, tw, ti.to(torch.int32).to(device))
+    if not experts_global:
+        return act
+    emap = torch.full((e,), -1, dtype=torch.int32)
+    emap[: key.experts] = torch.arange(key.experts, dtype=torch.int32)
+    return (*act, emap.to(device))
 
 
 def _call(key: ProblemKey, runner: Callable, prepared: Any, act: tuple, with_bias: bool = True) -> torch.Tensor:
     if key.op == "linear":
         x, bias = act
         return runner(x, prepared, bias if with_bias else None)
-    x, tw, ti = act
+    x, tw, ti, *emap = act
     p13, p2 = prepared
-    return runner(x, p13, p2, tw, ti, "silu")
+    return runner(x, p13, p2, tw, ti, "silu", *emap)
 
 
 def _prepare(b: Backend, w: Any) -> Any:
@@ -149,24 +159,26 @@ def _prepare(b: Backend, w: Any) -> Any:
 ROTATION_MAX_BYTES = 16 * 2**30
 
 
-def _copies(key: ProblemKey, m: int, weight_bytes: int, device: torch.device) -> int:
+def _copies(key: ProblemKey, m: int, weight_bytes: int, device: torch.device, experts_global: int = 0) -> int:
     """Argument copies that make one rotation read more than twice the L2 (cold-L2 timing).
 
     A MoE call reads only the experts its tokens are routed to: about
-    ``min(E, m * topk) / E`` of the weights.
+    ``min(E, pairs) / E`` of the weights, ``pairs = m * topk`` (a slice of an expert-parallel
+    layer gets ``E / experts_global`` of them).
     """
     touched = weight_bytes
     if key.op == "moe":
-        touched = max(1, weight_bytes * min(key.experts, m * key.topk) // key.experts)
+        pairs = m * key.topk * key.experts // (experts_global or key.experts)
+        touched = max(1, weight_bytes * min(key.experts, max(1, pairs)) // key.experts)
     per = touched + 2 * m * key.k
     n = copies_for_cold_l2(per, l2_cache_bytes(device))
     return max(1, min(n, ROTATION_MAX_BYTES // max(1, weight_bytes)))
 
 
 def _setup_data(key: ProblemKey, m: int, seed: int, device: torch.device, copies_hint: bool,
-                numerics: str = "w4a16", routing: str = "uniform") -> _TrialData:
+                numerics: str = "w4a16", routing: str = "uniform", experts_global: int = 0) -> _TrialData:
     d = _DATA
-    ident = (key, seed, str(device))
+    ident = (key, seed, str(device), experts_global)
     if d.ident != ident:
         d.ident = None
         d.weights, d.prepared, d.acts, d.refs = [], {}, {}, {}
@@ -175,12 +187,12 @@ def _setup_data(key: ProblemKey, m: int, seed: int, device: torch.device, copies
         gen = torch.Generator().manual_seed(seed)
         d.weights.append(_weights_for(key, device, gen))
         if device.type == "cuda" and copies_hint:
-            for _ in range(_copies(key, m, _weight_bytes(d.weights[0]), device) - 1):
+            for _ in range(_copies(key, m, _weight_bytes(d.weights[0]), device, experts_global) - 1):
                 d.weights.append(_weights_for(key, device, gen))
         d.ident = ident
     if (m, routing) not in d.acts:
         gen = torch.Generator().manual_seed(seed * 7919 + m)
-        d.acts[m, routing] = [_acts_for(key, m, device, gen, routing) for _ in d.weights]
+        d.acts[m, routing] = [_acts_for(key, m, device, gen, routing, experts_global) for _ in d.weights]
     if (m, routing, numerics) not in d.refs:  # the oracle of the candidate's numerics (W4A16 or W4A4)
         d.refs[m, routing, numerics] = _call(key, reference_runner(numerics, key), d.weights[0], d.acts[m, routing][0])
     return d
@@ -222,7 +234,8 @@ def run_trial(req: dict[str, Any]) -> dict[str, Any]:
 
     ``req``: ``backend``, ``spec``, ``config`` (JSON), ``key`` (dict), ``m``, ``seed``,
     ``device``, ``warmup``, ``reps``, ``graph`` (allow CUDA graphs), optionally ``routing``
-    (a MoE's, one of ``ROUTINGS``; default ``uniform``). Returns ``outcome``,
+    (a MoE's, one of ``ROUTINGS``; default ``uniform``) and ``experts_global`` (a MoE slice of
+    an expert-parallel layer, see :class:`~.jobs.Job`; default 0). Returns ``outcome``,
     ``median_us``, ``spread_us``, ``samples``, ``error`` and ``fatal`` (the CUDA context
     may be dead: restart the process).
     """
@@ -236,6 +249,10 @@ def run_trial(req: dict[str, Any]) -> dict[str, Any]:
         routing = req.get("routing", "uniform")
         if routing not in ROUTINGS or (routing != "uniform" and key.op != "moe"):
             reason = reason or f"no routing {routing!r} for {key.op}"
+        eg = req.get("experts_global", 0)
+        if eg and not (key.op == "moe" and isinstance(eg, int) and eg > key.experts):
+            reason = reason or (f"experts_global={eg!r} needs a MoE job with fewer experts "
+                                f"(this one: {key.op}, {key.experts} experts)")
     except Exception as e:
         return {**res, "outcome": "invalid", "error": _short_error(e)}
     if reason:
@@ -249,7 +266,7 @@ def run_trial(req: dict[str, Any]) -> dict[str, Any]:
     try:
         t_setup = time.perf_counter()
         d = _setup_data(key, m, int(req["seed"]), device, copies_hint=True, numerics=b.numerics,
-                        routing=routing)
+                        routing=routing, experts_global=eg)
         stage = "preparing the weight"
         prepared = [_prepare(b, w) for w in d.weights]
         # one-off work (random weights for a new problem, a layout packed for a new kernel):
