@@ -44,7 +44,7 @@ import torch
 
 from .graph_pools import outside_graph_pools
 
-__all__ = ["MoERouting", "moe_routing", "per_pair_routing", "routing_sizes"]
+__all__ = ["MoERouting", "moe_routing", "per_pair_routing", "rank_expert_map", "routing_sizes"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,17 @@ def _on_hopper(device: torch.device) -> bool:
     if i not in _HOPPER:
         _HOPPER[i] = torch.cuda.get_device_capability(i) == (9, 0)
     return _HOPPER[i]
+
+
+def rank_expert_map(experts_global: int, experts: int, rank: int = 0,
+                    device: torch.device | str | None = None) -> torch.Tensor:
+    """The ``expert_map`` (``[experts_global]`` int32) of the rank that holds the ``rank``-th
+    run of ``experts`` consecutive experts: their local index, ``-1`` for every other one."""
+    if not 0 < experts <= experts_global or not 0 <= rank < experts_global // experts:
+        raise ValueError(f"rank {rank} of {experts} experts does not fit {experts_global} experts")
+    emap = torch.full((experts_global,), -1, dtype=torch.int32, device=device)
+    emap[rank * experts:(rank + 1) * experts] = torch.arange(experts, dtype=torch.int32, device=device)
+    return emap
 
 
 def routing_sizes(pairs: int, experts: int, block_m: int) -> tuple[int, int]:

@@ -119,6 +119,7 @@ def bench_model(model: str, ep: int, fmts: list[str], ts: list[int], args, bw: f
     import autofp4
     from autofp4.dispatch import get_dispatcher
     from autofp4.problem import ProblemKey
+    from autofp4.routing import rank_expert_map
     from autofp4.timing import copies_for_cold_l2
 
     dev = torch.device("cuda")
@@ -127,8 +128,7 @@ def bench_model(model: str, ep: int, fmts: list[str], ts: list[int], args, bw: f
     gen = torch.Generator(device=dev).manual_seed(4321 + eg + h)
     expert_map = None
     if ep > 1:  # rank 0 holds experts [0, e)
-        expert_map = torch.full((eg,), -1, dtype=torch.int32, device=dev)
-        expert_map[:e] = torch.arange(e, dtype=torch.int32, device=dev)
+        expert_map = rank_expert_map(eg, e, device=dev)
     rows = []
     for fmt in fmts:
         per_expert = expert_fp4_bytes(h, i, fmt)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from autofp4.routing import moe_routing, per_pair_routing, routing_sizes
+from autofp4.routing import moe_routing, per_pair_routing, rank_expert_map, routing_sizes
 
 SEED = int.from_bytes(os.urandom(4), "little")
 
@@ -253,3 +253,16 @@ def test_size_only_tensors_are_built_once_and_shared():
         experts = ids.reshape(-1)[rows]
         assert torch.equal(experts, experts.sort().values)  # sorted by expert
         assert sorted(rows.tolist()) == list(range(ids.numel()))  # every pair once
+
+
+def test_a_ranks_expert_map_holds_its_run_of_experts():
+    for eg, e in ((16, 4), (256, 32)):
+        for rank in range(eg // e):
+            emap = rank_expert_map(eg, e, rank)
+            assert emap.dtype == torch.int32 and emap.shape == (eg,)
+            for g in range(eg):
+                assert int(emap[g]) == (g - rank * e if rank * e <= g < (rank + 1) * e else -1)
+    with pytest.raises(ValueError, match="does not fit"):
+        rank_expert_map(16, 4, 4)
+    with pytest.raises(ValueError, match="does not fit"):
+        rank_expert_map(4, 8)

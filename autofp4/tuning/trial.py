@@ -13,6 +13,7 @@ import torch
 from ..backends.base import Backend
 from ..backends.reference import reference_runner
 from ..problem import ProblemKey
+from ..routing import rank_expert_map
 from ..timing import TimingStats, copies_for_cold_l2, l2_cache_bytes, time_cpu, time_cuda
 from .compile_pool import _backend_from, _key_from, _short_error
 
@@ -135,9 +136,7 @@ def _acts_for(key: ProblemKey, m: int, device: torch.device, gen: torch.Generato
     act = (x, tw, ti.to(torch.int32).to(device))
     if not experts_global:
         return act
-    emap = torch.full((e,), -1, dtype=torch.int32)
-    emap[: key.experts] = torch.arange(key.experts, dtype=torch.int32)
-    return (*act, emap.to(device))
+    return (*act, rank_expert_map(e, key.experts, device=device))
 
 
 def _call(key: ProblemKey, runner: Callable, prepared: Any, act: tuple, with_bias: bool = True) -> torch.Tensor:
