@@ -158,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
     c.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
     c.add_argument("--layout", choices=LAYOUTS, default="vllm", help=_LAYOUT_HELP)
+    c.add_argument("--ops", type=_ops_list, metavar="OP,...", help="only these ops' shapes: linear, moe (default: both)")
     c.add_argument("--seeds", type=_nonneg_int, default=0, metavar="N",
                    help="also each job's first N tuner seeds (what a tuning run tries first)")
     c.add_argument("--db", metavar="PATH", dest="warm_db",

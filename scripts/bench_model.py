@@ -3,8 +3,9 @@
 For each example config (``examples/*.json``, or ``--configs``), a transformers model with random
 bf16 weights (``--layers N`` keeps the first N decoder layers, for MoE models that do not fit whole;
 the default keeps all of them for dense models and 8 for MoE ones), and for each variant (bf16,
-NVFP4, MXFP4) and mode (``eager``; ``compiled``: a static KV cache and ``torch.compile`` of the
-decode step):
+NVFP4, MXFP4) and mode (``eager``; ``compiled``: a static KV cache and ``torch.compile`` with
+torch's CUDA graphs; ``graph``: the whole decode step, greedy sampling included, in one CUDA graph;
+see :func:`decoder`):
 
 * decode tokens/s at batch 1, 8 and 64 (``--batches``): one new token per sequence per step on a
   KV cache pre-filled with ``--context`` tokens, median over ``--steps`` steps;
@@ -39,6 +40,7 @@ import torch
 from _common import ROOT, kernel_times, provenance, provenance_line, results_dir
 
 FMTS = ("nvfp4", "mxfp4")
+MODES = ("eager", "compiled", "graph")
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 TINY = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, vocab_size=512, num_hidden_layers=2)
@@ -187,48 +189,72 @@ def breakdown(run_step, steps: int, device) -> dict:
                     for k, (c, t, n) in top]}
 
 
-def decode_rate(model, config, batch: int, context: int, steps: int, compiled: bool, device,
-                profile_into: dict | None = None) -> float:
-    """Decode tokens/s: ``batch`` sequences, each one token per step after ``context`` tokens
-    (``profile_into``: a dict the step's :func:`breakdown` is put in, after the timed steps)."""
+def decoder(model, config, batch: int, context: int, steps: int, mode: str, device):
+    """A greedy decode loop's step for ``mode``, after ``context`` prompt tokens: ``(step, last)``;
+    ``step()`` runs one step (one new token per sequence), ``last()`` is ``(tokens, logits)``: the
+    last token of each sequence ([batch, 1]) and the logits it was picked from ([batch, vocab]).
+
+    ``eager``: a dynamic cache, the model's forward as it is; ``compiled``: a static cache and
+    ``torch.compile(mode="reduce-overhead")`` of the forward (torch's CUDA graphs around the
+    compiled parts, the sampling outside them); ``graph``: a static cache, ``torch.compile`` of the
+    forward without torch's graphs, and the whole step, forward, greedy sampling and the position
+    advance, captured in one CUDA graph that replays on static token and position buffers (on the
+    CPU the same step runs uncaptured)."""
+    import inspect
+
     from transformers import DynamicCache, StaticCache
 
     ids = torch.randint(0, config.vocab_size, (batch, context), device=device)
-    if compiled:
-        cache = StaticCache(config=config, max_cache_len=context + 2 * steps + 8)
-    else:
-        cache = DynamicCache(config=config)
-    import inspect
-
+    static = mode in ("compiled", "graph")
+    cache = (StaticCache(config=config, max_cache_len=context + 2 * steps + 16) if static else
+             DynamicCache(config=config))
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(ids, use_cache=True, **{kw: cache})
+    nxt = out.logits[:, -1:].argmax(-1)
+    held = {"logits": out.logits[:, -1]}
+    pos = torch.full((1,), context, device=device, dtype=torch.long)
+    fwd = model.forward
+    if mode == "compiled":
+        fwd = torch.compile(fwd, mode="reduce-overhead" if device.type == "cuda" else "default", dynamic=False)
+    elif mode == "graph" and device.type == "cuda":
+        fwd = torch.compile(fwd, dynamic=False)
+
+    def step() -> None:
+        o = fwd(input_ids=nxt, cache_position=pos, use_cache=True, **{kw: cache})
+        nxt.copy_(o.logits[:, -1:].argmax(-1))
+        pos.add_(1)
+        held["logits"] = o.logits[:, -1]
+
+    if mode != "graph" or device.type != "cuda":
+        return step, lambda: (nxt, held["logits"])
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # compile, pack the weights and build the kernels' state before capture
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay, lambda: (nxt, held["logits"])
+
+
+def decode_rate(model, config, batch: int, context: int, steps: int, mode: str, device,
+                profile_into: dict | None = None) -> float:
+    """Decode tokens/s of :func:`decoder`'s loop, median over ``steps`` synchronized steps after two
+    warm-up steps (``profile_into``: a dict the step's :func:`breakdown` is put in, after them)."""
     with torch.no_grad():
-        out = model(ids, use_cache=True, **{kw: cache})
-        step = model.forward
-        if compiled:
-            step = torch.compile(model.forward, mode="reduce-overhead" if device.type == "cuda" else "default",
-                                 fullgraph=False, dynamic=False)
-        nxt = out.logits[:, -1:].argmax(-1)
-        pos = context
+        step, _ = decoder(model, config, batch, context, steps, mode, device)
         times = []
-        for s in range(steps + 2):  # the first two steps warm up (and compile)
-            cp = torch.full((1,), pos, device=device, dtype=torch.long)
+        for s in range(steps + 2):
             _sync(device)
             t0 = time.perf_counter()
-            out = step(input_ids=nxt, cache_position=cp, use_cache=True, **{kw: cache})
-            nxt = out.logits[:, -1:].argmax(-1)
+            step()
             _sync(device)
             if s >= 2:
                 times.append(time.perf_counter() - t0)
-            pos += 1
         if profile_into is not None:
-            state = {"nxt": nxt, "pos": pos}
-
-            def one() -> None:
-                cp = torch.full((1,), state["pos"], device=device, dtype=torch.long)
-                o = step(input_ids=state["nxt"], cache_position=cp, use_cache=True, **{kw: cache})
-                state["nxt"], state["pos"] = o.logits[:, -1:].argmax(-1), state["pos"] + 1
-
-            profile_into.update(breakdown(one, min(steps, 5), device))
+            profile_into.update(breakdown(step, min(steps, 5), device))
     return batch / statistics.median(times)
 
 
@@ -277,11 +303,10 @@ def bench_config(path: Path, args, device) -> list[dict]:
         for mode in args.modes:
             row = {"config": path.stem, "layers": config.num_hidden_layers, "moe": moe, "variant": name,
                    "mode": mode, "autotune_warmup_s": warmup_s}
-            comp = mode == "compiled"
             try:
-                for b in (args.compiled_batches if comp else args.batches):
+                for b in (args.batches if mode == "eager" else args.compiled_batches):
                     prof = {} if args.profile and b == 1 else None
-                    row[f"decode_b{b}"] = decode_rate(model, config, b, args.context, args.steps, comp, device, prof)
+                    row[f"decode_b{b}"] = decode_rate(model, config, b, args.context, args.steps, mode, device, prof)
                     if prof:
                         row["profile_b1"] = prof
                 row["prefill"], logits = prefill(model, ids, args.reps, device)
@@ -342,7 +367,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=512, help="tokens in the KV cache before decoding")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--compiled-batches", default=None, help="decode batches of the compiled mode (default: --batches)")
+    p.add_argument("--compiled-batches", default=None, help="decode batches of the compiled and graph modes (default: --batches)")
     p.add_argument("--autotune", type=float, default=0.0, metavar="BUDGET_S",
                    help="tune each FP4 model's misses first in eager warm-up passes (blocking autotune, "
                         "this budget per job; 0: off)")
@@ -350,7 +375,7 @@ def main(argv=None) -> int:
                    help="also profile the batch-1 decode step: GPU time in linear layers, attention and the rest")
     p.add_argument("--db", default=None, help="the user tuning DB (default: autofp4's)")
     p.add_argument("--fmts", default=",".join(FMTS))
-    p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--modes", default="eager,compiled,graph")
     p.add_argument("--tiny", action="store_true", help="shrink each config (a smoke run)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -366,7 +391,12 @@ def main(argv=None) -> int:
 
         dispatch.set_db(args.db)
     args.fmts = [f for f in args.fmts.split(",") if f]
+    for knob in ("recompile_limit", "cache_size_limit"):  # one compile per model, batch and mode
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
     args.modes = [m for m in args.modes.split(",") if m]
+    if set(args.modes) - set(MODES):
+        p.error(f"--modes: {sorted(set(args.modes) - set(MODES))} not in {', '.join(MODES)}")
     paths = [Path(c) for c in args.configs.split(",") if c] or sorted((ROOT / "examples").glob("*.json"))
     rows = []
     for path in paths:

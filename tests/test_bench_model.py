@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -48,3 +49,33 @@ def test_autotune_tunes_the_misses_of_the_warm_up_into_the_given_db(tmp_path):
         stored = d.results()
     # q/o, k/v, gate/up and down of the tiny Llama at M = 1 and M = 4 (the warm-up's prefill)
     assert {(r.n, r.k, r.m_bucket, r.origin) for r in stored} >= {(128, 128, 1, "jit"), (128, 128, 4, "jit")}
+
+
+def test_every_mode_step_matches_a_forward_over_the_whole_sequence():
+    """The eager and graph modes' steps (the graph one uncaptured on the CPU: static cache, in-place
+    token and position buffers) pick each token from the logits a cache-free forward over the
+    whole sequence gives at its position."""
+    config, _ = B.load_config(EXAMPLES / "llama-3.1-8b.json", None, True)
+    model = B.build(config, "cpu").float()
+    for mode in ("eager", "graph"):
+        torch.manual_seed(1)
+        with torch.no_grad():
+            step, last = B.decoder(model, config, 2, 6, 4, mode, torch.device("cpu"))
+            toks, logits = [last()[0].clone()], [last()[1].clone()]
+            for _ in range(4):
+                step()
+                toks.append(last()[0].clone())
+                logits.append(last()[1].clone())
+            torch.manual_seed(1)
+            prompt = torch.randint(0, config.vocab_size, (2, 6))
+            seq = torch.cat([prompt] + toks, 1)
+            want = model(seq).logits[:, 5:10]
+        got = torch.stack(logits, 1)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (mode, (got - want).abs().max())
+        assert torch.equal(torch.cat(toks, 1), got.argmax(-1))
+
+
+def test_an_unknown_mode_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        B.main(["--device", "cpu", "--modes", "eager,fast"])
+    assert "'fast'" in capsys.readouterr().err

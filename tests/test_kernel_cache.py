@@ -318,3 +318,19 @@ def test_dependent_launch_is_a_launch_argument_not_a_second_binary(cache):
     D.compile_only(replace(cfg, pdl=True), N, K, "nvfp4", "bfloat16")
     G.compile_only(replace(gcfg, pdl=True), N, K, "nvfp4", "bfloat16")
     assert sorted(cache.glob("*.o")) == files
+
+
+def test_cli_warm_ops_moe_compiles_only_the_expert_kernels(cache, tmp_path):
+    """``--ops moe``: a MoE model's expert kernels are compiled, its attention linears are not."""
+    import json
+
+    path = tmp_path / "tiny-moe.json"
+    path.write_text(json.dumps({**TINY_LLAMA, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                                "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+                                "head_dim": 64}))
+    rc, out, err = _cli("cache", "--warm", path, "--ops", "moe", "--m", "1", "--arch", "sm_90a", "--workers", "1",
+                        "--no-progress")
+    assert rc == 0, err
+    names = {f.name.split("-")[0] for f in cache.glob("*.o")}
+    assert names and all("moe" in n for n in names), names
+    assert _cli("cache", "--warm", path, "--ops", "attention", "--arch", "sm_90a")[0] == 2
