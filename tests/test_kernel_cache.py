@@ -106,6 +106,8 @@ def test_kernel_compiled_by_another_process_runs_correctly(tmp_path, monkeypatch
     """The tuner's compile workers hand kernels to the timing process through the cache."""
     import subprocess
     import sys
+    from pathlib import Path
+    import sys
 
     import torch
 
@@ -334,3 +336,33 @@ def test_cli_warm_ops_moe_compiles_only_the_expert_kernels(cache, tmp_path):
     names = {f.name.split("-")[0] for f in cache.glob("*.o")}
     assert names and all("moe" in n for n in names), names
     assert _cli("cache", "--warm", path, "--ops", "attention", "--arch", "sm_90a")[0] == 2
+
+
+@pytest.mark.parametrize("compiler_first", [False, True], ids=["cli", "compiler-imported-first"])
+def test_cli_warm_builds_for_the_named_arch_without_a_gpu(tmp_path, compiler_first):
+    """``--arch sm_90a --workers 1`` on a machine with no GPU and no ``$CUTE_DSL_ARCH``: the
+    decode kernel (which takes its target from CuTeDSL's, read when CuTeDSL is imported; no GPU
+    makes that sm_100a) is built for sm_90a, also in a process that imported CuTeDSL before."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    cache = tmp_path / "kernels"
+    script = tmp_path / "warm.py"
+    script.write_text(("import cutlass.cute\n" if compiler_first else "") +
+                      "import sys\nfrom autofp4.cli import main\n"
+                      "if __name__ == '__main__':\n    sys.exit(main(sys.argv[1:]))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("CUTE_DSL_ARCH", "CUDA_VISIBLE_DEVICES")}
+    env.update(AUTOFP4_KERNEL_CACHE=str(cache), CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, str(script), "cache", "--warm", str(path), "--m", "1", "--arch", "sm_90a",
+                        "--workers", "1", "--no-progress"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    files = sorted(cache.glob("w4a16_decode-*.o"))
+    assert len(files) == 8
+    for f in files:
+        assert b"sm_100" not in f.read_bytes(), f"{f.name} was built for another GPU"

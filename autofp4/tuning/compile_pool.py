@@ -72,9 +72,10 @@ def _preload_compiler() -> None:
 
 
 def _pool_init(arch: str) -> None:
-    """Compile workers target the tuned GPU without opening a CUDA context of their own."""
+    """Compile workers target the tuned GPU (``arch`` over any ``$CUTE_DSL_ARCH`` they inherit:
+    the cache keys name ``arch``) without opening a CUDA context of their own."""
     if arch and arch != "unknown":
-        os.environ.setdefault("CUTE_DSL_ARCH", arch)
+        os.environ["CUTE_DSL_ARCH"] = arch
         _preload_compiler()
 
 

@@ -3,6 +3,7 @@ tuning run tries first and what the dispatcher runs."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import multiprocessing as mp
 import sys
 from dataclasses import asdict, dataclass, field
@@ -35,6 +36,12 @@ def warm_kernel_cache(
     processes, without a GPU when ``arch`` names the target (``sm_90a``): what a re-tune tries
     first, and with the shipped DB, what the dispatcher runs. An inference server or a tuning run on that GPU then
     loads the kernels instead of compiling them. Configs shared by several jobs compile once."""
+    here = workers <= 1 and _compiles_here_for(arch)
+    if here:  # the target set before anything below imports the compiler
+        from ..kernel_cache import target_arch
+
+        _pool_init(arch)
+        target_arch.cache_clear()  # the cache keys name the architecture just set
     chosen = [get_backend(n) for n in backends]
     by_name = {b.name: b for b in chosen}
     by_job: dict[tuple, list[TuningRecord]] = {}
@@ -70,16 +77,13 @@ def warm_kernel_cache(
             pbar.update(1)
 
     try:
-        if workers <= 1:
-            from ..kernel_cache import target_arch
-
-            _pool_init(arch)
-            target_arch.cache_clear()  # the cache keys name the architecture just set
+        if here:
             for req in reqs.values():
                 done(req, _compile_only(req))
         else:
-            with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
-                                        initializer=_pool_init, initargs=(arch,)) as pool:
+            with _target_for_children(arch), cf.ProcessPoolExecutor(
+                    max_workers=max(1, workers), mp_context=mp.get_context("spawn"), initializer=_pool_init,
+                    initargs=(arch,)) as pool:
                 futs = {pool.submit(_compile_only, req): req for req in reqs.values()}
                 for fut in cf.as_completed(futs):
                     done(futs[fut], fut.result())
@@ -88,3 +92,36 @@ def warm_kernel_cache(
             pbar.close()
     report.seconds = budget._now() - t0
     return report
+
+
+def _compiles_here_for(arch: str) -> bool:
+    """Whether this process can compile for ``arch``: CuTeDSL reads its target
+    (``$CUTE_DSL_ARCH``, else the GPU it finds, else sm_100a) once, when it is imported, and a
+    kernel without an explicit ``--gpu-arch`` follows it; once it is imported with another target,
+    a kernel compiled here would be stored under ``arch``'s cache key for the wrong GPU, so the
+    compile goes to a fresh process instead."""
+    import os
+
+    if not arch or arch == "unknown":
+        return True
+    return "cutlass" not in sys.modules or os.environ.get("CUTE_DSL_ARCH") == arch
+
+
+@contextlib.contextmanager
+def _target_for_children(arch: str):
+    """``$CUTE_DSL_ARCH`` = ``arch`` while the compile processes start: a spawned process imports
+    the caller's main module again before its initializer runs, and that may import CuTeDSL."""
+    import os
+
+    if not arch or arch == "unknown":
+        yield
+        return
+    before = os.environ.get("CUTE_DSL_ARCH")
+    os.environ["CUTE_DSL_ARCH"] = arch
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUTE_DSL_ARCH", None)
+        else:
+            os.environ["CUTE_DSL_ARCH"] = before
