@@ -106,8 +106,6 @@ def test_kernel_compiled_by_another_process_runs_correctly(tmp_path, monkeypatch
     """The tuner's compile workers hand kernels to the timing process through the cache."""
     import subprocess
     import sys
-    from pathlib import Path
-    import sys
 
     import torch
 
