@@ -288,6 +288,17 @@ class FP4Weight:
             self.data[..., start:end, :], self.scale[..., start:end, :], self.global_scale, self.input_scale
         )
 
+    # -- copies and pickles: the tensors, not the caches ---------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy or a pickle keeps: the format and the tensors. The prepacked forms and the
+        runners ``autofp4.linear`` cached on this instance (which hold locks and device state)
+        are built again on the copy's first use."""
+        return {k: self.__dict__[k] for k in ("fmt", "data", "scale", "global_scale", "input_scale")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._packed = {}
+
     # -- per-backend prepacked forms ------------------------------------------------------
     def packed(self, name: str, factory: Callable[["FP4Weight"], Any]) -> Any:
         """The prepacked form called ``name``, built by ``factory(self)`` on first use (outside

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import autofp4
-from autofp4.nn import FP4Linear, quantize_model
+from autofp4.nn import FP4FusedLinear, FP4Linear, FP4LinearPart, quantize_model
 
 
 def test_from_linear_matches_dequantized_weight(gen):
@@ -99,7 +99,7 @@ def _dequantized_copy(quantized, original):
 
     ref = copy.deepcopy(original)
     for name, mod in quantized.named_modules():
-        if isinstance(mod, FP4Linear):
+        if isinstance(mod, (FP4Linear, FP4LinearPart)) and not isinstance(mod, FP4FusedLinear):
             lin = ref.get_submodule(name)
             with torch.no_grad():
                 lin.weight.copy_(mod.fp4_weight().dequantize(torch.float32))
@@ -220,3 +220,22 @@ def test_dtype_conversions_keep_the_fp4_buffers(fmt):
     out = model(x)
     assert out.dtype == torch.float16
     assert float((out.double() - ref).norm() / ref.norm()) < 2e-2
+
+
+def test_a_used_fp4_layer_deep_copies_and_pickles(gen, tmp_path):
+    """After a forward (the weight holds its prepacked forms and cached runners) the module still
+    copies and saves: the copy has the tensors and builds its caches again."""
+    import copy
+
+    m = nn.Sequential(nn.Linear(64, 96, bias=True)).to(torch.bfloat16)
+    quantize_model(m, "nvfp4", skip=[])
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        want = m(x)
+        twin = copy.deepcopy(m)
+        torch.save(m, tmp_path / "m.pt")
+        loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+        for other in (twin, loaded):
+            assert other[0].fp4_weight() is not m[0].fp4_weight()
+            assert other[0].fp4_weight().data.data_ptr() != m[0].weight_packed.data_ptr()
+            assert torch.equal(other(x), want)
