@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 from .weights import FP4Weight, dequantize, quantize  # noqa: E402
 from .ops import linear, moe, route  # noqa: E402
 from .dispatch import get_dispatcher, set_db  # noqa: E402
-from .nn import FP4Linear, quantize_model  # noqa: E402
+from .nn import FP4FusedLinear, FP4Linear, FP4LinearPart, quantize_model  # noqa: E402
 from .pdl import pdl_enabled, set_pdl  # noqa: E402
 from .integrations import transformers as _transformers_experts  # noqa: E402,F401  (registers the experts hook)
 from .integrations.transformers_hook import install as _install_hook, register_transformers  # noqa: E402
@@ -25,6 +25,8 @@ __all__ = [
     "__version__",
     "FP4Weight",
     "FP4Linear",
+    "FP4FusedLinear",
+    "FP4LinearPart",
     "quantize",
     "dequantize",
     "linear",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -13,7 +13,8 @@ from .problem import BLOCK_SIZE
 from .formats import check_fmt
 from .weights import FP4Weight, _describe, quantize
 
-__all__ = ["FP4Linear", "ConversionReport", "TensorRecord", "quantize_model", "register_module_converter"]
+__all__ = ["FP4Linear", "FP4FusedLinear", "FP4LinearPart", "ConversionReport", "TensorRecord", "quantize_model",
+           "register_module_converter"]
 
 
 class FP4Buffers(nn.Module):
@@ -125,6 +126,95 @@ class FP4Linear(FP4Buffers):
                 f"bias={self.bias is not None}{cd}")
 
 
+class FP4FusedLinear(FP4Linear):
+    """One FP4 weight for sibling projections of the same input (``q_proj``, ``k_proj``,
+    ``v_proj``; ``gate_proj``, ``up_proj``), their weights stacked along N: one kernel call
+    reads all of them, at the larger N the kernels stream better, and the model launches fewer
+    kernels. Its :class:`FP4LinearPart` modules take the places of the original layers.
+
+    ``parts``: the original layers' names and output sizes, in the order of the stacked rows.
+    The first part called with an input computes every part's output; the others return their
+    slice of it when called with the same tensor, unchanged (any other input computes again, so
+    every part's output is its own layer's for its own input). The output is held until every
+    part took its slice."""
+
+    def __init__(self, weight: FP4Weight, bias: Optional[torch.Tensor], compute_dtype: Optional[torch.dtype],
+                 parts: Sequence[tuple[str, int]]) -> None:
+        super().__init__(weight, bias, compute_dtype)
+        sizes = [n for _, n in parts]
+        if len(parts) < 2 or sum(sizes) != weight.n or min(sizes) <= 0:
+            raise ValueError(f"FP4FusedLinear: parts {list(parts)} must be two or more sizes summing to N = {weight.n}")
+        self.part_names = tuple(name for name, _ in parts)
+        bounds = [0]
+        for n in sizes:
+            bounds.append(bounds[-1] + n)
+        self.part_bounds = tuple(bounds)
+        self._held: Optional[tuple] = None  # (input, its version, output, bit mask of parts still to take it)
+
+    def part_forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Part ``i``'s output for input ``x`` (see the class docstring)."""
+        held = self._held
+        compiling = torch.compiler.is_compiling()
+        if (held is None or held[0] is not x or not held[3] >> i & 1
+                or (not compiling and held[1] != x._version)):
+            held = (x, None if compiling else x._version, self.forward(x), (1 << len(self.part_names)) - 1)
+        pending = held[3] & ~(1 << i)
+        self._held = (held[0], held[1], held[2], pending) if pending else None
+        return held[2][..., self.part_bounds[i]:self.part_bounds[i + 1]]
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, parts={[n.rpartition('.')[2] for n in self.part_names]}"
+
+
+class FP4LinearPart(nn.Module):
+    """A layer whose weight is rows of an :class:`FP4FusedLinear` (which its parent module
+    holds; this module refers to it without owning it, so its buffers appear once)."""
+
+    def __init__(self, fused: FP4FusedLinear, index: int) -> None:
+        super().__init__()
+        self.__dict__["_fused"] = fused  # not a submodule: the parent owns it
+        self.index = index
+        self.in_features = fused.in_features
+        self.out_features = fused.part_bounds[index + 1] - fused.part_bounds[index]
+        self.fmt = fused.fmt
+
+    @property
+    def fused(self) -> FP4FusedLinear:
+        return self.__dict__["_fused"]
+
+    @property
+    def rows(self) -> slice:
+        """This layer's rows of the fused weight."""
+        b = self.fused.part_bounds
+        return slice(b[self.index], b[self.index + 1])
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        return self.fused.compute_dtype
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        return None if self.fused.bias is None else self.fused.bias[self.rows]
+
+    def fp4_weight(self) -> FP4Weight:
+        """This layer's FP4 weight: its rows of the fused one (views of its buffers)."""
+        r = self.rows
+        return self.fused.fp4_weight().slice_rows(r.start, r.stop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.part_forward(self.index, x)
+
+    def extra_repr(self) -> str:
+        f = self.fused
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, rows "
+                f"{f.part_bounds[self.index]}:{f.part_bounds[self.index + 1]} of a fused {f.out_features}-row weight")
+
+
+#: sibling projections of one input that :func:`quantize_model` stores as one weight: the fused
+#: module's name under their parent and the parts in row order (transformers' module names)
+FUSED_PROJECTIONS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+
+
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -196,6 +286,8 @@ class ConversionReport:
             self.skipped.append((record.name, record.reason))
     #: converted layers that compute in another dtype than their weights had: name -> dtype
     compute_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    #: fused modules added (see quantize_model's ``fuse``): name -> the converted layers it holds
+    fused: dict[str, list[str]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         n_exp = sum(1 for r in self.tensors if r.converted and r.kind == "experts")
@@ -213,6 +305,12 @@ class ConversionReport:
                 f"  {count} converted layers compute in {str(cd).replace('torch.', '')}: inputs of another "
                 "dtype are cast to it and the outputs cast back"
             )
+        if self.fused:
+            kinds: dict[str, int] = {}
+            for name, parts in self.fused.items():
+                k = f"{'/'.join(p.rpartition('.')[2] for p in parts)} -> {name.rpartition('.')[2]}"
+                kinds[k] = kinds.get(k, 0) + 1
+            lines += [f"  fused {k} in {n} modules (one stacked weight each)" for k, n in kinds.items()]
         for name, why in self.skipped:
             lines.append(f"  skipped {name}: {why}")
         return "\n".join(lines)
@@ -243,6 +341,7 @@ def quantize_model(
     fmt: str,
     skip: Iterable[str] = ("lm_head", "*.lm_head"),
     dtype: Optional[torch.dtype] = None,
+    fuse: bool = True,
 ) -> ConversionReport:
     """Replace the ``torch.nn.Linear`` layers of ``model`` by :class:`FP4Linear` in place.
 
@@ -265,6 +364,15 @@ def quantize_model(
     casts back, so a float32 model keeps working; the report's ``compute_dtypes`` lists the
     layers that compute in a dtype other than their weights'. For the FP4 kernels' speed
     without casts, convert the model first (``model.to(torch.bfloat16)``).
+
+    ``fuse``: sibling projections of one input (``q_proj``/``k_proj``/``v_proj`` and
+    ``gate_proj``/``up_proj`` under one parent, all converted, same input size, dtype and device,
+    all with or all without bias) are quantized as one stacked weight, an
+    :class:`FP4FusedLinear` added to their parent as ``qkv_proj`` / ``gate_up_proj``, and each
+    original layer becomes an :class:`FP4LinearPart` of it: one kernel instead of three or two,
+    at the stacked shape the shipped tuning rows cover. In NVFP4 the stacked weight has one
+    global scale (its parts' largest amax), as a serving engine's fused layers do. The report's
+    ``fused`` maps each fused module to its parts.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_model: model must be a torch.nn.Module, got {_describe(model)}")
@@ -276,6 +384,8 @@ def quantize_model(
     for hook in list(_MODULE_CONVERTERS):
         keep.update(hook(model, fmt, patterns, report))
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, FP4Linear)]
+    groups = _fusable_groups(model, targets, fmt, patterns, keep) if fuse else {}
+    in_group = {n: g for g, names in groups.items() for n in names}
     for name, lin in targets:
         why = None
         if matches_skip(name, patterns):
@@ -294,11 +404,54 @@ def quantize_model(
             report.add(TensorRecord(name, "linear", shape, False, before, before, why))
             continue
         cd = dtype if dtype is not None else (torch.bfloat16 if lin.weight.dtype == torch.float32 else None)
-        new = FP4Linear.from_linear(lin, fmt, cd)
         if cd is not None and cd != lin.weight.dtype:
             report.compute_dtypes[name] = cd
+        if name in in_group:
+            continue  # converted with its group below
+        new = FP4Linear.from_linear(lin, fmt, cd)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
         report.add(TensorRecord(name, "linear", shape, True, before, _weight_bytes(new.fp4_weight())))
+    for fused_name, names in groups.items():
+        parent_name, _, child = fused_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        lins = [model.get_submodule(n) for n in names]
+        w = torch.cat([lin.weight.detach() for lin in lins], 0)
+        bias = None if lins[0].bias is None else torch.cat([lin.bias.detach() for lin in lins], 0)
+        cd = dtype if dtype is not None else (torch.bfloat16 if lins[0].weight.dtype == torch.float32 else None)
+        fused = FP4FusedLinear(quantize(w, fmt), bias, cd, [(n, lin.out_features) for n, lin in zip(names, lins)])
+        del w
+        parent.add_module(child, fused)
+        for i, (n, lin) in enumerate(zip(names, lins)):
+            setattr(parent, n.rpartition(".")[2], FP4LinearPart(fused, i))
+            rows = lin.out_features * lin.in_features
+            after = _weight_bytes(fused.fp4_weight()) * rows // (fused.out_features * fused.in_features)
+            report.add(TensorRecord(n, "linear", tuple(lin.weight.shape), True,
+                                    lin.weight.numel() * lin.weight.element_size(), after))
+        report.fused[fused_name] = list(names)
     return report
+
+
+def _fusable_groups(model: nn.Module, targets, fmt: str, patterns, keep) -> dict[str, list[str]]:
+    """``{fused module name: part names}`` for the sibling projections :func:`quantize_model`
+    stores as one weight (see its ``fuse``)."""
+    convertible = {n: m for n, m in targets
+                   if not matches_skip(n, patterns) and n not in keep and not m.weight.is_meta
+                   and m.weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
+                   and m.in_features % BLOCK_SIZE[fmt] == 0}
+    out: dict[str, list[str]] = {}
+    for parent_name, parent in model.named_modules():
+        prefix = f"{parent_name}." if parent_name else ""
+        for fused, parts in FUSED_PROJECTIONS:
+            names = [prefix + p for p in parts]
+            lins = [convertible.get(n) for n in names]
+            if any(m is None for m in lins) or hasattr(parent, fused):
+                continue
+            first = lins[0]
+            if any(m.in_features != first.in_features or m.weight.dtype != first.weight.dtype
+                   or m.weight.device != first.weight.device or (m.bias is None) != (first.bias is None)
+                   for m in lins):
+                continue
+            out[prefix + fused] = names
+    return out

@@ -87,16 +87,19 @@ def dequantized(model):
     from torch import nn
 
     from autofp4.integrations.transformers import FP4Experts
-    from autofp4.nn import FP4Linear
+    from autofp4.nn import FP4FusedLinear, FP4Linear, FP4LinearPart
 
     out = copy.deepcopy(model)
     for name, m in list(out.named_modules()):
         parent_name, _, child = name.rpartition(".")
         parent = out.get_submodule(parent_name) if parent_name else out
-        if isinstance(m, FP4Linear):
-            lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=m.weight_packed.device,
+        if isinstance(m, FP4FusedLinear):  # its parts get their rows of it
+            delattr(parent, child)
+        elif isinstance(m, (FP4Linear, FP4LinearPart)):
+            w = m.fp4_weight()
+            lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=w.data.device,
                             dtype=torch.bfloat16)
-            lin.weight.data = m.fp4_weight().dequantize(torch.bfloat16)
+            lin.weight.data = w.dequantize(torch.bfloat16)
             if m.bias is not None:
                 lin.bias.data = m.bias.data.to(torch.bfloat16)
             setattr(parent, child, lin)

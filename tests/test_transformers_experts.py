@@ -10,7 +10,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from autofp4.integrations.transformers import FP4Experts  # noqa: E402
-from autofp4.nn import FP4Linear, quantize_model  # noqa: E402
+from autofp4.nn import FP4FusedLinear, FP4Linear, FP4LinearPart, quantize_model  # noqa: E402
 
 ATTN = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=64, initializer_range=0.05)
@@ -83,7 +83,7 @@ def _reference_from(model_q, model_ref):
     ref_modules = dict(model_ref.named_modules())
     with torch.no_grad():
         for name, m in model_q.named_modules():
-            if isinstance(m, FP4Linear):
+            if isinstance(m, (FP4Linear, FP4LinearPart)) and not isinstance(m, FP4FusedLinear):
                 ref_modules[name].weight.copy_(m.fp4_weight().dequantize(torch.float32))
             elif isinstance(m, FP4Experts):
                 dense = [m.fp4_weight(p).dequantize(torch.float32) for p in ("gate_up_proj", "down_proj")]
@@ -165,7 +165,7 @@ def test_shared_experts_and_dense_mlps_are_linear_and_converted():
     report = quantize_model(model, "nvfp4")
     conv = set(report.converted)
     assert {"model.layers.0.mlp.gate_proj", "model.layers.1.mlp.shared_experts.down_proj"} <= conv
-    assert isinstance(model.model.layers[1].mlp.shared_experts.up_proj, FP4Linear)
+    assert isinstance(model.model.layers[1].mlp.shared_experts.up_proj, FP4LinearPart)
     assert [n for n, _ in report.skipped] == ["lm_head"]
 
 
@@ -262,7 +262,7 @@ def test_gpt_oss_experts_are_converted_and_match_the_dequantized_model(fmt, dtyp
     assert not any(p.dim() == 3 for p in model.parameters())
     sd = model.state_dict()
     assert sum(k.endswith("experts.gate_up_proj_bias") for k in sd) == 2
-    assert isinstance(model.model.layers[0].self_attn.q_proj, FP4Linear)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, FP4LinearPart)
     assert isinstance(model.model.layers[0].mlp.router, type(original.model.layers[0].mlp.router))  # not quantized
 
     got, ref = _logits_routed_alike(model, _reference_from(model, copy.deepcopy(original)), ids)
@@ -286,7 +286,7 @@ def test_gpt_oss_experts_with_another_swiglu_are_skipped_with_the_reason():
             why = skipped[f"model.layers.{i}.mlp.experts.{p}"]
             assert "not supported by autofp4.moe" in why and "alpha=1.702, limit=5.0" in why
     assert not any(isinstance(m, FP4Experts) for m in model.modules())
-    assert isinstance(model.model.layers[0].self_attn.q_proj, FP4Linear)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, FP4LinearPart)
     with torch.no_grad():
         out = model(torch.randint(0, 128, (1, 8))).logits
     assert out.shape == (1, 8, 128) and torch.isfinite(out).all()
