@@ -13,8 +13,8 @@ from .problem import BLOCK_SIZE
 from .formats import check_fmt
 from .weights import FP4Weight, _describe, quantize
 
-__all__ = ["FP4Linear", "FP4FusedLinear", "FP4LinearPart", "ConversionReport", "TensorRecord", "quantize_model",
-           "register_module_converter"]
+__all__ = ["FP4Linear", "FP4FusedLinear", "FP4LinearPart", "ConversionReport", "TensorRecord", "fuse_projections",
+           "quantize_model", "register_module_converter"]
 
 
 class FP4Buffers(nn.Module):
@@ -433,25 +433,74 @@ def quantize_model(
     return report
 
 
-def _fusable_groups(model: nn.Module, targets, fmt: str, patterns, keep) -> dict[str, list[str]]:
-    """``{fused module name: part names}`` for the sibling projections :func:`quantize_model`
-    stores as one weight (see its ``fuse``)."""
-    convertible = {n: m for n, m in targets
-                   if not matches_skip(n, patterns) and n not in keep and not m.weight.is_meta
-                   and m.weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
-                   and m.in_features % BLOCK_SIZE[fmt] == 0}
+def _sibling_groups(model: nn.Module, members: Mapping[str, nn.Module],
+                    compatible: Callable[[list], bool]) -> dict[str, list[str]]:
+    """``{fused module name: part names}``: each :data:`FUSED_PROJECTIONS` group whose parts are
+    all in ``members`` (qualified name -> module) under one parent that has no module of the
+    fused name yet, and ``compatible``."""
     out: dict[str, list[str]] = {}
     for parent_name, parent in model.named_modules():
         prefix = f"{parent_name}." if parent_name else ""
         for fused, parts in FUSED_PROJECTIONS:
             names = [prefix + p for p in parts]
-            lins = [convertible.get(n) for n in names]
-            if any(m is None for m in lins) or hasattr(parent, fused):
-                continue
-            first = lins[0]
-            if any(m.in_features != first.in_features or m.weight.dtype != first.weight.dtype
-                   or m.weight.device != first.weight.device or (m.bias is None) != (first.bias is None)
-                   for m in lins):
-                continue
-            out[prefix + fused] = names
+            mods = [members.get(n) for n in names]
+            if all(m is not None for m in mods) and not hasattr(parent, fused) and compatible(mods):
+                out[prefix + fused] = names
     return out
+
+
+def _fusable_groups(model: nn.Module, targets, fmt: str, patterns, keep) -> dict[str, list[str]]:
+    """The sibling projections :func:`quantize_model` stores as one weight (see its ``fuse``)."""
+    convertible = {n: m for n, m in targets
+                   if not matches_skip(n, patterns) and n not in keep and not m.weight.is_meta
+                   and m.weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
+                   and m.in_features % BLOCK_SIZE[fmt] == 0}
+
+    def compatible(lins) -> bool:
+        first = lins[0]
+        return all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
+                   and m.weight.device == first.weight.device and (m.bias is None) == (first.bias is None)
+                   for m in lins)
+
+    return _sibling_groups(model, convertible, compatible)
+
+
+def fuse_projections(model: nn.Module) -> dict[str, list[str]]:
+    """Stack sibling :class:`FP4Linear` projections of one input (``q_proj``/``k_proj``/``v_proj``,
+    ``gate_proj``/``up_proj``) of an FP4 model, such as one loaded from a checkpoint, into one
+    :class:`FP4FusedLinear` each, in place and exactly: their packed values and block scales
+    are concatenated. Fused only where that is exact: the same format, input size, device,
+    compute dtype and bias presence, and in NVFP4 the same global scale and input scale (a
+    ModelOpt export gives fused-in-serving layers one shared scale). Returns ``{fused module
+    name: part names}``."""
+    layers = {n: m for n, m in model.named_modules() if type(m) is FP4Linear}
+
+    def same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+        return (a is None) == (b is None) and (a is None or (a.shape == b.shape and torch.equal(a, b.to(a.device))))
+
+    def compatible(mods) -> bool:
+        f = mods[0]
+        w0 = f.fp4_weight()
+        for m in mods:
+            w = m.fp4_weight()
+            if (m.fmt != f.fmt or m.in_features != f.in_features or w.data.device != w0.data.device
+                    or m.compute_dtype != f.compute_dtype or (m.bias is None) != (f.bias is None)
+                    or (m.bias is not None and m.bias.dtype != f.bias.dtype)
+                    or not same(w.global_scale, w0.global_scale) or not same(w.input_scale, w0.input_scale)):
+                return False
+        return True
+
+    groups = _sibling_groups(model, layers, compatible)
+    for fused_name, names in groups.items():
+        parent_name, _, child = fused_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        mods = [layers[n] for n in names]
+        ws = [m.fp4_weight() for m in mods]
+        w = FP4Weight(ws[0].fmt, torch.cat([x.data for x in ws], 0), torch.cat([x.scale for x in ws], 0),
+                      ws[0].global_scale, ws[0].input_scale, check_values=False)
+        bias = None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods], 0)
+        fused = FP4FusedLinear(w, bias, mods[0].compute_dtype, [(n, m.out_features) for n, m in zip(names, mods)])
+        parent.add_module(child, fused)
+        for i, n in enumerate(names):
+            setattr(parent, n.rpartition(".")[2], FP4LinearPart(fused, i))
+    return groups

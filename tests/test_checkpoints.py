@@ -50,19 +50,38 @@ def _quantized_names(tensors):
             if k.endswith("proj.weight") and not k.startswith(EXCLUDED + ".")]
 
 
-def _write(root: Path, cfg, tensors, layout: str, sharded: bool, dtype=torch.bfloat16):
-    """Writes the checkpoint; returns (written FP4 tensors by module, dequantized reference weights)."""
+_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _write(root: Path, cfg, tensors, layout: str, sharded: bool, dtype=torch.bfloat16, shared: bool = False):
+    """Writes the checkpoint; returns (written FP4 tensors by module, dequantized reference weights).
+    ``shared``: q/k/v and gate/up of a block quantized together (one global and input scale, as
+    an exporter does for layers a serving engine fuses), each stored as its own rows."""
     root.mkdir(parents=True, exist_ok=True)
     stored, written, ref = {}, {}, {}
     qnames = set(_quantized_names(tensors))
+    joint: dict[str, tuple] = {}
     for k, v in tensors.items():
         name = k[: -len(".weight")]
         if name not in qnames:
             stored[k] = v.to(dtype)
             ref[k] = stored[k].float()
             continue
-        w = autofp4.quantize(v, "nvfp4")
-        ins = torch.rand((), dtype=torch.float32) + 0.01
+        prefix, _, leaf = name.rpartition(".")
+        group = next((g for g in _GROUPS if leaf in g), None) if shared else None
+        if group is None:
+            w = autofp4.quantize(v, "nvfp4")
+            ins = torch.rand((), dtype=torch.float32) + 0.01
+        else:
+            if (prefix, group) not in joint:
+                rows = [tensors[f"{prefix}.{g}.weight"] for g in group]
+                joint[prefix, group] = (autofp4.quantize(torch.cat(rows), "nvfp4"), [r.shape[0] for r in rows],
+                                        torch.rand((), dtype=torch.float32) + 0.01)
+            whole, sizes, ins = joint[prefix, group]
+            start = sum(sizes[: group.index(leaf)])
+            w = whole.slice_rows(start, start + v.shape[0])
+            w = type(w)("nvfp4", w.data.clone(), w.scale.clone(), w.global_scale.clone(), check_values=False)
+            ins = ins.clone()
         if layout.startswith("modelopt"):
             parts = {"weight": w.data, "weight_scale": w.scale, "weight_scale_2": w.global_scale, "input_scale": ins}
         else:
@@ -275,3 +294,34 @@ def test_tied_embeddings_and_a_dense_stored_linear(tmp_path):
         got = model(ids).logits.double()
     want = _reference_logits(cfg, ref, ids)
     assert ((got - want).norm() / want.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("layout", ["modelopt-hf", "compressed-tensors"])
+def test_projections_stored_with_shared_scales_load_fused_and_exact(tmp_path, layout):
+    """q/k/v and gate/up written with one global and input scale per group load as one stacked
+    weight each (its parts' rows exactly the stored tensors), and compute what the unfused load
+    computes; independently quantized layers stay separate."""
+    from autofp4.nn import FP4FusedLinear, FP4LinearPart
+
+    cfg = _config()
+    tensors = _random_tensors(cfg, torch.randint(0, 2**30, ()).item())
+    written, ref = _write(tmp_path / "s", cfg, tensors, layout, False, shared=True)
+    fused = autofp4.from_pretrained(tmp_path / "s", dtype=torch.bfloat16)
+    plain = autofp4.from_pretrained(tmp_path / "s", dtype=torch.bfloat16, fuse=False)
+    attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[1].mlp
+    assert isinstance(attn.qkv_proj, FP4FusedLinear) and isinstance(attn.v_proj, FP4LinearPart)
+    assert isinstance(mlp.gate_up_proj, FP4FusedLinear) and isinstance(mlp.up_proj, FP4LinearPart)
+    assert type(mlp.down_proj) is nn.Linear  # the excluded one
+    for name in written:
+        a, b = fused.get_submodule(name).fp4_weight(), plain.get_submodule(name).fp4_weight()
+        assert torch.equal(a.data, b.data) and torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+        assert torch.equal(a.global_scale.reshape(()), b.global_scale.reshape(()))
+    ids = torch.randint(0, cfg.vocab_size, (2, 7))
+    with torch.no_grad():
+        got, want = fused(ids).logits, plain(ids).logits
+    assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    assert ((got.double() - _reference_logits(cfg, ref, ids)).norm() / want.double().norm()).item() < 2e-2
+
+    _write(tmp_path / "i", cfg, tensors, layout, False)  # every layer its own scales: nothing to fuse exactly
+    separate = autofp4.from_pretrained(tmp_path / "i", dtype=torch.bfloat16)
+    assert not any(isinstance(m, (FP4FusedLinear, FP4LinearPart)) for m in separate.modules())

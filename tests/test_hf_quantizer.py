@@ -53,3 +53,20 @@ def test_registration_waits_for_transformers():
     res = subprocess.run([sys.executable, "-c", env_code.split("print(")[0] + "print('autofp4' in m)"],
                          capture_output=True, text=True, check=True).stdout
     assert res.strip() == "False"
+
+
+def test_auto_model_fuses_projections_stored_with_shared_scales(tmp_path):
+    """A ModelOpt checkpoint whose q/k/v and gate/up share their scales loads through the
+    quantizer with one stacked weight per group, computing what the unfused load computes."""
+    from test_checkpoints import _config, _random_tensors, _write
+
+    from autofp4.nn import FP4FusedLinear, FP4LinearPart
+
+    cfg = _config()
+    _write(tmp_path / "c", cfg, _random_tensors(cfg, 11), "modelopt", False, shared=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "c", dtype=torch.bfloat16)
+    assert isinstance(model.model.layers[1].self_attn.qkv_proj, FP4FusedLinear)
+    assert isinstance(model.model.layers[0].mlp.up_proj, FP4LinearPart)
+    plain = autofp4.from_pretrained(tmp_path / "c", dtype=torch.bfloat16, fuse=False)
+    a, b = _logits(model, cfg.vocab_size), _logits(plain, cfg.vocab_size)
+    assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2), (a - b).abs().max()

@@ -186,3 +186,32 @@ def test_gpu_fused_layers_under_compile_and_graph_replay_match_the_parts(fmt, ge
             static.copy_(torch.randn(2, 128, generator=gen).to("cuda", torch.bfloat16))
             graph.replay()
             assert _rel(out, dense(static.double())) < 1e-2
+
+
+def test_fuse_projections_stacks_fp4_layers_exactly_where_it_can(gen):
+    """``fuse_projections`` on an FP4 model: MXFP4 siblings stack exactly (the parts' tensors are
+    the layers' own); NVFP4 siblings with their own global scales are left separate."""
+    from autofp4.nn import fuse_projections
+
+    model = _model(gen, bias=True)
+    quantize_model(model, "mxfp4", skip=[], fuse=False)
+    before = {n: m.fp4_weight() for n, m in model.named_modules() if isinstance(m, FP4Linear)}
+    x = torch.randn(3, 128, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        want = model(x)
+        assert sorted(fuse_projections(model)) == ["0.gate_up_proj", "0.qkv_proj", "1.gate_up_proj", "1.qkv_proj"]
+        got = model(x)
+    assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    for n in ("0.q_proj", "0.v_proj", "1.up_proj"):
+        part = model.get_submodule(n)
+        assert isinstance(part, FP4LinearPart) and torch.equal(part.fp4_weight().data, before[n].data)
+        assert torch.equal(part.fp4_weight().scale, before[n].scale)
+    assert fuse_projections(model) == {}  # nothing left to fuse
+    nv = _model(gen)
+    with torch.no_grad():
+        for blk in nv:
+            blk.k_proj.weight.mul_(3)
+            blk.up_proj.weight.mul_(3)
+    quantize_model(nv, "nvfp4", skip=[], fuse=False)
+    assert not torch.equal(nv[0].k_proj.fp4_weight().global_scale, nv[0].q_proj.fp4_weight().global_scale)
+    assert fuse_projections(nv) == {} and type(nv[0].q_proj) is FP4Linear

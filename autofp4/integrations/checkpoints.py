@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from ..loaders import load_state_dict_weight
-from ..nn import FP4Buffers, FP4Linear
+from ..nn import FP4Buffers, FP4Linear, fuse_projections
 from ..weights import FP4Weight, _describe
 from .checkpoint_experts import Readers, load_experts
 
@@ -469,13 +469,16 @@ def _warn_dense(dense_stored: list[str], scheme: _Scheme, dtype: torch.dtype) ->
         )
 
 
-def from_pretrained(path: Union[str, Path], device_map: Any = None, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+def from_pretrained(path: Union[str, Path], device_map: Any = None, dtype: torch.dtype = torch.bfloat16,
+                    fuse: bool = True) -> nn.Module:
     """The transformers model of an FP4 checkpoint directory (ModelOpt or compressed-tensors NVFP4,
     gpt-oss MXFP4), its quantized linears as :class:`~autofp4.nn.FP4Linear` and its routed experts
     as :class:`~autofp4.integrations.transformers.FP4Experts`, in eval mode.
 
     device_map: None (CPU), ``"auto"`` (the current CUDA device if any), a device (``"cuda:0"``,
     ``0``) or ``{"": device}``. dtype: the dtype of the dense tensors and the activations.
+    fuse: stack the stored q/k/v and gate/up projections of each block into one weight where
+    that is exact (:func:`autofp4.nn.fuse_projections`: one kernel per group).
     """
     from transformers import AutoConfig
 
@@ -487,6 +490,8 @@ def from_pretrained(path: Union[str, Path], device_map: Any = None, dtype: torch
     model = _empty_model(config, dtype)
     dense_stored = load_quantized_modules(model, t, scheme, dtype)
     _fill_dense(model, t, dtype)
+    if fuse:
+        fuse_projections(model)
     model.to(device)
     model.eval()
     _warn_dense(dense_stored, scheme, dtype)

@@ -40,7 +40,7 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..nn import FP4Buffers
+from ..nn import FP4Buffers, fuse_projections
 from . import checkpoints as _ckpt
 
 __all__ = ["AutoFP4Config", "AutoFP4Quantizer", "transformers_config", "register"]
@@ -111,6 +111,7 @@ class AutoFP4Quantizer(HfQuantizer):
         for name, module in getattr(self, "_pending", {}).items():
             model.set_submodule(name, module)
         self._pending = {}
+        fuse_projections(model)  # q/k/v and gate/up stored with shared scales: one stacked weight each
         return model
 
     @property
