@@ -300,7 +300,7 @@ def bench_config(path: Path, args, device) -> list[dict]:
         ref_logits = None
         if model is None:
             model = copy.deepcopy(base)
-            autofp4.quantize_model(model, name)
+            autofp4.quantize_model(model, name, skip=args.skip, fuse=not args.no_fuse)
             ref_logits = prefill(dequantized(model), ids, 1, device)[1]
         warmup_s = autotune_warmup(model, config, args, device) if name != "bf16" and args.autotune else None
         for mode in args.modes:
@@ -379,6 +379,9 @@ def main(argv=None) -> int:
     p.add_argument("--db", default=None, help="the user tuning DB (default: autofp4's)")
     p.add_argument("--fmts", default=",".join(FMTS))
     p.add_argument("--modes", default="eager,compiled,graph")
+    p.add_argument("--skip", default="lm_head,*.lm_head",
+                   help="quantize_model's skip patterns, comma-separated ('': quantize lm_head too)")
+    p.add_argument("--no-fuse", action="store_true", help="quantize_model(fuse=False): q/k/v and gate/up apart")
     p.add_argument("--tiny", action="store_true", help="shrink each config (a smoke run)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -394,6 +397,7 @@ def main(argv=None) -> int:
 
         dispatch.set_db(args.db)
     args.fmts = [f for f in args.fmts.split(",") if f]
+    args.skip = [x for x in args.skip.split(",") if x]
     for knob in ("recompile_limit", "cache_size_limit"):  # one compile per model, batch and mode
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, 64)

@@ -79,3 +79,17 @@ def test_an_unknown_mode_is_refused(capsys):
     with pytest.raises(SystemExit):
         B.main(["--device", "cpu", "--modes", "eager,fast"])
     assert "'fast'" in capsys.readouterr().err
+
+
+def test_skip_and_no_fuse_reach_quantize_model(tmp_path, monkeypatch):
+    import autofp4
+
+    seen = []
+    real = autofp4.quantize_model
+    monkeypatch.setattr(autofp4, "quantize_model", lambda m, fmt, **kw: seen.append(kw) or real(m, fmt, **kw))
+    rc = B.main(["--device", "cpu", "--tiny", "--configs", str(EXAMPLES / "llama-3.1-8b.json"), "--batches", "1",
+                 "--prefill", "4", "--context", "4", "--steps", "1", "--reps", "1", "--modes", "eager",
+                 "--fmts", "mxfp4", "--skip", "", "--no-fuse", "--out", str(tmp_path)])
+    assert rc == 0 and seen == [{"skip": [], "fuse": False}]
+    row = json.loads((tmp_path / "model.json").read_text())["rows"][1]
+    assert row["variant"] == "mxfp4" and row["cos_deq"] > 0.999
