@@ -166,6 +166,8 @@ class Dispatcher:
         self._runners: dict[tuple[str, BackendConfig, ProblemKey], Runner] = {}
         self._memo: dict[tuple[ProblemKey, int], tuple[Backend, BackendConfig, Runner, Any]] = {}
         self._misses: dict[tuple[ProblemKey, int], int] = {}
+        #: misses of an expert-parallel slice: (key, M bucket) -> the layer's global expert count
+        self._miss_eg: dict[tuple[ProblemKey, int], int] = {}
         self._lock = threading.Lock()
         self._applies: dict[str, bool] = {}
         self.ignored: list[str] = []
@@ -321,9 +323,12 @@ class Dispatcher:
         """``(backend, config, runner)`` for a call with ``m`` tokens (memoized per ``(key, m)``)."""
         return self.resolve_entry(key, m)[:3]
 
-    def resolve_entry(self, key: ProblemKey, m: int) -> tuple[Backend, BackendConfig, Runner, Any]:
+    def resolve_entry(self, key: ProblemKey, m: int, experts_global: int = 0) -> tuple[Backend, BackendConfig, Runner, Any]:
         """:meth:`resolve` plus the miss this call counted (``None`` for a tuned pick). A caller
-        that keeps the runner for later calls passes the miss to :meth:`count_miss` on each."""
+        that keeps the runner for later calls passes the miss to :meth:`count_miss` on each.
+        ``experts_global``: for a MoE call on one rank's slice of an expert-parallel layer (an
+        ``expert_map``), the layer's expert count, recorded with its miss (tuning the miss then
+        routes among all of them, as the slice sees it)."""
         hit = self._memo.get((key, m))
         if hit is None:
             backend, cfg, miss = self._pick(key, m)
@@ -334,23 +339,30 @@ class Dispatcher:
                 self._memo.clear()
             self._memo[(key, m)] = hit
         if hit[3] is not None:
-            renewed = self.count_miss(hit[3])
+            renewed = self.count_miss(hit[3], experts_global)
             if renewed is not None:  # the miss hook stored a row for this call just now
-                return renewed.resolve_entry(key, m)
+                return renewed.resolve_entry(key, m, experts_global)
         return hit
 
     # -- misses ----------------------------------------------------------------------
-    def count_miss(self, mk: tuple[ProblemKey, int]) -> "Dispatcher | None":
-        """Count one more call of an untuned ``(key, M bucket)`` (the miss of :meth:`resolve_entry`)
-        and pass it to the miss hook. Returns the dispatcher to resolve the call with again where
-        the hook stored a row for it (blocking just-in-time tuning), else None."""
+    def count_miss(self, mk: tuple[ProblemKey, int], experts_global: int = 0) -> "Dispatcher | None":
+        """Count one more call of an untuned ``(key, M bucket)`` (the miss of :meth:`resolve_entry`;
+        ``experts_global`` as there) and pass it to the miss hook. Returns the dispatcher to
+        resolve the call with again where the hook stored a row for it (blocking just-in-time
+        tuning), else None."""
         with self._lock:
             first = not self._misses
             self._misses[mk] = self._misses.get(mk, 0) + 1
+            if experts_global > mk[0].experts:
+                self._miss_eg[mk] = experts_global
         if first:
             _register_pending(self)
         hook = self.on_miss
         return None if hook is None else hook(self, mk)
+
+    def miss_experts_global(self, mk: tuple[ProblemKey, int]) -> int:
+        """The global expert count recorded with a MoE slice's miss (0: not a slice)."""
+        return self._miss_eg.get(mk, 0)
 
     def misses(self) -> list[tuple[ProblemKey, int, int]]:
         """The misses counted since the last flush: ``(key, standard M bucket, calls)``."""
@@ -366,32 +378,36 @@ class Dispatcher:
         """
         with self._lock:
             pending = dict(self._misses)
+            eg = dict(self._miss_eg)
             self._misses.clear()
         if not pending:
             return None
         target = Path(path) if path is not None else self.misses_file
         merged: dict[tuple, int] = {}
-        for key, m, c in _read_misses(target, strict=False):
+        for key, m, c, g in _read_misses(target, strict=False):
             merged[(key, m)] = merged.get((key, m), 0) + c
+            if g:
+                eg.setdefault((key, m), g)
         for mk, c in pending.items():
             merged[mk] = merged.get(mk, 0) + c
-        _write_misses(target, merged)
+        _write_misses(target, merged, eg)
         return target
 
 
 # -- misses file ----------------------------------------------------------------------
-def _write_misses(path: Path, merged: dict[tuple[ProblemKey, int], int]) -> None:
+def _write_misses(path: Path, merged: dict[tuple[ProblemKey, int], int], eg: dict[tuple[ProblemKey, int], int]) -> None:
     items = sorted(merged.items(), key=lambda kv: (-kv[1], str(kv[0][0]), kv[0][1]))
     doc = {
         "version": MISSES_VERSION,
-        "misses": [{**_key_dict(k), "m": m, "count": c} for (k, m), c in items],
+        "misses": [{**_key_dict(k), "m": m, "count": c, **({"experts_global": eg[k, m]} if (k, m) in eg else {})}
+                   for (k, m), c in items],
     }
     from .db import write_text_atomic
 
     write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
 
 
-def _read_misses(path: Path, strict: bool) -> list[tuple[ProblemKey, int, int]]:
+def _read_misses(path: Path, strict: bool) -> list[tuple[ProblemKey, int, int, int]]:
     if not path.exists():
         if strict:
             raise FileNotFoundError(f"misses file not found: {path}")
@@ -408,10 +424,12 @@ def _read_misses(path: Path, strict: bool) -> list[tuple[ProblemKey, int, int]]:
                 str(e["op"]), str(e["fmt"]), str(e["dtype"]), int(e["n"]), int(e["k"]),
                 int(e.get("experts", 0)), int(e.get("topk", 0)),
             )
-            m, c = int(e["m"]), int(e.get("count", 1))
+            m, c, g = int(e["m"]), int(e.get("count", 1)), int(e.get("experts_global", 0))
             if m < 1 or c < 1:
                 raise ValueError(f"misses[{i}]: m and count must be >= 1, got m={m}, count={c}")
-            out.append((key, m, c))
+            if g and (key.op != "moe" or g <= key.experts):
+                raise ValueError(f"misses[{i}]: experts_global={g} needs a MoE key with fewer experts, got {key}")
+            out.append((key, m, c, g))
         return out
     except (ValueError, KeyError, TypeError) as e:
         if strict:
@@ -420,9 +438,13 @@ def _read_misses(path: Path, strict: bool) -> list[tuple[ProblemKey, int, int]]:
         return []
 
 
-def load_misses(path: str | os.PathLike | None = None) -> list[tuple[ProblemKey, int, int]]:
-    """The misses recorded in ``path`` (default :func:`misses_path`): ``(key, m, count)``."""
-    return _read_misses(Path(path) if path is not None else misses_path(), strict=True)
+def load_misses(path: str | os.PathLike | None = None,
+                experts_global: bool = False) -> list[tuple]:
+    """The misses recorded in ``path`` (default :func:`misses_path`): ``(key, m, count)``; with
+    ``experts_global``, ``(key, m, count, experts_global)`` (0 where the miss was not a MoE slice
+    of an expert-parallel layer)."""
+    got = _read_misses(Path(path) if path is not None else misses_path(), strict=True)
+    return got if experts_global else [r[:3] for r in got]
 
 
 # -- process-wide dispatchers -----------------------------------------------------------

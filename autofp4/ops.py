@@ -274,7 +274,8 @@ def _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, check_ids=True, ex
     if x.shape[0] == 0:
         return torch.empty_like(x)
     key = _problem_key(w13, "moe", x.dtype, topk_ids.shape[1])
-    backend, _cfg, runner = get_dispatcher(x.device).resolve(key, x.shape[0])
+    eg = 0 if expert_map is None else expert_map.shape[0]  # a slice: its misses tune it as one
+    backend, _cfg, runner, _ = get_dispatcher(x.device).resolve_entry(key, x.shape[0], eg)
     xc = x if x.is_contiguous() else x.contiguous()
     args = (xc, w13.packed(backend.name, backend.prepare), w2.packed(backend.name, backend.prepare),
             topk_weights.float(), topk_ids, activation)

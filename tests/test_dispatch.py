@@ -370,3 +370,38 @@ def test_the_miss_hook_sees_misses_only_and_can_resolve_the_call_again(tmp_path,
         dispatch.set_miss_hook(None)
     autofp4.linear(x[:1], w)
     assert seen == [(KEY, 4), (KEY, 64)]
+
+
+def test_a_moe_slices_misses_carry_the_layers_expert_count_to_tune_from_misses(tmp_path, gen):
+    """``autofp4.moe`` on one rank's slice (an ``expert_map`` over 16 experts, 4 local): its miss
+    records the 16, the misses file keeps it, and ``tune --from-misses`` makes a slice job of it;
+    a call without a map stays an all-local miss."""
+    from autofp4 import dispatch as D
+    from autofp4.routing import rank_expert_map
+    from autofp4.tuning.run import misses_jobs
+
+    e, eg, h, i, t = 4, 16, 64, 32, 3
+    w13 = autofp4.quantize(torch.randn(e, 2 * i, h, generator=gen), "mxfp4")
+    w2 = autofp4.quantize(torch.randn(e, h, i, generator=gen), "mxfp4")
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    ti = torch.randint(0, eg, (t, 2), generator=gen)
+    tw = torch.softmax(torch.randn(t, 2, generator=gen), -1)
+    D.set_db(tmp_path / "u.db")
+    try:
+        d = D.get_dispatcher(CPU)
+        autofp4.moe(x, w13, w2, tw, ti, expert_map=rank_expert_map(eg, e, 1))
+        ((key, m, c),) = d.misses()
+        assert (key.op, key.experts, key.topk, m, c) == ("moe", e, 2, 4, 1)
+        assert d.miss_experts_global((key, m)) == eg
+        autofp4.moe(x, w13, w2, tw, ti % e)  # the same local shape as a whole layer elsewhere
+        path = d.flush_misses(tmp_path / "m.json")
+        assert load_misses(path) == [(key, m, 2)]
+        assert load_misses(path, experts_global=True) == [(key, m, 2, eg)]
+        (job,) = misses_jobs(path)
+        assert (job.key, job.m, job.experts_global) == (key, m, eg)
+    finally:
+        D.set_db(None)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"version": 1, "misses": [{**dataclasses.asdict(key), "m": 4, "experts_global": 2}]}))
+    with pytest.raises(ValueError, match="experts_global=2"):
+        load_misses(bad)

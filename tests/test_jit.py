@@ -74,6 +74,22 @@ class SlowCompileBackend(ReferenceBackend):
         return super().compile(config, key)
 
 
+class EPLogBackend(ReferenceBackend):
+    """The reference; each MoE call appends its expert map's length (0: none) to the file named
+    by ``$AUTOFP4_TEST_EP_LOG``, in whichever process runs it (the worker's trials too)."""
+
+    name = "test_ep_log"
+
+    def compile(self, config, key):
+        inner = super().compile(config, key)
+
+        def run(x, w13, w2, tw, ti, act, expert_map=None, **kw):
+            with open(os.environ["AUTOFP4_TEST_EP_LOG"], "a") as f:
+                f.write(f"{0 if expert_map is None else expert_map.numel()}\n")
+            return inner(x, w13, w2, tw, ti, act, expert_map, **kw)
+        return run
+
+
 def _weight(n, k, seed=0):
     return autofp4.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)), "nvfp4")
 
@@ -475,3 +491,31 @@ def test_gpu_a_miss_under_capture_is_queued_not_tuned(_own_db):
     assert capture_s < 2.0, f"the capture took {capture_s:.1f} s: it waited for tuning"
     rows = _rows(_own_db, current_environment(dev).key())
     assert {(r.n, r.m_bucket, r.origin) for r in rows} == {(4096, 8, "jit"), (1024, 8, "jit")}
+
+
+def test_blocking_tunes_an_expert_parallel_slice_as_a_slice(monkeypatch, tmp_path, _own_db):
+    """A MoE call on one rank's slice (4 of 16 experts) meets no row: the worker's trials run the
+    slice with an expert map over all 16 (the share of the pairs the slice gets), not as a
+    4-expert layer that every pair reaches; the stored row then serves the call."""
+    from autofp4.routing import rank_expert_map
+
+    log = tmp_path / "ep.log"
+    monkeypatch.setenv("AUTOFP4_TEST_EP_LOG", str(log))
+    monkeypatch.setitem(registry._REGISTRY, EPLogBackend.name, f"{EPLogBackend.__module__}:{EPLogBackend.__qualname__}")
+    monkeypatch.setitem(registry._INSTANCES, EPLogBackend.name, EPLogBackend())
+    g = torch.Generator().manual_seed(3)
+    e, eg, h, i, t = 4, 16, 64, 32, 5
+    w13 = autofp4.quantize(torch.randn(e, 2 * i, h, generator=g), "nvfp4")
+    w2 = autofp4.quantize(torch.randn(e, h, i, generator=g), "nvfp4")
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    ti = torch.randint(0, eg, (t, 2), generator=g)
+    tw = torch.softmax(torch.randn(t, 2, generator=g), -1)
+    emap = rank_expert_map(eg, e, 2)
+    with autofp4.autotune(mode="blocking", backends=[EPLogBackend.name], ops=("moe",)):
+        y = autofp4.moe(x, w13, w2, tw, ti, expert_map=emap)
+    (row,) = _rows(_own_db)
+    assert (row.op, row.experts, row.m_bucket, row.backend) == ("moe", e, 8, EPLogBackend.name)
+    sizes = [int(v) for v in log.read_text().split()]
+    assert len(sizes) >= 3 and set(sizes) == {eg}, sizes  # trials and the tuned call: all as a slice
+    ref = autofp4.moe(x, w13, w2, tw, ti, expert_map=emap)
+    assert torch.equal(y, ref)

@@ -104,7 +104,7 @@ class _Scope:
                 return None
             self.seen.add(met)
             worker = self._worker(disp.device)
-        i = worker.submit(Job(key, m, "jit"))
+        i = worker.submit(Job(key, m, "jit", experts_global=disp.miss_experts_global(mk)))
         if self.mode == "background" or _capturing(disp.device):
             return None
         if worker.wait_for(i, START_WAIT_S + 3 * (self.budget_s or 0.0)) not in STORED:

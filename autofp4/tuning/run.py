@@ -428,9 +428,13 @@ def misses_jobs(misses_path: str | os.PathLike | None = None) -> list[Job]:
     """The jobs of the ``(key, M bucket)`` pairs a workload missed, ordered by how many calls
     missed them (most first); ``misses_path`` defaults to the misses file next to the user DB."""
     counts: dict[tuple[ProblemKey, int], int] = {}
-    for key, m, c in load_misses(misses_path):
+    eg: dict[tuple[ProblemKey, int], int] = {}
+    for key, m, c, g in load_misses(misses_path, experts_global=True):
         counts[(key, m)] = counts.get((key, m), 0) + c
-    return [Job(k, m, f"{c} calls") for (k, m), c in sorted(counts.items(), key=lambda kv: -kv[1])]
+        if g:
+            eg.setdefault((key, m), g)
+    return [Job(k, m, f"{c} calls", experts_global=eg.get((k, m), 0))
+            for (k, m), c in sorted(counts.items(), key=lambda kv: -kv[1])]
 
 
 def tune_from_misses(misses_path: str | os.PathLike | None = None, **kwargs: Any) -> TuneReport:

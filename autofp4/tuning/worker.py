@@ -54,7 +54,7 @@ def _inbox(stream: IO[str]) -> "queue.Queue[str | None]":
 
 def _job(line: str) -> tuple[int, Job]:
     msg = json.loads(line)
-    return int(msg["id"]), Job(ProblemKey(**msg["key"]), int(msg["m"]), "jit")
+    return int(msg["id"]), Job(ProblemKey(**msg["key"]), int(msg["m"]), "jit", int(msg.get("experts_global", 0)))
 
 
 def _take(inbox: "queue.Queue[str | None]", todo: deque, later: deque) -> bool:
@@ -96,7 +96,7 @@ class _NextGuess:
             out.append(Job(self.after[job.key], job.m, job.name))
         bigger = [b for b in DEFAULT_M_BUCKETS if b > job.m]
         if bigger and not any(j.key == job.key and j.m == bigger[0] for j in out):
-            out.append(Job(job.key, bigger[0], job.name))
+            out.append(Job(job.key, bigger[0], job.name, job.experts_global))
         return out
 
 
@@ -275,7 +275,10 @@ class WorkerClient:
 
     def _send(self, i: int, job: Job) -> None:
         try:
-            self.proc.stdin.write(json.dumps({"id": i, "key": asdict(job.key), "m": job.m}) + "\n")
+            msg = {"id": i, "key": asdict(job.key), "m": job.m}
+            if job.experts_global:
+                msg["experts_global"] = job.experts_global
+            self.proc.stdin.write(json.dumps(msg) + "\n")
             self.proc.stdin.flush()
         except (OSError, ValueError):  # it died: started again, the job with it, by the next wait
             pass
