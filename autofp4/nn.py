@@ -372,7 +372,10 @@ def quantize_model(
     original layer becomes an :class:`FP4LinearPart` of it: one kernel instead of three or two,
     at the stacked shape the shipped tuning rows cover. In NVFP4 the stacked weight has one
     global scale (its parts' largest amax), as a serving engine's fused layers do. The report's
-    ``fused`` maps each fused module to its parts.
+    ``fused`` maps each fused module to its parts. Parts called with different inputs (the
+    cross-attention of an encoder-decoder model: ``k_proj`` and ``v_proj`` on the encoder's
+    states) stay correct but compute the whole stacked product for each input: use
+    ``fuse=False`` there.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_model: model must be a torch.nn.Module, got {_describe(model)}")
