@@ -40,3 +40,15 @@ def replays(graph, x, tw, ti, e, gen, modes=("uniform", "one_expert", "few_exper
         ti.copy_(nti)
         graph.replay()
         yield mode
+
+
+def ep_slice(fmt, gen, e=4, eg=16, h=64, i=32, t=5, rank=1):
+    """One rank's slice of an expert-parallel layer on the CPU: ``(x, w13, w2, tw, ti, expert_map)``
+    with ``e`` local experts of ``eg``, top-2 ids among all ``eg``."""
+    from autofp4.routing import rank_expert_map
+
+    w13, w2 = experts(e, 2 * i, h, fmt, gen), experts(e, h, i, fmt, gen)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    ti = torch.randint(0, eg, (t, 2), generator=gen)
+    tw = torch.softmax(torch.randn(t, 2, generator=gen), -1)
+    return x, w13, w2, tw, ti, rank_expert_map(eg, e, rank)

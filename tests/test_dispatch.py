@@ -376,20 +376,17 @@ def test_a_moe_slices_misses_carry_the_layers_expert_count_to_tune_from_misses(t
     """``autofp4.moe`` on one rank's slice (an ``expert_map`` over 16 experts, 4 local): its miss
     records the 16, the misses file keeps it, and ``tune --from-misses`` makes a slice job of it;
     a call without a map stays an all-local miss."""
+    from moe_cases import ep_slice
+
     from autofp4 import dispatch as D
-    from autofp4.routing import rank_expert_map
     from autofp4.tuning.run import misses_jobs
 
-    e, eg, h, i, t = 4, 16, 64, 32, 3
-    w13 = autofp4.quantize(torch.randn(e, 2 * i, h, generator=gen), "mxfp4")
-    w2 = autofp4.quantize(torch.randn(e, h, i, generator=gen), "mxfp4")
-    x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
-    ti = torch.randint(0, eg, (t, 2), generator=gen)
-    tw = torch.softmax(torch.randn(t, 2, generator=gen), -1)
+    e, eg = 4, 16
+    x, w13, w2, tw, ti, emap = ep_slice("mxfp4", gen, e, eg, t=3)
     D.set_db(tmp_path / "u.db")
     try:
         d = D.get_dispatcher(CPU)
-        autofp4.moe(x, w13, w2, tw, ti, expert_map=rank_expert_map(eg, e, 1))
+        autofp4.moe(x, w13, w2, tw, ti, expert_map=emap)
         ((key, m, c),) = d.misses()
         assert (key.op, key.experts, key.topk, m, c) == ("moe", e, 2, 4, 1)
         assert d.miss_experts_global((key, m)) == eg

@@ -497,20 +497,14 @@ def test_blocking_tunes_an_expert_parallel_slice_as_a_slice(monkeypatch, tmp_pat
     """A MoE call on one rank's slice (4 of 16 experts) meets no row: the worker's trials run the
     slice with an expert map over all 16 (the share of the pairs the slice gets), not as a
     4-expert layer that every pair reaches; the stored row then serves the call."""
-    from autofp4.routing import rank_expert_map
+    from moe_cases import ep_slice
 
     log = tmp_path / "ep.log"
     monkeypatch.setenv("AUTOFP4_TEST_EP_LOG", str(log))
     monkeypatch.setitem(registry._REGISTRY, EPLogBackend.name, f"{EPLogBackend.__module__}:{EPLogBackend.__qualname__}")
     monkeypatch.setitem(registry._INSTANCES, EPLogBackend.name, EPLogBackend())
-    g = torch.Generator().manual_seed(3)
-    e, eg, h, i, t = 4, 16, 64, 32, 5
-    w13 = autofp4.quantize(torch.randn(e, 2 * i, h, generator=g), "nvfp4")
-    w2 = autofp4.quantize(torch.randn(e, h, i, generator=g), "nvfp4")
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
-    ti = torch.randint(0, eg, (t, 2), generator=g)
-    tw = torch.softmax(torch.randn(t, 2, generator=g), -1)
-    emap = rank_expert_map(eg, e, 2)
+    e, eg = 4, 16
+    x, w13, w2, tw, ti, emap = ep_slice("nvfp4", torch.Generator().manual_seed(3), e, eg, rank=2)
     with autofp4.autotune(mode="blocking", backends=[EPLogBackend.name], ops=("moe",)):
         y = autofp4.moe(x, w13, w2, tw, ti, expert_map=emap)
     (row,) = _rows(_own_db)
