@@ -387,26 +387,18 @@ def quantize_model(
     for hook in list(_MODULE_CONVERTERS):
         keep.update(hook(model, fmt, patterns, report))
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, FP4Linear)]
-    groups = _fusable_groups(model, targets, fmt, patterns, keep) if fuse else {}
-    in_group = {n: g for g, names in groups.items() for n in names}
+    reasons = {name: _skip_reason(name, lin, fmt, patterns, keep) for name, lin in targets}
+    convertible = {name: lin for name, lin in targets if reasons[name] is None}
+    groups = _sibling_groups(model, convertible, _stackable) if fuse else {}
+    in_group = {n for names in groups.values() for n in names}
     for name, lin in targets:
-        why = None
-        if matches_skip(name, patterns):
-            why = "matches a skip pattern"
-        elif name in keep:
-            why = keep[name]
-        elif lin.weight.is_meta:
-            why = "weight is on the meta device"
-        elif lin.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            why = f"weight dtype {lin.weight.dtype} is not bf16/fp16/fp32"
-        elif lin.in_features % BLOCK_SIZE[fmt]:
-            why = f"in_features={lin.in_features} is not a multiple of {fmt}'s block size {BLOCK_SIZE[fmt]}"
+        why = reasons[name]
         before = lin.weight.numel() * lin.weight.element_size()
         shape = tuple(lin.weight.shape)
         if why:
             report.add(TensorRecord(name, "linear", shape, False, before, before, why))
             continue
-        cd = dtype if dtype is not None else (torch.bfloat16 if lin.weight.dtype == torch.float32 else None)
+        cd = _layer_compute_dtype(dtype, lin.weight.dtype)
         if cd is not None and cd != lin.weight.dtype:
             report.compute_dtypes[name] = cd
         if name in in_group:
@@ -417,23 +409,58 @@ def quantize_model(
         setattr(parent, child, new)
         report.add(TensorRecord(name, "linear", shape, True, before, _weight_bytes(new.fp4_weight())))
     for fused_name, names in groups.items():
-        parent_name, _, child = fused_name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        lins = [model.get_submodule(n) for n in names]
+        lins = [convertible[n] for n in names]
         w = torch.cat([lin.weight.detach() for lin in lins], 0)
         bias = None if lins[0].bias is None else torch.cat([lin.bias.detach() for lin in lins], 0)
-        cd = dtype if dtype is not None else (torch.bfloat16 if lins[0].weight.dtype == torch.float32 else None)
+        cd = _layer_compute_dtype(dtype, lins[0].weight.dtype)
         fused = FP4FusedLinear(quantize(w, fmt), bias, cd, [(n, lin.out_features) for n, lin in zip(names, lins)])
         del w
-        parent.add_module(child, fused)
-        for i, (n, lin) in enumerate(zip(names, lins)):
-            setattr(parent, n.rpartition(".")[2], FP4LinearPart(fused, i))
+        _install_fused(model, fused_name, fused)
+        for n, lin in zip(names, lins):
             rows = lin.out_features * lin.in_features
             after = _weight_bytes(fused.fp4_weight()) * rows // (fused.out_features * fused.in_features)
             report.add(TensorRecord(n, "linear", tuple(lin.weight.shape), True,
                                     lin.weight.numel() * lin.weight.element_size(), after))
         report.fused[fused_name] = list(names)
     return report
+
+
+def _skip_reason(name: str, lin: nn.Linear, fmt: str, patterns, keep: Mapping[str, str]) -> Optional[str]:
+    """Why :func:`quantize_model` keeps ``lin`` in high precision (None: it converts it)."""
+    if matches_skip(name, patterns):
+        return "matches a skip pattern"
+    if name in keep:
+        return keep[name]
+    if lin.weight.is_meta:
+        return "weight is on the meta device"
+    if lin.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"weight dtype {lin.weight.dtype} is not bf16/fp16/fp32"
+    if lin.in_features % BLOCK_SIZE[fmt]:
+        return f"in_features={lin.in_features} is not a multiple of {fmt}'s block size {BLOCK_SIZE[fmt]}"
+    return None
+
+
+def _layer_compute_dtype(dtype: Optional[torch.dtype], weight_dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The compute dtype of a converted layer (see :func:`quantize_model`'s ``dtype``)."""
+    return dtype if dtype is not None else (torch.bfloat16 if weight_dtype == torch.float32 else None)
+
+
+def _stackable(lins: list) -> bool:
+    """Whether nn.Linear siblings quantize as one stacked weight (see :func:`quantize_model`'s ``fuse``)."""
+    first = lins[0]
+    return all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
+               and m.weight.device == first.weight.device and (m.bias is None) == (first.bias is None)
+               for m in lins)
+
+
+def _install_fused(model: nn.Module, fused_name: str, fused: FP4FusedLinear) -> None:
+    """Add ``fused`` to its parent under ``fused_name`` and put its parts in the places of the
+    layers it stacks."""
+    parent_name, _, child = fused_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    parent.add_module(child, fused)
+    for i, n in enumerate(fused.part_names):
+        setattr(parent, n.rpartition(".")[2], FP4LinearPart(fused, i))
 
 
 def _sibling_groups(model: nn.Module, members: Mapping[str, nn.Module],
@@ -450,22 +477,6 @@ def _sibling_groups(model: nn.Module, members: Mapping[str, nn.Module],
             if all(m is not None for m in mods) and not hasattr(parent, fused) and compatible(mods):
                 out[prefix + fused] = names
     return out
-
-
-def _fusable_groups(model: nn.Module, targets, fmt: str, patterns, keep) -> dict[str, list[str]]:
-    """The sibling projections :func:`quantize_model` stores as one weight (see its ``fuse``)."""
-    convertible = {n: m for n, m in targets
-                   if not matches_skip(n, patterns) and n not in keep and not m.weight.is_meta
-                   and m.weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
-                   and m.in_features % BLOCK_SIZE[fmt] == 0}
-
-    def compatible(lins) -> bool:
-        first = lins[0]
-        return all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
-                   and m.weight.device == first.weight.device and (m.bias is None) == (first.bias is None)
-                   for m in lins)
-
-    return _sibling_groups(model, convertible, compatible)
 
 
 def fuse_projections(model: nn.Module) -> dict[str, list[str]]:
@@ -495,15 +506,11 @@ def fuse_projections(model: nn.Module) -> dict[str, list[str]]:
 
     groups = _sibling_groups(model, layers, compatible)
     for fused_name, names in groups.items():
-        parent_name, _, child = fused_name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
         mods = [layers[n] for n in names]
         ws = [m.fp4_weight() for m in mods]
         w = FP4Weight(ws[0].fmt, torch.cat([x.data for x in ws], 0), torch.cat([x.scale for x in ws], 0),
                       ws[0].global_scale, ws[0].input_scale, check_values=False)
         bias = None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods], 0)
         fused = FP4FusedLinear(w, bias, mods[0].compute_dtype, [(n, m.out_features) for n, m in zip(names, mods)])
-        parent.add_module(child, fused)
-        for i, n in enumerate(names):
-            setattr(parent, n.rpartition(".")[2], FP4LinearPart(fused, i))
+        _install_fused(model, fused_name, fused)
     return groups
