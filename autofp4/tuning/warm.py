@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import multiprocessing as mp
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
@@ -100,8 +101,6 @@ def _compiles_here_for(arch: str) -> bool:
     kernel without an explicit ``--gpu-arch`` follows it; once it is imported with another target,
     a kernel compiled here would be stored under ``arch``'s cache key for the wrong GPU, so the
     compile goes to a fresh process instead."""
-    import os
-
     if not arch or arch == "unknown":
         return True
     return "cutlass" not in sys.modules or os.environ.get("CUTE_DSL_ARCH") == arch
@@ -111,8 +110,6 @@ def _compiles_here_for(arch: str) -> bool:
 def _target_for_children(arch: str):
     """``$CUTE_DSL_ARCH`` = ``arch`` while the compile processes start: a spawned process imports
     the caller's main module again before its initializer runs, and that may import CuTeDSL."""
-    import os
-
     if not arch or arch == "unknown":
         yield
         return
