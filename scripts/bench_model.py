@@ -3,7 +3,8 @@
 For each example config (``examples/*.json``, or ``--configs``), a transformers model with random
 bf16 weights (``--layers N`` keeps the first N decoder layers, for MoE models that do not fit whole;
 the default keeps all of them for dense models and 8 for MoE ones), and for each variant (bf16,
-NVFP4, MXFP4) and mode (``eager``; ``compiled``: a static KV cache and ``torch.compile`` with
+NVFP4, MXFP4; ``--fmts nvfp4+lm_head`` also quantizes ``lm_head``, which ``--skip`` keeps in bf16
+by default) and mode (``eager``; ``compiled``: a static KV cache and ``torch.compile`` with
 torch's CUDA graphs; ``graph``: the whole decode step, greedy sampling included, in one CUDA graph;
 see :func:`decoder`):
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import fnmatch
 import json
 import re
 import statistics
@@ -300,7 +302,10 @@ def bench_config(path: Path, args, device) -> list[dict]:
         ref_logits = None
         if model is None:
             model = copy.deepcopy(base)
-            autofp4.quantize_model(model, name, skip=args.skip, fuse=not args.no_fuse)
+            fmt, _, extra = name.partition("+")
+            skip = ([s for s in args.skip if not any(fnmatch.fnmatch(n, s) for n in ("lm_head", "model.lm_head"))]
+                    if extra == "lm_head" else args.skip)
+            autofp4.quantize_model(model, fmt, skip=skip, fuse=not args.no_fuse)
             ref_logits = prefill(dequantized(model), ids, 1, device)[1]
         warmup_s = autotune_warmup(model, config, args, device) if name != "bf16" and args.autotune else None
         for mode in args.modes:
@@ -377,7 +382,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also profile the batch-1 decode step: GPU time in linear layers, attention and the rest")
     p.add_argument("--db", default=None, help="the user tuning DB (default: autofp4's)")
-    p.add_argument("--fmts", default=",".join(FMTS))
+    p.add_argument("--fmts", default=",".join(FMTS),
+                   help="FP4 variants, comma-separated: a format, or FORMAT+lm_head (lm_head quantized too)")
     p.add_argument("--modes", default="eager,compiled,graph")
     p.add_argument("--skip", default="lm_head,*.lm_head",
                    help="quantize_model's skip patterns, comma-separated ('': quantize lm_head too)")
@@ -397,6 +403,9 @@ def main(argv=None) -> int:
 
         dispatch.set_db(args.db)
     args.fmts = [f for f in args.fmts.split(",") if f]
+    bad = [f for f in args.fmts if f.partition("+")[0] not in FMTS or f.partition("+")[2] not in ("", "lm_head")]
+    if bad:
+        p.error(f"--fmts: {bad} are not a format of {', '.join(FMTS)}, alone or with '+lm_head'")
     args.skip = [x for x in args.skip.split(",") if x]
     for knob in ("recompile_limit", "cache_size_limit"):  # one compile per model, batch and mode
         if hasattr(torch._dynamo.config, knob):

@@ -93,3 +93,30 @@ def test_skip_and_no_fuse_reach_quantize_model(tmp_path, monkeypatch):
     assert rc == 0 and seen == [{"skip": [], "fuse": False}]
     row = json.loads((tmp_path / "model.json").read_text())["rows"][1]
     assert row["variant"] == "mxfp4" and row["cos_deq"] > 0.999
+
+
+def test_a_plus_lm_head_variant_quantizes_lm_head_and_the_plain_one_keeps_it(tmp_path, monkeypatch):
+    import autofp4
+
+    heads = []
+    real = autofp4.quantize_model
+
+    def spy(m, fmt, **kw):
+        out = real(m, fmt, **kw)
+        heads.append((fmt, type(m.lm_head).__name__))
+        return out
+
+    monkeypatch.setattr(autofp4, "quantize_model", spy)
+    rc = B.main(["--device", "cpu", "--tiny", "--configs", str(EXAMPLES / "llama-3.1-8b.json"), "--batches", "1",
+                 "--prefill", "4", "--context", "4", "--steps", "1", "--reps", "1", "--modes", "eager",
+                 "--fmts", "nvfp4,nvfp4+lm_head", "--out", str(tmp_path)])
+    assert rc == 0 and heads == [("nvfp4", "Linear"), ("nvfp4", "FP4Linear")]
+    rows = json.loads((tmp_path / "model.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["bf16", "nvfp4", "nvfp4+lm_head"]
+    assert all(r["cos_deq"] > 0.99 for r in rows[1:])
+
+
+def test_an_unknown_variant_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        B.main(["--device", "cpu", "--fmts", "nvfp4+router"])
+    assert "nvfp4+router" in capsys.readouterr().err
