@@ -20,7 +20,8 @@ linear layers, attention and the rest (``torch.profiler``). ``--autotune BUDGET_
 each FP4 model's misses in eager warm-up passes (blocking just-in-time tuning, rows in ``--db``).
 
 The table is printed last and written with the JSON to ``--out`` (default
-``docs/results/<gpu>/``: ``model.md``, ``model.json``).
+``docs/results/<gpu>/``: ``model.md``, ``model.json``), both rewritten after every row, so a run
+stopped part way keeps what it measured.
 
     python scripts/bench_model.py                                            # on the GPU
     python scripts/bench_model.py --configs examples/qwen3-30b-a3b.json --layers 12
@@ -32,6 +33,7 @@ import argparse
 import copy
 import fnmatch
 import json
+import os
 import re
 import statistics
 import sys
@@ -289,7 +291,8 @@ def autotune_warmup(model, config, args, device) -> float:
     return time.perf_counter() - t0
 
 
-def bench_config(path: Path, args, device) -> list[dict]:
+def bench_config(path: Path, args, device, on_row=lambda row: None) -> list[dict]:
+    """The rows of one config (``on_row`` is called with each as soon as it is measured)."""
     import autofp4
 
     config, moe = load_config(path, args.layers, args.tiny)
@@ -325,6 +328,7 @@ def bench_config(path: Path, args, device) -> list[dict]:
                 torch._dynamo.reset()
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
+            on_row(row)
         del model
     return rows
 
@@ -414,15 +418,25 @@ def main(argv=None) -> int:
     if set(args.modes) - set(MODES):
         p.error(f"--modes: {sorted(set(args.modes) - set(MODES))} not in {', '.join(MODES)}")
     paths = [Path(c) for c in args.configs.split(",") if c] or sorted((ROOT / "examples").glob("*.json"))
-    rows = []
-    for path in paths:
-        rows += bench_config(path, args, device)
-    doc = {**provenance(device), "rows": rows, "batches": args.batches, "prefill_tokens": args.prefill,
-           "context": args.context}
+    rows: list[dict] = []
     out = results_dir(args.out, device)
-    (out / "model.json").write_text(json.dumps(doc, indent=1))
-    text = table(rows, args.batches)
-    (out / "model.md").write_text(f"{provenance_line(doc)}\n\n{text}\n")
+
+    def write(row=None) -> str:
+        """The results so far, rewritten after every row (a run stopped part way keeps them)."""
+        if row is not None:
+            rows.append(row)
+        doc = {**provenance(device), "rows": rows, "batches": args.batches, "prefill_tokens": args.prefill,
+               "context": args.context}
+        text = table(rows, args.batches)
+        for name, body in (("model.json", json.dumps(doc, indent=1)), ("model.md", f"{provenance_line(doc)}\n\n{text}\n")):
+            tmp = out / f".{name}.tmp"
+            tmp.write_text(body)
+            os.replace(tmp, out / name)
+        return text
+
+    for path in paths:
+        bench_config(path, args, device, on_row=write)
+    text = write()
     print(text)
     return 0
 

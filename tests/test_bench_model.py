@@ -120,3 +120,24 @@ def test_an_unknown_variant_is_refused(capsys):
     with pytest.raises(SystemExit):
         B.main(["--device", "cpu", "--fmts", "nvfp4+router"])
     assert "nvfp4+router" in capsys.readouterr().err
+
+
+def test_a_run_stopped_part_way_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    calls = []
+    real = B.prefill
+
+    def prefill(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:  # base logits, the bf16 row, then the FP4 model's reference: stop there
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(B, "prefill", prefill)
+    with pytest.raises(KeyboardInterrupt):
+        B.main(["--device", "cpu", "--tiny", "--configs", str(EXAMPLES / "llama-3.1-8b.json"), "--batches", "1",
+                "--prefill", "4", "--context", "4", "--steps", "1", "--reps", "1", "--modes", "eager",
+                "--fmts", "mxfp4", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "model.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["bf16"] and rows[0]["decode_b1"] > 0
+    assert "| llama-3.1-8b | 2 | bf16 | eager |" in (tmp_path / "model.md").read_text()
+    assert not list(tmp_path.glob(".*.tmp"))
