@@ -33,7 +33,6 @@ import argparse
 import copy
 import fnmatch
 import json
-import os
 import re
 import statistics
 import sys
@@ -291,12 +290,11 @@ def autotune_warmup(model, config, args, device) -> float:
     return time.perf_counter() - t0
 
 
-def bench_config(path: Path, args, device, on_row=lambda row: None) -> list[dict]:
-    """The rows of one config (``on_row`` is called with each as soon as it is measured)."""
+def bench_config(path: Path, args, device, on_row) -> None:
+    """Measure one config, passing each row to ``on_row`` as soon as it is measured."""
     import autofp4
 
     config, moe = load_config(path, args.layers, args.tiny)
-    rows = []
     base = build(config, device)
     ids = torch.randint(0, config.vocab_size, (1, args.prefill), device=device)
     _, bf16_logits = prefill(base, ids, 1, device)
@@ -326,11 +324,9 @@ def bench_config(path: Path, args, device, on_row=lambda row: None) -> list[dict
             except Exception as e:  # the other rows still count: the failure is reported in this one
                 row["error"] = f"{type(e).__name__}: {e}"[:500]
                 torch._dynamo.reset()
-            rows.append(row)
             print(json.dumps(row), file=sys.stderr)
             on_row(row)
         del model
-    return rows
 
 
 def table(rows: list[dict], batches) -> str:
@@ -418,6 +414,8 @@ def main(argv=None) -> int:
     if set(args.modes) - set(MODES):
         p.error(f"--modes: {sorted(set(args.modes) - set(MODES))} not in {', '.join(MODES)}")
     paths = [Path(c) for c in args.configs.split(",") if c] or sorted((ROOT / "examples").glob("*.json"))
+    from autofp4.db import write_text_atomic
+
     rows: list[dict] = []
     out = results_dir(args.out, device)
 
@@ -428,10 +426,8 @@ def main(argv=None) -> int:
         doc = {**provenance(device), "rows": rows, "batches": args.batches, "prefill_tokens": args.prefill,
                "context": args.context}
         text = table(rows, args.batches)
-        for name, body in (("model.json", json.dumps(doc, indent=1)), ("model.md", f"{provenance_line(doc)}\n\n{text}\n")):
-            tmp = out / f".{name}.tmp"
-            tmp.write_text(body)
-            os.replace(tmp, out / name)
+        write_text_atomic(out / "model.json", json.dumps(doc, indent=1))
+        write_text_atomic(out / "model.md", f"{provenance_line(doc)}\n\n{text}\n")
         return text
 
     for path in paths:

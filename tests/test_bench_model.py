@@ -13,6 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_model as B  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+#: a tiny Llama, one eager batch-1 step on a 4-token prompt: the arguments the quick runs share
+TINY_LLAMA = ["--device", "cpu", "--tiny", "--configs", str(EXAMPLES / "llama-3.1-8b.json"), "--batches", "1",
+              "--prefill", "4", "--context", "4", "--steps", "1", "--reps", "1", "--modes", "eager"]
 
 
 def test_a_tiny_run_writes_every_row(tmp_path, capsys):
@@ -37,9 +40,7 @@ def test_autotune_tunes_the_misses_of_the_warm_up_into_the_given_db(tmp_path):
 
     db = tmp_path / "model.db"
     try:
-        rc = B.main(["--device", "cpu", "--tiny", "--configs", str(EXAMPLES / "llama-3.1-8b.json"), "--batches", "1",
-                     "--prefill", "4", "--context", "4", "--steps", "1", "--reps", "1", "--modes", "eager",
-                     "--fmts", "nvfp4", "--autotune", "5", "--db", str(db), "--out", str(tmp_path)])
+        rc = B.main([*TINY_LLAMA, "--fmts", "nvfp4", "--autotune", "5", "--db", str(db), "--out", str(tmp_path)])
     finally:
         dispatch.set_db(None)
     assert rc == 0
@@ -75,10 +76,11 @@ def test_every_mode_step_matches_a_forward_over_the_whole_sequence():
         assert torch.equal(torch.cat(toks, 1), got.argmax(-1))
 
 
-def test_an_unknown_mode_is_refused(capsys):
+@pytest.mark.parametrize("bad,named", [(["--modes", "eager,fast"], "'fast'"), (["--fmts", "nvfp4+router"], "nvfp4+router")])
+def test_an_unknown_mode_or_variant_is_refused(bad, named, capsys):
     with pytest.raises(SystemExit):
-        B.main(["--device", "cpu", "--modes", "eager,fast"])
-    assert "'fast'" in capsys.readouterr().err
+        B.main(["--device", "cpu", *bad])
+    assert named in capsys.readouterr().err
 
 
 def test_skip_and_no_fuse_reach_quantize_model(tmp_path, monkeypatch):
@@ -87,9 +89,7 @@ def test_skip_and_no_fuse_reach_quantize_model(tmp_path, monkeypatch):
     seen = []
     real = autofp4.quantize_model
     monkeypatch.setattr(autofp4, "quantize_model", lambda m, fmt, **kw: seen.append(kw) or real(m, fmt, **kw))
-    rc = B.main(["--device", "cpu", "--tiny", "--configs", str(EXAMPLES / "llama-3.1-8b.json"), "--batches", "1",
-                 "--prefill", "4", "--context", "4", "--steps", "1", "--reps", "1", "--modes", "eager",
-                 "--fmts", "mxfp4", "--skip", "", "--no-fuse", "--out", str(tmp_path)])
+    rc = B.main([*TINY_LLAMA, "--fmts", "mxfp4", "--skip", "", "--no-fuse", "--out", str(tmp_path)])
     assert rc == 0 and seen == [{"skip": [], "fuse": False}]
     row = json.loads((tmp_path / "model.json").read_text())["rows"][1]
     assert row["variant"] == "mxfp4" and row["cos_deq"] > 0.999
@@ -107,19 +107,11 @@ def test_a_plus_lm_head_variant_quantizes_lm_head_and_the_plain_one_keeps_it(tmp
         return out
 
     monkeypatch.setattr(autofp4, "quantize_model", spy)
-    rc = B.main(["--device", "cpu", "--tiny", "--configs", str(EXAMPLES / "llama-3.1-8b.json"), "--batches", "1",
-                 "--prefill", "4", "--context", "4", "--steps", "1", "--reps", "1", "--modes", "eager",
-                 "--fmts", "nvfp4,nvfp4+lm_head", "--out", str(tmp_path)])
+    rc = B.main([*TINY_LLAMA, "--fmts", "nvfp4,nvfp4+lm_head", "--out", str(tmp_path)])
     assert rc == 0 and heads == [("nvfp4", "Linear"), ("nvfp4", "FP4Linear")]
     rows = json.loads((tmp_path / "model.json").read_text())["rows"]
     assert [r["variant"] for r in rows] == ["bf16", "nvfp4", "nvfp4+lm_head"]
     assert all(r["cos_deq"] > 0.99 for r in rows[1:])
-
-
-def test_an_unknown_variant_is_refused(capsys):
-    with pytest.raises(SystemExit):
-        B.main(["--device", "cpu", "--fmts", "nvfp4+router"])
-    assert "nvfp4+router" in capsys.readouterr().err
 
 
 def test_a_run_stopped_part_way_keeps_the_rows_it_measured(tmp_path, monkeypatch):
@@ -134,9 +126,7 @@ def test_a_run_stopped_part_way_keeps_the_rows_it_measured(tmp_path, monkeypatch
 
     monkeypatch.setattr(B, "prefill", prefill)
     with pytest.raises(KeyboardInterrupt):
-        B.main(["--device", "cpu", "--tiny", "--configs", str(EXAMPLES / "llama-3.1-8b.json"), "--batches", "1",
-                "--prefill", "4", "--context", "4", "--steps", "1", "--reps", "1", "--modes", "eager",
-                "--fmts", "mxfp4", "--out", str(tmp_path)])
+        B.main([*TINY_LLAMA, "--fmts", "mxfp4", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "model.json").read_text())["rows"]
     assert [r["variant"] for r in rows] == ["bf16"] and rows[0]["decode_b1"] > 0
     assert "| llama-3.1-8b | 2 | bf16 | eager |" in (tmp_path / "model.md").read_text()
