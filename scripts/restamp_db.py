@@ -5,10 +5,10 @@ of a kernel module retires that kernel's rows, also one that changes no compiled
 a constant or a config rule, deleting a helper). This tool proves that a row's kernel did not
 change and then gives the row the current hash; every row it cannot prove is left as it is.
 
-For each row of the exports that REV's own code calls current, it compiles the row's config
-twice for the target architecture, without a GPU and with the kernel cache off: once in REV's
-tree (unpacked from git) and once in the working tree, each in its own process, keeping what
-CuTeDSL writes (``CUTE_DSL_KEEP=ir,cubin``): the device binaries and the compiled IR without
+For each row of the exports that REV's own code calls current and the working tree does not, it
+compiles the row's config twice for the target architecture, without a GPU and with the kernel
+cache off: once in REV's tree (unpacked from git) and once in the working tree, each in its own
+process, keeping what CuTeDSL writes (``CUTE_DSL_KEEP=ir,cubin``): the device binaries and the compiled IR without
 source locations, which holds the host launcher (grid, cluster, shared memory) too. The row is
 re-stamped only when both compiles give the same set of files, byte for byte (SHA-256). What was
 compiled is what a row's measurement measured, so such a row's timing is as valid as before
@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from autofp4.backends import get_backend  # noqa: E402
 from autofp4.db import export_json, read_export  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,8 +107,10 @@ def main() -> int:
         with tarfile.open(fileobj=io.BytesIO(tree)) as tar:
             tar.extractall(rev_tree, filter="data")
         for path in args.exports:
-            raw = json.loads(Path(path).read_text())["records"]
             doc = read_export(path)
+            # a row whose stored hash is the working tree's is current already: nothing to prove
+            raw = [r for r in json.loads(Path(path).read_text())["records"]
+                   if r.get("backend_source") != get_backend(r["backend"]).source_hash(r["config"])]
             old = compile_rows(rev_tree, raw, args.arch, args.jobs)
             new = compile_rows(str(REPO), raw, args.arch, args.jobs)
             by_key = {}
@@ -132,7 +135,8 @@ def main() -> int:
                     rec = rec.model_copy(update={"backend_source": by_key[ident]})
                     restamped += 1
                 records.append(rec)
-            print(f"{path}: {restamped} of {len(raw)} rows re-stamped (their compiled kernels identical at {args.rev} and now)")
+            print(f"{path}: {restamped} of {len(raw)} rows not current re-stamped (their compiled kernels identical "
+                  f"at {args.rev} and now); {len(doc.records) - len(raw)} rows current already")
             for line in skipped:
                 print(f"  left as it was: {line}")
             if not args.dry_run:

@@ -11,7 +11,8 @@ experts ``w13 [E, 2I, H]`` (gate rows ``0..I-1``, up rows ``I..2I-1``) and ``w2 
 * Both GEMMs work like the decode kernel (:mod:`.w4a16_decode`, whose packed weight layout,
   decode and ``mma.sync.m16n8k16`` inner loop they use): ``out^T = W x^T``, each warp owns 16-row
   tiles of one expert's weight and a K range; per K group of 512 a lane issues one 16-byte load
-  per chunk of 64 that holds its A fragments for 4 MMAs; the tokens of a block are the MMA's N
+  per chunk of 64 that holds its A fragments for 4 MMAs (a K stored zero-padded to a multiple of
+  512 is read only up to its last chunk of 64); the tokens of a block are the MMA's N
   (``m_block / 8`` n8 tiles). x rows are gathered by index: a lane loads the row of its column's
   pair (no load for padding).
 * **Up** (``up_kernel``): grid ``(weight tile pairs / (warps / k_warps), blocks)``. The experts'
@@ -228,7 +229,29 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
     def st_zero16(addr):
         asm_void("st.global.v4.u32 [$0], {$1, $1, $1, $1};", "l,r", Int64(addr), Uint32(0))
 
-    load_group = make_load_group(SLOTS, CHUNKS)
+    def bounded_load_group(kdim: int):
+        """The loads of one lane's K group (:func:`._ptx.make_load_group`), without the chunks
+        past ``kdim``: a K that is not a multiple of 512 is stored zero-padded to one, and the last
+        group's padding chunks (Qwen3-30B-A3B's I = 768: a quarter of w2's bytes) stay unread
+        (zeros, as the padding holds)."""
+        full = make_load_group(SLOTS, CHUNKS)
+        live = -(-kdim // CHUNK_K)  # the chunks that hold weights
+        if live % CHUNKS == 0:
+            return full
+
+        @cute.jit
+        def load_group(buf: cute.Tensor, off: cutlass.Constexpr, w_base, s_base, gi, pred):
+            v = ld16(s_base + Int64(gi) * (SLOTS * 16), pred, True)
+            for i in cutlass.range_constexpr(4):
+                buf[off + i] = v[i]
+            for c in cutlass.range_constexpr(CHUNKS):
+                v = ld16(w_base + (Int64(gi) * CHUNKS + c) * 512, pred & Int32(gi * CHUNKS + c < live), True)
+                for i in cutlass.range_constexpr(4):
+                    buf[off + 4 + 4 * c + i] = v[i]
+
+        return load_group
+
+    load13, load2 = bounded_load_group(hidden), bounded_load_group(inter)
 
     @cute.jit
     def compute_group(buf: cute.Tensor, acc: cute.Tensor, xv: cute.Tensor, xrow: cute.Tensor, x_addr,
@@ -305,8 +328,8 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
             wb0, sb0 = lane_bases(wq, sc, e, pair * 2, lane, g, t, D13, S13, G13)
             wb1, sb1 = lane_bases(wq, sc, e, pair * 2 + 1, lane, g, t, D13, S13, G13)
             for gi in cutlass.range(kw * GPW13, cutlass.min(kw * GPW13 + GPW13, G13), 1):
-                load_group(buf, 0, wb0, sb0, gi, Int32(1))
-                load_group(buf, NBUF, wb1, sb1, gi, Int32(1))
+                load13(buf, 0, wb0, sb0, gi, Int32(1))
+                load13(buf, NBUF, wb1, sb1, gi, Int32(1))
                 compute_group(buf, acc, xv, xrow, x.iterator.toint(), hidden, 2, gi, t, su)
         if cutlass.const_expr(KW > 1):
             # [warp][accumulator][lane]: the K shares of each tile pair meet in its first warp
@@ -354,7 +377,7 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
         ok_pre = (e_pre >= 0) & (e_pre < alpha.shape[0]) & (tile < T2) & (g0 < g1)
         buf = cute.make_rmem_tensor((NBUF,), Uint32)
         wb, sb = lane_bases(wq, sc, cutlass.max(e_pre, 0), tile, lane, g, t, D2, S2, G2)
-        load_group(buf, 0, wb, sb, g0, Int32(ok_pre))
+        load2(buf, 0, wb, sb, g0, Int32(ok_pre))
         if ok_pre & (lane == 0) & (g1 - g0 > 1):
             w0 = wq.iterator.toint() + Int64(e_pre) * D2 + Int64((tile * G2 + g0 + 1) * (CHUNKS * 512))
             s0 = sc.iterator.toint() + Int64(e_pre) * S2 + Int64((tile * G2 + g0 + 1) * (SLOTS * 16))
@@ -376,10 +399,10 @@ def _build(cfg: MoEDecodeConfig, n: int, k: int, fmt: str, dtype: str, activatio
             su = Uint32(sadd[e, DI])
             wb, sb = lane_bases(wq, sc, e, tile, lane, g, t, D2, S2, G2)
             if e != e_pre:
-                load_group(buf, 0, wb, sb, g0, Int32(1))
+                load2(buf, 0, wb, sb, g0, Int32(1))
             compute_group(buf, acc, xv, xrow, h.iterator.toint(), inter, 1, g0, t, su)
             for gi in cutlass.range(g0 + 1, g1, 1):
-                load_group(buf, 0, wb, sb, gi, Int32(1))
+                load2(buf, 0, wb, sb, gi, Int32(1))
                 compute_group(buf, acc, xv, xrow, h.iterator.toint(), inter, 1, gi, t, su)
             griddep_launch_dependents()
             al = alpha[e, DI]
