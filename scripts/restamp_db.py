@@ -84,6 +84,8 @@ def _compile_in(tree: str, rows: list[dict], arch: str) -> list[dict]:
 
 def compile_rows(tree: str, rows: list[dict], arch: str, jobs: int) -> list[dict]:
     """What :data:`_COMPILE` says of each row in ``tree``, in ``jobs`` processes."""
+    if not rows:
+        return []
     chunks = [rows[i::jobs] for i in range(jobs)]
     with ThreadPoolExecutor(jobs) as pool:
         parts = list(pool.map(lambda c: _compile_in(tree, c, arch), chunks))
