@@ -859,6 +859,8 @@ def test_every_job_expected_next_has_its_default_compiled_ahead(monkeypatch, tmp
 def test_closing_a_run_stops_compile_workers_still_compiling():
     """The end of a run does not wait for compiles still running (a process exits only once its
     pool's workers have; a cold compile can take a minute): the workers are stopped."""
+    from multiprocessing.connection import wait as mp_wait
+
     from autofp4.tuning.run import _close_run, _open_pool
 
     pool = _open_pool(2, on_gpu=False)
@@ -869,9 +871,12 @@ def test_closing_a_run_stops_compile_workers_still_compiling():
     time.sleep(0.5)
     t0 = time.monotonic()
     _close_run(pool, None, None)
-    for p in procs:
-        p.join(10)
-    assert not any(p.is_alive() for p in procs), "a compile worker outlived its run"
+    # a process's sentinel becomes ready when it exits (is_alive() can read True for a moment
+    # while the pool's own thread is reaping the same process)
+    running = {p.sentinel for p in procs}
+    while running and time.monotonic() - t0 < 10:
+        running -= set(mp_wait(list(running), timeout=max(0.0, 10 - (time.monotonic() - t0))))
+    assert not running, "a compile worker outlived its run"
     assert time.monotonic() - t0 < 10
 
 
