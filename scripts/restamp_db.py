@@ -8,8 +8,9 @@ change and then gives the row the current hash; every row it cannot prove is lef
 For each row of the exports that REV's own code calls current and the working tree does not, it
 compiles the row's config twice for the target architecture, without a GPU and with the kernel
 cache off: once in REV's tree (unpacked from git) and once in the working tree, each in its own
-process, keeping what CuTeDSL writes (``CUTE_DSL_KEEP=ir,cubin``): the device binaries and the compiled IR without
-source locations, which holds the host launcher (grid, cluster, shared memory) too. The row is
+process, keeping what CuTeDSL writes (``CUTE_DSL_KEEP=ir,cubin``): the device binaries and the
+compiled IR without source locations, which holds the host launcher (grid, cluster, shared
+memory) too. The row is
 re-stamped only when both compiles give the same set of files, byte for byte (SHA-256). What was
 compiled is what a row's measurement measured, so such a row's timing is as valid as before
 (the Python around the launch, packing and the run wrapper, is not compared: the rows of a
