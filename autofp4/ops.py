@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from . import router, routing
 from .dispatch import get_dispatcher
 from .kernels._moe_act import ACTIVATIONS
 from .problem import ProblemKey, dtype_name
@@ -269,22 +270,66 @@ def _check_moe(x, w13: FP4Weight, w2: FP4Weight, topk_weights, topk_ids, activat
 
 
 def _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, check_ids=True, expert_map=None, w13_bias=None,
-              w2_bias=None):
+              w2_bias=None, router_logits=None, spec=None, correction_bias=None):
+    """The MoE layer (``spec``: a checked :class:`~autofp4.router.RouterSpec` when routing from
+    ``router_logits``, which replace ``topk_weights`` and ``topk_ids``)."""
+    prebuilt = None
+    if router_logits is not None:
+        _check_moe_router(x, w13, router_logits, topk_weights, topk_ids, expert_map, correction_bias)
+        if x.shape[0] == 0:
+            return torch.empty_like(x)
+        topk_weights, topk_ids, prebuilt, per_pair, backend, runner = _route_for(
+            x, w13, router_logits, spec, correction_bias, expert_map)
+        check_ids = False  # valid by construction
     _check_moe(x, w13, w2, topk_weights, topk_ids, activation, check_ids, expert_map, w13_bias, w2_bias)
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    key = _problem_key(w13, "moe", x.dtype, topk_ids.shape[1])
-    eg = 0 if expert_map is None else expert_map.shape[0]  # a slice: its misses tune it as one
-    backend, _cfg, runner, _ = get_dispatcher(x.device).resolve_entry(key, x.shape[0], eg)
+    if prebuilt is None:
+        key = _problem_key(w13, "moe", x.dtype, topk_ids.shape[1])
+        eg = 0 if expert_map is None else expert_map.shape[0]  # a slice: its misses tune it as one
+        backend, _cfg, runner, _ = get_dispatcher(x.device).resolve_entry(key, x.shape[0], eg)
     xc = x if x.is_contiguous() else x.contiguous()
     args = (xc, w13.packed(backend.name, backend.prepare), w2.packed(backend.name, backend.prepare),
             topk_weights.float(), topk_ids, activation)
     # a runner takes expert_map and the biases only where they are given (backends without them
     # still serve the rest)
-    if expert_map is None and w13_bias is None and w2_bias is None:
-        return runner(*args)
-    opt = {"expert_map": expert_map, "w13_bias": w13_bias, "w2_bias": w2_bias}
-    return runner(*args, **{k: v for k, v in opt.items() if v is not None})
+    opt = {k: v for k, v in (("expert_map", expert_map), ("w13_bias", w13_bias), ("w2_bias", w2_bias))
+           if v is not None}
+    if prebuilt is None:
+        return runner(*args, **opt)
+    with routing.prebuilt(topk_ids, prebuilt, w13.experts, per_pair, expert_map):
+        return runner(*args, **opt)
+
+
+def _check_moe_router(x, w13, router_logits, topk_weights, topk_ids, expert_map, correction_bias) -> None:
+    """A MoE call that routes from ``router_logits``: the weights and the logits' shape."""
+    if topk_weights is not None or topk_ids is not None:
+        raise ValueError("moe: pass either topk_weights and topk_ids or router_logits (and top_k), not both")
+    if not isinstance(w13, FP4Weight) or not w13.experts:
+        raise TypeError(f"moe: w13 must be a stacked FP4Weight [E, 2I, H], got {_describe(w13)}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"moe: x must be a torch.Tensor [T, H], got {_describe(x)}")
+    _check_logits(router_logits, "moe")
+    e_ids = w13.experts if expert_map is None else _check_expert_map(expert_map, w13.experts, x.device)
+    if tuple(router_logits.shape) != (x.shape[0], e_ids):
+        raise ValueError(f"moe: router_logits must be [T={x.shape[0]}, E={e_ids}] (one logit per "
+                         f"{'global ' if expert_map is not None else ''}expert), got {tuple(router_logits.shape)}")
+    if router_logits.device != x.device:
+        raise ValueError(f"moe: router_logits is on {router_logits.device} but x is on {x.device}; move one of them")
+    router.check_bias(correction_bias, e_ids, x.device, "moe")
+
+
+def _route_for(x, w13, router_logits, spec, correction_bias, expert_map):
+    """The routing of a MoE call from its logits, with the metadata the picked kernel reads
+    (one launch on Hopper): ``(topk_weights, topk_ids, metadata or None, per_pair, backend,
+    runner)``."""
+    key = _problem_key(w13, "moe", x.dtype, spec.top_k)
+    eg = 0 if expert_map is None else expert_map.shape[0]
+    backend, cfg, runner, _ = get_dispatcher(x.device).resolve_entry(key, x.shape[0], eg)
+    layout = backend.moe_routing_layout(cfg)
+    tw, ids, meta = router.route(router_logits, spec, correction_bias, layout=layout, experts=w13.experts,
+                                 expert_map=expert_map)
+    return tw, ids, meta, layout is not None and layout[1], backend, runner
 
 
 @torch.library.custom_op("autofp4::moe", mutates_args=())
@@ -296,18 +341,30 @@ def _moe_op(
     w2_data: torch.Tensor,
     w2_scale: torch.Tensor,
     w2_global_scale: Optional[torch.Tensor],
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    topk_weights: Optional[torch.Tensor],
+    topk_ids: Optional[torch.Tensor],
     fmt: str,
     activation: str,
     expert_map: Optional[torch.Tensor] = None,
     w13_bias: Optional[torch.Tensor] = None,
     w2_bias: Optional[torch.Tensor] = None,
+    router_logits: Optional[torch.Tensor] = None,
+    correction_bias: Optional[torch.Tensor] = None,
+    top_k: int = 0,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
 ) -> torch.Tensor:
     w13 = _weight_from_tensors(w13_data, w13_scale, w13_global_scale, fmt)
     w2 = _weight_from_tensors(w2_data, w2_scale, w2_global_scale, fmt)
+    spec = None
+    if router_logits is not None:
+        spec = _router_spec(router_logits, w13, expert_map, top_k, scoring, renormalize, n_group, topk_group,
+                            routed_scaling_factor)
     return _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=expert_map, w13_bias=w13_bias,
-                     w2_bias=w2_bias)
+                     w2_bias=w2_bias, router_logits=router_logits, spec=spec, correction_bias=correction_bias)
 
 
 @_moe_op.register_fake
@@ -315,17 +372,34 @@ def _moe_fake(x, *args, **kwargs):
     return torch.empty_like(x)
 
 
+def _router_spec(router_logits, w13: FP4Weight, expert_map, top_k, scoring, renormalize, n_group, topk_group,
+                 scale) -> "router.RouterSpec":
+    """The checked routing of a MoE call from ``router_logits`` (over ``E_global`` experts with
+    an expert map)."""
+    _check_logits(router_logits, "moe")
+    return router.RouterSpec.checked(router_logits.shape[1], top_k, scoring, renormalize, n_group, topk_group,
+                                     scale, what="moe")
+
+
 def moe(
     x: torch.Tensor,
     w13: FP4Weight,
     w2: FP4Weight,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    topk_weights: Optional[torch.Tensor] = None,
+    topk_ids: Optional[torch.Tensor] = None,
     activation: str = "silu",
     expert_map: Optional[torch.Tensor] = None,
     *,
     w13_bias: Optional[torch.Tensor] = None,
     w2_bias: Optional[torch.Tensor] = None,
+    router_logits: Optional[torch.Tensor] = None,
+    top_k: Optional[int] = None,
+    renormalize: bool = True,
+    scoring: str = "softmax",
+    correction_bias: Optional[torch.Tensor] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
 ) -> torch.Tensor:
     """The fused MoE layer: for each token, ``sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``
     with ``FFN_e(x) = W2_e @ act(gate, up) + b2_e``, ``[gate; up] = W13_e x + b13_e``; ``w13`` is
@@ -339,6 +413,12 @@ def moe(
     ``topk_weights`` a float tensor of the same shape, both on x's device. The values of x and
     topk_weights are not inspected: a NaN there gives NaN in that token's output row.
 
+    Routing from the router's logits instead: ``router_logits`` (a float tensor [T, E], or
+    [T, E_global] with an expert map) and ``top_k``, with the other routing arguments of
+    :func:`route` (``renormalize``, ``scoring``, ``correction_bias``, ``n_group``,
+    ``topk_group``, ``routed_scaling_factor``), in place of ``topk_weights`` and ``topk_ids``. On
+    Hopper the routing and the metadata the MoE kernels read are then one kernel.
+
     Expert parallelism: with ``expert_map`` (int32/int64 [E_global], the index into this rank's
     ``E`` experts of each global expert, -1 where another rank holds it) ``topk_ids`` holds global
     ids in [0, E_global), pairs routed to other ranks are skipped, and the result is this rank's
@@ -346,52 +426,69 @@ def moe(
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, FP4Weight):
             raise TypeError(f"moe: {name} must be an FP4Weight, got {_describe(w)}")
+    if router_logits is None and (topk_weights is None or topk_ids is None):
+        raise TypeError("moe: needs topk_weights and topk_ids, or router_logits and top_k")
+    if router_logits is not None and top_k is None:
+        raise TypeError("moe: router_logits needs top_k (the experts per token)")
     if torch.compiler.is_compiling():
-        _check_tensor_args("moe", x=x, topk_weights=topk_weights, topk_ids=topk_ids, w13_bias=w13_bias,
-                           w2_bias=w2_bias)
+        _check_tensor_args("moe", x=x, w13_bias=w13_bias, w2_bias=w2_bias, correction_bias=correction_bias,
+                           **({"router_logits": router_logits} if router_logits is not None
+                              else {"topk_weights": topk_weights, "topk_ids": topk_ids}))
         if not isinstance(activation, str):
             raise TypeError(f"moe: activation must be a str, one of {ACTIVATIONS}, got {_describe(activation)}")
         return torch.ops.autofp4.moe(
             x, w13.data, w13.scale, w13.global_scale, w2.data, w2.scale, w2.global_scale,
             topk_weights, topk_ids, w13.fmt, activation, expert_map, w13_bias, w2_bias,
+            router_logits, correction_bias, 0 if top_k is None else top_k, scoring, renormalize, n_group,
+            topk_group, float(routed_scaling_factor),
         )
     _register(w13)
     _register(w2)
+    spec = None
+    if router_logits is not None:
+        spec = _router_spec(router_logits, w13, expert_map, top_k, scoring, renormalize, n_group, topk_group,
+                            routed_scaling_factor)
     return _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=expert_map, w13_bias=w13_bias,
-                     w2_bias=w2_bias)
+                     w2_bias=w2_bias, router_logits=router_logits, spec=spec, correction_bias=correction_bias)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax routing: ``(topk_weights fp32 [T, top_k], topk_ids int32 [T, top_k])``.
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True, *, scoring: str = "softmax",
+          correction_bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
+          routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoE routing: ``(topk_weights fp32 [T, top_k], topk_ids int32 [T, top_k])``, the ids in
+    descending order of score (ties: the lower id first).
 
-    ``router_logits`` is a float tensor [T, E]; ``-inf`` masks an expert out (it gets weight 0),
-    so every row needs at least one finite logit. NaN, ``+inf`` or a row of ``-inf`` has no
-    meaningful routing (the softmax is NaN and the ids arbitrary) and raises ValueError. That
-    check reads the result on the host (one device sync on CUDA); it is skipped while a CUDA
-    graph is being captured, under torch.compile and for meta tensors, where such rows give NaN
-    weights instead."""
-    if not isinstance(router_logits, torch.Tensor):
-        raise TypeError(f"route: router_logits must be a torch.Tensor [T, E], got {_describe(router_logits)}")
-    if router_logits.dim() != 2:
-        raise ValueError(f"route: router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
-    if not router_logits.is_floating_point():
-        raise ValueError(f"route: router_logits must be a floating-point tensor, got {router_logits.dtype}")
-    k = _as_int(top_k)
-    if k is None:
-        raise TypeError(f"route: top_k must be an int, got {_describe(top_k)}")
-    e = router_logits.shape[1]
-    if not 0 < k <= e:
-        raise ValueError(f"route: top_k must be in [1, E={e}], got {k}")
-    if not isinstance(renormalize, bool):
-        raise TypeError(f"route: renormalize must be True or False, got {_describe(renormalize)}")
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    w, ids = torch.topk(probs, k, dim=-1)
-    if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
-    # a row is NaN in probs (so in w) exactly when it has a NaN or +inf logit or no finite one
+    ``scoring="softmax"`` (Qwen3-MoE, Mixtral, gpt-oss): the softmax of ``router_logits`` (a float
+    tensor [T, E]), its ``top_k`` largest, renormalized to sum to 1 (``renormalize``); ``-inf``
+    masks an expert out (it gets weight 0), so every row needs at least one finite logit.
+    ``scoring="sigmoid"`` (DeepSeek-V3): ``s = sigmoid(logits)``, the experts chosen by ``s +
+    correction_bias`` (float [E] or None) among the ``topk_group`` best of ``n_group`` groups of
+    consecutive experts (a group's score is the sum of its two best), weighted by ``s``
+    (``renormalize``: divided by their sum + 1e-20). Both are multiplied by
+    ``routed_scaling_factor``. On a Hopper GPU this is one kernel (:mod:`autofp4.router`).
+
+    NaN, or for softmax ``+inf`` or a row of ``-inf``, has no meaningful routing (NaN weights)
+    and raises ValueError. That check reads the result on the host (one device sync on CUDA);
+    it is skipped while a CUDA graph is being captured, under torch.compile and for meta
+    tensors, where such rows give NaN weights instead."""
+    _check_logits(router_logits, "route")
+    spec = router.RouterSpec.checked(router_logits.shape[1], top_k, scoring, renormalize, n_group, topk_group,
+                                     routed_scaling_factor)
+    router.check_bias(correction_bias, router_logits.shape[1], router_logits.device)
+    w, ids, _ = router.route(router_logits, spec, correction_bias)
+    # a row is NaN in w exactly when it has a NaN (softmax: or +inf) logit or, for softmax, no finite one
     if w.numel() and not torch.compiler.is_compiling() and _values_readable(w) and bool(torch.isnan(w).any()):
         _raise_bad_logits(router_logits, w)
-    return w, ids.to(torch.int32)
+    return w, ids
+
+
+def _check_logits(router_logits, what: str) -> None:
+    if not isinstance(router_logits, torch.Tensor):
+        raise TypeError(f"{what}: router_logits must be a torch.Tensor [T, E], got {_describe(router_logits)}")
+    if router_logits.dim() != 2:
+        raise ValueError(f"{what}: router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
+    if not router_logits.is_floating_point():
+        raise ValueError(f"{what}: router_logits must be a floating-point tensor, got {router_logits.dtype}")
 
 
 def _as_int(v) -> Optional[int]:

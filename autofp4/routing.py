@@ -29,6 +29,10 @@ On a Hopper GPU :func:`moe_routing` is one CuTeDSL kernel (:mod:`autofp4.kernels
 the same values) where CuTeDSL is installed and the call fits one CTA (up to
 ``MAX_PAIRS`` pairs); the torch ops otherwise, or everywhere with ``$AUTOFP4_MOE_ROUTING=torch``.
 
+:func:`prebuilt` hands routing metadata built elsewhere (by :func:`autofp4.router.route`, in the
+same kernel that scored the router logits) to the kernels' calls of these functions for the same
+``topk_ids`` tensor, so that the MoE kernels run without building it again.
+
 Expert parallelism: with ``expert_map`` (``[E_global]`` int, the local index of each global
 expert or ``-1`` where another rank holds it), pairs routed to experts elsewhere are left out
 (not in ``sorted_rows``, not counted); ``E`` is then the number of local experts.
@@ -36,7 +40,9 @@ expert or ``-1`` where another rank holds it), pairs routed to experts elsewhere
 from __future__ import annotations
 
 import os
+import threading
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,7 +50,7 @@ import torch
 
 from .graph_pools import outside_graph_pools
 
-__all__ = ["MoERouting", "moe_routing", "per_pair_routing", "rank_expert_map", "routing_sizes"]
+__all__ = ["MoERouting", "moe_routing", "per_pair_routing", "prebuilt", "rank_expert_map", "routing_sizes"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,42 @@ class MoERouting:
     num_blocks: torch.Tensor  # [1]
     block_m: int
     top_k: int
+
+
+@dataclass(frozen=True)
+class _Prebuilt:
+    ids: torch.Tensor
+    routing: MoERouting
+    experts: int
+    per_pair: bool
+    expert_map: torch.Tensor | None
+
+
+_PREBUILT = threading.local()
+
+
+@contextmanager
+def prebuilt(topk_ids: torch.Tensor, routing: MoERouting, experts: int, per_pair: bool,
+             expert_map: torch.Tensor | None = None):
+    """Inside this block (on this thread), :func:`moe_routing` (``per_pair=False``) or
+    :func:`per_pair_routing` (``per_pair=True``) called with this very ``topk_ids`` tensor, these
+    ``experts``, ``routing.block_m`` and this ``expert_map`` object returns ``routing`` instead of
+    building it; any other call builds its own."""
+    prev = getattr(_PREBUILT, "value", None)
+    _PREBUILT.value = _Prebuilt(topk_ids, routing, experts, per_pair, expert_map)
+    try:
+        yield
+    finally:
+        _PREBUILT.value = prev
+
+
+def _prebuilt_for(topk_ids: torch.Tensor, experts: int, block_m: int, per_pair: bool,
+                  expert_map: torch.Tensor | None) -> MoERouting | None:
+    pre = getattr(_PREBUILT, "value", None)
+    if (pre is None or pre.ids is not topk_ids or pre.experts != experts or pre.per_pair != per_pair
+            or pre.routing.block_m != block_m or pre.expert_map is not expert_map):
+        return None
+    return pre.routing
 
 
 _CONSTS: dict[tuple, torch.Tensor] = {}
@@ -156,6 +198,9 @@ def moe_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     if not isinstance(block_m, int) or block_m < 1:
         raise ValueError(f"block_m must be a positive int, got {block_m!r}")
+    pre = _prebuilt_for(topk_ids, num_experts, block_m, False, expert_map)
+    if pre is not None:
+        return pre
     dev = topk_ids.device
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).long()
@@ -216,8 +261,19 @@ def per_pair_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         raise ValueError(f"topk_ids must be a 2-D tensor [T, top_k], got {getattr(topk_ids, 'shape', topk_ids)!r}")
     if not isinstance(block_m, int) or block_m < 1:
         raise ValueError(f"block_m must be a positive int, got {block_m!r}")
-    dev = topk_ids.device
-    pairs = topk_ids.numel()
+    pre = _prebuilt_for(topk_ids, num_experts, block_m, True, expert_map)
+    if pre is not None:
+        return pre
+    block_expert = (topk_ids.reshape(-1) if expert_map is None
+                    else expert_map.to(device=topk_ids.device)[topk_ids.reshape(-1).long()]).to(torch.int32)
+    return per_pair_layout(block_expert, block_m, topk_ids.shape[1])
+
+
+def per_pair_layout(block_expert: torch.Tensor, block_m: int, top_k: int) -> MoERouting:
+    """The per-pair routing metadata (:func:`per_pair_routing`) around ``block_expert`` (int32
+    ``[T * top_k]``, the local expert of each pair, -1 for another rank's)."""
+    dev = block_expert.device
+    pairs = block_expert.numel()
 
     def rows() -> torch.Tensor:
         r = torch.full((pairs, block_m), -1, dtype=torch.int32, device=dev)
@@ -227,9 +283,8 @@ def per_pair_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     return MoERouting(
         counts=_const(("empty",), dev, lambda: torch.empty(0, dtype=torch.int32, device=dev)),
         sorted_rows=_const(("per_pair_rows", pairs, block_m), dev, rows),
-        block_expert=(topk_ids.reshape(-1) if expert_map is None
-                      else expert_map.to(device=dev)[topk_ids.reshape(-1).long()]).to(torch.int32),
+        block_expert=block_expert,
         num_blocks=_const(("num_blocks", pairs), dev, lambda: torch.full((1,), pairs, dtype=torch.int32, device=dev)),
         block_m=block_m,
-        top_k=topk_ids.shape[1],
+        top_k=top_k,
     )

@@ -16,8 +16,14 @@ experts split over 8 ranks: one rank's slice), each format and each token count 
   device-copy bandwidth measured in the same run; useful TFLOP/s = 2 x T x top-k x 3 x H x I /
   time (the pairs routed to the rank's experts, for a slice).
 
-Routing: fixed-seed uniform random top-k (softmax weights, renormalized), a different routing
-per rotated input set; the weights too are rotated, in as many copies as make one rotation read
+Each layer is timed twice: from given top-k weights and ids, and as a model runs it, from the
+router's logits (``autofp4.moe(..., router_logits=, top_k=)``: the routing kernel and the
+experts; the bf16 MoE after the same routing in torch ops, :func:`autofp4.router.route_torch`).
+The routing alone is timed too: ``autofp4.route`` against those torch ops.
+
+Routing: fixed-seed random router logits (normal), scored as the model does (softmax top-k,
+renormalized; DeepSeek-V3: sigmoid with a random correction bias, group-limited top-8 of 8
+groups, routed scaling 2.5), a different routing per rotated input set; the weights too are rotated, in as many copies as make one rotation read
 more than twice the L2 (at most 4). Times are medians of interleaved rounds.
 
     python scripts/bench_moe.py                       # the four models, both formats, T = 1 .. 4096
@@ -55,6 +61,28 @@ def moe_shape(model: str, ep: int) -> dict:
         raise SystemExit(f"{model} has no MoE layer")
     return {"E": part[0].experts, "E_global": whole[0].experts, "top_k": whole[0].topk,
             "H": whole[0].hidden, "I": whole[0].intermediate}
+
+
+#: each model's router (autofp4.route's keyword arguments; softmax top-k, renormalized, elsewhere)
+ROUTERS: dict[str, dict] = {"deepseek-v3": dict(scoring="sigmoid", n_group=8, topk_group=4,
+                                                routed_scaling_factor=2.5)}
+
+
+def router_of(model: str, e_global: int, gen: torch.Generator, dev: torch.device) -> dict:
+    """``autofp4.route``'s keyword arguments for the model's router (with its correction bias)."""
+    kw = dict(ROUTERS.get(model, {}))
+    if kw.get("scoring") == "sigmoid":
+        kw["correction_bias"] = torch.rand(e_global, generator=gen, device=dev) * 0.1
+    return kw
+
+
+def torch_route(logits: torch.Tensor, top_k: int, kw: dict):
+    """The routing of ``logits`` in torch ops (``autofp4.route``'s arguments ``kw``)."""
+    from autofp4.router import RouterSpec, route_torch
+
+    spec = RouterSpec.checked(logits.shape[1], top_k, kw.get("scoring", "softmax"), True, kw.get("n_group", 1),
+                              kw.get("topk_group", 1), kw.get("routed_scaling_factor", 1.0))
+    return route_torch(logits, spec, kw.get("correction_bias"))
 
 
 def routing(t: int, e_global: int, top_k: int, gen: torch.Generator, dev: torch.device):
@@ -129,6 +157,7 @@ def bench_model(model: str, ep: int, fmts: list[str], ts: list[int], args, bw: f
     expert_map = None
     if ep > 1:  # rank 0 holds experts [0, e)
         expert_map = rank_expert_map(eg, e, device=dev)
+    rkw = router_of(model, eg, gen, dev)
     rows = []
     for fmt in fmts:
         per_expert = expert_fp4_bytes(h, i, fmt)
@@ -141,30 +170,44 @@ def bench_model(model: str, ep: int, fmts: list[str], ts: list[int], args, bw: f
         for t in ts:
             picked = get_dispatcher(dev).pick(ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, k), t)[0].name
             sets = max(copies, 4)
-            inputs = [(torch.randn(t, h, device=dev, generator=gen, dtype=torch.bfloat16), *routing(t, eg, k, gen, dev))
-                      for _ in range(sets)]
+            logits = [torch.randn(t, eg, generator=gen, device=dev) for _ in range(sets)]
+            inputs = [(torch.randn(t, h, device=dev, generator=gen, dtype=torch.bfloat16), *torch_route(lg, k, rkw))
+                      for lg in logits]
             hits = statistics.mean(hit_experts(ti, 0, e) for _, _, ti in inputs)
             pairs = statistics.mean(int(((ti >= 0) & (ti < e)).sum()) for _, _, ti in inputs)
             floor_us = hits * per_expert / bw * 1e6
             b_args = [(x, *dense_t[j % copies], tw, ti) for j, (x, tw, ti) in enumerate(inputs)]
             bf16_us = _time(lambda x, a, b, tw, ti: bf16_moe(x, a, b, tw, ti, e, expert_map), b_args,
                             args.rounds, args.reps, graph=True)
+            bl_args = [(x, *dense_t[j % copies], lg) for j, ((x, _, _), lg) in enumerate(zip(inputs, logits))]
+            bf16_logits_us = _time(lambda x, a, b, lg: bf16_moe(x, a, b, *torch_route(lg, k, rkw), e, expert_map),
+                                   bl_args, args.rounds, args.reps, graph=True)
             row = {"model": model, "ep": ep, "fmt": fmt, "T": t, "E": e, "top_k": k, "H": h, "I": i,
                    "hit_experts": hits, "pairs": pairs, "floor_us": floor_us, "bf16_us": bf16_us,
-                   "autofp4_us": None, "autofp4_timing": None}
+                   "bf16_logits_us": bf16_logits_us, "autofp4_us": None, "autofp4_timing": None}
             graph = picked != "reference"  # the reference backend syncs with the host: not capturable
+            if graph:
+                row["route_us"] = _time(lambda lg: autofp4.route(lg, k, **rkw), [(lg,) for lg in logits],
+                                        args.rounds, args.reps, graph=True)
+                row["torch_route_us"] = _time(lambda lg: torch_route(lg, k, rkw), [(lg,) for lg in logits],
+                                              args.rounds, args.reps, graph=True)
             if graph or t <= args.max_t_eager:
                 q_args = [(x, *fp4[j % copies], tw, ti) for j, (x, tw, ti) in enumerate(inputs)]
                 fn = lambda x, a, b, tw, ti: autofp4.moe(x, a, b, tw, ti, activation="silu",  # noqa: E731
                                                          expert_map=expert_map)
                 reps = args.reps if graph else max(1, args.reps // 5)
                 row["autofp4_us"] = _time(fn, q_args, args.rounds, reps, graph=graph)
+                ql_args = [(x, *fp4[j % copies], lg) for j, ((x, _, _), lg) in enumerate(zip(inputs, logits))]
+                fl = lambda x, a, b, lg: autofp4.moe(x, a, b, activation="silu", expert_map=expert_map,  # noqa: E731
+                                                     router_logits=lg, top_k=k, **rkw)
+                row["autofp4_logits_us"] = _time(fl, ql_args, args.rounds, reps, graph=graph)
                 row["autofp4_timing"] = "graph" if graph else "eager"
                 row["autofp4_backend"] = picked
                 row["autofp4_config"] = repr(get_dispatcher(dev).pick(ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, k), t)[1])
                 if t in args.profile_t:
                     try:
                         row["profile"] = kernel_profile(fn, q_args)
+                        row["profile_logits"] = kernel_profile(fl, ql_args)
                     except Exception as e:  # the timings stand without it
                         row["profile"] = {"error": f"{type(e).__name__}: {e}"[:300]}
                 if args.kernels and graph:
@@ -226,7 +269,12 @@ def _row_line(r: dict) -> str:
     for tag in ("moe_decode", "moe_gemm"):
         if f"{tag}_us" in r:
             f += f", {tag} {r[tag + '_us']:.1f} us"
-    return f + f", floor {r['floor_us']:.1f} us"
+    f += f", floor {r['floor_us']:.1f} us; from logits: bf16 {r['bf16_logits_us']:.1f} us"
+    if r.get("autofp4_logits_us") is not None:
+        f += f", autofp4 {r['autofp4_logits_us']:.1f} us"
+    if r.get("route_us") is not None:
+        f += f"; routing {r['route_us']:.1f} us (torch ops {r['torch_route_us']:.1f})"
+    return f
 
 
 def derive(r: dict) -> dict:
@@ -239,6 +287,8 @@ def derive(r: dict) -> dict:
     out["speedup"] = r["bf16_us"] / a if a else None
     out["floor_pct"] = 100.0 * r["floor_us"] / a if a else None
     out["autofp4_tflops"] = flops / (a * 1e-6) / 1e12 if a else None
+    al = r.get("autofp4_logits_us")
+    out["logits_speedup"] = r["bf16_logits_us"] / al if al and r.get("bf16_logits_us") else None
     return out
 
 
@@ -260,6 +310,16 @@ def render(doc: dict) -> str:
                      + f"{r['floor_us']:.1f} | " + (f"{r['floor_pct']:.0f}% | {r['autofp4_tflops']:.1f} | " if a else "- | - | ")
                      + f"{r['bf16_tflops']:.1f} |"
                      + "".join(f" {r[t + '_us']:.1f} |" if f"{t}_us" in r else " - |" for t in kernels))
+    if any(r.get("logits_speedup") for r in rows):
+        lines += ["", "The layer from router logits (routing included; bf16: the same routing in torch ops), and "
+                  "the routing alone (`autofp4.route` against those torch ops), CUDA graphs, us:", "",
+                  "| model | EP | fmt | T | bf16 | autofp4 | speedup | autofp4.route | torch ops |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            if r.get("logits_speedup"):
+                lines.append(f"| {r['model']} | {r['ep']} | {r['fmt']} | {r['T']} | {r['bf16_logits_us']:.1f} | "
+                             f"{r['autofp4_logits_us']:.1f} | {r['logits_speedup']:.2f}x | "
+                             + (f"{r['route_us']:.1f} | {r['torch_route_us']:.1f} |" if r.get("route_us") else "- | - |"))
     timed = [r for r in rows if r["speedup"]]
     if timed:
         lines += ["", "Geomean speedup of autofp4 over bf16, per format (timed rows):", ""]

@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("autofp4.problem", "autofp4.hopper", "autofp4.blackwell", "autofp4.pdl", "autofp4.timing", "autofp4.env", "autofp4.graph_pools"),
     ("autofp4.formats", "autofp4.kernel_cache"),
     ("autofp4.weights",),
-    ("autofp4.loaders", "autofp4.kernels", "autofp4.routing"),  # routing runs the routing kernel
+    ("autofp4.loaders", "autofp4.kernels", "autofp4.routing", "autofp4.router"),  # these run the routing kernels
     ("autofp4.backends",),
     ("autofp4.schema",),
     ("autofp4.db",),

@@ -115,6 +115,12 @@ class Backend(ABC):
             return f"{self.name} does not implement {key.op}"
         return self.is_valid(self.default(key), key)
 
+    def moe_routing_layout(self, config: BackendConfig) -> tuple[int, bool] | None:
+        """The routing metadata a MoE runner of ``config`` builds from ``topk_ids`` (through
+        :func:`autofp4.routing.moe_routing` or ``per_pair_routing``): ``(block_m, per_pair)``, or
+        None when it builds none (it then routes on its own)."""
+        return None
+
     def parse_config(self, data: Mapping[str, Any] | BackendConfig) -> BackendConfig:
         """Validate untrusted config data (from a DB row or an import); a config passes through."""
         if not isinstance(data, Mapping):

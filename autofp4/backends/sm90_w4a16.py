@@ -156,6 +156,86 @@ class SM90Prepared:
     def _pack(self, fn):
         return outside_graph_pools(fn, self.weight.data.device)
 
+    def moe_groups(self, kernel: str, gate_up: bool) -> list[tuple[int, int, Any]]:
+        """The experts in ``kernel``'s layout as ``(first, end, packed)`` runs of consecutive
+        experts whose packed tensors each hold at most ``MAX_ARG_BYTES`` (one run for all but the
+        largest layers): views of :meth:`moe`'s tensors, no copies."""
+        key = ("groups", kernel, gate_up)
+        groups = self._moe.get(key)
+        if groups is None:
+            groups = self._moe[key] = expert_groups(self.moe(kernel, gate_up))
+        return groups
+
+
+#: the largest tensor (bytes, or elements of an output) a kernel argument or its in-kernel 32-bit
+#: offsets can address; larger calls run in pieces that each fit (see ``expert_groups``,
+#: ``_row_chunks``), a larger dense weight on the reference backend
+MAX_ARG_BYTES = 2**31 - 1
+_FLAT = ("data", "scales")  # a packed MoE layout's per-expert tensors, one expert after the other
+_PER_EXPERT = ("alpha", "scale_add")  # ... and its tensors with one row per expert
+
+
+def expert_groups(packed: Any, limit: int | None = None) -> list[tuple[int, int, Any]]:
+    """``packed`` (a MoE kernel's stacked layout) as runs ``(first, end, packed view)`` of
+    consecutive experts whose flat tensors hold at most ``limit`` bytes each (``MAX_ARG_BYTES``)."""
+    limit = MAX_ARG_BYTES if limit is None else limit
+    e = packed.experts
+    per = max(getattr(packed, f).numel() // e for f in _FLAT if hasattr(packed, f))
+    step = max(1, limit // per)
+    if step >= e:
+        return [(0, e, packed)]
+    return [(e0, min(e, e0 + step), expert_slice(packed, e0, min(e, e0 + step))) for e0 in range(0, e, step)]
+
+
+def expert_slice(packed: Any, e0: int, e1: int) -> Any:
+    """Experts ``[e0, e1)`` of a packed MoE layout, as views of its tensors."""
+    e = packed.experts
+    parts = {f: getattr(packed, f)[e0 * (getattr(packed, f).numel() // e):e1 * (getattr(packed, f).numel() // e)]
+             for f in _FLAT if hasattr(packed, f)}
+    parts.update({f: getattr(packed, f)[e0:e1] for f in _PER_EXPERT if hasattr(packed, f)})
+    return replace(packed, experts=e1 - e0, **parts)
+
+
+def _group_map(expert_map: torch.Tensor | None, experts: int, e0: int, e1: int, device) -> torch.Tensor:
+    """The expert map of the run of local experts ``[e0, e1)``: their index in the run, -1 for
+    every other expert (fixed-size ops: CUDA-graph capturable)."""
+    local = (torch.arange(experts, device=device) if expert_map is None
+             else expert_map.to(device=device, dtype=torch.long))
+    inside = (local >= e0) & (local < e1)
+    return torch.where(inside, local - e0, torch.full_like(local, -1)).to(torch.int32)
+
+
+def _row_chunks(rows: int, per_row: int, limit: int | None = None, align: int = 256) -> list[tuple[int, int]]:
+    """``[(start, end)]`` runs of ``rows`` rows of ``per_row`` elements each, every run at most
+    ``limit`` elements (``MAX_ARG_BYTES``; a multiple of ``align`` rows); one run when all fit."""
+    limit = MAX_ARG_BYTES if limit is None else limit
+    if rows * per_row <= limit:
+        return [(0, rows)]
+    step = max(align, limit // per_row // align * align)
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
+def _token_runs(t: int, top_k: int, experts: int, width: int, limit: int | None = None) -> list[tuple[int, int]]:
+    """``[(start, end)]`` runs of a MoE call's ``t`` tokens whose rows fit the kernels' 32-bit
+    offsets (``MAX_ARG_BYTES``): the sorted rows (pairs plus at most 255 padding rows per expert)
+    times the wider of H and I (``width``)."""
+    limit = MAX_ARG_BYTES if limit is None else limit
+    fixed, per = experts * 256 * width, top_k * width
+    if t * per + fixed <= limit:
+        return [(0, t)]
+    step = max(1, (limit - fixed) // per)
+    return [(a, min(t, a + step)) for a in range(0, t, step)]
+
+
+def _too_large(prep: SM90Prepared) -> str | None:
+    """Why a dense weight is too large for the linear kernels' 32-bit offsets (None if it fits)."""
+    w = prep.weight
+    packed = w.n * w.k // 2 + w.scale.numel()  # at least what either layout holds
+    if packed > MAX_ARG_BYTES:
+        return (f"a {w.n} x {w.k} weight packs to more than 2 GiB, beyond the linear kernels' 32-bit "
+                "offsets")
+    return None
+
 
 def _fp16_range_problem(prep: SM90Prepared, kernel: str) -> str | None:
     """Why an mxfp4 weight cannot run with fp16 activations in ``kernel`` (None if it can)."""
@@ -266,6 +346,15 @@ class SM90W4A16Backend(Backend):
     def prepare(self, weight: Any) -> SM90Prepared:
         return SM90Prepared(weight)
 
+    def moe_routing_layout(self, config: BackendConfig) -> tuple[int, bool] | None:
+        """The warp-level kernel's ``(m_block, per_pair)``; the grouped GEMM's sorted ``tile_m`` blocks."""
+        kernel = getattr(config, "kernel", None)
+        if kernel == "moe_decode":
+            return config.m_block, config.per_pair
+        if kernel == "moe_gemm":
+            return config.tile_m, False
+        return None
+
     def compile(self, config: BackendConfig, key: ProblemKey) -> Runner:
         reason = self.is_valid(config, key)
         if reason:
@@ -280,7 +369,7 @@ class SM90W4A16Backend(Backend):
             def runner(x: torch.Tensor, prep: SM90Prepared, bias: torch.Tensor | None) -> torch.Tensor:
                 if check_fp16 and (why := _fp16_range_problem(prep, "gemm")):
                     return _reference_fallback(x, prep, bias, why)
-                return run(x, prep.gemm, bias)
+                return _gemm_rows(run, x, prep, bias, n)
 
             return runner
 
@@ -290,8 +379,10 @@ class SM90W4A16Backend(Backend):
             if x.shape[0] > m_max:
                 if check_fp16 and (why := _fp16_range_problem(prep, "gemm")):
                     return _reference_fallback(x, prep, bias, why)
-                return _gemm_default(n, k, fmt, dtype, bucket_for(x.shape[0]))(x, prep.gemm, bias)
+                return _gemm_rows(_gemm_default(n, k, fmt, dtype, bucket_for(x.shape[0])), x, prep, bias, n)
             if check_fp16 and (why := _fp16_range_problem(prep, "decode")):
+                return _reference_fallback(x, prep, bias, why)
+            if why := _too_large(prep):
                 return _reference_fallback(x, prep, bias, why)
             return run(x, prep.decode, bias)
 
@@ -318,6 +409,20 @@ class SM90W4A16Backend(Backend):
         return list(by_part.values()) if part is None else [by_part[part]]
 
 
+def _gemm_rows(run: Runner, x: torch.Tensor, prep: SM90Prepared, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """The GEMM kernel's ``run`` over ``x``, in runs of rows whose output fits its 32-bit
+    offsets (one run but for the largest calls, e.g. an lm_head over 16k tokens)."""
+    if why := _too_large(prep):
+        return _reference_fallback(x, prep, bias, why)
+    chunks = _row_chunks(x.shape[0], n)
+    if len(chunks) == 1:
+        return run(x, prep.gemm, bias)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for r0, r1 in chunks:
+        out[r0:r1] = run(x[r0:r1], prep.gemm, bias)
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def _gemm_default(n: int, k: int, fmt: str, dtype: str, m: int):
     """The GEMM's default config for ``(n, k, fmt, dtype)`` at M = ``m``, compiled."""
@@ -326,7 +431,11 @@ def _gemm_default(n: int, k: int, fmt: str, dtype: str, m: int):
 
 def _moe_runner(run: Runner, kernel: str, check_fp16: bool) -> Runner:
     """The MoE runner: both GEMMs on the experts in ``kernel``'s layout (fp16 with MXFP4 experts
-    whose exponents span too much for fp16 runs on the reference backend, as the linear kernels do)."""
+    whose exponents span too much for fp16 runs on the reference backend, as the linear kernels do).
+
+    A layer whose packed experts exceed ``MAX_ARG_BYTES`` runs as runs of experts that fit (each
+    with the expert map of its run; their outputs add up, in fp32), and a call whose tokens'
+    rows would exceed it (``T * top_k`` pairs times ``max(H, I)``) in runs of tokens."""
 
     def runner(x, p13: SM90Prepared, p2: SM90Prepared, topk_weights, topk_ids, activation, expert_map=None,
                w13_bias=None, w2_bias=None):
@@ -335,9 +444,35 @@ def _moe_runner(run: Runner, kernel: str, check_fp16: bool) -> Runner:
             _warn_once(why)
             return reference_moe(x, p13.weight, p2.weight, topk_weights, topk_ids, activation, expert_map=expert_map,
                                  w13_bias=w13_bias, w2_bias=w2_bias)
-        return run(x, m13, m2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias)
+        rows = _token_runs(topk_ids.shape[0], topk_ids.shape[1], m13.experts, max(m13.k, m2.k))
+        if len(rows) > 1:
+            return torch.cat([runner(x[a:b], p13, p2, topk_weights[a:b], topk_ids[a:b], activation, expert_map,
+                                     w13_bias, w2_bias) for a, b in rows])
+        g13, g2 = p13.moe_groups(kernel, True), p2.moe_groups(kernel, False)
+        if len(g13) == 1 and len(g2) == 1:
+            return run(x, m13, m2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias)
+        bounds = sorted({e for g in (g13, g2) for a, b, _ in g for e in (a, b)})
+        out = None
+        for e0, e1 in zip(bounds, bounds[1:]):
+            sub13 = _sub_experts(g13, e0, e1)
+            sub2 = _sub_experts(g2, e0, e1)
+            y = run(x, sub13, sub2, topk_weights, topk_ids, activation,
+                    _group_map(expert_map, m13.experts, e0, e1, x.device),
+                    None if w13_bias is None else w13_bias[e0:e1], None if w2_bias is None else w2_bias[e0:e1])
+            out = y.float() if out is None else out + y.float()
+        return out.to(x.dtype)
 
     return runner
+
+
+def _sub_experts(groups: list[tuple[int, int, Any]], e0: int, e1: int) -> Any:
+    """Experts ``[e0, e1)`` (inside one run of ``groups``) as a packed view."""
+    for a, b, packed in groups:
+        if a <= e0 and e1 <= b:
+            if (a, b) == (e0, e1):
+                return packed
+            return expert_slice(packed, e0 - a, e1 - a)
+    raise AssertionError(f"experts [{e0}, {e1}) span runs of {[(a, b) for a, b, _ in groups]}")
 
 
 _WARNED: set[str] = set()

@@ -35,43 +35,43 @@ MAX_EXPERTS = 1024
 THREADS = 512
 
 
-def _build(experts: int, block_m: int, ids64: bool, mapped: bool):
+def sort_phases(experts: int, block_m: int, threads: int, capacity: int = MAX_PAIRS):
+    """The CTA-wide parts of the routing metadata, for a kernel of ``threads`` threads whose
+    pairs' local experts (at most ``capacity`` pairs) are being put in shared memory (``le``,
+    ``E`` for a pair routed elsewhere) and counted (``cnt``): ``alloc`` (those buffers),
+    ``prepare`` (every thread, before: clears the counts and
+    writes the rows' padding) and ``finish`` (every thread, after a CTA barrier: phases 2-4 of
+    the module docstring, writing ``counts``, ``rows``, ``bexp`` and ``nblk``). Also used by
+    :mod:`.moe_router`, which scores the router logits into ``le`` itself."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32, Uint32
 
-    E, BM, NT = experts, block_m, THREADS
+    E, BM, NT = experts, block_m, threads
     SCANS = -(-E // 32)
     STEPS = [1 << s for s in range(max(E - 1, 1).bit_length() - 1, -1, -1)]  # binary search over E
 
-    @cute.kernel
-    def route_kernel(ids: cute.Tensor, emap: cute.Tensor, counts: cute.Tensor, rows: cute.Tensor,
-                     bexp: cute.Tensor, nblk: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        warp, lane = tidx // 32, tidx % 32
-        pairs = ids.shape[0]
-        max_rows = rows.shape[0]
-        max_blocks = bexp.shape[0]
+    def alloc():
+        """(le, cnt, nxt, end) in shared memory."""
         smem = cutlass.memory.SmemAllocator()
-        le = smem.allocate_tensor(Int32, cute.make_layout(MAX_PAIRS), byte_alignment=16)
+        le = smem.allocate_tensor(Int32, cute.make_layout(capacity), byte_alignment=16)
         cnt = smem.allocate_tensor(Int32, cute.make_layout(E + 1), byte_alignment=16)
         nxt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)  # next free row
         end = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)  # padded run's end
+        return le, cnt, nxt, end
+
+    @cute.jit
+    def prepare(cnt: cute.Tensor, rows: cute.Tensor, tidx):
         for i in cutlass.range(tidx, E + 1, NT):
             cnt[i] = Int32(0)
-        for i in cutlass.range(tidx, max_rows, NT):
+        for i in cutlass.range(tidx, rows.shape[0], NT):
             rows[i] = Int32(-1)
-        cute.arch.barrier()
-        # 1: local experts and counts
-        for p in cutlass.range(tidx, pairs, NT):
-            e = Int32(ids[p])
-            if cutlass.const_expr(mapped):
-                e = emap[e]
-            if (e < 0) | (e >= E):
-                e = Int32(E)
-            le[p] = e
-            cute.arch.atomic_add(cnt.iterator + e, Int32(1), scope="cta")
-        cute.arch.barrier()
+
+    @cute.jit
+    def finish(le: cute.Tensor, cnt: cute.Tensor, nxt: cute.Tensor, end: cute.Tensor, pairs, tidx,
+               counts: cute.Tensor, rows: cute.Tensor, bexp: cute.Tensor, nblk: cute.Tensor):
+        warp, lane = tidx // 32, tidx % 32
+        max_blocks = bexp.shape[0]
         # 2: the padded runs' running sum
         if warp == 0:
             carry = Int32(0)
@@ -126,6 +126,37 @@ def _build(experts: int, block_m: int, ids64: bool, mapped: bool):
             counts[i] = cnt[i]
         if tidx == 0:
             nblk[0] = total // BM
+
+    return alloc, prepare, finish
+
+
+def _build(experts: int, block_m: int, ids64: bool, mapped: bool):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    E, NT = experts, THREADS
+    alloc, prepare, finish = sort_phases(experts, block_m, THREADS)
+
+    @cute.kernel
+    def route_kernel(ids: cute.Tensor, emap: cute.Tensor, counts: cute.Tensor, rows: cute.Tensor,
+                     bexp: cute.Tensor, nblk: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        pairs = ids.shape[0]
+        le, cnt, nxt, end = alloc()
+        prepare(cnt, rows, tidx)
+        cute.arch.barrier()
+        # 1: local experts and counts
+        for p in cutlass.range(tidx, pairs, NT):
+            e = Int32(ids[p])
+            if cutlass.const_expr(mapped):
+                e = emap[e]
+            if (e < 0) | (e >= E):
+                e = Int32(E)
+            le[p] = e
+            cute.arch.atomic_add(cnt.iterator + e, Int32(1), scope="cta")
+        cute.arch.barrier()
+        finish(le, cnt, nxt, end, pairs, tidx, counts, rows, bexp, nblk)
 
     @cute.jit
     def launch(ids: cute.Tensor, emap: cute.Tensor, counts: cute.Tensor, rows: cute.Tensor, bexp: cute.Tensor,
