@@ -209,7 +209,7 @@ def route(logits: torch.Tensor, spec: RouterSpec, bias: Optional[torch.Tensor] =
             nblk = torch.empty(1, dtype=torch.int32, device=dev)
         b = _placeholder(torch.float32, dev) if bias is None else bias.float().contiguous()
         emap = i32 if expert_map is None else expert_map.to(dtype=torch.int32).contiguous()
-        fn(x, b, emap, w, ids, counts, rows, bexp, nblk, spec.scale, R.ctas_for(t, meta))
+        fn(x, b, emap, w.view(-1), ids.view(-1), counts, rows, bexp, nblk, spec.scale, R.ctas_for(t, meta))
     if layout is None:
         return w, ids, None
     if meta == "pairs":

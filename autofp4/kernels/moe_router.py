@@ -1,7 +1,7 @@
 """MoE routing from router logits in one CuTeDSL kernel (sm_90a): scores, top-k, the router
 weights, and the routing metadata the grouped MoE kernels read.
 
-A warp per token (``WARPS`` warps a CTA, the tokens strided over the grid): lane ``j`` holds the
+A warp per token (``WARPS`` warps a CTA, the tokens strided over the grid; ``SORT_WARPS`` in the one CTA of a call that sorts): lane ``j`` holds the
 logits of experts ``j, j + 32, ...`` in fp32 registers.
 
 * **Scores.** ``"softmax"``: the experts are chosen by their logits (the softmax is monotonic) and
@@ -32,14 +32,15 @@ from typing import Callable, Optional
 
 import torch
 
-WARPS = 16
-THREADS = 32 * WARPS
+#: warps per CTA (a warp per token): a call with sorted metadata is one CTA of ``SORT_WARPS``
+WARPS = 4
+SORT_WARPS = 16
 #: most experts (logits per row: 32 per lane at most) and most experts chosen per token
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32
-#: most tokens of a call whose sorted routing metadata the kernel builds (one CTA, a few tokens a
-#: warp); above it the kernel scores and :mod:`.moe_route` sorts
-SORT_MAX_TOKENS = 64
+#: most tokens of a call whose sorted routing metadata the kernel builds (one CTA, a token a warp);
+#: above it the kernel scores and :mod:`.moe_route` sorts
+SORT_MAX_TOKENS = SORT_WARPS
 SCORINGS = ("softmax", "sigmoid")
 LOGIT_DTYPES = ("float32", "bfloat16", "float16")
 METAS = ("none", "pairs", "sorted")
@@ -94,26 +95,49 @@ def _build(key: RouterKey):
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Uint32
+    from cutlass.cutlass_dsl import T
 
+    from ._moe_act import ex2
+    from ._ptx import asm
     from .moe_route import sort_phases
+
+    LOG2E = 1.4426950408889634
 
     E, K = key.experts, key.top_k
     EPL = -(-E // 32)  # logits per lane
     G, TG = key.n_group, key.topk_group
     GS = E // G
+    # groups of whole registers (GS a multiple of 32: DeepSeek-V3's 8 groups of 32): each group's
+    # registers, (first, end); else a group is some lanes of registers, found per lane
+    REGS = [(g * GS // 32, (g + 1) * GS // 32) for g in range(G)] if G > 1 and GS % 32 == 0 else None
     SIG = key.scoring == "sigmoid"
     META, MAPPED = key.meta, key.mapped
     EL = key.local_experts
-    NONE = E  # "no expert yet" in the arg-max (above every id)
+    NW = SORT_WARPS if META == "sorted" else WARPS
+    NT = 32 * NW
     NEG_INF = float("-inf")
     if META == "sorted":
-        alloc, prepare, finish = sort_phases(EL, key.block_m, THREADS, SORT_MAX_TOKENS * K)
+        alloc, prepare, finish = sort_phases(EL, key.block_m, NT, SORT_MAX_TOKENS * K)
 
     def sel(c, a, b, ty):
         return ty(cutlass.select_(c, ty(a), ty(b)))
 
     def bfly(v, off, ty):
         return ty(cute.arch.shuffle_sync_bfly(ty(v), offset=off))
+
+    def rcp(v):
+        """``1 / v`` (``rcp.approx.ftz.f32``, within 1 ulp)."""
+        return Float32(asm(T.f32(), [Float32(v)], "rcp.approx.ftz.f32 $0, $1;", "=f,f"))
+
+    def ordered(v):
+        """fp32 ``v`` as a uint32 key of the same order (sign-magnitude to offset binary)."""
+        bits = Uint32(asm(T.i32(), [Float32(v)], "mov.b32 $0, $1;", "=r,f"))
+        return bits ^ (Uint32(Int32(bits) >> 31) | Uint32(0x80000000))
+
+    def unordered(key):
+        """The fp32 value of an :func:`ordered` key."""
+        bits = key ^ (Uint32(Int32(~key) >> 31) | Uint32(0x80000000))
+        return Float32(asm(T.f32(), [Uint32(bits)], "mov.b32 $0, $1;", "=f,r"))
 
     @cute.jit
     def local_expert(emap: cute.Tensor, e):
@@ -140,7 +164,7 @@ def _build(key: RouterKey):
         score = cute.make_rmem_tensor((EPL,), Float32)  # what the chosen are weighted by
         sel_id = cute.make_rmem_tensor((K,), Int32)
         sel_w = cute.make_rmem_tensor((K,), Float32)
-        for t in cutlass.range(bx * WARPS + warp, tokens, gx * WARPS, unroll=1):
+        for t in cutlass.range(bx * NW + warp, tokens, gx * NW, unroll=1):
             bad = Int32(0)
             for i in cutlass.range_constexpr(EPL):
                 e = lane + 32 * i
@@ -151,7 +175,7 @@ def _build(key: RouterKey):
                 s = v
                 c = v
                 if cutlass.const_expr(SIG):
-                    s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-v))
+                    s = rcp(Float32(1.0) + ex2(v * Float32(-LOG2E)))
                     c = s
                     if cutlass.const_expr(key.bias):
                         if e < E:
@@ -166,9 +190,11 @@ def _build(key: RouterKey):
                 for g in cutlass.range_constexpr(G):
                     b1 = Float32(NEG_INF)
                     b2 = Float32(NEG_INF)
-                    for i in cutlass.range_constexpr(EPL):
-                        e = lane + 32 * i
-                        v = sel((e >= g * GS) & (e < (g + 1) * GS), choice[i], NEG_INF, Float32)
+                    for i in cutlass.range_constexpr(*(REGS[g] if REGS else (EPL,))):
+                        v = choice[i]
+                        if cutlass.const_expr(not REGS):  # a group's experts are some lanes of this register
+                            e = lane + 32 * i
+                            v = sel((e >= g * GS) & (e < (g + 1) * GS), choice[i], NEG_INF, Float32)
                         n1 = cutlass.max(b1, v)
                         b2 = cutlass.max(b2, cutlass.min(b1, v))
                         b1 = n1
@@ -181,46 +207,48 @@ def _build(key: RouterKey):
                     gsc.append(b1 + b2)
                 allowed = Uint32(0)
                 for r in cutlass.range_constexpr(TG):
-                    best = Float32(NEG_INF)
+                    gbest = Float32(NEG_INF)
                     bg = Int32(G)
                     for g in cutlass.range_constexpr(G):
                         free = ((allowed >> Uint32(g)) & Uint32(1)) == Uint32(0)
-                        better = free & ((bg == G) | (gsc[g] > best))
-                        best = sel(better, gsc[g], best, Float32)
+                        better = free & ((bg == G) | (gsc[g] > gbest))
+                        gbest = sel(better, gsc[g], gbest, Float32)
                         bg = sel(better, Int32(g), bg, Int32)
                     allowed = allowed | (Uint32(1) << Uint32(bg))
-            taken = Uint32(0)  # bit i: this lane's expert lane + 32 i is chosen
+            # top-k: per round a warp arg-max of ordered keys (redux.sync), ties to the lower id
+            keys = cute.make_rmem_tensor((EPL,), Uint32)  # 0: not a candidate
+            for i in cutlass.range_constexpr(EPL):
+                e = lane + 32 * i
+                ok = e < E
+                if cutlass.const_expr(G > 1):
+                    grp = Uint32(32 * i // GS) if cutlass.const_expr(REGS) else Uint32(e // GS)
+                    ok = ok & (((allowed >> grp) & Uint32(1)) == Uint32(1))
+                keys[i] = sel(ok, ordered(choice[i]), 0, Uint32)
             for r in cutlass.range_constexpr(K):
-                bv = Float32(NEG_INF)
-                bi = Int32(NONE)
-                bs = Float32(0.0)
+                lb = Uint32(0)
+                li = Int32(0)
                 for i in cutlass.range_constexpr(EPL):
-                    e = lane + 32 * i
-                    ok = (e < E) & (((taken >> Uint32(i)) & Uint32(1)) == Uint32(0))
-                    if cutlass.const_expr(G > 1):
-                        ok = ok & (((allowed >> Uint32(e // GS)) & Uint32(1)) == Uint32(1))
-                    better = ok & ((bi == NONE) | (choice[i] > bv))
-                    bv = sel(better, choice[i], bv, Float32)
-                    bi = sel(better, e, bi, Int32)
-                    bs = sel(better, score[i], bs, Float32)
-                for o in cutlass.range_constexpr(5):
-                    ov = bfly(bv, 1 << o, Float32)
-                    oi = bfly(bi, 1 << o, Int32)
-                    os_ = bfly(bs, 1 << o, Float32)
-                    take = (oi != NONE) & ((bi == NONE) | (ov > bv) | ((ov == bv) & (oi < bi)))
-                    bv = sel(take, ov, bv, Float32)
-                    bi = sel(take, oi, bi, Int32)
-                    bs = sel(take, os_, bs, Float32)
-                if (bi % 32) == lane:
-                    taken = taken | (Uint32(1) << Uint32(bi // 32))
-                sel_id[r] = bi
-                sel_w[r] = bv if cutlass.const_expr(not SIG) else bs
+                    better = keys[i] > lb
+                    lb = sel(better, keys[i], lb, Uint32)
+                    li = sel(better, Int32(i), li, Int32)
+                best = cute.arch.warp_redux_sync(lb, "umax")
+                win = cute.arch.warp_redux_sync(sel(lb == best, Uint32(lane + 32 * li), 0xFFFFFFFF, Uint32), "umin")
+                for i in cutlass.range_constexpr(EPL):
+                    keys[i] = sel(win == Uint32(lane + 32 * i), 0, keys[i], Uint32)
+                sel_id[r] = Int32(win)
+                if cutlass.const_expr(SIG):  # the chosen expert's score, from the lane that holds it
+                    mine = Float32(0.0)
+                    for i in cutlass.range_constexpr(EPL):
+                        mine = sel(win == Uint32(lane + 32 * i), score[i], mine, Float32)
+                    sel_w[r] = Float32(cute.arch.shuffle_sync(mine, Int32(win) % 32))
+                else:
+                    sel_w[r] = unordered(best)
             # the weights
             total = Float32(0.0)
             if cutlass.const_expr(not SIG):
                 top = sel_w[0]
                 for r in cutlass.range_constexpr(K):
-                    sel_w[r] = cute.math.exp(sel_w[r] - top)
+                    sel_w[r] = ex2((sel_w[r] - top) * Float32(LOG2E))
                 if cutlass.const_expr(key.renormalize):
                     for r in cutlass.range_constexpr(K):
                         total = total + sel_w[r]
@@ -228,7 +256,7 @@ def _build(key: RouterKey):
                     part = Float32(0.0)
                     for i in cutlass.range_constexpr(EPL):
                         if lane + 32 * i < E:
-                            part = part + cute.math.exp(choice[i] - top)
+                            part = part + ex2((choice[i] - top) * Float32(LOG2E))
                     for o in cutlass.range_constexpr(5):
                         part = part + bfly(part, 1 << o, Float32)
                     total = part
@@ -263,7 +291,7 @@ def _build(key: RouterKey):
                counts: cute.Tensor, rows: cute.Tensor, bexp: cute.Tensor, nblk: cute.Tensor, scale: Float32,
                ctas: Int32, stream):
         router_kernel(logits, bias, emap, w_out, id_out, counts, rows, bexp, nblk, scale).launch(
-            grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=[ctas, 1, 1], block=[NT, 1, 1], stream=stream)
 
     return launch
 
