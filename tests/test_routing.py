@@ -201,6 +201,9 @@ def test_the_routing_kernel_matches_the_reference(dtype):
 
     assert R.USE_KERNEL
     wide = [(t, k, e, bm, "skewed") for (t, k, e) in [(300, 8, 128), (1000, 2, 8)] for bm in (128, 256)]
+    # prefill: up to the kernel's 65,536 pairs, each warp a chunk of thousands
+    wide += [(4096, 8, 128, 64, "uniform"), (4096, 8, 256, 128, "skewed"), (8192, 8, 32, 256, "one_hot"),
+             (32768, 2, 8, 128, "skewed"), (8192, 4, 1000, 16, "uniform")]
     for t, k, e, bm, mode in CASES + wide + [(0, 2, 8, 16, "uniform"), (2, 2, 1000, 8, "uniform")]:
         rng = random.Random(SEED + t * 7 + k * 13 + e + bm)
         ids = _ids(rng, t, k, e, mode) if t else []
@@ -213,7 +216,7 @@ def test_the_routing_kernel_matches_the_reference(dtype):
         assert r.sorted_rows.tolist() == rows + [-1] * (max_rows - len(rows)), case
         assert r.block_expert.tolist() == blocks + [-1] * (max_blocks - len(blocks)), case
         assert r.num_blocks.tolist() == [len(blocks)], case
-    for t, k, e_global, ranks in [(1, 8, 256, 8), (33, 8, 256, 8), (200, 2, 8, 2), (5, 4, 16, 16)]:
+    for t, k, e_global, ranks in [(1, 8, 256, 8), (33, 8, 256, 8), (200, 2, 8, 2), (5, 4, 16, 16), (4096, 8, 256, 8)]:
         rng = random.Random(SEED + t + e_global)
         ids = _ids(rng, t, k, e_global, "uniform")
         per = e_global // ranks

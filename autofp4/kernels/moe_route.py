@@ -7,72 +7,104 @@ rank's expert), what the grouped MoE kernels read: ``counts [E]``, ``sorted_rows
 (pairs sorted by expert, in token order within an expert, each expert's run padded with ``-1`` to
 a multiple of ``block_m``). In a CUDA graph that is one node where the torch ops are some forty.
 
-Phases, between CTA barriers, with everything but the outputs in shared memory:
+Each warp owns a contiguous chunk of the pairs. Phases, between CTA barriers, with everything
+but the outputs in shared memory:
 
-1. every thread: the local expert of its pairs (``E`` for a pair routed elsewhere) into shared
-   memory, and one shared-memory atomic add per pair into the expert's count; the outputs'
-   padding (``-1``) is written meanwhile;
-2. warp 0: the padded counts' running sum (a warp scan per 32 experts), the start of each
-   expert's run;
-3. warp 0: each pair's place, 32 pairs at a time in pair order: lanes of the same expert find
-   each other (``match.any``), a lane's place is its expert's next free row plus the lanes of that
-   expert before it, and the first of them moves the expert's next free row on. Token order within
-   an expert follows from the pair order; one warp walks ``pairs / 32`` steps;
+1. every warp: the local expert of each pair of its chunk (``E`` for a pair routed elsewhere)
+   into shared memory, and one shared-memory atomic add per pair into the warp's count of that
+   expert; the outputs' padding (``-1``) is written meanwhile;
+2. every thread, per expert: the warps' counts turned into each warp's offset within the expert
+   (a running sum over the warps) and the expert's total; then warp 0: the padded totals' running
+   sum (a warp scan per 32 experts), the start of each expert's run;
+3. every warp: each pair of its chunk placed, 32 pairs at a time in pair order: lanes of the
+   same expert find each other (``match.any``), a lane's row is its expert's start plus the warp's
+   offset plus the lanes of that expert before it, and the first of them moves the warp's offset
+   on. Token order within an expert follows from the pair order (a warp's pairs come after the
+   earlier warps'); a warp walks ``pairs / (32 * warps)`` steps;
 4. every thread: the expert of each block (a binary search of the run ends), ``-1`` past the
    used blocks; the counts and the number of used blocks.
 
-``MAX_PAIRS`` bounds ``pairs`` (the shared-memory copy of the local experts);
+:func:`max_pairs` bounds ``pairs`` (the shared-memory copy of the local experts, 2 bytes a pair);
 :func:`autofp4.routing.moe_routing` uses the torch ops above it.
 """
 from typing import Callable, Optional
 
 import torch
 
-#: most (token, slot) pairs one call takes (their local experts are kept in shared memory)
-MAX_PAIRS = 8192
+from ..hopper import SMEM_PER_CTA
+
 #: most local experts (the counts and run ends are kept in shared memory)
 MAX_EXPERTS = 1024
 THREADS = 512
+WARPS = THREADS // 32
 
 
-def sort_phases(experts: int, block_m: int, threads: int, capacity: int = MAX_PAIRS):
+def max_pairs(experts: int, warps: int = WARPS) -> int:
+    """Most (token, slot) pairs one CTA takes for ``experts`` local experts: what shared memory
+    holds beside the per-warp counts (a multiple of 4096, at most 65536)."""
+    counts = (warps + 3) * (experts + 1) * 4 + 1024
+    return max(0, min(65536, (SMEM_PER_CTA - counts) // 2 // 4096 * 4096))
+
+
+#: the pairs of the largest layer shapes this CTA takes (64 local experts or fewer: 65536)
+MAX_PAIRS = max_pairs(MAX_EXPERTS)
+
+
+def sort_phases(experts: int, block_m: int, threads: int, capacity: int):
     """The CTA-wide parts of the routing metadata, for a kernel of ``threads`` threads whose
-    pairs' local experts (at most ``capacity`` pairs) are being put in shared memory (``le``,
-    ``E`` for a pair routed elsewhere) and counted (``cnt``): ``alloc`` (those buffers),
-    ``prepare`` (every thread, before: clears the counts and
-    writes the rows' padding) and ``finish`` (every thread, after a CTA barrier: phases 2-4 of
-    the module docstring, writing ``counts``, ``rows``, ``bexp`` and ``nblk``). Also used by
-    :mod:`.moe_router`, which scores the router logits into ``le`` itself."""
+    warps put their chunks' local experts (at most ``capacity`` pairs in all) in shared memory
+    (``le``, ``E`` for a pair routed elsewhere) and count them per warp (``cntw``, through
+    ``count``): ``alloc`` (the buffers), ``prepare`` (every thread, before: clears the counts and
+    writes the rows' padding), ``count(cntw, warp, e)`` and ``finish`` (every thread, after a CTA
+    barrier: phases 2-4 of the module docstring, writing ``counts``, ``rows``, ``bexp`` and
+    ``nblk``; ``chunk``: the pairs of each warp's chunk). Also used by :mod:`.moe_router`, which
+    scores the router logits into ``le`` itself."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Int32, Uint32
+    from cutlass import Int16, Int32, Uint32
 
     E, BM, NT = experts, block_m, threads
+    NW = NT // 32
+    E1 = E + 1  # the experts and the bin of pairs routed elsewhere
     SCANS = -(-E // 32)
     STEPS = [1 << s for s in range(max(E - 1, 1).bit_length() - 1, -1, -1)]  # binary search over E
 
     def alloc():
-        """(le, cnt, nxt, end) in shared memory."""
+        """(le, cntw, cnt, start, end) in shared memory."""
         smem = cutlass.memory.SmemAllocator()
-        le = smem.allocate_tensor(Int32, cute.make_layout(capacity), byte_alignment=16)
-        cnt = smem.allocate_tensor(Int32, cute.make_layout(E + 1), byte_alignment=16)
-        nxt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)  # next free row
+        le = smem.allocate_tensor(Int16, cute.make_layout(capacity), byte_alignment=16)
+        cntw = smem.allocate_tensor(Int32, cute.make_layout(NW * E1), byte_alignment=16)  # [warp][expert]
+        cnt = smem.allocate_tensor(Int32, cute.make_layout(E1), byte_alignment=16)
+        start = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)  # the run's first row
         end = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)  # padded run's end
-        return le, cnt, nxt, end
+        return le, cntw, cnt, start, end
 
     @cute.jit
-    def prepare(cnt: cute.Tensor, rows: cute.Tensor, tidx):
-        for i in cutlass.range(tidx, E + 1, NT):
-            cnt[i] = Int32(0)
+    def prepare(cntw: cute.Tensor, rows: cute.Tensor, tidx):
+        for i in cutlass.range(tidx, NW * E1, NT):
+            cntw[i] = Int32(0)
         for i in cutlass.range(tidx, rows.shape[0], NT):
             rows[i] = Int32(-1)
 
     @cute.jit
-    def finish(le: cute.Tensor, cnt: cute.Tensor, nxt: cute.Tensor, end: cute.Tensor, pairs, tidx,
-               counts: cute.Tensor, rows: cute.Tensor, bexp: cute.Tensor, nblk: cute.Tensor):
+    def count(cntw: cute.Tensor, warp, e):
+        cute.arch.atomic_add(cntw.iterator + (warp * E1 + e), Int32(1), scope="cta")
+
+    @cute.jit
+    def finish(le: cute.Tensor, cntw: cute.Tensor, cnt: cute.Tensor, start: cute.Tensor, end: cute.Tensor, pairs,
+               chunk, tidx, counts: cute.Tensor, rows: cute.Tensor, bexp: cute.Tensor, nblk: cute.Tensor):
         warp, lane = tidx // 32, tidx % 32
         max_blocks = bexp.shape[0]
-        # 2: the padded runs' running sum
+        # 2a: per expert, each warp's offset within the expert, and the expert's total
+        for e in cutlass.range(tidx, E1, NT):
+            run = Int32(0)
+            for w in cutlass.range_constexpr(NW):
+                c = cntw[w * E1 + e]
+                cntw[w * E1 + e] = run
+                run = run + c
+            cnt[e] = run
+        cute.arch.barrier()
+        # 2b: the padded runs' running sum
         if warp == 0:
             carry = Int32(0)
             for s in cutlass.range_constexpr(SCANS):
@@ -88,27 +120,29 @@ def sort_phases(experts: int, block_m: int, threads: int, capacity: int = MAX_PA
                         run = run + u
                 if i < E:
                     end[i] = carry + run
-                    nxt[i] = carry + run - v
+                    start[i] = carry + run - v
                 carry = carry + cute.arch.shuffle_sync(run, 31)
         cute.arch.barrier()
-        # 3: each pair's row, in pair order
-        if warp == 0:
-            for base in cutlass.range(0, pairs, 32):
-                p = base + lane
-                e = Int32(E + 1) + lane  # past the pairs: a key no pair has
-                if p < pairs:
-                    e = le[p]
-                same = cute.arch.match_sync(Uint32(0xFFFFFFFF), e)
-                before = cute.arch.popc(same & cute.arch.lanemask_lt())
-                start = Int32(0)
-                if e < E:
-                    start = nxt[e]
-                cute.arch.sync_warp()
-                if e < E:
-                    rows[start + Int32(before)] = p
-                    if before == Uint32(0):
-                        nxt[e] = start + Int32(cute.arch.popc(same))
-                cute.arch.sync_warp()
+        # 3: each pair's row, every warp its chunk in pair order
+        lo = warp * chunk
+        hi = cutlass.min(lo + chunk, pairs)
+        for base in cutlass.range(lo, hi, 32):
+            p = base + lane
+            e = Int32(E1 + 1) + lane  # past the chunk: a key no pair has
+            if p < hi:
+                e = Int32(le[p])
+            same = cute.arch.match_sync(Uint32(0xFFFFFFFF), e)
+            before = cute.arch.popc(same & cute.arch.lanemask_lt())
+            row = Int32(0)
+            if e < E:
+                row = start[e] + cntw[warp * E1 + e]
+            cute.arch.sync_warp()
+            if e < E:
+                rows[row + Int32(before)] = p
+                if before == Uint32(0):
+                    cntw[warp * E1 + e] = cntw[warp * E1 + e] + Int32(cute.arch.popc(same))
+            cute.arch.sync_warp()
+        cute.arch.barrier()
         # 4: each block's expert
         total = end[E - 1]
         for b in cutlass.range(tidx, max_blocks, NT):
@@ -127,36 +161,38 @@ def sort_phases(experts: int, block_m: int, threads: int, capacity: int = MAX_PA
         if tidx == 0:
             nblk[0] = total // BM
 
-    return alloc, prepare, finish
+    return alloc, prepare, count, finish
 
 
 def _build(experts: int, block_m: int, ids64: bool, mapped: bool):
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Int32
+    from cutlass import Int16, Int32
 
     E, NT = experts, THREADS
-    alloc, prepare, finish = sort_phases(experts, block_m, THREADS)
+    alloc, prepare, count, finish = sort_phases(experts, block_m, THREADS, max_pairs(experts))
 
     @cute.kernel
     def route_kernel(ids: cute.Tensor, emap: cute.Tensor, counts: cute.Tensor, rows: cute.Tensor,
                      bexp: cute.Tensor, nblk: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
+        warp, lane = tidx // 32, tidx % 32
         pairs = ids.shape[0]
-        le, cnt, nxt, end = alloc()
-        prepare(cnt, rows, tidx)
+        chunk = (pairs + (WARPS - 1)) // WARPS
+        le, cntw, cnt, start, end = alloc()
+        prepare(cntw, rows, tidx)
         cute.arch.barrier()
-        # 1: local experts and counts
-        for p in cutlass.range(tidx, pairs, NT):
+        # 1: local experts and each warp's counts, over its chunk
+        for p in cutlass.range(warp * chunk + lane, cutlass.min(warp * chunk + chunk, pairs), 32):
             e = Int32(ids[p])
             if cutlass.const_expr(mapped):
                 e = emap[e]
             if (e < 0) | (e >= E):
                 e = Int32(E)
-            le[p] = e
-            cute.arch.atomic_add(cnt.iterator + e, Int32(1), scope="cta")
+            le[p] = Int16(e)
+            count(cntw, warp, e)
         cute.arch.barrier()
-        finish(le, cnt, nxt, end, pairs, tidx, counts, rows, bexp, nblk)
+        finish(le, cntw, cnt, start, end, pairs, chunk, tidx, counts, rows, bexp, nblk)
 
     @cute.jit
     def launch(ids: cute.Tensor, emap: cute.Tensor, counts: cute.Tensor, rows: cute.Tensor, bexp: cute.Tensor,
@@ -184,8 +220,8 @@ def _compile_now(experts: int, block_m: int, ids64: bool, mapped: bool):
 
 
 def supported(experts: int, pairs: int) -> bool:
-    """Whether one CTA takes this call (see ``MAX_PAIRS``, ``MAX_EXPERTS``)."""
-    return 1 <= experts <= MAX_EXPERTS and pairs <= MAX_PAIRS
+    """Whether one CTA takes this call (see :func:`max_pairs`, ``MAX_EXPERTS``)."""
+    return 1 <= experts <= MAX_EXPERTS and pairs <= max_pairs(experts)
 
 
 def compile_kernel(experts: int, block_m: int, ids64: bool, mapped: bool) -> Callable:

@@ -94,7 +94,7 @@ class RouterKey:
 def _build(key: RouterKey):
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float32, Int32, Uint32
+    from cutlass import Float32, Int16, Int32, Uint32
     from cutlass.cutlass_dsl import T
 
     from ._moe_act import ex2
@@ -117,7 +117,7 @@ def _build(key: RouterKey):
     NT = 32 * NW
     NEG_INF = float("-inf")
     if META == "sorted":
-        alloc, prepare, finish = sort_phases(EL, key.block_m, NT, SORT_MAX_TOKENS * K)
+        alloc, prepare, count, finish = sort_phases(EL, key.block_m, NT, SORT_MAX_TOKENS * K)
 
     def sel(c, a, b, ty):
         return ty(cutlass.select_(c, ty(a), ty(b)))
@@ -157,8 +157,8 @@ def _build(key: RouterKey):
         warp, lane = tidx // 32, tidx % 32
         tokens = logits.shape[0]
         if cutlass.const_expr(META == "sorted"):
-            le, cnt, nxt, end = alloc()
-            prepare(cnt, rows, tidx)
+            le, cntw, cnt, start, end = alloc()
+            prepare(cntw, rows, tidx)
             cute.arch.barrier()
         choice = cute.make_rmem_tensor((EPL,), Float32)  # what the experts are chosen by
         score = cute.make_rmem_tensor((EPL,), Float32)  # what the chosen are weighted by
@@ -280,11 +280,11 @@ def _build(key: RouterKey):
                         x = local_expert(emap, sel_id[r])
                         if (x < 0) | (x >= EL):
                             x = Int32(EL)
-                        le[p] = x
-                        cute.arch.atomic_add(cnt.iterator + x, Int32(1), scope="cta")
+                        le[p] = Int16(x)
+                        count(cntw, warp, x)  # warp w's chunk: token w's pairs
         if cutlass.const_expr(META == "sorted"):
             cute.arch.barrier()
-            finish(le, cnt, nxt, end, tokens * K, tidx, counts, rows, bexp, nblk)
+            finish(le, cntw, cnt, start, end, tokens * K, K, tidx, counts, rows, bexp, nblk)
 
     @cute.jit
     def launch(logits: cute.Tensor, bias: cute.Tensor, emap: cute.Tensor, w_out: cute.Tensor, id_out: cute.Tensor,
