@@ -122,3 +122,20 @@ def test_without_a_gpu_it_says_so(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench_moe.py", "--models", "mixtral-8x7b"])
     assert B.main() == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_the_baselines_routing_is_the_models(model):
+    """The bf16 baseline's torch-op routing is autofp4.route's with the model's router (DeepSeek-V3:
+    grouped sigmoid with its correction bias and scaling), and is not a plain softmax top-k."""
+    g = torch.Generator().manual_seed(SEED)
+    eg, k = (256, 8) if model == "deepseek-v3" else (128, 8)
+    kw = B.router_of(model, eg, g, torch.device("cpu"))
+    logits = torch.randn(20, eg, generator=g)
+    tw, ti = B.torch_route(logits, k, kw)
+    w, ids = autofp4.route(logits, k, **kw)
+    assert torch.equal(ti, ids) and torch.allclose(tw, w)
+    if model == "deepseek-v3":
+        assert abs(float(tw.sum(-1).mean()) - 2.5) < 1e-4  # routed scaling
+        plain = torch.topk(torch.softmax(logits, -1), k, -1).indices
+        assert not torch.equal(plain.sort(-1).values, ti.long().sort(-1).values)
