@@ -9,7 +9,7 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from autofp4.integrations.transformers import FP4Experts  # noqa: E402
+from autofp4.integrations.transformers import FP4Experts, FP4Router  # noqa: E402
 from autofp4.nn import FP4FusedLinear, FP4Linear, FP4LinearPart, quantize_model  # noqa: E402
 
 ATTN = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -160,6 +160,51 @@ def test_experts_are_converted_and_match_the_dequantized_model(arch, fmt):
     assert cos0 < 0.99999
 
 
+@pytest.mark.parametrize("arch", sorted(MODELS) + ["gpt_oss"])
+def test_routers_next_to_fp4_experts_score_with_autofp4_route(arch):
+    """The block's router becomes an FP4Router with the router's own parameters (the state dict
+    keys and values unchanged) that returns what the router returns: the same logits, the same
+    experts per token, their weights (within fp32 rounding; gpt-oss's own softmax is in bf16) in
+    the router's dtype."""
+    factory = _gpt_oss_random_experts if arch == "gpt_oss" else MODELS[arch][0]
+    model = _build(factory, int(torch.randint(0, 2**31 - 1, ()).item()))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("router.bias", "gate.weight", "router.weight")):
+                p.normal_(0.0, 0.5)  # logits far from ties
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.uniform_(-0.1, 0.1)
+    original = copy.deepcopy(model)
+    keys = {k: v.clone() for k, v in model.state_dict().items() if ".gate." in k or ".router." in k}
+    assert keys
+    quantize_model(model, "nvfp4")
+    routers = {n: m for n, m in model.named_modules() if isinstance(m, FP4Router)}
+    assert routers and all(n.endswith((".gate", ".router")) for n in routers)
+    sd = model.state_dict()
+    assert all(k in sd and torch.equal(sd[k], v) for k, v in keys.items())
+    for name, r in routers.items():
+        theirs = original.get_submodule(name)
+        h = torch.randn(9, r.hidden_dim).bfloat16()
+        with torch.no_grad():
+            got_logits, got_w, got_ids = r(h)
+            want_logits, want_w, want_ids = theirs(h)
+        assert torch.equal(got_logits, want_logits)
+        assert got_w.dtype == want_w.dtype and got_ids.dtype == torch.int32
+        tol = 1e-2 if arch == "gpt_oss" else 1e-6
+        for t in range(9):
+            got = dict(zip(got_ids[t].tolist(), got_w[t].float().tolist()))
+            want = dict(zip(want_ids[t].tolist(), want_w[t].float().tolist()))
+            assert sorted(got) == sorted(want), (name, t)
+            assert all(abs(got[i] - want[i]) <= tol for i in want), (name, t)
+    # a skip pattern keeps a router as it was
+    model2 = copy.deepcopy(original)
+    first = sorted(routers)[0]
+    quantize_model(model2, "nvfp4", skip=["lm_head", first])
+    assert not isinstance(model2.get_submodule(first), FP4Router)
+    assert type(model2.get_submodule(first)) is type(original.get_submodule(first))
+
+
 def test_shared_experts_and_dense_mlps_are_linear_and_converted():
     model = _build(_deepseek_v3, 0)
     report = quantize_model(model, "nvfp4")
@@ -263,7 +308,9 @@ def test_gpt_oss_experts_are_converted_and_match_the_dequantized_model(fmt, dtyp
     sd = model.state_dict()
     assert sum(k.endswith("experts.gate_up_proj_bias") for k in sd) == 2
     assert isinstance(model.model.layers[0].self_attn.q_proj, FP4LinearPart)
-    assert isinstance(model.model.layers[0].mlp.router, type(original.model.layers[0].mlp.router))  # not quantized
+    router = model.model.layers[0].mlp.router  # scored by autofp4.route, its weights not quantized
+    assert isinstance(router, FP4Router) and router.weight.dtype == original.model.layers[0].mlp.router.weight.dtype
+    assert torch.equal(router.weight, original.model.layers[0].mlp.router.weight)
 
     got, ref = _logits_routed_alike(model, _reference_from(model, copy.deepcopy(original)), ids)
     cos, rel = _compare(got, ref)

@@ -15,7 +15,10 @@ high-precision parameters in the module.
 Other layouts that :func:`autofp4.moe` does not compute (transposed weights, interleaved
 gate/up, biases, a custom gating function, a post-expert norm, experts without a gate,
 activations other than SiLU and tanh-GELU) are left as they are and reported as skipped. The
-router (the ``gate`` or ``router`` of the MoE block) is never quantized.
+router (the ``gate`` or ``router`` of the MoE block) is never quantized. Next to converted
+experts, the routers of Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V3 become :class:`FP4Router`:
+the same parameters and logits (a high-precision ``F.linear``), then the scoring and top-k of
+:func:`autofp4.route` (one kernel on Hopper, where transformers runs five to fifteen).
 
 transformers itself is imported only when a model holds modules from it.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels._moe_act import SWIGLU_ALPHA, SWIGLU_LIMIT
@@ -32,7 +36,7 @@ from ..ops import moe
 from ..problem import BLOCK_SIZE
 from ..weights import FP4Weight, quantize
 
-__all__ = ["FP4Experts", "convert_experts", "experts_problem"]
+__all__ = ["FP4Experts", "FP4Router", "convert_experts", "experts_problem"]
 
 _ROUTER_NAMES = ("gate", "router")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -100,6 +104,63 @@ class FP4Experts(FP4Buffers):
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
                 f"intermediate_dim={self.intermediate_dim}, fmt={self.fmt}, activation={self.activation}, "
                 f"bias={self.down_proj_bias is not None or self.gate_up_proj_bias is not None}")
+
+
+#: transformers router classes whose scoring autofp4.route computes: the class name -> the scoring
+#: (``"softmax"``: softmax top-k, renormalized where the router says; gpt-oss takes the softmax of
+#: its top-k logits, the same weights; ``"sigmoid"``: DeepSeek-V3's grouped sigmoid) and the dtype
+#: of the weights it returns (None: the logits')
+_ROUTERS: dict[str, tuple[str, Optional[torch.dtype]]] = {
+    "Qwen3MoeTopKRouter": ("softmax", None),
+    "MixtralTopKRouter": ("softmax", torch.float32),
+    "GptOssTopKRouter": ("softmax", None),
+    "DeepseekV3TopkRouter": ("sigmoid", torch.float32),
+}
+
+
+class FP4Router(nn.Module):
+    """A transformers MoE router (see ``_ROUTERS``) whose scoring and top-k run as
+    :func:`autofp4.route`: ``forward(hidden_states) -> (router_logits, weights, ids)`` as the
+    router returns them (ids int32, which :class:`FP4Experts` takes). It holds the router's own
+    parameters under their names (``weight``, gpt-oss's ``bias``, DeepSeek-V3's
+    ``e_score_correction_bias``), so the state dict does not change; the logits are the router's
+    (``F.linear`` in its dtype; DeepSeek-V3's in fp32)."""
+
+    def __init__(self, router: nn.Module) -> None:
+        super().__init__()
+        from ..router import RouterSpec
+
+        name = type(router).__name__
+        if name not in _ROUTERS:
+            raise TypeError(f"FP4Router: {name} is not a router autofp4 scores (known: {', '.join(_ROUTERS)})")
+        self.kind = name
+        scoring, self.weights_dtype = _ROUTERS[name]
+        self.weight = router.weight
+        self.hidden_dim = router.weight.shape[1]
+        experts = router.weight.shape[0]
+        self.register_parameter("bias", router.bias if name == "GptOssTopKRouter" else None)
+        if scoring == "sigmoid":
+            self.register_buffer("e_score_correction_bias", router.e_score_correction_bias)
+            self.spec = RouterSpec.checked(experts, router.top_k, "sigmoid", bool(router.norm_topk_prob),
+                                           router.num_group, router.topk_group, float(router.routed_scaling_factor))
+        else:
+            renorm = bool(getattr(router, "norm_topk_prob", True))
+            self.spec = RouterSpec.checked(experts, router.top_k, "softmax", renorm)
+
+    def forward(self, hidden_states: torch.Tensor):
+        from ..router import route
+
+        h = hidden_states.reshape(-1, self.hidden_dim)
+        if self.spec.scoring == "sigmoid":
+            logits = F.linear(h.float(), self.weight.float())
+            w, ids, _ = route(logits, self.spec, self.e_score_correction_bias)
+        else:
+            logits = F.linear(h, self.weight, self.bias)
+            w, ids, _ = route(logits, self.spec)
+        return logits, w.to(self.weights_dtype or logits.dtype), ids
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, {self.spec}"
 
 
 def _is_transformers_experts(module: nn.Module) -> bool:
@@ -257,6 +318,11 @@ def convert_experts(model: nn.Module, fmt: str, patterns: list[str], report: Con
         new, fp4 = _fp4_experts(mod, fmt)
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
+        for rname in _ROUTER_NAMES:  # the block's router: its scoring in one kernel
+            r = getattr(parent, rname, None)
+            full = f"{parent_name}.{rname}" if parent_name else rname
+            if type(r).__name__ in _ROUTERS and not matches_skip(full, patterns):
+                setattr(parent, rname, FP4Router(r))
         for pn, t, w in zip(pnames, params, fp4):
             report.add(TensorRecord(pn, "experts", tuple(t.shape), True, _nbytes(t), _fp4_bytes(w)))
     return keep
