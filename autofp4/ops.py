@@ -8,7 +8,6 @@ the custom-op dispatch, to add as little host time as possible.
 """
 from __future__ import annotations
 
-import operator
 import weakref
 from typing import Optional
 
@@ -273,7 +272,7 @@ def _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, check_ids=True, ex
               w2_bias=None, router_logits=None, spec=None, correction_bias=None):
     """The MoE layer (``spec``: a checked :class:`~autofp4.router.RouterSpec` when routing from
     ``router_logits``, which replace ``topk_weights`` and ``topk_ids``)."""
-    prebuilt = None
+    prebuilt = backend = runner = None
     if router_logits is not None:
         _check_moe_router(x, w13, router_logits, topk_weights, topk_ids, expert_map, correction_bias)
         if x.shape[0] == 0:
@@ -284,7 +283,7 @@ def _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, check_ids=True, ex
     _check_moe(x, w13, w2, topk_weights, topk_ids, activation, check_ids, expert_map, w13_bias, w2_bias)
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    if prebuilt is None:
+    if runner is None:
         key = _problem_key(w13, "moe", x.dtype, topk_ids.shape[1])
         eg = 0 if expert_map is None else expert_map.shape[0]  # a slice: its misses tune it as one
         backend, _cfg, runner, _ = get_dispatcher(x.device).resolve_entry(key, x.shape[0], eg)
@@ -361,8 +360,7 @@ def _moe_op(
     w2 = _weight_from_tensors(w2_data, w2_scale, w2_global_scale, fmt)
     spec = None
     if router_logits is not None:
-        spec = _router_spec(router_logits, w13, expert_map, top_k, scoring, renormalize, n_group, topk_group,
-                            routed_scaling_factor)
+        spec = _router_spec(router_logits, top_k, scoring, renormalize, n_group, topk_group, routed_scaling_factor)
     return _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=expert_map, w13_bias=w13_bias,
                      w2_bias=w2_bias, router_logits=router_logits, spec=spec, correction_bias=correction_bias)
 
@@ -372,10 +370,8 @@ def _moe_fake(x, *args, **kwargs):
     return torch.empty_like(x)
 
 
-def _router_spec(router_logits, w13: FP4Weight, expert_map, top_k, scoring, renormalize, n_group, topk_group,
-                 scale) -> "router.RouterSpec":
-    """The checked routing of a MoE call from ``router_logits`` (over ``E_global`` experts with
-    an expert map)."""
+def _router_spec(router_logits, top_k, scoring, renormalize, n_group, topk_group, scale) -> "router.RouterSpec":
+    """The checked routing of a MoE call from ``router_logits``."""
     _check_logits(router_logits, "moe")
     return router.RouterSpec.checked(router_logits.shape[1], top_k, scoring, renormalize, n_group, topk_group,
                                      scale, what="moe")
@@ -446,8 +442,7 @@ def moe(
     _register(w2)
     spec = None
     if router_logits is not None:
-        spec = _router_spec(router_logits, w13, expert_map, top_k, scoring, renormalize, n_group, topk_group,
-                            routed_scaling_factor)
+        spec = _router_spec(router_logits, top_k, scoring, renormalize, n_group, topk_group, routed_scaling_factor)
     return _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=expert_map, w13_bias=w13_bias,
                      w2_bias=w2_bias, router_logits=router_logits, spec=spec, correction_bias=correction_bias)
 
@@ -489,15 +484,6 @@ def _check_logits(router_logits, what: str) -> None:
         raise ValueError(f"{what}: router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
     if not router_logits.is_floating_point():
         raise ValueError(f"{what}: router_logits must be a floating-point tensor, got {router_logits.dtype}")
-
-
-def _as_int(v) -> Optional[int]:
-    if isinstance(v, bool):
-        return None
-    try:
-        return operator.index(v)
-    except TypeError:
-        return None
 
 
 def _raise_bad_logits(router_logits: torch.Tensor, w: torch.Tensor) -> None:

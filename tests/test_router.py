@@ -344,3 +344,16 @@ def test_moe_from_logits_on_the_gpu_is_moe_of_route(fmt, t, gen):
     assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
     ref = autofp4.moe(x.cpu(), w13.to("cpu"), w2.to("cpu"), tw.cpu(), ti.cpu())
     assert (got.float().cpu() - ref.float()).norm() / ref.float().norm() < 2e-2
+
+
+def test_a_moe_call_from_logits_counts_one_miss(gen):
+    """Routing from logits resolves the layer's kernel once: an untuned call is one miss."""
+    from autofp4.dispatch import get_dispatcher
+
+    w13, w2 = _layer(gen)
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    before = {(k, m): n for k, m, n in get_dispatcher("cpu").misses()}
+    autofp4.moe(x, w13, w2, router_logits=torch.randn(3, 8, generator=gen), top_k=2)
+    after = {(k, m): n for k, m, n in get_dispatcher("cpu").misses()}
+    grown = {km: n - before.get(km, 0) for km, n in after.items() if n != before.get(km, 0)}
+    assert list(grown.values()) == [1] and next(iter(grown))[0].op == "moe"

@@ -30,8 +30,6 @@ Everything is compiled per ``RouterKey``; T is symbolic.
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import torch
-
 #: warps per CTA (a warp per token): a call with sorted metadata is one CTA of ``SORT_WARPS``
 WARPS = 4
 SORT_WARPS = 16
