@@ -74,6 +74,16 @@ def test_runs_of_rows_and_tokens():
     assert all(((b - a) * 8 + 256 * 256) * 7168 <= 2**31 - 1 for a, b in runs)
 
 
+def test_a_dense_weight_past_the_offsets_is_named_once(monkeypatch, gen):
+    w = autofp4.quantize(torch.randn(256, 512, generator=gen), "nvfp4")
+    prep = B.SM90Prepared(w)
+    assert B._too_large(prep) is None
+    monkeypatch.setattr(B, "MAX_ARG_BYTES", 256 * 512 // 2)  # the values alone fill it
+    assert B._too_large(prep) is None  # decided once per weight
+    why = B._too_large(B.SM90Prepared(w))
+    assert "256 x 512 weight packs to more than 2 GiB" in why
+
+
 # ----------------------------------------------------------------------------- on the GPU
 def _hopper():
     if not torch.cuda.is_available():

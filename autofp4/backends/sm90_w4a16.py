@@ -228,13 +228,16 @@ def _token_runs(t: int, top_k: int, experts: int, width: int, limit: int | None 
 
 
 def _too_large(prep: SM90Prepared) -> str | None:
-    """Why a dense weight is too large for the linear kernels' 32-bit offsets (None if it fits)."""
-    w = prep.weight
-    packed = w.n * w.k // 2 + w.scale.numel()  # at least what either layout holds
-    if packed > MAX_ARG_BYTES:
-        return (f"a {w.n} x {w.k} weight packs to more than 2 GiB, beyond the linear kernels' 32-bit "
-                "offsets")
-    return None
+    """Why a dense weight is too large for the linear kernels' 32-bit offsets (None if it fits;
+    decided once per weight)."""
+    why = prep.__dict__.get("_too_large", False)
+    if why is False:
+        w = prep.weight
+        packed = w.n * w.k // 2 + w.scale.numel()  # at least what either layout holds
+        why = prep.__dict__["_too_large"] = (
+            f"a {w.n} x {w.k} weight packs to more than 2 GiB, beyond the linear kernels' 32-bit offsets"
+            if packed > MAX_ARG_BYTES else None)
+    return why
 
 
 def _fp16_range_problem(prep: SM90Prepared, kernel: str) -> str | None:
@@ -414,9 +417,9 @@ def _gemm_rows(run: Runner, x: torch.Tensor, prep: SM90Prepared, bias: torch.Ten
     offsets (one run but for the largest calls, e.g. an lm_head over 16k tokens)."""
     if why := _too_large(prep):
         return _reference_fallback(x, prep, bias, why)
-    chunks = _row_chunks(x.shape[0], n)
-    if len(chunks) == 1:
+    if x.shape[0] * n <= MAX_ARG_BYTES:
         return run(x, prep.gemm, bias)
+    chunks = _row_chunks(x.shape[0], n)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     for r0, r1 in chunks:
         out[r0:r1] = run(x[r0:r1], prep.gemm, bias)
