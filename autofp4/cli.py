@@ -106,9 +106,12 @@ _LAYOUT_HELP = ("whose modules: vllm (fused qkv_proj, gate_up_proj; the default)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog="autofp4", description="FP4 (NVFP4 / MXFP4) kernels tuned for the GPU you have."
     )
+    parser.add_argument("--version", action="version", version=f"autofp4 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{tune,db,info,cache}")
     sub.required = True
 

@@ -23,6 +23,10 @@ from .problem import DTYPES, FORMATS
 from .schema import TuningRecord, config_json
 
 SUBCOMMANDS = ("list", "show", "export", "import", "merge", "diff", "prune")
+_DESCRIPTION = """Inspect, export, import, merge, diff and prune the tuning database.
+
+Exit codes: 0 success; 1 nothing found (show) or differences found (diff);
+2 bad input (missing file, invalid JSON, failed validation, unreadable or read-only database)."""
 
 
 class UsageError(Exception):
@@ -53,8 +57,8 @@ def _add_key_filters(p: argparse.ArgumentParser) -> None:
 
 def add_db_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``db`` and its sub-commands on ``subparsers`` (from ``add_subparsers()``)."""
-    db = subparsers.add_parser("db", help="inspect and share the tuning database",
-                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    db = subparsers.add_parser("db", help="inspect and share the tuning database", description=_DESCRIPTION,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = db.add_subparsers(dest="db_command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     sub.required = True
 
@@ -68,7 +72,7 @@ def add_db_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write results as sorted, reviewable JSON")
     _add_common(p)
-    p.add_argument("--out", required=True, metavar="FILE")
+    p.add_argument("--out", required=True, metavar="FILE", help="the JSON file to write ('-': standard output)")
     p.add_argument("--env", default="all", metavar="current|all|KEY")
 
     p = sub.add_parser("import", help="validate an export and merge it in")
@@ -220,11 +224,41 @@ def _cmd_show(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_export(args: argparse.Namespace, out: TextIO) -> int:
+    from .db import export_json
+
     env_key = _env_key(args.env)
+    if args.out != "-":
+        _check_export_target(Path(args.out), _db_path(args))
     with _open(args, write=False) as db:
+        if args.out == "-":
+            doc = db.export_doc(env_key)
+            out.write(export_json(doc))
+            out.flush()
+            print(f"wrote {len(doc.records)} records ({len(doc.environments)} environments) to standard output",
+                  file=sys.stderr)
+            return 0
         doc = db.export(args.out, env_key)
     print(f"wrote {len(doc.records)} records ({len(doc.environments)} environments) to {args.out}", file=out)
     return 0
+
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def _check_export_target(target: Path, source: Path) -> None:
+    """``db export --out``: never the database being exported, nor any SQLite file (an export
+    replaces its target)."""
+    try:
+        if target.exists() and source.exists() and target.resolve() == source.resolve():
+            raise UsageError(f"--out {target} is the database being exported; write the export elsewhere")
+        if target.is_dir():
+            raise UsageError(f"--out {target} is a directory")
+        if target.is_file():
+            with target.open("rb") as f:
+                if f.read(len(_SQLITE_MAGIC)) == _SQLITE_MAGIC:
+                    raise UsageError(f"--out {target} is an SQLite database; an export would replace it")
+    except OSError as e:
+        raise UsageError(f"--out {target}: {e.strerror or e}") from None
 
 
 def _cmd_import(args: argparse.Namespace, out: TextIO) -> int:

@@ -206,6 +206,11 @@ def test_from_misses_cli(tmp_path):
     assert rc == 0, out + err
     with TuningDB(db) as t:
         assert [(r.n, r.k, r.m_bucket) for r in t.results(_env_key())] == [(256, 128, 8)]
+    # the table names each job's problem in full: format and dtype columns, the misses in the name
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:4] == ["name", "op", "fmt", "dtype"])
+    row = lines[head + 2].split()
+    assert row[:7] == ["1", "missed", "calls", "linear", "nvfp4", "bfloat16", "256"], lines[head:head + 3]
 
 
 def test_two_processes_tune_one_db(tmp_path):

@@ -177,3 +177,35 @@ def test_cli_as_subprocess(dbfile, tmp_path):
     out = subprocess.run([sys.executable, "-m", "autofp4.cli_db", "import", str(bad), "--db", str(dbfile)],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 2 and "schema_version 999" in out.stderr
+
+
+def test_export_to_standard_output_and_never_over_a_database(dbfile, tmp_path, capsys):
+    """``--out -`` writes the export to standard output (the summary to standard error); an
+    export never replaces its own database or any other SQLite file."""
+    assert cli("export", "--db", str(dbfile), "--out", "-") == 0
+    cap = capsys.readouterr()
+    doc = json.loads(cap.out)
+    assert len(doc["records"]) == 3 and "to standard output" in cap.err
+    assert not (Path.cwd() / "-").exists()
+    before = dbfile.read_bytes()
+    assert cli("export", "--db", str(dbfile), "--out", str(dbfile)) == 2
+    assert "is the database being exported" in capsys.readouterr().err
+    other = tmp_path / "other.db"
+    with TuningDB(other) as db:
+        db.upsert_result(rec(m_bucket=2))
+    other_bytes = other.read_bytes()
+    assert cli("export", "--db", str(dbfile), "--out", str(other)) == 2
+    assert "is an SQLite database" in capsys.readouterr().err
+    assert dbfile.read_bytes() == before and other.read_bytes() == other_bytes
+    with TuningDB(dbfile, readonly=True) as db:
+        assert len(db.results()) == 3
+
+
+def test_db_help_is_plain_text_and_the_command_has_a_version():
+    out = subprocess.run([sys.executable, "-m", "autofp4", "db", "--help"], capture_output=True, text=True,
+                         cwd=REPO, check=True).stdout
+    assert "Inspect, export, import" in out and "``" not in out
+    v = subprocess.run([sys.executable, "-m", "autofp4", "--version"], capture_output=True, text=True, cwd=REPO)
+    import autofp4
+
+    assert v.returncode == 0 and v.stdout.strip() == f"autofp4 {autofp4.__version__}"

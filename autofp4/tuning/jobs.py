@@ -104,17 +104,18 @@ class TuneReport:
         return sum(r.trials_failed for r in self.results)
 
     def table(self) -> str:
-        """A fixed-width summary table (shape, N, K, E, topk, M, winner, times, speedup), then the
+        """A fixed-width summary table (name, op, fmt, dtype, N, K, E, topk, M, winner, times, speedup), then the
         note of every job that has one (what cut it short, why the default stayed, ...; the
         already tuned jobs aside)."""
-        head = ("shape", "op", "N", "K", "E", "topk", "M", "status", "winner", "us", "default us", "speedup", "trials", "failed")
+        head = ("name", "op", "fmt", "dtype", "N", "K", "E", "topk", "M", "status", "winner", "us", "default us", "speedup",
+                "trials", "failed")
         rows = [head]
         for r in self.results:
             k = r.job.key
             cfg = json.dumps(r.config, sort_keys=True, separators=(",", ":")) if r.config else ""
             winner = f"{r.backend} {cfg}".strip()
             rows.append((
-                r.job.name or "-", k.op, str(k.n), str(k.k),
+                r.job.name or "-", k.op, k.fmt, k.dtype, str(k.n), str(k.k),
                 str(k.experts) if k.op == "moe" else "-", str(k.topk) if k.op == "moe" else "-",
                 str(r.job.m), r.status, winner or "-",
                 _fmt_us(r.median_us), _fmt_us(r.default_us),
@@ -123,7 +124,7 @@ class TuneReport:
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         lines = []
         for j, row in enumerate(rows):
-            cells = [c.ljust(w) if i in (0, 1, 7, 8) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+            cells = [c.ljust(w) if i in (0, 1, 2, 3, 9, 10) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
             lines.append("  ".join(cells).rstrip())
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths))

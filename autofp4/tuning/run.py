@@ -433,7 +433,7 @@ def misses_jobs(misses_path: str | os.PathLike | None = None) -> list[Job]:
         counts[(key, m)] = counts.get((key, m), 0) + c
         if g:
             eg.setdefault((key, m), g)
-    return [Job(k, m, f"{c} calls", experts_global=eg.get((k, m), 0))
+    return [Job(k, m, f"{c} missed calls", experts_global=eg.get((k, m), 0))
             for (k, m), c in sorted(counts.items(), key=lambda kv: -kv[1])]
 
 
