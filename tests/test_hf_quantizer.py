@@ -70,3 +70,21 @@ def test_auto_model_fuses_projections_stored_with_shared_scales(tmp_path):
     plain = autofp4.from_pretrained(tmp_path / "c", dtype=torch.bfloat16, fuse=False)
     a, b = _logits(model, cfg.vocab_size), _logits(plain, cfg.vocab_size)
     assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2), (a - b).abs().max()
+
+
+def test_transformers_config_right_after_import_registers_without_a_warning(tmp_path):
+    """``autofp4.transformers_config`` as the first call after ``import autofp4`` (transformers'
+    quantizer tables are first loaded by autofp4's own quantizer module) warns nothing and leaves
+    both names registered."""
+    from pathlib import Path
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "quantization_config": '
+                                          '{"quant_method": "modelopt", "quant_algo": "NVFP4"}}')
+    code = ("import autofp4; c = autofp4.transformers_config(%r); "
+            "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as M; "
+            "print('autofp4' in M, 'modelopt' in M, c.quantization_config['quant_method'])" % str(tmp_path))
+    r = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    assert "could not register" not in r.stderr
+    assert r.stdout.split() == ["True", "True", "autofp4"]

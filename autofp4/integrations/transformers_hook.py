@@ -23,7 +23,13 @@ def register_transformers() -> None:
     hf_quantizer.register()
 
 
+_QUANTIZER = "autofp4.integrations.hf_quantizer"
+
+
 def _register_quietly() -> None:
+    mod = sys.modules.get(_QUANTIZER)
+    if mod is not None and not hasattr(mod, "register"):
+        return  # transformers' tables were loaded by that module's own import, which registers at its end
     try:
         register_transformers()
     except Exception as e:  # an incompatible transformers must not break its own import
