@@ -38,10 +38,14 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def _m_list(text: str) -> list[int]:
+    """``--m``: token counts, each rounded up to the M bucket whose calls it serves (see
+    :func:`autofp4.problem.standard_bucket`), in order, without repeats."""
+    from .problem import standard_bucket
+
     vals = _int_list(text, "--m")
     if any(v < 1 for v in vals):
         raise argparse.ArgumentTypeError(f"--m values must be >= 1, got {text!r}")
-    return vals
+    return list(dict.fromkeys(standard_bucket(v) for v in vals))
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -120,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--fmt", choices=FORMATS, default="nvfp4")
     t.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     t.add_argument("--m", type=_m_list, metavar="M1,M2,...",
-                   help="M buckets (token counts); default 1..8192 (powers of two) on the GPU, 1,16,128 on the CPU")
+                   help="M buckets (token counts, each rounded up to its power-of-two bucket, at most 8192); "
+                        "default 1..8192 on the GPU, 1,16,128 on the CPU")
     t.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
     t.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
     t.add_argument("--layout", choices=LAYOUTS, default="vllm", help=_LAYOUT_HELP)

@@ -18,6 +18,7 @@ __all__ = [
     "DTYPES",
     "BLOCK_SIZE",
     "DEFAULT_M_BUCKETS",
+    "standard_bucket",
     "ProblemKey",
     "dtype_name",
     "bucket_for",
@@ -53,6 +54,13 @@ def bucket_for(m: int, buckets: Sequence[int] = DEFAULT_M_BUCKETS) -> int:
         raise ValueError("bucket_for needs at least one bucket, got none")
     i = bisect_left(buckets, m)
     return buckets[i] if i < len(buckets) else buckets[-1]
+
+
+def standard_bucket(m: int) -> int:
+    """The M bucket whose calls ``m`` tokens fall in: the power of two at or above ``m``, at most
+    8192 (``bucket_for(m, DEFAULT_M_BUCKETS)``). The tuner tunes at these buckets (a requested M
+    is rounded up to its bucket), and the dispatcher counts misses by them."""
+    return bucket_for(int(m), DEFAULT_M_BUCKETS)
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,29 @@ def test_dry_run(tiny, tmp_path):
     assert not db.exists()
 
 
+def test_m_values_round_up_to_the_buckets_their_calls_use(tiny, tmp_path):
+    """``--m 3`` tunes bucket 4, the bucket the dispatcher files a call at M = 3 or 4 under:
+    the row then serves both (no misses); beyond 8192, the 8192 bucket (it serves every larger M)."""
+    from autofp4.problem import ProblemKey
+
+    rc, out, _ = run(["tune", "--model", tiny, "--dry-run", "--m", "3,5,4,10000", "--device", "cpu"])
+    assert rc == 0 and "x 3 M buckets (4,8,8192)" in out
+    db = tmp_path / "t.db"
+    rc, out, err = run(["tune", "--model", tiny, "--db", db, "--no-progress", "--device", "cpu", "--m", "3",
+                        "--time-budget", "60"])
+    assert rc == 0, out + err
+    with TuningDB(db) as t:
+        recs = t.results(_env_key())
+    assert recs and {r.m_bucket for r in recs} == {4}
+    key = recs[0].problem_key()
+    assert isinstance(key, ProblemKey)
+    env = current_environment(CPU)
+    d = Dispatcher(CPU, load_layers(env, user_path=db), env=env)
+    for m in (3, 4):
+        assert d.resolve_entry(key, m)[3] is None, m  # a tuned pick: no miss
+    assert d.resolve_entry(key, 5)[3] is not None  # bucket 8: untuned
+
+
 def test_bad_inputs_exit_2(tmp_path, tiny):
     bad_arch = tmp_path / "c.json"
     bad_arch.write_text(json.dumps({**TINY, "model_type": "not-a-model"}))

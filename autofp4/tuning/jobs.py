@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..backends.base import Backend
-from ..problem import ProblemKey
+from ..problem import ProblemKey, standard_bucket
 
 #: M buckets tuned on the CPU (the reference backend; the CPU is a fallback, not a target).
 CPU_M_BUCKETS: tuple[int, ...] = (1, 16, 128)
@@ -144,7 +144,9 @@ def _fmt_us(v: float | None) -> str:
 def jobs_for(
     shapes: Iterable[Any], m_buckets: Sequence[int], fmt: str = "nvfp4", dtype: str = "bfloat16"
 ) -> list[Job]:
-    """One :class:`Job` per (shape, M bucket); shapes are ModelShapes or ProblemKeys."""
+    """One :class:`Job` per (shape, M bucket); shapes are ModelShapes or ProblemKeys. Each M is
+    rounded up to its standard bucket (:func:`~autofp4.problem.standard_bucket`: the bucket whose
+    calls it serves), so ``m_buckets=[3]`` tunes bucket 4, which serves M = 3 and 4."""
     out: list[Job] = []
     seen: set[tuple[ProblemKey, int]] = set()
     for s in shapes:
@@ -155,9 +157,10 @@ def jobs_for(
         else:
             raise TypeError(f"expected a ModelShape or a ProblemKey, got {type(s).__name__}")
         for m in m_buckets:
+            m = standard_bucket(m)
             if (key, m) not in seen:
                 seen.add((key, m))
-                out.append(Job(key, int(m), name, eg))
+                out.append(Job(key, m, name, eg))
     return out
 
 
