@@ -182,21 +182,79 @@ def _print_report(rep: MergeReport, out: TextIO) -> None:
 # --------------------------------------------------------------------------------------
 # sub-commands
 # --------------------------------------------------------------------------------------
+def _is_export(path: Path) -> bool:
+    """Whether ``path`` is a file that reads as an export (JSON: its first non-blank byte ``{``),
+    not a database."""
+    try:
+        if not path.is_file():
+            return False
+        with path.open("rb") as f:
+            head = f.read(4096).lstrip()
+    except OSError:
+        return False
+    return head[:1] == b"{"
+
+
+def _export_results(path: Path, env_key: str | None, filters: dict[str, Any]) -> list[TuningRecord]:
+    """The results of the export at ``path`` (of ``env_key``, or all) that match ``filters``."""
+    from .db import read_export
+
+    doc = read_export(path)
+    recs = [r.to_record(doc.environments[r.env_key]) for r in doc.records if env_key in (None, r.env_key)]
+    return [r for r in recs if all(getattr(r, f) == v for f, v in filters.items())]
+
+
+def _layers(args: argparse.Namespace, env_key: str | None) -> list[tuple[str, list[TuningRecord]]]:
+    """``(label, results)`` of what ``list`` reads: the file of ``--db`` (a database or an
+    export), else every layer the dispatcher reads, in its order (the user database, then each
+    shipped export)."""
+    from .db import shipped_db_dir
+
+    filters = _filters(args)
+    if getattr(args, "db", None):
+        path = _db_path(args)
+        if _is_export(path):
+            return [(str(path), _export_results(path, env_key, filters))]
+        with _open(args, write=False) as db:
+            return [(str(path), db.results(env_key, **filters))]
+    out = []
+    user = default_db_path()
+    if user.is_file():
+        with TuningDB(user, readonly=True) as db:
+            out.append(("user", db.results(env_key, **filters)))
+    shipped = shipped_db_dir()
+    for f in sorted(shipped.glob("*.json")) if shipped.is_dir() else []:
+        out.append((f.name, _export_results(f, env_key, filters)))
+    return out
+
+
 def _cmd_list(args: argparse.Namespace, out: TextIO) -> int:
-    with _open(args, write=False) as db:
-        recs = db.results(_env_key(args.env), **_filters(args))
-    _table(_result_rows(recs), RESULT_HEADER, out)
-    print(f"{len(recs)} results", file=out)
+    layers = _layers(args, _env_key(args.env))
+    if getattr(args, "db", None):
+        recs = layers[0][1]
+        _table(_result_rows(recs), RESULT_HEADER, out)
+        print(f"{len(recs)} results", file=out)
+        return 0
+    # every layer the dispatcher reads: where a key is in several, the first one's row runs
+    rows = [[label, *row] for label, recs in layers for row in _result_rows(recs)]
+    _table(rows, ["layer", *RESULT_HEADER], out)
+    names = ", ".join(f"{label} ({len(recs)})" for label, recs in layers) or "none"
+    print(f"{len(rows)} results in {len(layers)} layers, in the order the dispatcher reads them: {names}",
+          file=out)
     return 0
 
 
 def _cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     filters = _filters(args)
     env_key = _env_key(args.env)
-    with _open(args, write=False) as db:
-        recs = db.results(env_key, **filters)
-        trials = db.trials(env_key, **filters)
-        envs = db.environments()
+    path = _db_path(args)
+    if _is_export(path):  # an export: results, no trials
+        recs, trials, envs = _export_results(path, env_key, filters), [], {}
+    else:
+        with _open(args, write=False) as db:
+            recs = db.results(env_key, **filters)
+            trials = db.trials(env_key, **filters)
+            envs = db.environments()
     if not recs and not trials:
         print("no results or trials match", file=out)
         return 1

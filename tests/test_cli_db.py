@@ -209,3 +209,29 @@ def test_db_help_is_plain_text_and_the_command_has_a_version():
     import autofp4
 
     assert v.returncode == 0 and v.stdout.strip() == f"autofp4 {autofp4.__version__}"
+
+
+def test_list_and_show_read_exports_and_every_layer(dbfile, tmp_path, capsys, monkeypatch):
+    """``list`` / ``show`` take an export as ``--db`` too; ``list`` without ``--db`` lists every
+    layer the dispatcher reads (the user database, then each shipped export), in that order."""
+    export = tmp_path / "shipped" / "gpu.json"
+    export.parent.mkdir()
+    assert cli("export", "--db", str(dbfile), "--out", str(export)) == 0
+    capsys.readouterr()
+    assert cli("list", "--db", str(export), "--op", "linear") == 0
+    out = capsys.readouterr().out
+    assert "2 results" in out and "moe" not in out and "10.00" in out
+    assert cli("show", "--db", str(export), "--op", "linear", "--m", "1") == 0
+    out = capsys.readouterr().out
+    assert '{"chunk_n":1024}' in out and "trials" not in out
+    user = tmp_path / "user.db"
+    with TuningDB(user) as db:
+        db.upsert_result(rec(m_bucket=128, median_us=5.0))
+    monkeypatch.setenv("AUTOFP4_DB", str(user))
+    monkeypatch.setenv("AUTOFP4_SHIPPED_DB", str(export.parent))
+    assert cli("list") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:2] == ["layer", "op"]
+    layers = [line.split()[0] for line in lines[1:-1]]
+    assert layers == ["user"] + ["gpu.json"] * 3
+    assert "4 results in 2 layers" in lines[-1] and "user (1), gpu.json (3)" in lines[-1]

@@ -956,8 +956,8 @@ def classify_db_case(case: Case, d: Path) -> list[Outcome]:
             outcomes.append(Outcome("crashed", f"{argv[0]}: {type(e).__name__}: {str(e)[:200]}"))
             continue
         if rc in (0, 1) and (case.expect == "either" or case.name == "an export named .db"
-                             and argv[0] in ("merge", "diff")):
-            outcomes.append(Outcome("imported"))  # an export is a valid other side, whatever its name
+                             and argv[0] in ("list", "show", "merge", "diff")):
+            outcomes.append(Outcome("imported"))  # an export is valid input there, whatever its name
             continue
         o = judge_cli(rc, err, (str(path), *case.needles))
         outcomes.append(dataclasses.replace(o, detail=f"{argv[0]}: {o.detail}"))
