@@ -12,7 +12,7 @@ import os as _os
 __version__ = "0.1.0"
 
 from .weights import FP4Weight, dequantize, quantize  # noqa: E402
-from .ops import linear, moe, route  # noqa: E402
+from .ops import explain, linear, moe, route  # noqa: E402
 from .dispatch import get_dispatcher, set_db  # noqa: E402
 from .nn import FP4FusedLinear, FP4Linear, FP4LinearPart, quantize_model  # noqa: E402
 from .pdl import pdl_enabled, set_pdl  # noqa: E402
@@ -32,6 +32,7 @@ __all__ = [
     "linear",
     "moe",
     "route",
+    "explain",
     "quantize_model",
     "set_db",
     "get_dispatcher",
@@ -43,6 +44,11 @@ __all__ = [
     "register_transformers",
     "transformers_config",
 ]
+
+if _os.environ.get("AUTOFP4_LOG"):  # what each problem's first call runs, on standard error
+    from .dispatch import log_from_env as _log_from_env
+
+    _log_from_env()
 
 if _os.environ.get("AUTOFP4_AUTOTUNE"):  # just-in-time tuning for code that cannot be edited
     from .tuning.jit import from_env as _autotune_from_env
@@ -69,3 +75,7 @@ def __getattr__(name: str):
 
         return transformers_config
     raise AttributeError(f"module 'autofp4' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -48,6 +48,18 @@ def _m_list(text: str) -> list[int]:
     return list(dict.fromkeys(standard_bucket(v) for v in vals))
 
 
+def _int_list_of(what: str, lo: int):
+    """An argparse type: comma-separated integers ``>= lo``."""
+
+    def parse(text: str) -> list[int]:
+        vals = _int_list(text, what)
+        if any(v < lo for v in vals):
+            raise argparse.ArgumentTypeError(f"{what} values must be >= {lo}, got {text!r}")
+        return vals
+
+    return parse
+
+
 def _gpu_list(text: str) -> list[int]:
     return _int_list(text, "--gpus")
 
@@ -116,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="autofp4", description="FP4 (NVFP4 / MXFP4) kernels tuned for the GPU you have."
     )
     parser.add_argument("--version", action="version", version=f"autofp4 {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{tune,db,info,cache}")
+    sub = parser.add_subparsers(dest="command", metavar="{tune,db,info,cache,explain}")
     sub.required = True
 
     t = sub.add_parser("tune", help="tune the GEMM / MoE shapes of a model on this GPU")
@@ -155,6 +167,24 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="device, environment, backends and tuning DB layers")
     i.add_argument("--db", metavar="PATH", help="tuning DB file")
     i.add_argument("--device", help="device to describe (default: cuda if available, else cpu)")
+
+    e = sub.add_parser("explain", help="what the calls of a model's shapes (or of one shape) run here, and why")
+    e.add_argument("--model", metavar="CONFIG", help="Hugging Face config.json (or its folder): every shape")
+    e.add_argument("--op", choices=OPS, default="linear", help="one shape's op (without --model)")
+    e.add_argument("--n", type=_positive_int, help="one shape: N (a MoE layer: 2 x intermediate)")
+    e.add_argument("--k", type=_positive_int, help="one shape: K (a MoE layer: hidden)")
+    e.add_argument("--experts", type=_positive_int, default=0, help="one MoE shape: experts")
+    e.add_argument("--topk", type=_positive_int, default=0, help="one MoE shape: experts per token")
+    e.add_argument("--fmt", choices=FORMATS, default="nvfp4")
+    e.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    e.add_argument("--m", type=_int_list_of("--m", 1), default=[1, 16, 2048], metavar="M1,M2,...",
+                   help="token counts (default 1,16,2048)")
+    e.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
+    e.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
+    e.add_argument("--layout", choices=LAYOUTS, default="vllm", help=_LAYOUT_HELP)
+    e.add_argument("--ops", type=_ops_list, metavar="OP,...", help="only these ops' shapes: linear, moe (default: both)")
+    e.add_argument("--db", metavar="PATH", help="tuning DB file (default: $AUTOFP4_DB or ~/.cache/autofp4/tuning.db)")
+    e.add_argument("--device", help="the device the calls run on (default: cuda if available, else cpu)")
 
     c = sub.add_parser("cache", help="the compiled-kernel cache: where it is and what it holds")
     c.add_argument("--clear", action="store_true", help="delete every cached kernel")
@@ -378,6 +408,39 @@ def _finish(report: Any, db_path: Path, out: TextIO) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# explain
+# --------------------------------------------------------------------------------------------
+def _cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
+    """``autofp4 explain``: what a call of each shape (a model's, or the one given) at each M
+    runs on the device, and why (the tuned row and its DB layer, or the default)."""
+    from . import dispatch
+    from .problem import ProblemKey
+
+    if args.db:
+        dispatch.set_db(args.db)
+    if args.model is not None:
+        if args.n is not None or args.k is not None:
+            raise _UsageError("give --model or one shape (--n, --k), not both")
+        keys = [(s.problem_key(args.fmt, args.dtype), s.name) for s in _model_shapes(args.model, args)]
+    else:
+        if args.n is None or args.k is None:
+            raise _UsageError("explain needs --model CONFIG, or one shape: --n N --k K (a MoE one also "
+                              "--op moe --experts E --topk K)")
+        try:
+            keys = [(ProblemKey(args.op, args.fmt, args.dtype, args.n, args.k, args.experts, args.topk), "")]
+        except ValueError as e:
+            raise _UsageError(str(e)) from None
+    try:
+        d = dispatch.get_dispatcher(args.device)
+    except (RuntimeError, ValueError) as e:
+        raise _UsageError(f"--device {args.device}: {e}") from None
+    for key, name in dict.fromkeys(keys):
+        for m in args.m:
+            print(f"{name + ': ' if name else ''}{d.explain(key, m)}", file=out)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # info
 # --------------------------------------------------------------------------------------------
 def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -533,6 +596,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
             return _cmd_info(args, out, err)
         if args.command == "cache":
             return _cmd_cache(args, out, err)
+        if args.command == "explain":
+            return _cmd_explain(args, out)
         if args.command == "db":
             from .cli_db import run_db
 

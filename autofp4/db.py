@@ -1401,6 +1401,35 @@ def _warn_skip(path: Path, e: BaseException) -> None:
     warnings.warn(f"skipping tuning layer {path}: {e}", TuningDBWarning, stacklevel=3)
 
 
+def layer_results(env: Environment, user_path: str | Path | None = None,
+                  problem: Any = None) -> list[tuple[str, list[TuningRecord]]]:
+    """``(layer, results of env)`` of each layer :func:`load_layers` reads, in its order: the
+    user DB (its path) and each shipped export (its path); unreadable layers are skipped with a
+    warning."""
+    key = env.key()
+    filters = {} if problem is None else {f: getattr(problem, f) for f in _PROBLEM_FIELDS}
+    layers: list[tuple[str, list[TuningRecord]]] = []
+    user = Path(user_path).expanduser() if user_path is not None else default_db_path()
+    if user.exists():
+        try:
+            with TuningDB(user) as db:
+                layers.append((str(user), db.results(key, **filters)))
+        except (TuningDBError, sqlite3.Error, OSError) as e:
+            _warn_skip(user, e)
+    shipped = shipped_db_dir()
+    try:
+        files = sorted(shipped.glob("*.json")) if shipped.is_dir() else []
+    except OSError as e:
+        _warn_skip(shipped, e)
+        files = []
+    for f in files:
+        try:
+            layers.append((str(f), _read_export_for_env(f, key, problem)))
+        except (TuningFileError, OSError) as e:
+            _warn_skip(f, e)
+    return layers
+
+
 def load_layers(env: Environment, user_path: str | Path | None = None, problem: Any = None) -> list[TuningRecord]:
     """Every result of ``env``: the user DB first, then each shipped ``tuning_db/*.json``.
 
@@ -1413,27 +1442,7 @@ def load_layers(env: Environment, user_path: str | Path | None = None, problem: 
     truncated file, invalid JSON or header) is skipped with a :class:`TuningDBWarning` naming
     the file; this function never raises for bad files.
     """
-    key = env.key()
-    filters = {} if problem is None else {f: getattr(problem, f) for f in _PROBLEM_FIELDS}
-    layers: list[list[TuningRecord]] = []
-    user = Path(user_path).expanduser() if user_path is not None else default_db_path()
-    if user.exists():
-        try:
-            with TuningDB(user) as db:
-                layers.append(db.results(key, **filters))
-        except (TuningDBError, sqlite3.Error, OSError) as e:
-            _warn_skip(user, e)
-    shipped = shipped_db_dir()
-    try:
-        files = sorted(shipped.glob("*.json")) if shipped.is_dir() else []
-    except OSError as e:
-        _warn_skip(shipped, e)
-        files = []
-    for f in files:
-        try:
-            layers.append(_read_export_for_env(f, key, problem))
-        except (TuningFileError, OSError) as e:
-            _warn_skip(f, e)
+    layers = [recs for _, recs in layer_results(env, user_path, problem)]
     seen: set[tuple] = set()
     out: list[TuningRecord] = []
     for layer in layers:

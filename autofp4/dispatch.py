@@ -40,10 +40,11 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import threading
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -57,6 +58,7 @@ __all__ = [
     "DEFAULT_M_BUCKETS",
     "bucket_for",
     "Dispatcher",
+    "Explanation",
     "get_dispatcher",
     "set_db",
     "reload",
@@ -129,6 +131,56 @@ def _key_dict(key: ProblemKey) -> dict[str, Any]:
 MissHook = Callable[["Dispatcher", tuple[ProblemKey, int]], "Dispatcher | None"]
 
 
+_LOG = logging.getLogger("autofp4")
+
+
+def log_from_env() -> None:
+    """``AUTOFP4_LOG=info|debug``: the ``autofp4`` logger at that level, on standard error (info:
+    what the first call of each problem and M bucket runs, and why; debug: of each M too). Any
+    other value warns and changes nothing."""
+    level = os.environ.get("AUTOFP4_LOG", "").strip().upper()
+    if level in ("", "0", "OFF"):
+        return
+    if level not in ("INFO", "DEBUG"):
+        warnings.warn(f"autofp4: AUTOFP4_LOG={level.lower()!r} ignored: use info or debug", RuntimeWarning,
+                      stacklevel=2)
+        return
+    if not any(getattr(h, "_autofp4", False) for h in _LOG.handlers):
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        h._autofp4 = True  # type: ignore[attr-defined]
+        _LOG.addHandler(h)
+    _LOG.setLevel(level)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What a call of ``key`` with ``m`` tokens runs, and why (:meth:`Dispatcher.explain`)."""
+
+    key: ProblemKey
+    m: int
+    bucket: int  # the call's M bucket (the power of two at or above m, at most 8192)
+    backend: str
+    config: Any
+    tuned: bool  # a tuned row runs it (else the backend's default for m)
+    row_bucket: int | None  # the M bucket of the tuned row that runs it
+    why: str
+    layer: str | None = None  # the DB layer that row came from, where the dispatcher knows it
+
+    def __str__(self) -> str:
+        k = self.key
+        moe = f" E={k.experts} topk={k.topk}" if k.op == "moe" else ""
+        cfg = json.dumps(_config_dict(self.config), sort_keys=True, separators=(",", ":"))
+        return (f"{k.op} {k.fmt} {k.dtype} N={k.n} K={k.k}{moe} M={self.m} (bucket {self.bucket}): "
+                f"{self.backend} {cfg}\n  {self.why}" + (f"\n  from {self.layer}" if self.layer else ""))
+
+
+def _config_dict(cfg: Any) -> dict[str, Any]:
+    tag = getattr(type(cfg), "kernel", None)
+    d = asdict(cfg) if hasattr(cfg, "__dataclass_fields__") else dict(cfg)
+    return {"kernel": tag, **d} if isinstance(tag, str) else d
+
+
 class Dispatcher:
     """Tuned rows of one device in memory, plus the runner cache and the miss counter.
 
@@ -174,6 +226,9 @@ class Dispatcher:
         self.other_env_rows = 0
         self.stale_rows = 0
         self._rows_for = rows_for
+        #: ``key -> [(layer, rows)]`` of the DB layers (for :meth:`explain`); None: unknown
+        self.layers_for: Callable[[ProblemKey], list[tuple[str, list[Any]]]] | None = None
+        self._logged: set[tuple[ProblemKey, int]] = set()  # (problem, M bucket)s logged (AUTOFP4_LOG)
         self._asked: set[ProblemKey] = set()  # the problems rows_for was asked about
         self._load_lock = threading.Lock()
         #: called on every miss (see :func:`set_miss_hook`); None: misses are only counted
@@ -307,6 +362,37 @@ class Dispatcher:
         backend, cfg, _ = self._pick(key, m)
         return backend, cfg
 
+    def _log_pick(self, key: ProblemKey, m: int) -> None:
+        """Log what a first call runs: at INFO the first of each (problem, M bucket), at DEBUG
+        the first of each M."""
+        first = (key, bucket_for(m, DEFAULT_M_BUCKETS)) not in self._logged
+        if first or _LOG.isEnabledFor(logging.DEBUG):
+            self._logged.add((key, bucket_for(m, DEFAULT_M_BUCKETS)))
+            _LOG.log(logging.INFO if first else logging.DEBUG, "%s on %s",
+                     str(self.explain(key, m)).replace("\n  ", "; "), self.device)
+
+    def explain(self, key: ProblemKey, m: int) -> Explanation:
+        """What a call of ``key`` with ``m`` tokens runs and why (counts no miss, compiles nothing)."""
+        std = bucket_for(m, DEFAULT_M_BUCKETS)
+        backend, cfg, miss = self._pick(key, m)
+        entry = self._entry(key)
+        if not miss:
+            b = bucket_for(m, entry[0])
+            layer = None
+            if self.layers_for is not None:
+                layer = next((label for label, recs in self.layers_for(key)
+                              if any(r.m_bucket == b and r.backend == backend.name for r in recs)), None)
+            return Explanation(key, m, std, backend.name, cfg, True, b, f"the tuned row of M bucket {b}", layer)
+        if entry is not None:
+            why = (f"tuned rows (M buckets {', '.join(map(str, entry[0]))}) serve other token counts: "
+                   f"the {backend.name} default for M = {m}")
+        else:
+            why = f"no tuned row for this problem here: the {backend.name} default for M = {m}"
+            if self.stale_rows or self.other_env_rows:
+                why += (f" (rows read but not used: {self.stale_rows} of an older kernel, "
+                        f"{self.other_env_rows} of another environment)")
+        return Explanation(key, m, std, backend.name, cfg, False, None, why)
+
     def runner(self, backend: Backend, config: BackendConfig, key: ProblemKey) -> Runner:
         """The compiled runner for ``(backend, config, key)``; compiled once, reused for all M."""
         ck = (backend.name, config, key)
@@ -332,6 +418,8 @@ class Dispatcher:
         hit = self._memo.get((key, m))
         if hit is None:
             backend, cfg, miss = self._pick(key, m)
+            if _LOG.isEnabledFor(logging.INFO):
+                self._log_pick(key, m)
             runner = self.runner(backend, cfg, key)
             miss_key = (key, bucket_for(m, DEFAULT_M_BUCKETS)) if miss else None
             hit = (backend, cfg, runner, miss_key)
@@ -488,17 +576,20 @@ def _register_pending(d: Dispatcher) -> None:
             _ATEXIT = True
 
 
-def get_dispatcher(device: torch.device | str | int) -> Dispatcher:
-    """The process-wide :class:`Dispatcher` of ``device`` (built on first use; it reads a problem's
-    rows from the DB layers, :func:`autofp4.db.load_layers`, the first time it is asked about it)."""
+def get_dispatcher(device: torch.device | str | int | None = None) -> Dispatcher:
+    """The process-wide :class:`Dispatcher` of ``device`` (default: the current CUDA device, else
+    the CPU; built on first use; it reads a problem's rows from the DB layers,
+    :func:`autofp4.db.load_layers`, the first time it is asked about it)."""
     d = _DISPATCHERS.get(device)  # fast path: tensors' devices carry an index
     if d is not None:
         return d
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     dev = _norm_device(device)
     with _STATE_LOCK:
         d = _DISPATCHERS.get(dev)
         if d is None:
-            from .db import load_layers
+            from .db import layer_results, load_layers
             from .env import current_environment
 
             env = current_environment(dev)
@@ -508,6 +599,7 @@ def get_dispatcher(device: torch.device | str | int) -> Dispatcher:
                 return load_layers(env, user_path=db_path, problem=key)
 
             d = Dispatcher(dev, env=env, misses_file=db_path.with_suffix(".misses.json"), rows_for=rows_for)
+            d.layers_for = lambda key, env=env, db_path=db_path: layer_results(env, user_path=db_path, problem=key)
             d.on_miss = _MISS_HOOK
             _DISPATCHERS[dev] = d
     if isinstance(device, torch.device) and device == dev:

@@ -19,7 +19,7 @@ from .kernels._moe_act import ACTIVATIONS
 from .problem import ProblemKey, dtype_name
 from .weights import FP4Weight, _describe, _values_readable
 
-__all__ = ["linear", "moe", "route"]
+__all__ = ["explain", "linear", "moe", "route"]
 
 # (data_ptr of the packed values, data_ptr of the scales, fmt, shape) -> FP4Weight (weak)
 _WEIGHTS: "weakref.WeakValueDictionary[tuple, FP4Weight]" = weakref.WeakValueDictionary()
@@ -475,6 +475,25 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True, *, 
     if w.numel() and not torch.compiler.is_compiling() and _values_readable(w) and bool(torch.isnan(w).any()):
         _raise_bad_logits(router_logits, w)
     return w, ids
+
+
+def explain(x: torch.Tensor, w: FP4Weight, *, top_k: Optional[int] = None):
+    """What ``linear(x, w)`` (a 2-D ``w``) or ``moe(x, w13=w, ...)`` with ``top_k`` experts per
+    token (a stacked ``w``) would run on x's device, and why: an
+    :class:`~autofp4.dispatch.Explanation` (backend, config, tuned row or default, the DB layer
+    of the row); ``print`` it. Counts no miss and compiles nothing."""
+    if not isinstance(w, FP4Weight):
+        raise TypeError(f"explain: w must be an FP4Weight, got {_describe(w)}")
+    _check_act(x, w, "explain")
+    m = x.numel() // w.k
+    if w.experts:
+        k = router.as_int(top_k)
+        if k is None or not 0 < k <= w.experts:
+            raise ValueError(f"explain: a stacked MoE weight needs top_k in [1, E={w.experts}], got {top_k!r}")
+        key = _problem_key(w, "moe", x.dtype, k)
+    else:
+        key = _problem_key(w, "linear", x.dtype)
+    return get_dispatcher(x.device).explain(key, max(m, 1))
 
 
 def _check_logits(router_logits, what: str) -> None:

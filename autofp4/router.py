@@ -52,7 +52,7 @@ class RouterSpec:
     def checked(cls, experts: int, top_k, scoring="softmax", renormalize=True, n_group=1, topk_group=1,
                 scale=1.0, what: str = "route") -> "RouterSpec":
         """The spec for logits over ``experts`` experts; TypeError/ValueError naming the argument."""
-        k = _as_int(top_k)
+        k = as_int(top_k)
         if k is None:
             raise TypeError(f"{what}: top_k must be an int, got {type(top_k).__name__}")
         if not 0 < k <= experts:
@@ -61,7 +61,7 @@ class RouterSpec:
             raise ValueError(f"{what}: scoring must be one of {SCORINGS}, got {scoring!r}")
         if not isinstance(renormalize, bool):
             raise TypeError(f"{what}: renormalize must be True or False, got {renormalize!r}")
-        g, tg = _as_int(n_group), _as_int(topk_group)
+        g, tg = as_int(n_group), as_int(topk_group)
         if g is None or tg is None:
             raise TypeError(f"{what}: n_group and topk_group must be ints, got {n_group!r} and {topk_group!r}")
         if g < 1 or experts % g or (g > 1 and experts // g < 2):
@@ -77,7 +77,8 @@ class RouterSpec:
         return cls(k, scoring, renormalize, g, tg, float(scale))
 
 
-def _as_int(v) -> Optional[int]:
+def as_int(v) -> Optional[int]:
+    """``v`` as an int where it is an integer (not a bool), else None."""
     if isinstance(v, bool):
         return None
     try:

@@ -127,7 +127,10 @@ def test_blocking_first_call_stores_a_row_and_the_second_call_is_a_tuned_hit(_ow
         assert (rep["n"], rep["k"], rep["m"], rep["status"], rep["backend"]) == (KEY.n, KEY.k, 4, "tuned", "reference")
         assert rep["config"] == row.config and rep["median_us"] == pytest.approx(row.median_us)
         assert rep["trials_run"] >= 1 and 0 < rep["wall_s"] < 120
-    assert autofp4.autotune.jobs() == []  # none in effect
+    assert autofp4.autotune.jobs() == [rep]  # after the block: the jobs it finished
+    with autofp4.autotune(mode="blocking", ops=()):
+        assert autofp4.autotune.jobs() == []  # a new block: none finished yet
+    assert autofp4.autotune.jobs() == []
     assert _rel_err(y, x, w) < 1e-2 and torch.equal(y, y2)
     with TuningDB(_own_db) as db:
         trials = db.trials(current_environment(CPU).key())

@@ -166,6 +166,8 @@ class _Scope:
 
 
 _STACK: list[_Scope] = []
+#: the jobs the last ``with autotune()`` block to end finished (``autotune.jobs()`` after it)
+_LAST_REPORTS: list[dict[str, Any]] = []
 _STACK_LOCK = threading.Lock()
 
 
@@ -240,6 +242,8 @@ class autotune:
         finally:
             _pop(s)
             s.close()
+            global _LAST_REPORTS
+            _LAST_REPORTS = s.reports()
 
     @staticmethod
     def pending() -> int:
@@ -249,12 +253,13 @@ class autotune:
 
     @staticmethod
     def jobs() -> list[dict[str, Any]]:
-        """The jobs finished so far under the autotuning in effect, in the order they finished:
-        the problem (op, fmt, dtype, n, k, ...), ``m``, ``status``, the pick (``backend``,
-        ``config``, ``median_us`` against ``default_us``), ``trials_run`` / ``trials_failed``,
-        ``note``, and ``wall_s``: the job's time in the worker (its queueing left out)."""
+        """The jobs finished so far under the autotuning in effect (after a ``with autotune()``
+        block: the jobs that block finished), in the order they finished: the problem (op, fmt,
+        dtype, n, k, ...), ``m``, ``status``, the pick (``backend``, ``config``, ``median_us``
+        against ``default_us``), ``trials_run`` / ``trials_failed``, ``note``, and ``wall_s``: the
+        job's time in the worker (its queueing left out)."""
         s = active()
-        return [] if s is None else s.reports()
+        return list(_LAST_REPORTS) if s is None else s.reports()
 
     @staticmethod
     def wait(timeout: float | None = None) -> bool:
