@@ -325,3 +325,40 @@ def test_projections_stored_with_shared_scales_load_fused_and_exact(tmp_path, la
     _write(tmp_path / "i", cfg, tensors, layout, False)  # every layer its own scales: nothing to fuse exactly
     separate = autofp4.from_pretrained(tmp_path / "i", dtype=torch.bfloat16)
     assert not any(isinstance(m, (FP4FusedLinear, FP4LinearPart)) for m in separate.modules())
+
+
+def test_modelopt_variants_a_config_that_disagrees_and_a_missing_scale(tmp_path):
+    """A ``W4A16_NVFP4`` ModelOpt checkpoint loads (the same weights; Hopper runs every NVFP4
+    checkpoint W4A16); config.json's quantization_config disagreeing with hf_quant_config.json is
+    warned about (the latter is used); a weight stored packed without its ``weight_scale`` is
+    named as such."""
+    import warnings
+
+    from safetensors import torch as safetensors_torch
+
+    cfg = _config()
+    tensors = _random_tensors(cfg, int(torch.randint(0, 2**30, ()).item()))
+    path = tmp_path / "ckpt"
+    written, _ = _write(path, cfg, tensors, "modelopt-hf", False)
+    hf = path / "hf_quant_config.json"
+    doc = json.loads(hf.read_text())
+    doc["quantization"]["quant_algo"] = "W4A16_NVFP4"
+    hf.write_text(json.dumps(doc))
+    model = autofp4.from_pretrained(path, device_map=None, dtype=torch.bfloat16)
+    assert {n for n, m in model.named_modules() if isinstance(m, FP4Linear)} == set(written)
+    conf = json.loads((path / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "exclude_modules": ["lm_head"]}
+    (path / "config.json").write_text(json.dumps(conf))
+    with pytest.warns(UserWarning, match="hf_quant_config.json differ.*hf_quant_config.json is used"):
+        autofp4.from_pretrained(path, device_map=None, dtype=torch.bfloat16)
+    conf.pop("quantization_config")
+    (path / "config.json").write_text(json.dumps(conf))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # agreeing (or absent) configs: nothing to say
+        autofp4.from_pretrained(path, device_map=None, dtype=torch.bfloat16)
+    victim = sorted(written)[0]
+    stored = safetensors_torch.load_file(str(path / "model.safetensors"))
+    del stored[f"{victim}.weight_scale"]
+    safetensors_torch.save_file(stored, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{victim}\.weight'.*is stored packed.*{victim}\.weight_scale' is missing"):
+        autofp4.from_pretrained(path, device_map=None, dtype=torch.bfloat16)

@@ -13,6 +13,9 @@ from autofp4.backends import sm90_heuristics as H  # noqa: E402
 from autofp4.kernels import _fp4_bits as fp4_bits  # noqa: E402
 from autofp4.weights import FP4Weight  # noqa: E402
 
+# compiles CuTeDSL kernels on the CPU (minutes on 2 cores): not in the quick subset
+pytestmark = pytest.mark.compile
+
 LLAMA = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]
 
 

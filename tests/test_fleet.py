@@ -20,6 +20,9 @@ from autofp4.tuning import Job, tune_on_devices
 from autofp4.tuning.fleet import _merge, compile_workers_per_device
 from autofp4.tuning.jobs import JobResult
 
+# tuning processes and servers: not in the quick subset
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = [(256, 128), (128, 256), (384, 128)]
 MS = (1, 2, 4)
@@ -150,7 +153,7 @@ def storage_url(request, tmp_path):
         return
     base = os.environ.get("AUTOFP4_TEST_PG_URL")
     if not base:
-        pytest.skip("AUTOFP4_TEST_PG_URL is not set (.ci/run starts a PostgreSQL server and sets it)")
+        pytest.skip("needs a PostgreSQL server: set AUTOFP4_TEST_PG_URL=postgresql+psycopg2://USER@HOST:PORT/DB")
     import uuid
 
     import sqlalchemy as sa

@@ -10,6 +10,9 @@ pytest.importorskip("cutlass")
 from autofp4 import kernel_cache  # noqa: E402
 from autofp4.kernels import w4a16_decode as D  # noqa: E402
 
+# compiles CuTeDSL kernels on the CPU (minutes on 2 cores): not in the quick subset
+pytestmark = pytest.mark.compile
+
 N, K = 256, 1024
 
 

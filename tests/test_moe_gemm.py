@@ -24,6 +24,9 @@ from moe_cases import MODELS, experts as _experts, replays, routing  # noqa: E40
 G = pytest.importorskip("autofp4.kernels.sm90_moe_gemm")
 from autofp4.kernels import sm90_w4a16_gemm as D  # noqa: E402
 
+# compiles CuTeDSL kernels on the CPU (minutes on 2 cores): not in the quick subset
+pytestmark = pytest.mark.compile
+
 SEED = int.from_bytes(os.urandom(4), "little")
 
 

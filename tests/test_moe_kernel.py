@@ -25,6 +25,9 @@ from moe_cases import MODELS, experts as _experts, replays, routing as _routing 
 M = pytest.importorskip("autofp4.kernels.w4a16_moe")
 from autofp4.kernels import w4a16_decode as D  # noqa: E402
 
+# compiles CuTeDSL kernels on the CPU (minutes on 2 cores): not in the quick subset
+pytestmark = pytest.mark.compile
+
 SEED = int.from_bytes(os.urandom(4), "little")
 
 

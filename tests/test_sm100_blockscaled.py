@@ -18,6 +18,9 @@ from autofp4.kernels import fp4_act_quant as Q
 from autofp4.kernels import sm100_blockscaled_gemm as G
 from autofp4.problem import ProblemKey
 
+# compiles CuTeDSL kernels on the CPU (minutes on 2 cores): not in the quick subset
+pytestmark = pytest.mark.compile
+
 cute_available = importlib.util.find_spec("cutlass") is not None
 needs_cute = pytest.mark.skipif(not cute_available, reason="needs nvidia-cutlass-dsl")
 Cfg = G.Sm100BlockScaledConfig

@@ -19,6 +19,9 @@ from autofp4.backends.sm90_heuristics import DECODE_MAX_M  # noqa: E402
 from autofp4.kernels.sm90_w4a16_gemm import Sm90GemmConfig  # noqa: E402
 from autofp4.kernels.w4a16_decode import DecodeConfig  # noqa: E402
 
+# compiles CuTeDSL kernels on the CPU (minutes on 2 cores): not in the quick subset
+pytestmark = pytest.mark.compile
+
 LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 

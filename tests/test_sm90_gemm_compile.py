@@ -14,6 +14,9 @@ from autofp4.backends import sm90_heuristics as H  # noqa: E402
 from autofp4.kernels import sm90_w4a16_gemm as g  # noqa: E402
 from autofp4.kernels import _fp4_bits as fp4_bits  # noqa: E402
 
+# compiles CuTeDSL kernels on the CPU (minutes on 2 cores): not in the quick subset
+pytestmark = pytest.mark.compile
+
 cute_available = True
 try:  # the compile tests need nvidia-cutlass-dsl
     import cutlass  # noqa: F401

@@ -6,7 +6,7 @@ A checkpoint is a directory with ``config.json`` and safetensors files (one file
 or shards listed in ``model.safetensors.index.json``). Two layouts are read, per quantized linear
 ``<name>``:
 
-ModelOpt NVFP4 (``hf_quant_config.json`` ``{"quantization": {"quant_algo": "NVFP4", "exclude_modules": [...]}}``,
+ModelOpt NVFP4 (``hf_quant_config.json`` ``{"quantization": {"quant_algo": "NVFP4", "exclude_modules": [...]}}``, or ``W4A16_NVFP4``,
 or ``config.json`` ``quantization_config`` with ``"quant_method": "modelopt"``, ``"quant_algo": "NVFP4"``):
     ``<name>.weight`` uint8 [N, K/2] (two E2M1 codes a byte, even K in the low nibble),
     ``<name>.weight_scale`` float8_e4m3fn [N, K/16], ``<name>.weight_scale_2`` fp32 scalar
@@ -176,10 +176,16 @@ def _str_list(value: Any, label: str) -> list[str]:
     return list(value)
 
 
+#: ModelOpt's quant_algo values of NVFP4 weights (W4A16_NVFP4: activations left unquantized, as
+#: the Hopper kernels run every NVFP4 checkpoint)
+_MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4")
+
+
 def _modelopt_scheme(q: Mapping, source: str) -> _Scheme:
     algo = q.get("quant_algo")
-    if not isinstance(algo, str) or algo.upper() != "NVFP4":
-        raise ValueError(f"{_WHAT}: {source}: quant_algo {algo!r} is not supported (only 'NVFP4')")
+    if not isinstance(algo, str) or algo.upper() not in _MODELOPT_ALGOS:
+        raise ValueError(f"{_WHAT}: {source}: quant_algo {algo!r} is not supported (only "
+                         f"{' or '.join(repr(a) for a in _MODELOPT_ALGOS)})")
     if q.get("group_size", 16) != 16:
         raise ValueError(f"{_WHAT}: {source}: NVFP4 needs group_size 16, got {q.get('group_size')!r}")
     key = "exclude_modules" if "exclude_modules" in q else "ignore"
@@ -220,7 +226,17 @@ def _scheme(root: Path, config: Mapping) -> _Scheme:
             raise ValueError(
                 f"{_WHAT}: {root} has a ModelOpt {hf.name} but config.json says quant_method {qc.get('quant_method')!r}"
             )
-        return _modelopt_scheme(q, str(hf))
+        scheme = _modelopt_scheme(q, str(hf))
+        if isinstance(qc, dict) and "quant_algo" in qc:
+            try:
+                theirs = _modelopt_scheme(qc, "config.json quantization_config")
+            except ValueError:
+                theirs = None
+            if theirs is None or sorted(theirs.exclude) != sorted(scheme.exclude) or str(
+                    qc.get("quant_algo")).upper() != str(q.get("quant_algo")).upper():
+                warnings.warn(f"autofp4: {root}: config.json's quantization_config and {hf.name} differ "
+                              f"(quant_algo or excluded modules); {hf.name} is used", UserWarning, stacklevel=4)
+        return scheme
     if qc is None:
         raise ValueError(
             f"{_WHAT}: {root} is not a quantized checkpoint: config.json has no quantization_config "
@@ -317,6 +333,12 @@ def _fp4_linear(t: _Tensors, scheme: _Scheme, name: str, lin: nn.Linear, dtype: 
 # -- dense tensors, the model ------------------------------------------------------------------
 def _dense(t: _Tensors, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     v = t[key]
+    if (v.dtype == torch.uint8 and key.endswith(".weight") and len(shape) == 2
+            and tuple(v.shape) == (shape[0], shape[1] // 2)):
+        raise ValueError(
+            f"{_WHAT}: {key!r} is stored packed (uint8 {tuple(v.shape)}, two FP4 values a byte) but "
+            f"{key + '_scale'!r} is missing (or the checkpoint's config excludes its module)"
+        )
     if tuple(v.shape) != shape:
         raise ValueError(
             f"{_WHAT}: {key!r} has shape {tuple(v.shape)} in the checkpoint but the model's config wants {shape}"
