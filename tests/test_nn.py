@@ -109,7 +109,7 @@ def _dequantized_copy(quantized, original):
 
 
 def rel(a, b):
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm())
 
 
