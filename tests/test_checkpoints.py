@@ -4,6 +4,7 @@ model built with the dequantized weights."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -362,3 +363,59 @@ def test_modelopt_variants_a_config_that_disagrees_and_a_missing_scale(tmp_path)
     safetensors_torch.save_file(stored, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match=rf"{victim}\.weight'.*is stored packed.*{victim}\.weight_scale' is missing"):
         autofp4.from_pretrained(path, device_map=None, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("case", ["parent shard", "absolute shard", "index is a list", "directory shard",
+                                  "truncated shard"])
+def test_shards_are_files_of_the_checkpoint_only(tmp_path, case):
+    """What ``model.safetensors.index.json`` lists must be a file name in the checkpoint (no
+    ``..``, no absolute path: a shard outside it is never opened), every shard a regular file,
+    and a file safetensors cannot read is named."""
+    cfg = _config()
+    tensors = _random_tensors(cfg, int(torch.randint(0, 2**30, ()).item()))
+    path = tmp_path / "ckpt"
+    _write(path, cfg, tensors, "modelopt", True)
+    index = path / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    first = sorted(set(doc["weight_map"].values()))[0]
+    if case == "parent shard":  # a real shard, moved next to the checkpoint
+        (path / first).rename(tmp_path / first)
+        doc["weight_map"] = {k: (f"../{v}" if v == first else v) for k, v in doc["weight_map"].items()}
+        match = r"lists the shard '\.\./"
+    elif case == "absolute shard":
+        doc["weight_map"] = {k: (str(path / v) if v == first else v) for k, v in doc["weight_map"].items()}
+        match = "lists the shard '/"
+    elif case == "index is a list":
+        doc = [doc]
+        match = "has no 'weight_map'"
+    elif case == "directory shard":
+        (path / first).unlink()
+        (path / first).mkdir()
+        match = "is not a regular file"
+    else:
+        data = (path / first).read_bytes()
+        (path / first).write_bytes(data[: len(data) // 3])
+        match = "is not a readable safetensors file"
+    index.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=match) as err:
+        autofp4.from_pretrained(path, device_map=None, dtype=torch.bfloat16)
+    assert str(path) in str(err.value) or first in str(err.value)
+
+
+def test_a_pipe_named_like_a_shard_is_refused_not_read(tmp_path):
+    """A FIFO named ``model.safetensors`` would block a reader forever: it is named and refused
+    (run in a child with a deadline, so a regression fails rather than hangs)."""
+    import subprocess
+    import sys
+
+    cfg = _config()
+    path = tmp_path / "ckpt"
+    _write(path, cfg, _random_tensors(cfg, 3), "modelopt", False)
+    (path / "model.safetensors").unlink()
+    os.mkfifo(path / "model.safetensors")
+    code = ("import autofp4, torch\n"
+            f"try:\n    autofp4.from_pretrained({str(path)!r}, device_map=None, dtype=torch.bfloat16)\n"
+            "except ValueError as e:\n    print('refused:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert "refused:" in r.stdout and "is not a regular file" in r.stdout, r.stdout + r.stderr

@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
+import stat
 import warnings
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -71,30 +73,55 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"{_WHAT}: {path} is not valid JSON: {e}") from None
 
 
+def _regular_file(path: Path) -> bool:
+    """Whether ``path`` is (or links to) a regular file: never a pipe, a device or a directory,
+    which a reader could block on or misread."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _safe_open(path: Path, device: str) -> Any:
+    """The safetensors handle of ``path``; a file safetensors cannot read is named."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", device=device)
+    except Exception as e:  # safetensors' own error types (header, offsets, ...) and OSError
+        raise ValueError(f"{_WHAT}: {path} is not a readable safetensors file: {e}") from None
+
+
 class _Tensors(Mapping):
     """The tensors of a checkpoint directory by name, each read from its file onto ``device``
     when asked for (a Mapping, so :func:`autofp4.loaders.load_state_dict_weight` reads it)."""
 
     def __init__(self, root: Path, device: torch.device, renames: tuple[tuple[str, str], ...] = ()) -> None:
-        from safetensors import safe_open
-
         index = root / "model.safetensors.index.json"
         listed: dict[str, str] = {}
         if index.is_file():
-            weight_map = _read_json(index).get("weight_map")
+            doc = _read_json(index)
+            weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ValueError(f"{_WHAT}: {index} has no 'weight_map' of tensor names to shard files")
             listed = {str(k): str(v) for k, v in weight_map.items()}
+            for v in sorted(set(listed.values())):
+                if not v or Path(v).name != v or v in (".", ".."):
+                    raise ValueError(f"{_WHAT}: {index} lists the shard {v!r}: a shard must be a file name in "
+                                     f"{root} (no directories, no absolute paths)")
             files = sorted({root / v for v in listed.values()})
             for f in files:
-                if not f.is_file():
+                if not f.exists():
                     raise FileNotFoundError(f"{_WHAT}: shard {f.name} listed in {index} does not exist in {root}")
         else:
             files = sorted(root.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(f"{_WHAT}: no *.safetensors file (or model.safetensors.index.json) in {root}")
+        for f in files:
+            if not _regular_file(f):
+                raise ValueError(f"{_WHAT}: {f} is not a regular file (a directory, a pipe or a device)")
         dev = "cpu" if device.type == "cpu" else str(device)
-        self._files = {f.name: safe_open(str(f), framework="pt", device=dev) for f in files}
+        self._files = {f.name: _safe_open(f, dev) for f in files}
         self._where: dict[str, str] = {}
         for fname, handle in self._files.items():
             for key in handle.keys():
