@@ -419,3 +419,32 @@ def test_a_pipe_named_like_a_shard_is_refused_not_read(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        cwd=Path(__file__).resolve().parents[1])
     assert "refused:" in r.stdout and "is not a regular file" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("entry,match", [
+    ("re:(.|.)*Z", None),  # exponential for a backtracking engine: matched in bounded time (or refused)
+    ("re:(a|", "is not a valid regular expression"),
+])
+def test_hostile_ignore_patterns_neither_hang_nor_escape(tmp_path, entry, match):
+    """A compressed-tensors ``ignore`` entry is matched against every layer name in bounded time;
+    a malformed one is named (run in a child with a deadline, so a regression fails, not hangs)."""
+    import subprocess
+    import sys
+
+    cfg = _config()
+    path = tmp_path / "ckpt"
+    _write(path, cfg, _random_tensors(cfg, 5), "compressed-tensors", False)
+    conf = json.loads((path / "config.json").read_text())
+    conf["quantization_config"]["ignore"].append(entry)
+    (path / "config.json").write_text(json.dumps(conf))
+    code = ("import autofp4, torch, time\nt = time.time()\n"
+            f"try:\n    autofp4.from_pretrained({str(path)!r}, device_map=None, dtype=torch.bfloat16)\n"
+            "    print('loaded', time.time() - t)\n"
+            "except ValueError as e:\n    print('refused:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    out = r.stdout
+    if match is None:
+        assert out.startswith("loaded") or ("refused:" in out and "backtracks" in out), out + r.stderr
+    else:
+        assert "refused:" in out and match in out and repr(entry) in out, out + r.stderr

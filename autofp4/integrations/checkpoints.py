@@ -40,7 +40,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import re
 import stat
 import warnings
 from collections.abc import Mapping
@@ -157,6 +156,30 @@ class _Tensors(Mapping):
 
 
 # -- the quantization scheme -------------------------------------------------------------------
+#: the longest a checkpoint's pattern may take to match one module name
+_MATCH_S = 0.5
+_PATTERNS: dict[str, Any] = {}
+
+
+def _regex_match(regex_text: str, entry: str, name: str, source: str) -> bool:
+    """Whether the checkpoint's pattern ``entry`` (as the regex ``regex_text``) matches ``name``
+    from its start, in bounded time (the ``regex`` engine's timeout: a pattern that backtracks
+    without end is refused, naming it, instead of hanging the load)."""
+    import regex
+
+    compiled = _PATTERNS.get(regex_text)
+    if compiled is None:
+        try:
+            compiled = _PATTERNS[regex_text] = regex.compile(regex_text)
+        except regex.error as e:
+            raise ValueError(f"{_WHAT}: {source}: the pattern {entry!r} is not a valid regular expression: {e}") from None
+    try:
+        return compiled.match(name, timeout=_MATCH_S) is not None
+    except TimeoutError:
+        raise ValueError(f"{_WHAT}: {source}: the pattern {entry!r} took over {_MATCH_S} s to match the module "
+                         f"name {name!r} (it backtracks without bound); write it without nested repetition") from None
+
+
 @dataclass
 class _Scheme:
     method: str  # "modelopt" | "compressed-tensors" | "mxfp4"
@@ -169,9 +192,10 @@ class _Scheme:
         if self.method == "modelopt":
             return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*")
         if self.method == "mxfp4":  # from the start to a module boundary (a regex), or a suffix
-            return re.match(f"(?:{pattern})(?:$|\\.)", name) is not None or name.endswith(pattern)
+            return (_regex_match(f"(?:{pattern})(?:$|\\.)", pattern, name, self.source)
+                    or name.endswith(pattern))
         if pattern.startswith("re:"):
-            return re.match(pattern[3:], name) is not None
+            return _regex_match(pattern[3:], pattern, name, self.source)
         return pattern in (name, cls) or name.startswith(pattern + ".")
 
     def _names(self, name: str) -> list[str]:
