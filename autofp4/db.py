@@ -921,8 +921,12 @@ class TuningDB:
         if version == SCHEMA_VERSION or (self.readonly and version >= READ_AS_IS_FROM):
             return
         if self.readonly:
-            if version == 0 and not self._db.table_names():
+            tables = set(self._db.table_names())
+            if version == 0 and not tables:
                 raise TuningDBError(f"{self.path} is an empty file, not a tuning database")
+            if version == 0 and not tables & {"results", "trials", "environments"}:
+                raise TuningDBError(f"{self.path} is not an autofp4 tuning database (it holds the tables "
+                                    f"{', '.join(sorted(tables)[:5])}); it is left as it is")
             raise TuningDBError(
                 f"{self.path} has schema version {version} and needs migrating to {SCHEMA_VERSION}; "
                 "open it writable once"
@@ -1411,8 +1415,8 @@ def layer_results(env: Environment, user_path: str | Path | None = None,
     layers: list[tuple[str, list[TuningRecord]]] = []
     user = Path(user_path).expanduser() if user_path is not None else default_db_path()
     if user.exists():
-        try:
-            with TuningDB(user) as db:
+        try:  # read only: reading never changes a file (no tables, no migration, no journal mode)
+            with TuningDB(user, readonly=True) as db:
                 layers.append((str(user), db.results(key, **filters)))
         except (TuningDBError, sqlite3.Error, OSError) as e:
             _warn_skip(user, e)

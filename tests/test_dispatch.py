@@ -402,3 +402,37 @@ def test_a_moe_slices_misses_carry_the_layers_expert_count_to_tune_from_misses(t
     bad.write_text(json.dumps({"version": 1, "misses": [{**dataclasses.asdict(key), "m": 4, "experts_global": 2}]}))
     with pytest.raises(ValueError, match="experts_global=2"):
         load_misses(bad)
+
+
+def test_reading_a_db_never_changes_the_file(tmp_path, monkeypatch, gen):
+    """$AUTOFP4_DB pointing at another program's SQLite file: the dispatcher reads it read-only,
+    warns that it is not a tuning database, and leaves it byte for byte as it was (no tables
+    added, no journal-mode switch)."""
+    import sqlite3
+    import warnings
+
+    import autofp4
+
+    foreign = tmp_path / "app.sqlite"
+    con = sqlite3.connect(foreign)
+    con.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+    con.execute("INSERT INTO users (name) VALUES ('ada')")
+    con.commit()
+    con.close()
+    before = foreign.read_bytes()
+    dispatch.set_db(foreign)
+    try:
+        w = autofp4.quantize(torch.randn(32, 64, generator=gen), "nvfp4")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            autofp4.linear(torch.randn(2, 64, generator=gen).bfloat16(), w)
+        assert any("not an autofp4 tuning database" in str(c.message) and str(foreign) in str(c.message)
+                   for c in caught), [str(c.message) for c in caught]
+    finally:
+        dispatch.set_db(None)
+    assert foreign.read_bytes() == before
+    assert not (tmp_path / "app.sqlite-wal").exists()
+    con = sqlite3.connect(foreign)
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    assert [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")] == ["users"]
+    con.close()
