@@ -50,6 +50,7 @@ __all__ = [
     "SUPPORTED",
     "LIMITS",
     "MAX_CONFIG_BYTES",
+    "check_limits",
     "MAX_CONFIG_DEPTH",
     "MAX_PARALLEL",
     "LAYOUTS",
@@ -324,6 +325,17 @@ def _check_field(key: str, value: Any) -> int:
             f"got {_show(value)}"
         )
     return value
+
+
+def check_limits(config: Mapping[str, Any]) -> None:
+    """Every integer size field of :data:`LIMITS` that ``config`` (or its ``text_config``) sets is
+    an integer within its bounds; ``ValueError`` naming the field otherwise (what a loader checks
+    before a framework builds anything from the config)."""
+    for part in (config, config.get("text_config")):
+        if isinstance(part, Mapping):
+            for key in LIMITS:
+                if part.get(key) is not None:
+                    _check_field(key, part[key])
 
 
 def _validate(config: Mapping[str, Any], model_type: str, fields: Mapping[str, bool]) -> dict[str, int]:

@@ -448,3 +448,26 @@ def test_hostile_ignore_patterns_neither_hang_nor_escape(tmp_path, entry, match)
         assert out.startswith("loaded") or ("refused:" in out and "backtracks" in out), out + r.stderr
     else:
         assert "refused:" in out and match in out and repr(entry) in out, out + r.stderr
+
+
+@pytest.mark.parametrize("change,match", [
+    (("config.json", "num_attention_heads", 0), "'num_attention_heads' must be a positive integer"),
+    (("config.json", "hidden_size", 2**40), "'hidden_size' must be a positive integer up to"),
+    (("config.json", "quantization_config", [1]), "quantization_config must be an object"),
+    (("hf_quant_config.json", None, None), "nested deeper than"),
+])
+def test_broken_configs_are_named_before_anything_is_built(tmp_path, change, match):
+    """Sizes out of bounds, a quantization_config of the wrong type, a JSON nested a million deep:
+    each named as a ValueError, before transformers builds (or allocates) anything."""
+    cfg = _config()
+    path = tmp_path / "ckpt"
+    _write(path, cfg, _random_tensors(cfg, 7), "modelopt-hf", False)
+    name, key, value = change
+    if key is None:
+        (path / name).write_text("[" * 10**6 + "]" * 10**6)
+    else:
+        conf = json.loads((path / name).read_text())
+        conf[key] = value
+        (path / name).write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match=match):
+        autofp4.from_pretrained(path, device_map=None, dtype=torch.bfloat16)

@@ -70,6 +70,24 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{_WHAT}: {path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{_WHAT}: {path}: JSON nested too deep to be a checkpoint's") from None
+
+
+def _read_config(path: Path) -> dict:
+    """A checkpoint's small JSON file (config.json, hf_quant_config.json): read bounded and
+    depth-checked (:func:`autofp4.models.load_config`), its size fields within bounds."""
+    from ..models import check_limits, load_config
+
+    try:
+        config = load_config(path)
+        check_limits(config)
+    except ValueError as e:
+        raise ValueError(f"{_WHAT}: {e}") from None
+    qc = config.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ValueError(f"{_WHAT}: {path}: quantization_config must be an object, got {type(qc).__name__}")
+    return config
 
 
 def _regular_file(path: Path) -> bool:
@@ -269,7 +287,7 @@ def _scheme(root: Path, config: Mapping) -> _Scheme:
     qc = config.get("quantization_config")
     hf = root / "hf_quant_config.json"
     if hf.is_file():
-        q = _read_json(hf)
+        q = _read_config(hf)
         q = q.get("quantization") if isinstance(q, dict) else None
         if not isinstance(q, dict):
             raise ValueError(f"{_WHAT}: {hf} has no 'quantization' object")
@@ -558,8 +576,9 @@ def from_pretrained(path: Union[str, Path], device_map: Any = None, dtype: torch
     _check_dtype(dtype)
     device = _device(device_map)
     root = _checkpoint_dir(path)
+    conf = _read_config(root / "config.json")  # checked before transformers builds anything from it
     config = AutoConfig.from_pretrained(str(root), local_files_only=True)
-    scheme, t = _open(root, _read_json(root / "config.json"), config.model_type, device)
+    scheme, t = _open(root, conf, config.model_type, device)
     model = _empty_model(config, dtype)
     dense_stored = load_quantized_modules(model, t, scheme, dtype)
     _fill_dense(model, t, dtype)

@@ -85,7 +85,7 @@ class AutoFP4Quantizer(HfQuantizer):
         if not checkpoint_files:
             raise ValueError(f"{METHOD}: loading needs the checkpoint's safetensors files")
         root = Path(checkpoint_files[0]).parent
-        conf = _ckpt._read_json(root / "config.json")
+        conf = _ckpt._read_config(root / "config.json")
         conf.pop("quantization_config", None)
         if self.quantization_config.checkpoint_config is not None:
             conf["quantization_config"] = self.quantization_config.checkpoint_config
