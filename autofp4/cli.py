@@ -117,6 +117,9 @@ def _time_budget(text: str) -> float:
     return _positive_float(text)
 
 
+#: the GPU architectures the kernels are compiled for (Hopper, Blackwell)
+_ARCHS = ("sm_90a", "sm_100a")
+
 _LAYOUT_HELP = ("whose modules: vllm (fused qkv_proj, gate_up_proj; the default), transformers "
                 "(Hugging Face q_proj, k_proj, v_proj, gate_proj, up_proj), or both")
 
@@ -290,6 +293,8 @@ def _tune_misses(args: argparse.Namespace, on_cpu: bool, cpu_note: str, common: 
         misses = dispatch.load_misses(path)
     except FileNotFoundError:
         raise _UsageError(f"no misses file at {path} (run a workload with autofp4 first)") from None
+    except (ValueError, OSError) as e:
+        raise _UsageError(str(e)) from None
     if args.dry_run:
         print(f"{len(misses)} missed (problem, M) pairs in {path}:", file=out)
         for key, m, c in misses:
@@ -552,6 +557,11 @@ def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise _UsageError("no CUDA GPU here: name the target with --arch (e.g. sm_90a)")
     if not re.fullmatch(r"sm_\d+[af]?", arch):
         raise _UsageError(f"--arch must look like sm_90a, got {arch!r}")
+    if arch not in _ARCHS:
+        raise _UsageError(f"--arch {arch}: the kernels are built for {', '.join(_ARCHS)}")
+    cache = cache_dir()
+    if cache is not None and cache.exists() and not cache.is_dir():
+        raise _UsageError(f"the kernel cache {cache} ($AUTOFP4_KERNEL_CACHE) is not a directory")
     shapes = _model_shapes(args.warm, args)
     stored = []
     if args.warm_db:

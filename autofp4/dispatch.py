@@ -495,6 +495,10 @@ def _write_misses(path: Path, merged: dict[tuple[ProblemKey, int], int], eg: dic
     write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
 
 
+#: the largest N, K or M a misses file may name (far above any model's)
+_MAX_DIM = 1 << 20
+
+
 def _read_misses(path: Path, strict: bool) -> list[tuple[ProblemKey, int, int, int]]:
     if not path.exists():
         if strict:
@@ -515,10 +519,19 @@ def _read_misses(path: Path, strict: bool) -> list[tuple[ProblemKey, int, int, i
             m, c, g = int(e["m"]), int(e.get("count", 1)), int(e.get("experts_global", 0))
             if m < 1 or c < 1:
                 raise ValueError(f"misses[{i}]: m and count must be >= 1, got m={m}, count={c}")
+            if max(key.n, key.k) > _MAX_DIM or m > _MAX_DIM or key.experts > 8192 or g > 8192:
+                raise ValueError(f"misses[{i}]: sizes beyond any model's (n, k and m at most {_MAX_DIM}, "
+                                 f"experts at most 8192), got n={key.n}, k={key.k}, m={m}, experts={key.experts}")
             if g and (key.op != "moe" or g <= key.experts):
                 raise ValueError(f"misses[{i}]: experts_global={g} needs a MoE key with fewer experts, got {key}")
             out.append((key, m, c, g))
         return out
+    except RecursionError:
+        e = ValueError("JSON nested too deep to be a misses file")
+        if strict:
+            raise ValueError(f"invalid misses file {path}: {e}") from None
+        warnings.warn(f"autofp4: ignoring unreadable misses file {path}: {e}", RuntimeWarning, stacklevel=3)
+        return []
     except (ValueError, KeyError, TypeError) as e:
         if strict:
             raise ValueError(f"invalid misses file {path}: {e}") from None

@@ -236,6 +236,22 @@ def test_from_misses_cli(tmp_path):
     assert row[:7] == ["1", "missed", "calls", "linear", "nvfp4", "bfloat16", "256"], lines[head:head + 3]
 
 
+@pytest.mark.parametrize("content,match", [
+    ("[]", "expected a JSON object"),
+    ("[" * 100000 + "]" * 100000, "nested too deep"),
+    ('{"version": 1, "misses": [{"op": "linear", "fmt": "nvfp4", "dtype": "bfloat16", "n": 1099511627776, '
+     '"k": 128, "m": 8}]}', "sizes beyond any model's"),
+    ('{"version": 1, "misses": [{"op": "linear", "fmt": "nvfp4", "dtype": "bfloat16", "n": 256, "k": 128, '
+     '"m": 1000000000000}]}', "sizes beyond any model's"),
+])
+def test_from_misses_refuses_a_bad_file_with_exit_2(tmp_path, content, match):
+    bad = tmp_path / "bad.misses.json"
+    bad.write_text(content)
+    for extra in ([], ["--dry-run"]):
+        rc, out, err = run(["tune", "--from-misses", bad, "--db", tmp_path / "t.db", "--device", "cpu", *extra])
+        assert rc == 2 and match in err and "Traceback" not in err, err
+
+
 def test_two_processes_tune_one_db(tmp_path):
     # intermediate 1024: gate_up is 2048 x 256, where the reference backend has 2 configs
     tiny = tmp_path / "tiny2.json"

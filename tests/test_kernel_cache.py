@@ -302,6 +302,16 @@ def test_cli_warm_bad_input(cache, tmp_path, monkeypatch):
         kernel_cache.target_arch.cache_clear()
         rc, _, err = _cli("cache", "--warm", path)
         assert rc == 2 and "--arch" in err
+    import time
+
+    t = time.time()
+    rc, _, err = _cli("cache", "--warm", path, "--arch", "sm_1")  # well formed, no kernel targets it
+    assert rc == 2 and "sm_90a, sm_100a" in err and "Traceback" not in err and time.time() - t < 5
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(a_file))
+    rc, out, err = _cli("cache", "--warm", path, "--arch", "sm_90a")
+    assert rc == 2 and "is not a directory" in err and "compiled" not in out
     monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", "off")
     assert _cli("cache", "--warm", path, "--arch", "sm_90a")[0] == 2
 
