@@ -471,3 +471,26 @@ def test_broken_configs_are_named_before_anything_is_built(tmp_path, change, mat
         (path / name).write_text(json.dumps(conf))
     with pytest.raises(ValueError, match=match):
         autofp4.from_pretrained(path, device_map=None, dtype=torch.bfloat16)
+
+
+def test_dense_tensors_of_the_wrong_kind_or_with_nan_are_named(tmp_path):
+    """An integer tensor where the model has a floating-point parameter is refused; NaN in a
+    dense tensor is warned about with its name and count."""
+    from safetensors import torch as safetensors_torch
+
+    cfg = _config()
+    path = tmp_path / "ckpt"
+    _write(path, cfg, _random_tensors(cfg, 11), "modelopt-hf", False)
+    stored = safetensors_torch.load_file(str(path / "model.safetensors"))
+    good = dict(stored)
+    emb = stored["model.embed_tokens.weight"]
+    stored["model.embed_tokens.weight"] = torch.randint(-5, 5, emb.shape, dtype=torch.int32)
+    safetensors_torch.save_file(stored, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="'model.embed_tokens.weight' is stored as torch.int32, but the model's"):
+        autofp4.from_pretrained(path, device_map=None, dtype=torch.bfloat16)
+    bad = emb.clone()
+    bad[3, :5] = float("nan")
+    good["model.embed_tokens.weight"] = bad
+    safetensors_torch.save_file(good, str(path / "model.safetensors"))
+    with pytest.warns(UserWarning, match="'model.embed_tokens.weight' holds 5 non-finite value"):
+        autofp4.from_pretrained(path, device_map=None, dtype=torch.bfloat16)

@@ -159,9 +159,12 @@ class _Tensors(Mapping):
         self.used: set[str] = set()
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        handle = self._files[self._where[key]]  # KeyError for a missing tensor
+        fname = self._where[key]  # KeyError for a missing tensor
         self.used.add(key)
-        return handle.get_tensor(self.stored.get(key, key))
+        try:
+            return self._files[fname].get_tensor(self.stored.get(key, key))
+        except Exception as e:  # safetensors' errors (data out of the file's range, ...) and OSError
+            raise ValueError(f"{_WHAT}: cannot read tensor {key!r} from {fname}: {e}") from None
 
     def __contains__(self, key: object) -> bool:
         return key in self._where
@@ -400,7 +403,9 @@ def _fp4_linear(t: _Tensors, scheme: _Scheme, name: str, lin: nn.Linear, dtype: 
 
 
 # -- dense tensors, the model ------------------------------------------------------------------
-def _dense(t: _Tensors, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _dense(t: _Tensors, key: str, shape: tuple[int, ...], dtype: torch.dtype, param: bool = True) -> torch.Tensor:
+    """The stored dense tensor ``key``, checked against the model's ``shape`` (and, for a
+    parameter, being floating point), in ``dtype``; non-finite values are warned about."""
     v = t[key]
     if (v.dtype == torch.uint8 and key.endswith(".weight") and len(shape) == 2
             and tuple(v.shape) == (shape[0], shape[1] // 2)):
@@ -416,7 +421,16 @@ def _dense(t: _Tensors, key: str, shape: tuple[int, ...], dtype: torch.dtype) ->
         raise ValueError(
             f"{_WHAT}: {key!r} is stored as uint8 (quantized?) but its module is dense (excluded or not targeted)"
         )
-    return v.to(dtype) if v.is_floating_point() else v
+    if not v.is_floating_point():
+        if param:
+            raise ValueError(f"{_WHAT}: {key!r} is stored as {v.dtype}, but the model's parameter is floating "
+                             f"point ({dtype})")
+        return v
+    bad = int((~torch.isfinite(v)).sum())
+    if bad:
+        warnings.warn(f"autofp4: {key!r} holds {bad} non-finite value(s) (NaN or inf) in the checkpoint",
+                      UserWarning, stacklevel=3)
+    return v.to(dtype)
 
 
 @contextmanager
@@ -495,7 +509,8 @@ def _fill_dense(model: nn.Module, t: _Tensors, dtype: torch.dtype) -> None:
             key = f"{mname}.{bname}" if mname else bname
             if (b is not None and not isinstance(mod, FP4Buffers) and bname not in mod._non_persistent_buffers_set
                     and key in t):
-                mod._buffers[bname] = _dense(t, key, tuple(b.shape), b.dtype if b.is_floating_point() else dtype)
+                mod._buffers[bname] = _dense(t, key, tuple(b.shape), b.dtype if b.is_floating_point() else dtype,
+                                             param=False)
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     if (getattr(model.config, "tie_word_embeddings", False) and isinstance(out, nn.Module)
             and out.weight.is_meta and not inp.weight.is_meta):
