@@ -52,3 +52,14 @@ def ep_slice(fmt, gen, e=4, eg=16, h=64, i=32, t=5, rank=1):
     ti = torch.randint(0, eg, (t, 2), generator=gen)
     tw = torch.softmax(torch.randn(t, 2, generator=gen), -1)
     return x, w13, w2, tw, ti, rank_expert_map(eg, e, rank)
+
+
+def require_hopper() -> None:
+    """Skip the calling test unless a Hopper GPU (sm_90) and CuTeDSL are here."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("cutlass")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 kernels need Hopper")

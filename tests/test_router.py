@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import autofp4
+from moe_cases import require_hopper
 from autofp4 import router
 from autofp4.router import RouterSpec
 from autofp4.routing import moe_routing, per_pair_routing
@@ -258,14 +259,6 @@ def test_router_kernel_keys_that_cannot_be_built_say_why():
 
 
 # ----------------------------------------------------------------------------- on the GPU
-def _gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("cutlass")
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the router kernel is sm_90a's")
-
-
 GPU_CASES = [(e, spec, b, dtype, t) for (e, spec, b) in SPECS for dtype in (torch.float32, torch.bfloat16)
              for t in (1, 5, 16, 64, 300)]
 
@@ -275,7 +268,7 @@ GPU_CASES = [(e, spec, b, dtype, t) for (e, spec, b) in SPECS for dtype in (torc
 def test_the_router_kernel_matches_the_reference(experts, spec, with_bias, dtype, t, gen):
     """The kernel's weights and ids against the float64 reference (bf16 logits: their ties go
     to the lower id, as in the reference), and its metadata against the routing of its ids."""
-    _gpu()
+    require_hopper()
     logits = _logits(gen, t, experts, dtype).cuda()
     bias = (torch.rand(experts, generator=gen) * 0.1).cuda() if with_bias else None
     n = len(router._KERNELS)
@@ -294,7 +287,7 @@ def test_the_router_kernel_matches_the_reference(experts, spec, with_bias, dtype
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 16, 40, 100])
 def test_the_router_kernel_maps_an_expert_parallel_slice(t, gen):
-    _gpu()
+    require_hopper()
     spec = RouterSpec(8, "sigmoid", True, 8, 4, 2.5)
     logits = _logits(gen, t, 256).cuda()
     bias = (torch.rand(256, generator=gen) * 0.1).cuda()
@@ -310,7 +303,7 @@ def test_the_router_kernel_maps_an_expert_parallel_slice(t, gen):
 
 @pytest.mark.gpu
 def test_the_router_kernel_replays_in_a_cuda_graph(gen):
-    _gpu()
+    require_hopper()
     spec = RouterSpec(8)
     static = _logits(gen, 12, 128, torch.bfloat16).cuda()
     router.route(static, spec, layout=(8, False), experts=128)  # compiled outside the capture
@@ -333,7 +326,7 @@ def test_the_router_kernel_replays_in_a_cuda_graph(gen):
 def test_moe_from_logits_on_the_gpu_is_moe_of_route(fmt, t, gen):
     """The whole layer from logits (the router kernel's metadata handed to the MoE kernels)
     against the same layer from ``route``'s ids, for the configs of both MoE kernels."""
-    _gpu()
+    require_hopper()
     w13, w2 = _layer(gen, e=32, h=256, inter=128, fmt=fmt, device="cuda")
     x = torch.randn(t, 256, generator=gen).bfloat16().cuda()
     logits = _logits(gen, t, 32).cuda()

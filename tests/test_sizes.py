@@ -14,6 +14,7 @@ import torch
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import autofp4  # noqa: E402
+from moe_cases import require_hopper  # noqa: E402
 from autofp4.backends import sm90_w4a16 as B  # noqa: E402
 
 SEED = int.from_bytes(os.urandom(4), "little")
@@ -85,14 +86,6 @@ def test_a_dense_weight_past_the_offsets_is_named_once(monkeypatch, gen):
 
 
 # ----------------------------------------------------------------------------- on the GPU
-def _hopper():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("cutlass")
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the sm90 kernels need Hopper")
-
-
 def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -102,7 +95,7 @@ def _rel(a, b):
 def test_deepseek_v3s_full_layer_runs_and_matches_the_reference(fmt):
     """256 experts, H 7168, I 2048, top-8 (w13 holds 3.8 GB of FP4): every T up to 4096, both
     kernels' configs, against the reference backend on the same FP4 weights."""
-    _hopper()
+    require_hopper()
     from autofp4.backends.reference import reference_moe
 
     gen = torch.Generator(device="cuda").manual_seed(SEED)
@@ -127,7 +120,7 @@ def test_deepseek_v3s_full_layer_runs_and_matches_the_reference(fmt):
 def test_a_layer_in_runs_of_experts_and_tokens_is_the_layer_in_one(monkeypatch, kernel, gen):
     """The same layer and routing through one kernel config, whole and forced into runs (a
     limit a few experts wide), with an expert map and biases."""
-    _hopper()
+    require_hopper()
     from autofp4.kernels import sm90_moe_gemm, w4a16_moe
     from autofp4.problem import ProblemKey
 
@@ -161,7 +154,7 @@ def test_a_layer_in_runs_of_experts_and_tokens_is_the_layer_in_one(monkeypatch, 
 @pytest.mark.gpu
 def test_a_linear_with_more_than_2_31_outputs():
     """lm_head-sized: M = 16384 tokens x N = 152064 (2.5e9 outputs), in runs of rows."""
-    _hopper()
+    require_hopper()
     gen = torch.Generator(device="cuda").manual_seed(SEED)
     m, n, kk = 16384, 152064, 256
     w = autofp4.quantize(torch.randn(n, kk, device="cuda", generator=gen), "nvfp4")
