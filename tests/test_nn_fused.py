@@ -59,7 +59,7 @@ def _dense_copy(model):
 
 
 def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
