@@ -126,7 +126,6 @@ def route_torch(logits: torch.Tensor, spec: RouterSpec,
 
 # ----------------------------------------------------------------------------- the kernel
 _KERNELS: dict = {}
-_PLACEHOLDERS: dict = {}
 
 
 def _kernel(key) -> Optional[Callable]:
@@ -147,18 +146,7 @@ def _kernel(key) -> Optional[Callable]:
 def _kernel_applies(logits: torch.Tensor) -> bool:
     if not routing.USE_KERNEL or logits.device.type != "cuda" or torch.compiler.is_compiling():
         return False
-    if not routing._on_hopper(logits.device):
-        return False
-    if "cutlass" not in _CUTE:
-        try:
-            import cutlass  # noqa: F401
-            _CUTE["cutlass"] = True
-        except ImportError:
-            _CUTE["cutlass"] = False
-    return _CUTE["cutlass"]
-
-
-_CUTE: dict[str, bool] = {}
+    return routing._on_hopper(logits.device) and routing.cute_available()
 
 
 def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -140,9 +140,7 @@ def _kernel(experts: int, block_m: int, pairs: int, ids64: bool, mapped: bool,
         return None
     key = (experts, block_m, ids64, mapped)
     if key not in _KERNELS:
-        try:
-            import cutlass  # noqa: F401
-        except ImportError:
+        if not cute_available():
             _KERNELS[key] = None
             return None
         try:
@@ -152,6 +150,21 @@ def _kernel(experts: int, block_m: int, pairs: int, ids64: bool, mapped: bool,
                           "using torch ops for its routing", RuntimeWarning, stacklevel=3)
             _KERNELS[key] = None
     return _KERNELS[key]
+
+
+_CUTE: list[bool] = []
+
+
+def cute_available() -> bool:
+    """Whether CuTeDSL (``nvidia-cutlass-dsl``) imports here (looked up once)."""
+    if not _CUTE:
+        try:
+            import cutlass  # noqa: F401
+
+            _CUTE.append(True)
+        except ImportError:
+            _CUTE.append(False)
+    return _CUTE[0]
 
 
 _HOPPER: dict[int, bool] = {}
