@@ -170,15 +170,9 @@ class Explanation:
     def __str__(self) -> str:
         k = self.key
         moe = f" E={k.experts} topk={k.topk}" if k.op == "moe" else ""
-        cfg = json.dumps(_config_dict(self.config), sort_keys=True, separators=(",", ":"))
+        cfg = json.dumps(get_backend(self.backend).config_dict(self.config), sort_keys=True, separators=(",", ":"))
         return (f"{k.op} {k.fmt} {k.dtype} N={k.n} K={k.k}{moe} M={self.m} (bucket {self.bucket}): "
                 f"{self.backend} {cfg}\n  {self.why}" + (f"\n  from {self.layer}" if self.layer else ""))
-
-
-def _config_dict(cfg: Any) -> dict[str, Any]:
-    tag = getattr(type(cfg), "kernel", None)
-    d = asdict(cfg) if hasattr(cfg, "__dataclass_fields__") else dict(cfg)
-    return {"kernel": tag, **d} if isinstance(tag, str) else d
 
 
 class Dispatcher:
