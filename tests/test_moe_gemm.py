@@ -65,6 +65,13 @@ def test_packed_experts_are_each_experts_dense_packing(fmt):
     (G.MoEGemmConfig(cluster_n=2), 1536, 2048, "needs raster=.n."),
     (G.MoEGemmConfig(tile_k=256, stages=8), 1536, 2048, "shared memory"),
     (G.MoEGemmConfig(pdl=1), 1536, 2048, "pdl must be a bool"),
+    (G.MoEGemmConfig(fused_sum=True), 1536, 2048, "fused_sum needs persistent"),
+    (G.MoEGemmConfig(persistent=True, raster="n"), 1536, 2048, "persistent=True needs producer=True"),
+    (G.MoEGemmConfig(persistent=True, producer=True), 1536, 2048, "raster='n'"),
+    (G.MoEGemmConfig(persistent=1, producer=True, raster="n"), 1536, 2048, "persistent must be a bool"),
+    (G.MoEGemmConfig(tile_n=128, tile_m=128, producer=True, raster="n", persistent=True, ctas_per_sm=2), 1536, 2048,
+     "two warpgroups and a producer warp"),
+    (G.MoEGemmConfig(tile_n=64, tile_m=128, stages=6, ctas_per_sm=2), 1536, 2048, "two CTAs' shared memory"),
 ])
 def test_invalid_configs_are_refused_before_compiling(cfg, n, k, match):
     assert G.validate(cfg, n, k, "nvfp4", "bfloat16") is not None
@@ -109,6 +116,20 @@ def test_small_token_blocks_are_seeded_where_they_fit_and_compile_for_sm90a():
         b.compile_only(cfg, key)
 
 
+def test_persistent_kernels_are_seeded_and_compile_for_sm90a():
+    """The persistent kernels (one CTA of two warpgroups, two CTAs of one per SM, the top-k sum
+    fused) are among the seeds at prefill sizes and compile for sm_90a, with a bias too."""
+    b = get_backend("sm90_w4a16")
+    e, topk, h, i = MODELS["qwen3-30b-a3b"]
+    key = ProblemKey("moe", "nvfp4", "bfloat16", 2 * i, h, e, topk)
+    seeds = b.seeds(key, 4096)
+    assert {(c.ctas_per_sm, c.fused_sum) for c in seeds if c.persistent} >= {(0, False), (2, False), (2, True)}
+    assert all(b.is_valid(c, key) is None for c in seeds)
+    for cfg in PERSISTENT:
+        G.compile_only(cfg, 2 * i, h, "nvfp4", "bfloat16")
+    G._compile(PERSISTENT[1], 2 * i, h, "mxfp4", "float16", "down", True)
+
+
 def test_a_random_sample_of_the_space_compiles_for_sm90a():
     rng = random.Random(SEED)
     b = get_backend("sm90_w4a16")
@@ -145,6 +166,12 @@ CONFIGS = [G.MoEGemmConfig(), G.MoEGemmConfig(tile_m=64, raster="n"), G.MoEGemmC
            G.MoEGemmConfig(cluster_n=2, raster="n", producer=True, scale_select=True),
            G.MoEGemmConfig(tile_n=256, tile_k=128, stages=3, producer=True),
            G.MoEGemmConfig(tile_m=16, raster="n", stages=6), G.MoEGemmConfig(tile_m=32, producer=True)]
+#: the persistent kernels: plain, with the top-k sum in the down GEMM's epilogue, 256-row weight tiles
+PERSISTENT = [G.MoEGemmConfig(tile_m=64, raster="n", producer=True, persistent=True),
+              G.MoEGemmConfig(tile_m=128, raster="n", producer=True, persistent=True, fused_sum=True, stages=6),
+              G.MoEGemmConfig(tile_n=256, tile_m=32, tile_k=128, stages=3, raster="n", producer=True, persistent=True,
+                              fused_sum=True, scale_select=True)]
+CONFIGS += PERSISTENT
 
 
 @pytest.mark.gpu
@@ -200,10 +227,10 @@ def test_expert_parallel_slices_skip_the_pairs_routed_elsewhere():
         idx = torch.arange(r * 8, (r + 1) * 8, device="cuda")
         a, c = (type(w)(w.fmt, w.data[idx], w.scale[idx], w.global_scale[idx], check_values=False) for w in (w13, w2))
         key = ProblemKey("moe", "nvfp4", "bfloat16", 512, 512, 8, 8)
-        got = b.compile(G.MoEGemmConfig(), key)(x, a.packed(b.name, b.prepare), c.packed(b.name, b.prepare), tw, ti,
-                                                "silu", emap)
         want = reference_moe(x.float(), a, c, tw, ti, "silu", expert_map=emap).float()
-        assert _err(got, want) < 2e-2, r
+        for cfg in (G.MoEGemmConfig(), PERSISTENT[1]):
+            got = b.compile(cfg, key)(x, a.packed(b.name, b.prepare), c.packed(b.name, b.prepare), tw, ti, "silu", emap)
+            assert _err(got, want) < 2e-2, (r, cfg)
         total += got.float()
     assert _err(total, reference_moe(x.float(), w13, w2, tw, ti, "silu").float()) < 2e-2
 
@@ -225,6 +252,27 @@ def test_graph_replay_with_changing_routing_matches_eager():
         want = run(x, p13, p2, tw, ti, "silu")
         torch.cuda.synchronize()
         assert torch.equal(out, want), mode  # no atomics: the same sums in the same order
+
+
+@pytest.mark.gpu
+def test_persistent_kernels_replay_in_a_graph_with_changing_routing():
+    """The persistent kernels read the number of used blocks on the device: a graph captured for
+    one routing serves another (more or fewer blocks); the fused top-k sum adds in any order."""
+    _gpu()
+    b = get_backend("sm90_w4a16")
+    gen = torch.Generator().manual_seed(SEED)
+    t, e, k, h, i = 900, 16, 4, 512, 256
+    x, w13, w2, tw, ti = _layer(t, e, k, h, i, "mxfp4", torch.bfloat16, "uniform", gen)
+    run = b.compile(PERSISTENT[1], ProblemKey("moe", "mxfp4", "bfloat16", 2 * i, h, e, k))
+    p13, p2 = w13.packed(b.name, b.prepare), w2.packed(b.name, b.prepare)
+    run(x, p13, p2, tw, ti, "silu")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = run(x, p13, p2, tw, ti, "silu")
+    for mode in replays(g, x, tw, ti, e, gen):
+        torch.cuda.synchronize()
+        want = reference_moe(x.float(), w13, w2, tw, ti, "silu").float()
+        assert _err(out, want) < 2e-2, mode
 
 
 def _torch_moe(x, w13, w2, tw, ti, b13, b2):
@@ -256,7 +304,8 @@ def test_gpt_oss_activation_and_biases_match_a_torch_loop(fmt):
     want = _torch_moe(x, w13, w2, tw, ti, b13, b2)
     key = ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, k)
     p13, p2 = w13.packed(b.name, b.prepare), w2.packed(b.name, b.prepare)
-    for cfg in (G.MoEGemmConfig(tile_m=64), G.MoEGemmConfig(tile_n=256, raster="n", tile_m=64, producer=True)):
+    for cfg in (G.MoEGemmConfig(tile_m=64), G.MoEGemmConfig(tile_n=256, raster="n", tile_m=64, producer=True),
+                PERSISTENT[1]):
         assert b.is_valid(cfg, key) is None, cfg
         got = b.compile(cfg, key)(x, p13, p2, tw, ti, "swigluoai", None, b13, b2)
         assert _err(got, want) < 2e-2, cfg

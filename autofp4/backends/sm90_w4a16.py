@@ -298,8 +298,8 @@ class SM90W4A16Backend(Backend):
     def seeds(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
         """Valid configs worth trying right after the default (``sm90_heuristics.seeds``)."""
         if key.op == "moe":
-            return [c for c in sm90_heuristics.moe_seeds(key.n, key.k, key.fmt, key.dtype, key.experts, key.topk, m)
-                    if c != self.default(key, m) and self.is_valid(c, key) is None]
+            seeds = sm90_heuristics.moe_seeds(key.n, key.k, key.fmt, key.dtype, key.experts, key.topk, m)
+            return [c for c in dict.fromkeys(seeds) if c != self.default(key, m) and self.is_valid(c, key) is None]
         out: list[BackendConfig] = []
         default = self.default(key, m)
         for cfg in sm90_heuristics.seeds(key.n, key.k, key.fmt, key.dtype, m):

@@ -37,7 +37,7 @@ from ._moe_act import ACTIVATIONS, activation
 
 #: helper modules whose source is part of this kernel's (kernel cache key, DB provenance)
 KERNEL_SOURCES = ("autofp4.kernels.sm90_w4a16_gemm", "autofp4.kernels._ptx", "autofp4.kernels._fp4_bits",
-                  "autofp4.kernels._moe_act")
+                  "autofp4.kernels._moe_act", "autofp4.kernels.sm90_moe_persistent")
 GATE_UP_GROUP = 8  # gate and up rows alternate in groups of this many (the wgmma fragment's r, r + 8)
 
 
@@ -46,7 +46,13 @@ class MoEGemmConfig:
     """One point of the grouped GEMMs' space; both GEMMs of the layer use it. The fields are the
     dense GEMM's (:class:`.sm90_w4a16_gemm.Sm90GemmConfig`); ``tile_m`` is also the routing's
     token block, ``raster="m"`` walks the blocks of one weight tile first (the weight tile is
-    reused from L2 by the blocks of its expert)."""
+    reused from L2 by the blocks of its expert). ``persistent`` runs both GEMMs as the persistent
+    kernels of :mod:`.sm90_moe_persistent` (about one CTA per SM walking the (block, weight tile)
+    units, a producer warp streaming them back to back; with ``ctas_per_sm=2`` two CTAs per SM, so
+    that one's epilogue overlaps the other's main loop); ``ctas_per_sm=2`` asks for two resident
+    CTAs per SM (the dense kernel's rules: registers and shared memory for both); ``fused_sum`` (with ``persistent``) adds
+    the down GEMM's outputs into the top-k sum in its epilogue (fp32 reductions), not in a pass
+    over ``y [T * top_k, H]``."""
 
     kernel: ClassVar[str] = "moe_gemm"  # the tag of stored configs (not a field)
     tile_n: int = 128
@@ -58,12 +64,15 @@ class MoEGemmConfig:
     producer: bool = False
     scale_select: bool = False
     pdl: bool = False
+    persistent: bool = False
+    fused_sum: bool = False
+    ctas_per_sm: int = 0
 
     def gemm(self) -> G.Sm90GemmConfig:
         """The dense kernel's config each of the two GEMMs compiles with."""
         return G.Sm90GemmConfig(tile_n=self.tile_n, tile_m=self.tile_m, tile_k=self.tile_k, stages=self.stages,
                                 cluster_n=self.cluster_n, raster=self.raster, producer=self.producer,
-                                scale_select=self.scale_select, pdl=self.pdl)
+                                scale_select=self.scale_select, pdl=self.pdl, ctas_per_sm=self.ctas_per_sm)
 
 
 def _gemms(n: int, k: int) -> dict[str, tuple[int, int]]:
@@ -83,9 +92,13 @@ def validate(cfg: MoEGemmConfig, n: int, k: int, fmt: str, dtype: str) -> str | 
         return f"2 * intermediate must be a positive multiple of {2 * GATE_UP_GROUP} (gate and up rows in groups of 8), got {n}"
     if not (isinstance(k, int) and k > 0 and k % 2 == 0):
         return f"the hidden size must be a positive even number (two outputs per store), got {k}"
-    for b in ("producer", "scale_select", "pdl"):
+    for b in ("producer", "scale_select", "pdl", "persistent", "fused_sum"):
         if not isinstance(getattr(cfg, b), bool):
             return f"{b} must be a bool, got {getattr(cfg, b)!r}"
+    if cfg.fused_sum and not cfg.persistent:
+        return "fused_sum needs persistent=True (only the persistent down GEMM sums the top-k slots)"
+    if cfg.persistent and not (cfg.producer and cfg.cluster_n == 1 and cfg.raster == "n"):
+        return "persistent=True needs producer=True, cluster_n=1 and raster='n' (its units go block by block)"
     g = cfg.gemm()
     for what, (gn, gk) in _gemms(n, k).items():
         reason = G.validate(g, gn, gk, fmt, dtype)
@@ -134,6 +147,17 @@ def pack_experts(w: Any, gate_up: bool) -> GroupedPacked:
 
 
 # ----------------------------------------------------------------------------- kernels
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(dev: torch.device) -> int:
+    """The SMs of ``dev`` (the persistent kernels' grid), cached per device index."""
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
+
+
 @dataclass(frozen=True)
 class _Grouped:
     """What makes the dense kernel a grouped one (see ``_Sm90W4A16Kernel``)."""
@@ -163,8 +187,15 @@ def _compile(cfg: MoEGemmConfig, n: int, k: int, fmt: str, dtype: str, part: str
     def build():
         import cutlass.cute as cute
 
-        kern = G._Sm90W4A16Kernel(cfg.gemm(), gn, gk, fmt, dtype, grouped=grouped)
-        return cute.compile(kern.build(), *kern.fake_args_grouped(), options="--enable-tvm-ffi --gpu-arch sm_90a")
+        if cfg.persistent:
+            from .sm90_moe_persistent import PersistentMoEKernel
+
+            kern = PersistentMoEKernel(cfg, gn, gk, fmt, dtype, grouped.kind, grouped.act, bias, cfg.fused_sum)
+            args = kern.fake_args()
+        else:
+            kern = G._Sm90W4A16Kernel(cfg.gemm(), gn, gk, fmt, dtype, grouped=grouped)
+            args = kern.fake_args_grouped()
+        return cute.compile(kern.build(), *args, options="--enable-tvm-ffi --gpu-arch sm_90a")
 
     return compile_cached("sm90_moe_gemm", __name__, (cfg, n, k, fmt, dtype, part, bias), build)
 
@@ -217,17 +248,34 @@ def compile_kernel(cfg: MoEGemmConfig, n: int, k: int, fmt: str, dtype: str) -> 
             if b is not None and tuple(b.shape) != shape:
                 raise ValueError(f"expected a bias {list(shape)}, got {tuple(b.shape)}")
         t, top_k = topk_ids.shape
-        r = moe_routing(topk_ids, p13.experts, cfg.tile_m, expert_map=expert_map)
-        alloc = torch.zeros if expert_map is not None else torch.empty  # another rank's pairs add nothing
-        y = alloc(t * top_k, k, dtype=tdt, device=x.device)
         if t == 0:
-            return y.view(t, k)
+            return torch.empty(0, k, dtype=tdt, device=x.device)
+        r = moe_routing(topk_ids, p13.experts, cfg.tile_m, expert_map=expert_map)
         xs = x.index_select(0, r.sorted_rows.clamp(min=0) // top_k)
         h = torch.empty(r.sorted_rows.numel(), n // 2, dtype=tdt, device=x.device)
         tw = topk_weights.reshape(-1).float().contiguous()
         (up, b13), (down, b2) = fn(activation, w13_bias, x.device), fn("down", w2_bias, x.device)
-        up(xs, p13.data, p13.alpha, b13, h, r.block_expert, r.sorted_rows, tw, use_pdl)
-        down(h, p2.data, p2.alpha, b2, y, r.block_expert, r.sorted_rows, tw, use_pdl)
+        if cfg.persistent:
+            blocks = r.block_expert.numel()
+            sms = _sm_count(x.device) * max(1, cfg.ctas_per_sm)
+            up_ctas = min(sms, blocks * (G._pad(n) // cfg.tile_n))
+            down_ctas = min(sms, blocks * (G._pad(k) // cfg.tile_n))
+            up(xs, p13.data, p13.alpha, b13, h, r.block_expert, r.sorted_rows, tw, r.num_blocks, top_k, up_ctas,
+               use_pdl)
+            if cfg.fused_sum:  # the down GEMM adds each pair into its token's row
+                out = torch.zeros(t, k, dtype=torch.float32, device=x.device)
+                down(h, p2.data, p2.alpha, b2, out, r.block_expert, r.sorted_rows, tw, r.num_blocks, top_k,
+                     down_ctas, use_pdl)
+                return out.to(tdt)
+        else:
+            up(xs, p13.data, p13.alpha, b13, h, r.block_expert, r.sorted_rows, tw, use_pdl)
+        alloc = torch.zeros if expert_map is not None else torch.empty  # another rank's pairs add nothing
+        y = alloc(t * top_k, k, dtype=tdt, device=x.device)
+        if cfg.persistent:
+            down(h, p2.data, p2.alpha, b2, y, r.block_expert, r.sorted_rows, tw, r.num_blocks, top_k, down_ctas,
+                 use_pdl)
+        else:
+            down(h, p2.data, p2.alpha, b2, y, r.block_expert, r.sorted_rows, tw, use_pdl)
         return y.view(t, top_k, k).sum(1)
 
     return run
