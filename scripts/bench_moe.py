@@ -295,7 +295,9 @@ def derive(r: dict) -> dict:
 def render(doc: dict) -> str:
     rows = [derive(r) for r in doc["rows"]]
     lines = [f"FP4 MoE layers against a bf16 MoE in plain torch. {provenance_line(doc)} Copy bandwidth "
-             f"{doc['copy_bandwidth_tbs']:.2f} TB/s. Times in us (bf16: CUDA graph; autofp4: as marked).", "",
+             f"{doc['copy_bandwidth_tbs']:.2f} TB/s. Times in us (bf16: CUDA graph; autofp4: as marked)."
+             + ("" if not doc.get("runs") else " Rows of more than one run (a row's `run` in the JSON): "
+                + "; ".join(doc["runs"]) + "."), "",
              "| model | EP | fmt | T | hit experts | bf16 | autofp4 | timing | speedup | HBM floor | % of floor | "
              "autofp4 TFLOP/s | bf16 TFLOP/s |",
              "|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
