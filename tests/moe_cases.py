@@ -42,6 +42,23 @@ def replays(graph, x, tw, ti, e, gen, modes=("uniform", "one_expert", "few_exper
         yield mode
 
 
+def check_graph_replays(run, x, p13, p2, w13, w2, tw, ti, e, gen, label=None, tol=2e-2):
+    """Capture one call of ``run`` (a compiled MoE layer, SiLU) in a CUDA graph, replay it on
+    each routing of :func:`replays`, and check each output against the reference backend on the
+    same inputs (relative error below ``tol``)."""
+    from autofp4.backends.reference import reference_moe
+
+    run(x, p13, p2, tw, ti, "silu")  # compile and pack outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = run(x, p13, p2, tw, ti, "silu")
+    for mode in replays(g, x, tw, ti, e, gen):
+        torch.cuda.synchronize()
+        want = reference_moe(x.float(), w13, w2, tw, ti, "silu").float()
+        err = float((out.float() - want).norm() / want.norm())
+        assert err < tol, (label, mode, err)
+
+
 def ep_slice(fmt, gen, e=4, eg=16, h=64, i=32, t=5, rank=1):
     """One rank's slice of an expert-parallel layer on the CPU: ``(x, w13, w2, tw, ti, expert_map)``
     with ``e`` local experts of ``eg``, top-2 ids among all ``eg``."""

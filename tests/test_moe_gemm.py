@@ -19,7 +19,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 from autofp4.backends import get_backend  # noqa: E402
 from autofp4.backends.reference import reference_moe  # noqa: E402
 from autofp4.problem import ProblemKey  # noqa: E402
-from moe_cases import MODELS, experts as _experts, replays, routing  # noqa: E402
+from moe_cases import MODELS, check_graph_replays, experts as _experts, replays, routing  # noqa: E402
 
 G = pytest.importorskip("autofp4.kernels.sm90_moe_gemm")
 from autofp4.kernels import sm90_w4a16_gemm as D  # noqa: E402
@@ -265,14 +265,7 @@ def test_persistent_kernels_replay_in_a_graph_with_changing_routing():
     x, w13, w2, tw, ti = _layer(t, e, k, h, i, "mxfp4", torch.bfloat16, "uniform", gen)
     run = b.compile(PERSISTENT[1], ProblemKey("moe", "mxfp4", "bfloat16", 2 * i, h, e, k))
     p13, p2 = w13.packed(b.name, b.prepare), w2.packed(b.name, b.prepare)
-    run(x, p13, p2, tw, ti, "silu")
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = run(x, p13, p2, tw, ti, "silu")
-    for mode in replays(g, x, tw, ti, e, gen):
-        torch.cuda.synchronize()
-        want = reference_moe(x.float(), w13, w2, tw, ti, "silu").float()
-        assert _err(out, want) < 2e-2, mode
+    check_graph_replays(run, x, p13, p2, w13, w2, tw, ti, e, gen, PERSISTENT[1])
 
 
 def _torch_moe(x, w13, w2, tw, ti, b13, b2):

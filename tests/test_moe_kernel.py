@@ -20,7 +20,7 @@ import autofp4  # noqa: E402
 from autofp4.backends import get_backend  # noqa: E402
 from autofp4.backends.reference import reference_moe  # noqa: E402
 from autofp4.problem import ProblemKey  # noqa: E402
-from moe_cases import MODELS, experts as _experts, replays, routing as _routing  # noqa: E402
+from moe_cases import MODELS, check_graph_replays, experts as _experts, replays, routing as _routing  # noqa: E402
 
 M = pytest.importorskip("autofp4.kernels.w4a16_moe")
 from autofp4.kernels import w4a16_decode as D  # noqa: E402
@@ -247,16 +247,7 @@ def test_dependent_launch_under_graph_replay_matches_the_reference(fmt):
             M.MoEDecodeConfig(m_block=16, warps=4, k_split=2, k_warps=2, pdl=True))
     for cfg in cfgs:
         assert b.is_valid(cfg, key) is None, cfg
-        run = b.compile(cfg, key)
-        run(x, p13, p2, tw, ti, "silu")  # compile outside the capture
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = run(x, p13, p2, tw, ti, "silu")
-        for mode in replays(g, x, tw, ti, e, gen):
-            torch.cuda.synchronize()
-            want = reference_moe(x.float(), w13, w2, tw, ti, "silu").float()
-            err = float((out.float() - want).norm() / want.norm())
-            assert err < 2e-2, (cfg, mode, err)
+        check_graph_replays(b.compile(cfg, key), x, p13, p2, w13, w2, tw, ti, e, gen, cfg)
 
 
 def _configs_match_the_reference(fmt, t, e, k, h, i, seed, cfgs, all_valid: bool) -> int:

@@ -19,7 +19,10 @@ into the ``wgmma`` register operand, ``x`` by TMA into the shared-memory operand
   atomics): results agree to fp32 rounding, not bit for bit.
 
 The tile's data layout, the decode and the epilogue's fragment walk are those documented in
-:mod:`.sm90_w4a16_gemm`.
+:mod:`.sm90_w4a16_gemm`, whose kernel traces them inline: this module repeats that decode loop
+and fragment walk rather than moving them into shared helpers, because any edit of that module
+retires its 165 tuned rows (dense GEMM and grouped MoE) unless every compiled kernel is proven
+byte-identical; share them when those rows are next re-tuned.
 """
 from __future__ import annotations
 
