@@ -414,7 +414,9 @@ def _moe_gemm_default(n: int, k: int, fmt: str, dtype: str, per_expert: float):
 def moe_seeds(n: int, k: int, fmt: str, dtype: str, experts: int, topk: int, m: int | None = None) -> list[Any]:
     """Grouped-GEMM configs next to the default where a hit expert gets enough pairs: token
     blocks of 16 or 32 where they fit the pairs per expert, the other token block, the other
-    raster, 128-deep K tiles, 256-row weight tiles; else the warp-level kernel's seeds."""
+    raster, 128-deep K tiles, 256-row weight tiles, two CTAs of one warpgroup per SM, the
+    persistent kernels (with and without the fused top-k sum), and below 16 pairs per expert the
+    warp-level kernel in 16-row blocks; else the warp-level kernel's seeds."""
     from dataclasses import replace
 
     per_expert = _pairs_per_expert(experts, topk, m)
