@@ -560,6 +560,27 @@ def user_db_path() -> Path:
     return Path(default_db_path())
 
 
+_WARNED_PATHS: set[Path] = set()
+_NOT_DIRS: set[Path] = set()  # the files in the way of a warned DB path (its misses file is not written)
+
+
+def _warn_unusable_db_path(path: Path) -> None:
+    """Warn once per path when the user DB cannot exist where it is named: its nearest existing
+    ancestor is not a directory (``AUTOFP4_DB=/etc/hostname/t.db``), so no row is read from it
+    and none can be stored or tuned into it."""
+    if path in _WARNED_PATHS:
+        return
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                _WARNED_PATHS.add(path)
+                _NOT_DIRS.add(parent)
+                warnings.warn(f"autofp4: the tuning DB {path} cannot exist: {parent} is not a directory; "
+                              "no tuned rows are read from it and none can be stored (set AUTOFP4_DB to a "
+                              "file in a directory)", RuntimeWarning, stacklevel=4)
+            return
+
+
 def misses_path() -> Path:
     """The misses file next to the user DB (``<db>.misses.json``)."""
     return user_db_path().with_suffix(".misses.json")
@@ -567,6 +588,8 @@ def misses_path() -> Path:
 
 def _flush_all() -> None:
     for d in list(_PENDING):
+        if d.misses_file is not None and _NOT_DIRS.intersection(Path(d.misses_file).parents):
+            continue  # its DB path was warned about: no second warning at exit
         try:
             d.flush_misses()
         except Exception as e:  # never fail interpreter exit
@@ -601,6 +624,7 @@ def get_dispatcher(device: torch.device | str | int | None = None) -> Dispatcher
 
             env = current_environment(dev)
             db_path = user_db_path()
+            _warn_unusable_db_path(db_path)
 
             def rows_for(key: ProblemKey, env: Any = env, db_path: Path = db_path) -> list[Any]:
                 return load_layers(env, user_path=db_path, problem=key)

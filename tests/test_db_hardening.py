@@ -1002,6 +1002,31 @@ def test_directory_as_database(tmp_path):
     assert got.kind == "clear", got
 
 
+def test_a_user_db_under_a_regular_file_is_warned_about_once(tmp_path):
+    """``AUTOFP4_DB`` under a regular file (``/etc/hostname/t.db``) cannot exist: the first
+    dispatcher says so, naming the file in the way; a second one does not repeat it; a DB path in
+    a directory that does not exist yet is not warned about (tuning creates it)."""
+    import torch
+
+    from autofp4 import dispatch
+
+    blocker = tmp_path / "hostname"
+    blocker.write_text("myhost\n")
+    try:
+        for path, warned in ((blocker / "t.db", True), (blocker / "t.db", False),
+                             (tmp_path / "new" / "dir" / "t.db", False)):
+            dispatch.set_db(path)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                dispatch.get_dispatcher(torch.device("cpu"))
+            msgs = [str(w.message) for w in seen if "cannot exist" in str(w.message)]
+            assert len(msgs) == (1 if warned else 0), (path, msgs)
+            if warned:
+                assert str(blocker) in msgs[0] and "not a directory" in msgs[0]
+    finally:
+        dispatch.set_db(None)
+
+
 # --------------------------------------------------------------------------------------
 # the chunked reader reads what json.loads reads
 # --------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,30 @@ def test_background_call_returns_at_once_and_the_row_is_used_without_restart(_ow
     assert (row.m_bucket, row.origin) == (8, "jit")
     assert first_s < 1.0, f"the first call took {first_s:.2f} s"
     assert _rel_err(y, x, w) < 1e-2
+
+
+def test_a_worker_that_cannot_open_its_db_says_why_once_and_is_not_started_again(tmp_path):
+    """The user DB's path lies under a regular file: the worker cannot open it, tells its parent
+    why and exits; the parent warns once (naming the cause), does not start it again, and every
+    call runs untuned with correct results, in far less time than restarts would take."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    dispatch.set_db(blocker / "t.db")
+    w = _weight(KEY.n, KEY.k)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with autofp4.autotune(mode="blocking", budget_s=1.0):
+            ys = [(x, autofp4.linear(x, w)) for x in (_act(m, KEY.k, seed=m) for m in (1, 2, 4, 8, 16))]
+            assert not autofp4.autotune.wait(30)  # the jobs were dropped, not tuned
+            (worker,) = jit.active().workers.values()
+            assert worker.restarts == 0 and worker.fatal is not None
+    took = time.perf_counter() - t0
+    fatal = [str(m.message) for m in seen if "just-in-time tuning is off" in str(m.message)]
+    assert len(fatal) == 1 and "a-file" in fatal[0], [str(m.message) for m in seen]
+    assert took < 30, took
+    for x, y in ys:
+        assert _rel_err(y, x, w) < 1e-2
 
 
 def test_a_job_whose_candidates_all_fail_stores_the_failures_and_the_default_keeps_running(monkeypatch, _own_db):

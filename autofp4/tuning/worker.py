@@ -7,7 +7,10 @@ parent's CUDA context and main module stay out of it. A job another process hold
 is answered ``busy`` (not final) and taken up again every :data:`RETRY_S` until that process is
 done with it; it then finds that process's row and ends ``skipped``. When its stdin closes (the
 parent closed it, or died) the worker finishes the job in flight and exits. A killed worker
-loses only the job in flight: every row and trial is one SQLite transaction.
+loses only the job in flight: every row and trial is one SQLite transaction. A worker that
+cannot start its tuner (its DB cannot be opened or is not an autofp4 DB, a bad setting) says why
+in a ``fatal`` line and exits: that cannot change by starting it again, so the parent warns once
+and drops the jobs instead of restarting it.
 """
 from __future__ import annotations
 
@@ -149,8 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     if s.get("nice"):  # below the workload on the CPU too (the compile workers inherit it)
         os.nice(s["nice"])
     out = os.fdopen(s["fd"], "w", encoding="utf-8")
-    tuner = OnlineTuner(s["device"], s["db"], s["budget_s"], list(s["backends"] or ()) or None, s.get("workers"),
-                        duty=s["duty"], compile_grace_s=s.get("compile_grace_s"))
+    try:
+        tuner = OnlineTuner(s["device"], s["db"], s["budget_s"], list(s["backends"] or ()) or None, s.get("workers"),
+                            duty=s["duty"], compile_grace_s=s.get("compile_grace_s"))
+    except Exception as e:  # noqa: BLE001 - whatever stops the tuner from starting stops every restart too
+        out.write(json.dumps({"fatal": f"{type(e).__name__}: {e}"}) + "\n")
+        out.flush()
+        return 3
     try:
         serve(tuner, _inbox(sys.stdin), out)
     finally:
@@ -186,6 +194,8 @@ class WorkerClient:
         self.status: dict[int, str] = {}  # the latest status of each job
         self.reports: dict[int, dict[str, Any]] = {}  # the final report of each job (see _report)
         self.restarts = 0
+        self.fatal: str | None = None  # why the worker could not start (it is not started again)
+        self._reading = False  # a reader thread is on the current worker's status pipe
         self._ids = itertools.count()
         self._cv = threading.Condition()
 
@@ -196,8 +206,10 @@ class WorkerClient:
     def submit(self, job: Job) -> int:
         """Send ``job`` (returns at once); its id."""
         with self._cv:
-            self._ensure()
+            live = self._ensure()
             i = next(self._ids)
+            if not live and self.fatal is not None:
+                return i  # just-in-time tuning is off (warned once): the job is dropped
             self.pending[i] = job
             self._send(i, job)
         return i
@@ -214,8 +226,8 @@ class WorkerClient:
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every job sent has its final status; False after ``timeout`` seconds, or
-        when a worker that kept dying was given up (its jobs dropped)."""
-        return self._wait(lambda: not self.pending, timeout)
+        when a worker that kept dying was given up or cannot start (its jobs dropped)."""
+        return self._wait(lambda: not self.pending, timeout) and self.fatal is None
 
     def _wait(self, done: Callable[[], bool], timeout: float | None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout
@@ -232,6 +244,14 @@ class WorkerClient:
         when it died once more than :data:`MAX_RESTARTS` allow (the unfinished jobs dropped)."""
         if self.proc is not None and self.proc.poll() is None:
             return True
+        if self.proc is not None:
+            self._cv.wait_for(lambda: not self._reading, timeout=5.0)  # its last lines (a fatal one) read
+        if self.fatal is not None:
+            if self.pending:
+                warnings.warn(f"autofp4: just-in-time tuning is off: its worker cannot start ({self.fatal}); "
+                              f"{len(self.pending)} jobs not tuned", RuntimeWarning, stacklevel=4)
+                self.pending.clear()
+            return False
         if self.proc is not None:
             if self.restarts >= MAX_RESTARTS:
                 if self.pending:
@@ -256,6 +276,7 @@ class WorkerClient:
             )
         finally:
             os.close(w)
+        self._reading = True
         threading.Thread(target=self._read, args=(os.fdopen(r, encoding="utf-8"),), daemon=True).start()
 
     def _read(self, stream: IO[str]) -> None:
@@ -263,6 +284,9 @@ class WorkerClient:
             for line in stream:
                 msg = json.loads(line)
                 with self._cv:
+                    if "fatal" in msg:
+                        self.fatal = msg["fatal"]
+                        continue
                     self.status[msg["id"]] = msg["status"]
                     if msg["final"]:
                         job = self.pending.pop(msg["id"], None)
@@ -271,6 +295,7 @@ class WorkerClient:
                                                        **msg.get("report", {})}
                     self._cv.notify_all()
         with self._cv:  # the worker ended
+            self._reading = False
             self._cv.notify_all()
 
     def _send(self, i: int, job: Job) -> None:
