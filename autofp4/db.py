@@ -55,6 +55,9 @@ from .schema import (
 )
 
 BUSY_TIMEOUT_S = 30.0
+#: how long a read-only connection (the dispatcher's lookups, ``db list``) waits on a lock; in WAL
+#: mode writers never block readers, so only another program's exclusive lock makes it wait
+READ_BUSY_TIMEOUT_S = 2.0
 MAX_IMPORT_BYTES = 256 * 2**20
 #: an export is read this many bytes at a time
 READ_CHUNK_BYTES = 2**20
@@ -790,7 +793,7 @@ class TuningDB:
                     raise TuningDBError(f"no tuning database at {self.path}")
                 conn = sqlite3.connect(
                     self.path.resolve().as_uri() + ("?mode=ro&immutable=1" if immutable else "?mode=ro"),
-                    uri=True, timeout=BUSY_TIMEOUT_S,
+                    uri=True, timeout=READ_BUSY_TIMEOUT_S,
                 )
             else:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -801,7 +804,7 @@ class TuningDB:
             raise TuningDBError(f"cannot open tuning database {self.path}: {e}") from None
         self._conn = conn
         try:
-            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+            conn.execute(f"PRAGMA busy_timeout = {int((READ_BUSY_TIMEOUT_S if readonly else BUSY_TIMEOUT_S) * 1000)}")
             self._db = sqlite_utils.Database(conn)
             self._setup(readonly)
         except BaseException:
@@ -835,13 +838,16 @@ class TuningDB:
                 return (f"cannot read {self.path}: it has a write-ahead log ({self.path.name}-wal) that needs "
                         f"an index file next to it, and its folder {folder} is not writable ({e})")
             return _readonly_message(self.path, e)
+        if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+            wait = READ_BUSY_TIMEOUT_S if self.readonly else BUSY_TIMEOUT_S
+            return f"{self.path} is locked by another connection (waited {wait:g} s): {e}"
         return f"{self.path} is not a readable tuning database: {e}"
 
     def _setup(self, readonly: bool) -> None:
         """Check the file, switch it to WAL, migrate. Two processes opening a new file at the
         same moment can get "database is locked" here without the busy handler being consulted
         (switching the journal mode, initialising the WAL index): retried until the timeout."""
-        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        deadline = time.monotonic() + (READ_BUSY_TIMEOUT_S if readonly else BUSY_TIMEOUT_S)
         delay = 0.005
         while True:
             try:
@@ -1383,7 +1389,7 @@ class ChangeMonitor:
                     if not self.path.is_file():
                         return False
                     self._conn = sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True,
-                                                 timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+                                                 timeout=READ_BUSY_TIMEOUT_S, check_same_thread=False)
                 version = self._conn.execute("PRAGMA data_version").fetchone()[0]
             except sqlite3.Error:  # unreadable now: not a change (the next look opens it again)
                 self.close()

@@ -1002,6 +1002,40 @@ def test_directory_as_database(tmp_path):
     assert got.kind == "clear", got
 
 
+def test_a_user_db_under_another_connections_exclusive_lock_is_skipped_within_seconds(tmp_path):
+    """Another connection holds the user DB under an exclusive lock: the dispatcher's lookup waits
+    ``READ_BUSY_TIMEOUT_S`` (not the writers' 30 s), then skips the layer with a warning that
+    says it is locked and names it; the call runs its default."""
+    import time
+
+    import torch
+
+    from autofp4 import dispatch
+    from autofp4.db import READ_BUSY_TIMEOUT_S, TuningDB
+    from autofp4.problem import ProblemKey
+
+    path = tmp_path / "held.db"
+    TuningDB(path).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        dispatch.set_db(path)
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            backend, _ = dispatch.get_dispatcher(torch.device("cpu")).pick(
+                ProblemKey("linear", "nvfp4", "bfloat16", 256, 128), 4)
+        took = time.perf_counter() - t0
+    finally:
+        holder.close()
+        dispatch.set_db(None)
+    msgs = [str(w.message) for w in seen if "locked" in str(w.message)]
+    assert msgs and str(path) in msgs[0] and "locked by another connection" in msgs[0], [str(w.message) for w in seen]
+    assert READ_BUSY_TIMEOUT_S <= took < READ_BUSY_TIMEOUT_S + 5, took
+    assert backend.name == "reference"
+
+
 def test_a_user_db_under_a_regular_file_is_warned_about_once(tmp_path):
     """``AUTOFP4_DB`` under a regular file (``/etc/hostname/t.db``) cannot exist: the first
     dispatcher says so, naming the file in the way; a second one does not repeat it; a DB path in
