@@ -99,6 +99,9 @@ def add_db_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--stale", action="store_true",
                    help="delete the results measured with an older source of their kernel (never used; "
                         "a re-tune tries their winners first, so prune them after re-tuning)")
+    p.add_argument("--unused-buckets", action="store_true",
+                   help="delete the results of M buckets the dispatcher never looks up (e.g. tuned with an "
+                        "--m above 8192 by an older autofp4); import and merge refuse such rows")
 
     db.set_defaults(func=run_db)
     return db
@@ -365,11 +368,12 @@ def _cmd_prune(args: argparse.Namespace, out: TextIO) -> int:
     env_key = _env_key(args.env)
     others = (args.older_than_days is not None or env_key is not None or args.keep_current_env_only
               or args.failed_trials)
-    if not others and not args.stale:
+    alone = [f"--{n.replace('_', '-')}" for n in ("stale", "unused_buckets") if getattr(args, n)]
+    if not others and not alone:
         raise UsageError("prune needs at least one of --older-than-days, --env, "
-                         "--keep-current-env-only, --failed-trials, --stale")
-    if args.stale and others:
-        raise UsageError("prune --stale takes no other criterion")
+                         "--keep-current-env-only, --failed-trials, --stale, --unused-buckets")
+    if alone and (others or len(alone) > 1):
+        raise UsageError(f"prune {alone[0]} takes no other criterion")
     if args.older_than_days is not None and not args.older_than_days >= 0:
         raise UsageError(f"--older-than-days must be >= 0, got {args.older_than_days}")
     with _open(args, write=True) as db:
@@ -377,6 +381,10 @@ def _cmd_prune(args: argparse.Namespace, out: TextIO) -> int:
             from .dispatch import row_is_stale
 
             n = db.delete_results(r for r in db.results() if row_is_stale(r))
+        elif args.unused_buckets:
+            from .db import unused_bucket
+
+            n = db.delete_results(r for r in db.results() if unused_bucket(r))
         else:
             n = db.prune(older_than_days=args.older_than_days, env_key=env_key,
                          keep_current_env_only=args.keep_current_env_only, failed_trials=args.failed_trials)

@@ -307,7 +307,7 @@ def _key_dict(rec: TuningRecord) -> dict[str, Any]:
     return dict(zip(_UNIQUE, rec.unique_key()))
 
 
-def _unused_bucket(rec: TuningRecord) -> str | None:
+def unused_bucket(rec: TuningRecord) -> str | None:
     """Why the dispatcher never runs ``rec`` (None: it runs it for some M).
 
     A call with M tokens runs the row of the nearest tuned bucket at or above M if that bucket
@@ -331,12 +331,14 @@ def _unused_bucket(rec: TuningRecord) -> str | None:
 def _check_m_buckets(source: str, recs: list[TuningRecord]) -> None:
     """:class:`TuningFileError` for the first record of ``recs`` that the dispatcher would never run."""
     for i, rec in enumerate(recs):
-        why = _unused_bucket(rec)
+        why = unused_bucket(rec)
         if why is not None:
-            n = sum(_unused_bucket(r) is not None for r in recs)
+            n = sum(unused_bucket(r) is not None for r in recs)
             raise TuningFileError(
                 f"{source}: record #{i} ({rec.describe()}) field m_bucket: {why}"
                 + (f"; {n} records like this" if n > 1 else "")
+                + "; `autofp4 db prune --unused-buckets --db <database>` deletes such rows from the database "
+                "they were exported from"
             )
 
 

@@ -568,6 +568,35 @@ def test_import_refuses_dead_m_buckets(tmp_path):
         assert (rc == 0) == served, err
 
 
+def test_rows_of_unused_buckets_in_an_older_db_are_named_and_pruned(tmp_path):
+    """A database an older autofp4 tuned with ``--m 10000`` holds a row of a bucket the
+    dispatcher never looks up: merging it (or importing its export) is refused with the way out
+    named; ``db prune --unused-buckets`` deletes exactly those rows, after which the merge takes
+    every other row."""
+    rng = random.Random(SEED)
+    doc = valid_doc(rng, 6)
+    src = tmp_path / "old.db"
+    assert cli("import", _write(tmp_path / "good.json", dumps(doc)), "--db", src)[0] == 0
+    dead = rng.randrange(6)
+    with contextlib.closing(sqlite3.connect(src)) as c, c:
+        c.execute("UPDATE results SET m_bucket = 10000 WHERE n = ?", (doc["records"][dead]["n"],))
+    target = _target(tmp_path / "t")
+    before = _snapshot(target)
+    rc, _, err = cli("merge", src, "--db", target)
+    assert rc == 2 and "10000" in err and "prune --unused-buckets" in err, err
+    assert _snapshot(target) == before
+    rc, out, err = cli("prune", "--unused-buckets", "--db", src)
+    assert rc == 0 and "deleted 1 rows" in out, (out, err)
+    with contextlib.closing(sqlite3.connect(src)) as c:
+        left = {n for (n,) in c.execute("SELECT n FROM results")}
+    assert left == {r["n"] for i, r in enumerate(doc["records"]) if i != dead}
+    rc, out, err = cli("merge", src, "--db", target)
+    assert rc == 0, err
+    with contextlib.closing(sqlite3.connect(target)) as c:
+        assert left <= {n for (n,) in c.execute("SELECT n FROM results")}
+    assert cli("prune", "--unused-buckets", "--stale", "--db", src)[0] == 2  # one criterion alone
+
+
 # --------------------------------------------------------------------------------------
 # size bombs: rejected before they allocate much
 # --------------------------------------------------------------------------------------
