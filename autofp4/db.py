@@ -856,6 +856,7 @@ class TuningDB:
                 # Reading the schema fails here on a file that is not an SQLite database.
                 self._conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
                 if not readonly:
+                    self._refuse_before_writing()
                     self._db.enable_wal()
                     self._conn.execute("PRAGMA synchronous = NORMAL")
                 self._migrate()
@@ -904,6 +905,22 @@ class TuningDB:
             raise TuningDBError(_readonly_message(self.path, e)) from None
 
     # -- schema -----------------------------------------------------------------------
+    def _refuse_before_writing(self) -> None:
+        """Before the first write to a file opened writable (its switch to WAL): refuse a newer
+        schema, and any file with tables besides ``meta`` but no schema version (another
+        program's SQLite database, or tables autofp4 did not make), so that such a file is left
+        byte for byte."""
+        version = self._version_now()
+        if version > SCHEMA_VERSION:
+            raise TuningDBError(
+                f"{self.path} has schema version {version}, newer than this autofp4 supports "
+                f"({SCHEMA_VERSION}); upgrade autofp4"
+            )
+        tables = set(self._db.table_names()) - {"meta"}  # a meta table alone: a first open cut short
+        if version == 0 and tables:
+            raise TuningDBError(f"{self.path} is not an autofp4 tuning database (it holds the tables "
+                                f"{', '.join(sorted(tables)[:5])} and no schema version); it is left as it is")
+
     def _version_now(self) -> int:
         if "meta" not in self._db.table_names():
             return 0

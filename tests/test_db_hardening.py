@@ -1031,6 +1031,34 @@ def test_directory_as_database(tmp_path):
     assert got.kind == "clear", got
 
 
+@pytest.mark.parametrize("what", ["foreign", "newer"])
+def test_writing_commands_leave_a_foreign_or_newer_db_byte_for_byte(tmp_path, what):
+    """``db import`` / ``merge`` / ``prune`` into another program's SQLite file (tables, no schema
+    version) or into a DB of a newer schema: refused naming the file and why, before anything is
+    written (the journal mode too: no switch to WAL, no -wal file)."""
+    from autofp4.db import TuningDB
+
+    path = tmp_path / f"{what}.db"
+    if what == "foreign":
+        with contextlib.closing(sqlite3.connect(path)) as c, c:
+            c.execute("CREATE TABLE notes (id INTEGER PRIMARY KEY, text TEXT)")
+            c.execute("INSERT INTO notes (text) VALUES ('keep me')")
+    else:
+        TuningDB(path).close()
+        with contextlib.closing(sqlite3.connect(path)) as c:
+            c.execute("PRAGMA journal_mode = DELETE")
+            with c:
+                c.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    before = path.read_bytes()
+    good = _write(tmp_path / "good.json", dumps(valid_doc(random.Random(SEED), 2)))
+    expect = "not an autofp4 tuning database" if what == "foreign" else "newer than this autofp4"
+    for argv in (("import", good), ("merge", good), ("prune", "--failed-trials")):
+        rc, _, err = cli(*argv, "--db", path)
+        assert rc == 2 and str(path) in err and expect in err, (argv, rc, err)
+        assert path.read_bytes() == before, argv
+        assert not Path(f"{path}-wal").exists(), argv
+
+
 def test_a_user_db_under_another_connections_exclusive_lock_is_skipped_within_seconds(tmp_path):
     """Another connection holds the user DB under an exclusive lock: the dispatcher's lookup waits
     ``READ_BUSY_TIMEOUT_S`` (not the writers' 30 s), then skips the layer with a warning that
