@@ -41,6 +41,8 @@ __all__ = [
     "tune",
     "autotune",
     "from_pretrained",
+    "save_pretrained",
+    "quantize_checkpoint",
     "register_transformers",
     "transformers_config",
 ]
@@ -70,6 +72,14 @@ def __getattr__(name: str):
         from .integrations.checkpoints import from_pretrained
 
         return from_pretrained
+    if name == "save_pretrained":
+        from .integrations.writer import save_pretrained
+
+        return save_pretrained
+    if name == "quantize_checkpoint":
+        from .integrations.quantize_checkpoint import quantize_checkpoint
+
+        return quantize_checkpoint
     if name == "transformers_config":
         from .integrations.hf_quantizer import transformers_config
 

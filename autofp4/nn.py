@@ -422,7 +422,23 @@ def quantize_model(
             report.add(TensorRecord(n, "linear", tuple(lin.weight.shape), True,
                                     lin.weight.numel() * lin.weight.element_size(), after))
         report.fused[fused_name] = list(names)
+    if report.converted:
+        _mark_transformers_model(model)
     return report
+
+
+def _mark_transformers_model(model: nn.Module) -> None:
+    """A converted transformers model is marked quantized by autofp4 (its ``save_pretrained``
+    then points to :func:`autofp4.save_pretrained`); transformers is not imported here if the
+    program has not imported it."""
+    import sys
+
+    tf = sys.modules.get("transformers")
+    if tf is None or not any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
+        return
+    from .integrations.hf_quantizer import mark_quantized
+
+    mark_quantized(model)
 
 
 def _skip_reason(name: str, lin: nn.Linear, fmt: str, patterns, keep: Mapping[str, str]) -> Optional[str]:

@@ -4,7 +4,7 @@ Used by :func:`autofp4.from_pretrained`. transformers (5.x) holds each MoE layer
 one module (``<block>.experts``) with stacked parameters; checkpoints store them in one of these
 layouts, read straight into the stacked FP4 buffers (no high-precision copy is made):
 
-ModelOpt NVFP4 / compressed-tensors NVFP4, one linear per expert and projection:
+ModelOpt NVFP4 / compressed-tensors NVFP4 or MXFP4, one linear per expert and projection:
     ``<block>.experts.<e>.{gate_proj,up_proj,down_proj}.<tensors>`` (Qwen3-MoE, DeepSeek-V3) or
     ``<block>.experts.<e>.{w1,w3,w2}.<tensors>`` (Mixtral; its blocks are stored as
     ``block_sparse_moe``), with the tensors of one NVFP4 linear of the format (see
@@ -80,7 +80,7 @@ def _stack(ws: list[FP4Weight]) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
             torch.stack([w.global_scale.reshape(()) for w in ws]))
 
 
-def _nvfp4_experts(read: "Readers", t: "_Tensors", scheme: "_Scheme", name: str, names: tuple[str, str, str],
+def _per_expert_experts(read: "Readers", t: "_Tensors", scheme: "_Scheme", name: str, names: tuple[str, str, str],
                    e: int, two_i: int, h: int) -> tuple[FP4Weight, FP4Weight]:
     i = two_i // 2
     per = [[_check(read.fp4_weight(t, scheme, f"{name}.{x}.{p}"), shape, f"{name}.{x}.{p}") for x in range(e)]
@@ -90,6 +90,10 @@ def _nvfp4_experts(read: "Readers", t: "_Tensors", scheme: "_Scheme", name: str,
             for k in ("input_scale", "input_global_scale"):
                 if f"{name}.{x}.{p}.{k}" in t:
                     t.used.add(f"{name}.{x}.{p}.{k}")
+    if scheme.fmt == "mxfp4":  # compressed-tensors MXFP4: no global scales to reconcile
+        gate, up, down = ([torch.stack([getattr(w, f) for w in ws]) for f in ("data", "scale")] for ws in per)
+        w13 = FP4Weight("mxfp4", torch.cat((gate[0], up[0]), 1), torch.cat((gate[1], up[1]), 1), check_values=False)
+        return w13, FP4Weight("mxfp4", down[0], down[1], check_values=False)
     w13 = fuse_modelopt([_stack(per[0]), _stack(per[1])])
     d, s, g = _stack(per[2])
     w2 = FP4Weight("nvfp4", d, s, g, check_values=False)
@@ -145,14 +149,14 @@ def load_experts(model: nn.Module, t: "_Tensors", scheme: "_Scheme", dtype: torc
         why = _layout_problem(module)
         if why:
             raise NotImplementedError(f"{_WHAT}: {name!r} ({type(module).__name__}): {why}")
-        fmt = "mxfp4" if scheme.method == "mxfp4" else "nvfp4"
+        fmt = scheme.fmt
         if h % BLOCK_SIZE[fmt] or (two_i // 2) % BLOCK_SIZE[fmt]:
             raise ValueError(f"{_WHAT}: {name!r}: hidden {h} and intermediate {two_i // 2} must be multiples of "
                              f"{fmt}'s block size {BLOCK_SIZE[fmt]}")
-        if fmt == "mxfp4":
+        if scheme.method == "mxfp4":
             w13, w2, b13, b2 = _mxfp4_experts(read, t, name, e, two_i, h, dtype)
         else:
-            (w13, w2), b13, b2 = _nvfp4_experts(read, t, scheme, name, names, e, two_i, h), None, None
+            (w13, w2), b13, b2 = _per_expert_experts(read, t, scheme, name, names, e, two_i, h), None, None
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, FP4Experts(w13, w2, _activation(module), b13, b2))

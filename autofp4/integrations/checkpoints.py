@@ -14,12 +14,13 @@ or ``config.json`` ``quantization_config`` with ``"quant_method": "modelopt"``, 
     ``exclude_modules`` (or ``ignore``) holds glob patterns (``"lm_head"``, ``"*.mlp.gate"``); a
     pattern also covers the modules below the one it names.
 
-compressed-tensors ``nvfp4-pack-quantized`` (``quantization_config`` with ``"quant_method": "compressed-tensors"``):
+compressed-tensors ``nvfp4-pack-quantized`` or ``mxfp4-pack-quantized`` (``quantization_config`` with ``"quant_method": "compressed-tensors"``):
     ``<name>.weight_packed`` uint8 [N, K/2] (same packing), ``<name>.weight_scale`` float8_e4m3fn
     [N, K/16], ``<name>.weight_global_scale`` fp32 scalar in the reciprocal convention
     (value = e2m1 * weight_scale / weight_global_scale), ``<name>.input_global_scale`` (optional,
     also a reciprocal). ``config_groups[*].targets`` and ``ignore`` entries are module names,
-    class names (``"Linear"``) or ``"re:<regex>"`` (matched from the start of the name).
+    class names (``"Linear"``) or ``"re:<regex>"`` (matched from the start of the name). MXFP4:
+    ``<name>.weight_packed`` and ``<name>.weight_scale`` uint8 E8M0 [N, K/32], no global scale.
 
 gpt-oss MXFP4 (``quantization_config`` with ``"quant_method": "mxfp4"``): the routed experts only
     (``<block>.experts.{gate_up,down}_proj_{blocks,scales}``); ``modules_to_not_convert`` entries are
@@ -59,7 +60,7 @@ from .checkpoint_experts import Readers, load_experts
 __all__ = ["from_pretrained", "from_compressed_tensors"]
 
 _WHAT = "autofp4.from_pretrained"
-_CT_FORMAT = "nvfp4-pack-quantized"
+_CT_FORMATS = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
 # (model name part, stored name part) by config.model_type
 _RENAMES = {"mixtral": [(".mlp.", ".block_sparse_moe.")]}
 
@@ -208,6 +209,7 @@ class _Scheme:
     targets: Optional[list[str]] = None  # None: every linear
     source: str = ""
     renames: tuple[tuple[str, str], ...] = ()  # (model name part, stored name part)
+    fmt: str = "nvfp4"  # the FP4 format of the quantized tensors
 
     def _match(self, pattern: str, name: str, cls: str) -> bool:
         if self.method == "modelopt":
@@ -269,21 +271,28 @@ def _ct_scheme(q: Mapping, source: str) -> _Scheme:
     if not isinstance(groups, dict) or not groups:
         raise ValueError(f"{_WHAT}: {source}: compressed-tensors needs 'config_groups', got {groups!r}")
     targets: list[str] = []
+    fmts = set()
     for gname, g in groups.items():
         if not isinstance(g, dict):
             raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}] must be an object, got {g!r}")
         fmt = g.get("format") or q.get("format")
-        if fmt != _CT_FORMAT:
+        if fmt not in _CT_FORMATS:
             raise ValueError(
                 f"{_WHAT}: {source}: compressed-tensors format {fmt!r} (group {gname!r}) is not supported "
-                f"(only {_CT_FORMAT!r})"
+                f"(only {' or '.join(repr(f) for f in _CT_FORMATS)})"
             )
+        fmts.add(_CT_FORMATS[fmt])
         w = g.get("weights") or {}
-        for k, want in (("num_bits", 4), ("type", "float"), ("group_size", 16)):
+        bs = 16 if _CT_FORMATS[fmt] == "nvfp4" else 32
+        for k, want in (("num_bits", 4), ("type", "float"), ("group_size", bs)):
             if k in w and w[k] != want:
-                raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}].weights.{k} is {w[k]!r}, NVFP4 needs {want!r}")
+                raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}].weights.{k} is {w[k]!r}, "
+                                 f"{_CT_FORMATS[fmt]} needs {want!r}")
         targets += _str_list(g.get("targets"), f"{source} config_groups[{gname!r}].targets")
-    return _Scheme("compressed-tensors", _str_list(q.get("ignore"), f"{source} ignore"), targets, source)
+    if len(fmts) > 1:
+        raise ValueError(f"{_WHAT}: {source}: config groups in both NVFP4 and MXFP4; autofp4 reads one format a checkpoint")
+    return _Scheme("compressed-tensors", _str_list(q.get("ignore"), f"{source} ignore"), targets, source,
+                   fmt=fmts.pop())
 
 
 def _scheme(root: Path, config: Mapping) -> _Scheme:
@@ -323,10 +332,11 @@ def _scheme(root: Path, config: Mapping) -> _Scheme:
         return _ct_scheme(qc, "config.json quantization_config")
     if method == "mxfp4":
         src = "config.json quantization_config"
-        return _Scheme("mxfp4", _str_list(qc.get("modules_to_not_convert"), f"{src} modules_to_not_convert"), [], src)
+        return _Scheme("mxfp4", _str_list(qc.get("modules_to_not_convert"), f"{src} modules_to_not_convert"), [], src,
+                       fmt="mxfp4")
     raise ValueError(
         f"{_WHAT}: unknown quant_method {method!r} in config.json quantization_config; supported: "
-        f"'modelopt' (quant_algo NVFP4), 'compressed-tensors' (format {_CT_FORMAT!r}) and 'mxfp4' "
+        f"'modelopt' (quant_algo NVFP4), 'compressed-tensors' (formats {', '.join(map(repr, _CT_FORMATS))}) and 'mxfp4' "
         "(gpt-oss experts)"
     )
 
@@ -379,6 +389,15 @@ def _fp4_weight(t: _Tensors, scheme: _Scheme, name: str) -> FP4Weight:
         if w.fmt != "nvfp4" or w.experts:
             raise ValueError(f"{_WHAT}: {name!r} is not a 2-D ModelOpt NVFP4 weight (found {w.fmt} {tuple(w.shape)})")
         return w
+    if scheme.fmt == "mxfp4":
+        keys = [f"{name}.weight_packed", f"{name}.weight_scale"]
+        for k in keys:
+            if k not in t:
+                raise KeyError(f"{_WHAT}: {keys[0]!r} is stored but {k!r} is missing")
+        packed, scale = t[keys[0]], t[keys[1]]
+        if isinstance(scale, torch.Tensor) and isinstance(packed, torch.Tensor):
+            scale = scale.to(packed.device)
+        return FP4Weight._build("mxfp4", packed, scale, what=_WHAT, labels={"data": keys[0], "scale": keys[1]})
     keys = [f"{name}.{k}" for k in ("weight_packed", "weight_scale", "weight_global_scale")]
     for k in keys:
         if k not in t:
@@ -392,7 +411,7 @@ def _fp4_linear(t: _Tensors, scheme: _Scheme, name: str, lin: nn.Linear, dtype: 
     w = _fp4_weight(t, scheme, name)
     if (w.n, w.k) != (lin.out_features, lin.in_features):
         raise ValueError(
-            f"{_WHAT}: {name!r} is stored as an NVFP4 weight of shape {tuple(w.shape)} ([N, K]) but the model's "
+            f"{_WHAT}: {name!r} is stored as an FP4 weight of shape {tuple(w.shape)} ([N, K]) but the model's "
             f"config wants [{lin.out_features}, {lin.in_features}] ({scheme.packed_key(name)!r} "
             f"{tuple(w.data.shape)}); checkpoint and config.json do not match"
         )
@@ -601,6 +620,9 @@ def from_pretrained(path: Union[str, Path], device_map: Any = None, dtype: torch
         fuse_projections(model)
     model.to(device)
     model.eval()
+    from .hf_quantizer import mark_quantized
+
+    mark_quantized(model)
     _warn_dense(dense_stored, scheme, dtype)
     unused = sorted(set(t) - t.used)
     if unused:

@@ -43,9 +43,14 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..nn import FP4Buffers, fuse_projections
 from . import checkpoints as _ckpt
 
-__all__ = ["AutoFP4Config", "AutoFP4Quantizer", "transformers_config", "register"]
+__all__ = ["AutoFP4Config", "AutoFP4Quantizer", "transformers_config", "register", "mark_quantized"]
 
 METHOD = "autofp4"
+SAVE_MESSAGE = (
+    "autofp4: transformers' save_pretrained cannot write this model's FP4 layers (it would store them under "
+    "names that load back as random weights); write the checkpoint with autofp4.save_pretrained(model, path, "
+    "layout='modelopt' | 'compressed-tensors' | 'gpt-oss'), which transformers, vLLM and autofp4.from_pretrained load"
+)
 
 
 class AutoFP4Config(QuantizationConfigMixin):
@@ -119,7 +124,9 @@ class AutoFP4Quantizer(HfQuantizer):
         return False
 
     def is_serializable(self, safe_serialization: Any = None) -> bool:
-        return False
+        # transformers calls this before it writes anything: its own writer would store the FP4
+        # buffers under names no loader reads (a checkpoint that loads as random weights)
+        raise ValueError(SAVE_MESSAGE)
 
     @property
     def is_compileable(self) -> bool:
@@ -139,6 +146,18 @@ def transformers_config(path: Union[str, Path], **kwargs: Any):
         own = own.get("checkpoint_config")
     config.quantization_config = {"quant_method": METHOD, "checkpoint_config": own}
     return config
+
+
+def mark_quantized(model: Any) -> None:
+    """Give a transformers model that holds autofp4 layers (converted by ``quantize_model`` or
+    loaded by ``autofp4.from_pretrained``) autofp4's quantizer as ``model.hf_quantizer``, as a
+    model loaded through the quantizer has: transformers then treats it as quantized, and its
+    ``save_pretrained`` refuses with :data:`SAVE_MESSAGE` instead of writing a checkpoint that
+    loads as random weights."""
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel) and getattr(model, "hf_quantizer", None) is None:
+        model.hf_quantizer = AutoFP4Quantizer(AutoFP4Config())
 
 
 def register() -> None:

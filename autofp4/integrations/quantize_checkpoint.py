@@ -1,0 +1,500 @@
+"""``autofp4 quantize``: a bf16 (or fp16/fp32) Hugging Face checkpoint -> an FP4 checkpoint, streamed.
+
+    autofp4 quantize path/to/Llama-3.1-70B --fmt nvfp4 --layout modelopt --out path/to/Llama-3.1-70B-NVFP4
+
+The checkpoint is read tensor by tensor, row block by row block, with plain file reads (no
+memory map), and written the same way (:mod:`autofp4.integrations.safetensors_io`): memory stays
+bounded by a few row blocks and the FP4 form of the largest tensor (about a quarter of its bf16
+bytes), whatever the model's size. Which tensors are quantized is decided as
+:func:`autofp4.quantize_model` decides for the model built from ``config.json`` (on the meta
+device: no weights): every ``nn.Linear`` but ``lm_head``, the MoE routers and ``skip`` patterns, and
+the routed experts; sibling projections (q/k/v, gate/up, each expert's gate/up) share one NVFP4
+global scale, so the output is bit for bit what :func:`autofp4.save_pretrained` writes after
+``quantize_model`` of the same model. The gpt-oss layout quantizes the routed experts only.
+
+A quality report (``quantization_report.json`` beside the checkpoint, and printed): per quantized
+tensor the relative error ``||w - deq(q(w))|| / ||w||`` and the SQNR in dB, the worst named.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, TextIO, Union
+
+import torch
+
+from ..formats import E2M1_MAX, E4M3_MAX, check_fmt, dequantize_blocks, quantize_mxfp4, quantize_nvfp4
+from ..problem import BLOCK_SIZE
+from . import layouts as L
+from .safetensors_io import SafetensorsReader, ShardedWriter
+from .writer import copy_side_files, fp4_weight_like, staging_dir, write_configs
+
+__all__ = ["quantize_checkpoint", "QuantizeSummary"]
+
+_WHAT = "autofp4 quantize"
+_CHUNK_BYTES = 64 * 2**20  # source bytes read and quantized at a time
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # as quantize_model's fuse
+
+
+@dataclass
+class TensorQuality:
+    name: str
+    shape: tuple[int, ...]
+    sum_sq: float = 0.0
+    err_sq: float = 0.0
+
+    @property
+    def rel_error(self) -> float:
+        return math.sqrt(self.err_sq / self.sum_sq) if self.sum_sq > 0 else 0.0
+
+    @property
+    def sqnr_db(self) -> Optional[float]:
+        if self.err_sq == 0 or self.sum_sq == 0:
+            return None  # exact (or all zero): no finite SQNR
+        return 10 * math.log10(self.sum_sq / self.err_sq)
+
+
+@dataclass
+class QuantizeSummary:
+    """What :func:`quantize_checkpoint` did."""
+
+    out: Path
+    fmt: str
+    layout: str
+    quantized: int = 0  # source tensors quantized
+    copied: int = 0  # source tensors copied as they are
+    bytes_before: int = 0  # all source tensors
+    bytes_after: int = 0  # all written tensors
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    excluded: list[str] = field(default_factory=list)
+    quality: list[TensorQuality] = field(default_factory=list)
+
+    def worst(self, n: int = 5) -> list[TensorQuality]:
+        return sorted(self.quality, key=lambda q: -q.rel_error)[:n]
+
+    def report(self) -> dict:
+        return {
+            "format": self.fmt, "layout": self.layout, "tensors_quantized": self.quantized,
+            "tensors_copied": self.copied, "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
+            "seconds": round(self.seconds, 2), "peak_rss_bytes": self.peak_rss_bytes,
+            "kept_in_high_precision": self.excluded,
+            "worst": [q.name for q in self.worst(10)],
+            "tensors": [{"name": q.name, "shape": list(q.shape), "rel_error": q.rel_error, "sqnr_db": q.sqnr_db}
+                        for q in self.quality],
+        }
+
+    def __str__(self) -> str:
+        gb = 1e9
+        lines = [f"autofp4: wrote {self.out} ({self.layout}, {self.fmt}): quantized {self.quantized} tensors, "
+                 f"copied {self.copied}; {self.bytes_before / gb:.2f} GB -> {self.bytes_after / gb:.2f} GB in "
+                 f"{self.seconds:.1f} s, peak memory {self.peak_rss_bytes / gb:.2f} GB"]
+        if self.quality:
+            rel = [q.rel_error for q in self.quality]
+            lines.append(f"  relative error: median {sorted(rel)[len(rel) // 2]:.4f}, max {max(rel):.4f}; worst:")
+            for q in self.worst(5):
+                s = "exact" if q.sqnr_db is None else f"{q.sqnr_db:.1f} dB"
+                lines.append(f"    {q.name} {list(q.shape)}: {q.rel_error:.4f} ({s})")
+        return "\n".join(lines)
+
+
+# -- the plan -----------------------------------------------------------------------------------
+@dataclass
+class _Linear:
+    """Quantized linears sharing one global scale: their stored names (model names) in row order."""
+
+    members: list[tuple[str, str]]  # (stored weight key, stored module name for the output)
+
+
+@dataclass
+class _Experts:
+    """One routed-experts module: its stored (output) name and where each expert's gate, up and
+    down weights are read."""
+
+    out_name: str
+    num: int
+    two_i: int
+    h: int
+    read_gate_up: Callable[[SafetensorsReader, int], tuple[torch.Tensor, torch.Tensor]]
+    read_down: Callable[[SafetensorsReader, int], torch.Tensor]
+    sources: list[str]
+    bias_keys: tuple[Optional[str], Optional[str]] = (None, None)  # gpt-oss: (gate_up_proj_bias, down_proj_bias)
+
+
+def _model_on_meta(src: Path) -> tuple[Any, Any]:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise RuntimeError(f"{_WHAT} needs transformers (to know the model's layers): pip install transformers") from None
+    config = AutoConfig.from_pretrained(str(src), local_files_only=True)
+    if getattr(config, "quantization_config", None) is not None:
+        raise ValueError(f"{_WHAT}: {src} is already quantized (config.json has a quantization_config); "
+                         "quantize a bf16, fp16 or fp32 checkpoint")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return config, model
+
+
+def _unrename(stored: str, model_type: Optional[str]) -> str:
+    for model_part, stored_part in L.RENAMES.get(model_type or "", ()):
+        stored = stored.replace(stored_part, model_part)
+    return stored
+
+
+def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt: str, layout: str,
+          skip: list[str]) -> tuple[list[Any], list[str]]:
+    """Units in source order (_Linear, _Experts, or a str: a tensor copied as it is) and the
+    excluded module names."""
+    from torch import nn
+
+    from .checkpoint_experts import experts_modules
+    from .transformers import _activation, _is_gpt_oss, _layout_problem
+
+    bs = BLOCK_SIZE[fmt]
+    by_model = {_unrename(k, model_type): k for k in reader}
+    for k in reader:
+        if k.endswith(("_blocks", ".weight_packed", ".weight_scale", ".weight_scale_2")):
+            raise ValueError(f"{_WHAT}: {reader.root} already holds quantized tensors ({k!r}); quantize a bf16, "
+                             "fp16 or fp32 checkpoint")
+    experts = dict(experts_modules(model))
+    keep: set[str] = set()  # routers
+    for name in experts:
+        parent = name.rpartition(".")[0]
+        for r in ("gate", "router"):
+            full = f"{parent}.{r}" if parent else r
+            try:
+                model.get_submodule(full)
+                keep.add(full)
+            except AttributeError:
+                pass
+
+    def matches(name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in skip)
+
+    # linears to quantize
+    linears: dict[str, str] = {}  # module name -> stored weight key
+    excluded: list[str] = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        key = by_model.get(f"{name}.weight")
+        ok = (layout != "gpt-oss" and key is not None and name not in keep and not matches(name)
+              and mod.in_features % bs == 0 and reader.info(key).dtype in _FLOATS
+              and reader.info(key).shape == (mod.out_features, mod.in_features))
+        if ok:
+            linears[name] = key
+        elif key is not None or name in keep:
+            excluded.append(name)
+    excluded += sorted(keep)
+
+    # groups sharing a global scale: quantize_model's fused siblings
+    group_of: dict[str, list[str]] = {}
+    for name in linears:
+        parent, _, child = name.rpartition(".")
+        for parts in _FUSED:
+            if child != parts[0]:
+                continue
+            names = [f"{parent}.{p}" if parent else p for p in parts]
+            if all(n in linears for n in names):
+                infos = [reader.info(linears[n]) for n in names]
+                biases = [f"{n}.bias" in by_model for n in names]
+                if len({i.shape[1] for i in infos}) == 1 and len({i.dtype for i in infos}) == 1 and len(set(biases)) == 1:
+                    for n in names:
+                        group_of[n] = names
+
+    # routed experts
+    exp_units: dict[str, _Experts] = {}
+    for name, mod in experts.items():
+        gpt_oss = _is_gpt_oss(mod)
+        if (matches(name) or any(matches(f"{name}.{p}") for p in ("gate_up_proj", "down_proj"))
+                or _layout_problem(mod) or _activation(mod) is None):
+            excluded.append(name)
+            continue
+        e = mod.gate_up_proj.shape[0]
+        two_i, h = (mod.gate_up_proj.shape[:0:-1] if gpt_oss else mod.gate_up_proj.shape[1:])
+        if h % bs or (two_i // 2) % bs:
+            excluded.append(name)
+            continue
+        unit = _experts_unit(name, e, two_i, h, gpt_oss, by_model, model_type)
+        if unit is None:
+            excluded.append(name)
+            continue
+        exp_units[name] = unit
+
+    # units in the order of their first source tensor
+    units: list[Any] = []
+    claimed: dict[str, Any] = {}
+    for name, key in linears.items():
+        members = group_of.get(name, [name])
+        if members[0] != name:
+            continue
+        unit = _Linear([(linears[n], L.stored_name(n, model_type)) for n in members])
+        for k, _ in unit.members:
+            claimed[k] = unit
+    for unit in exp_units.values():
+        for k in unit.sources:
+            claimed[k] = unit
+    seen: set[int] = set()
+    for key in sorted(reader, key=lambda k: (reader.info(k).file.name, reader.info(k).start)):
+        unit = claimed.get(key)
+        if unit is None:
+            units.append(key)
+        elif id(unit) not in seen:
+            seen.add(id(unit))
+            units.append(unit)
+    return units, sorted({L.stored_name(n, model_type) for n in excluded})
+
+
+def _experts_unit(name: str, e: int, two_i: int, h: int, gpt_oss: bool, by_model: dict[str, str],
+                  model_type: Optional[str]) -> Optional[_Experts]:
+    """Where the experts ``name`` are stored: one linear per expert (either projection naming)
+    or stacked (transformers' ``gate_up_proj [E, 2I, H]``, gpt-oss's ``[E, H, 2I]`` interleaved)."""
+    i = two_i // 2
+    out = L.stored_name(name, model_type)
+    for g, u, d in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
+        keys = [[by_model.get(f"{name}.{x}.{p}.weight") for p in (g, u, d)] for x in range(e)]
+        if all(k is not None for ks in keys for k in ks):
+            return _Experts(out, e, two_i, h, lambda r, x, ks=keys: (r.read(ks[x][0]), r.read(ks[x][1])),
+                            lambda r, x, ks=keys: r.read(ks[x][2]), [k for ks in keys for k in ks])
+    gu, dn = by_model.get(f"{name}.gate_up_proj"), by_model.get(f"{name}.down_proj")
+    if gu is None or dn is None:
+        return None
+    if gpt_oss:
+        def gate_up(r: SafetensorsReader, x: int) -> tuple[torch.Tensor, torch.Tensor]:
+            t = r.read(gu, (x, x + 1))[0].t()  # [2I, H], gate and up rows interleaved
+            return t[0::2], t[1::2]
+
+        bias = (by_model.get(f"{name}.gate_up_proj_bias"), by_model.get(f"{name}.down_proj_bias"))
+        srcs = [gu, dn] + [b for b in bias if b is not None]
+        return _Experts(out, e, two_i, h, gate_up, lambda r, x: r.read(dn, (x, x + 1))[0].t(), srcs, bias)
+
+    def gate_up_std(r: SafetensorsReader, x: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = r.read(gu, (x, x + 1))[0]
+        return t[:i], t[i:]
+
+    return _Experts(out, e, two_i, h, gate_up_std, lambda r, x: r.read(dn, (x, x + 1))[0], [gu, dn])
+
+
+# -- quantizing ---------------------------------------------------------------------------------
+class _Quantizer:
+    def __init__(self, fmt: str, device: torch.device, summary: QuantizeSummary, progress: Any) -> None:
+        self.fmt, self.device, self.summary, self.progress = fmt, device, summary, progress
+
+    def _rows(self, t_rows: int, row_bytes: int) -> int:
+        return max(1, min(t_rows, _CHUNK_BYTES // max(row_bytes, 1)))
+
+    def global_scale(self, parts: Iterable[Callable[[], Iterable[torch.Tensor]]]) -> Optional[torch.Tensor]:
+        """The NVFP4 global scale of tensors quantized as one: ``amax / (6 * 448)`` (1 if all zero),
+        computed as :func:`autofp4.formats.quantize_nvfp4` computes it."""
+        if self.fmt != "nvfp4":
+            return None
+        amax = torch.zeros((), dtype=torch.float32, device=self.device)
+        for chunks in parts:
+            for c in chunks():
+                c = c.to(self.device)
+                if not bool(torch.isfinite(c).all()):
+                    raise ValueError(f"{_WHAT}: a weight holds NaN or inf")
+                amax = torch.maximum(amax, c.float().abs().amax())
+        gs = amax / torch.tensor(E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=self.device)
+        return torch.where(gs > 0, gs, torch.ones_like(gs))
+
+    def quantize(self, name: str, chunks: Iterable[torch.Tensor], shape: tuple[int, int],
+                 gs: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed, scale) of the [N, K] weight ``name`` given as row chunks, on the CPU; its
+        error is added to the summary's quality."""
+        n, k = shape
+        bs = BLOCK_SIZE[self.fmt]
+        data = torch.empty((n, k // 2), dtype=torch.uint8)
+        scale = torch.empty((n, k // bs), dtype=torch.float8_e4m3fn if self.fmt == "nvfp4" else torch.uint8)
+        q = TensorQuality(name, shape)
+        at = 0
+        for c in chunks:
+            w = c.to(self.device)
+            if self.fmt == "nvfp4":
+                d, s, _ = quantize_nvfp4(w, gs)
+            else:
+                d, s = quantize_mxfp4(w)
+            deq = dequantize_blocks(self.fmt, d, s, gs)
+            wf = w.float()
+            q.sum_sq += float(wf.square().sum())
+            q.err_sq += float((deq - wf).square().sum())
+            rows = w.shape[0]
+            data[at:at + rows] = d.cpu()
+            scale[at:at + rows] = s.cpu()
+            at += rows
+            if self.progress is not None:
+                self.progress.update(w.numel() * c.element_size())
+        self.summary.quality.append(q)
+        return data, scale
+
+    def row_chunks(self, reader: SafetensorsReader, key: str) -> Callable[[], Iterable[torch.Tensor]]:
+        info = reader.info(key)
+
+        def gen() -> Iterable[torch.Tensor]:
+            step = self._rows(info.shape[0], info.row_bytes)
+            for a in range(0, info.shape[0], step):
+                yield reader.read(key, (a, min(a + step, info.shape[0])))
+        return gen
+
+    def tensor_chunks(self, t: torch.Tensor) -> Callable[[], Iterable[torch.Tensor]]:
+        def gen() -> Iterable[torch.Tensor]:
+            step = self._rows(t.shape[0], t[0].numel() * t.element_size())
+            for a in range(0, t.shape[0], step):
+                yield t[a:a + step]
+        return gen
+
+
+def _fp4(fmt: str, data: torch.Tensor, scale: torch.Tensor, gs: Optional[torch.Tensor]):
+    from ..weights import FP4Weight
+
+    return FP4Weight(fmt, data, scale, None if gs is None else gs.cpu().reshape(data.shape[:-2]), check_values=False)
+
+
+def _declare(units: list[Any], reader: SafetensorsReader, fmt: str, layout: str,
+             model_type: Optional[str]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    out: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    for u in units:
+        if isinstance(u, str):
+            info = reader.info(u)
+            out.append((u, info.dtype, info.shape))
+            continue
+        if isinstance(u, _Linear):
+            for key, name in u.members:
+                info = reader.info(key)
+                ts = L.linear_tensors(layout, name, fp4_weight_like(fmt, info.shape))
+                out += [(k, v.dtype, tuple(v.shape)) for k, v in ts.items()]
+            continue
+        b13, b2 = (None if k is None else torch.empty(reader.info(k).shape, dtype=reader.info(k).dtype, device="meta")
+                   for k in u.bias_keys)
+        ts = L.experts_tensors(layout, u.out_name, fp4_weight_like(fmt, (u.num, u.two_i, u.h)),
+                               fp4_weight_like(fmt, (u.num, u.h, u.two_i // 2)), b13, b2, model_type)
+        out += [(k, v.dtype, tuple(v.shape)) for k, v in ts.items()]
+    return out
+
+
+def _run_linear(u: _Linear, reader: SafetensorsReader, writer: ShardedWriter, qz: _Quantizer, layout: str) -> None:
+    gs = qz.global_scale([qz.row_chunks(reader, k) for k, _ in u.members])
+    for key, name in u.members:
+        info = reader.info(key)
+        data, scale = qz.quantize(key, qz.row_chunks(reader, key)(), info.shape, gs)
+        for k, v in L.linear_tensors(layout, name, _fp4(qz.fmt, data, scale, gs)).items():
+            writer.write(k, v)
+        qz.summary.quantized += 1
+
+
+def _run_experts(u: _Experts, reader: SafetensorsReader, writer: ShardedWriter, qz: _Quantizer, layout: str,
+                 model_type: Optional[str]) -> None:
+    i = u.two_i // 2
+    biases = [None if k is None else reader.read(k) for k in u.bias_keys]
+    for x in range(u.num):
+        gate, up = u.read_gate_up(reader, x)
+        down = u.read_down(reader, x)
+        gs13 = qz.global_scale([qz.tensor_chunks(gate), qz.tensor_chunks(up)])
+        label = f"{u.out_name}.{x}"
+        d_g, s_g = qz.quantize(f"{label}.gate", qz.tensor_chunks(gate)(), (i, u.h), gs13)
+        d_u, s_u = qz.quantize(f"{label}.up", qz.tensor_chunks(up)(), (i, u.h), gs13)
+        gs2 = qz.global_scale([qz.tensor_chunks(down)])
+        d_d, s_d = qz.quantize(f"{label}.down", qz.tensor_chunks(down)(), (u.h, i), gs2)
+        w13 = _fp4(qz.fmt, torch.cat((d_g, d_u))[None], torch.cat((s_g, s_u))[None],
+                   None if gs13 is None else gs13.reshape(1))
+        w2 = _fp4(qz.fmt, d_d[None], s_d[None], None if gs2 is None else gs2.reshape(1))
+        b13 = None if biases[0] is None else biases[0][x:x + 1]
+        b2 = None if biases[1] is None else biases[1][x:x + 1]
+        for k, v in L.experts_tensors(layout, u.out_name, w13, w2, b13, b2, model_type, first=x).items():
+            # stacked layouts (gpt-oss): expert x's slice of each tensor is contiguous
+            writer.write(k, v, at=x * v.numel() * v.element_size() if layout == "gpt-oss" else 0)
+        qz.summary.quantized += 3
+    qz.summary.copied += sum(b is not None for b in biases)
+
+
+def _copy(key: str, reader: SafetensorsReader, writer: ShardedWriter, qz: _Quantizer) -> None:
+    info = reader.info(key)
+    if not info.shape:
+        writer.write(key, reader.read(key))
+    else:
+        step = qz._rows(info.shape[0], info.row_bytes)
+        for a in range(0, info.shape[0], step):
+            b = min(a + step, info.shape[0])
+            writer.write(key, reader.read(key, (a, b)), at=a * info.row_bytes)
+    if qz.progress is not None:
+        qz.progress.update(info.nbytes)
+    qz.summary.copied += 1
+
+
+def quantize_checkpoint(src: Union[str, Path], out: Union[str, Path], fmt: str, layout: Optional[str] = None, *,
+                        skip: Iterable[str] = ("lm_head", "*.lm_head"), device: Union[str, torch.device] = "cpu",
+                        max_shard_size: Union[int, str] = "5GB", overwrite: bool = False,
+                        progress: bool = True, stream: Optional[TextIO] = None) -> QuantizeSummary:
+    """Quantize the checkpoint directory ``src`` to ``fmt`` and write it to ``out`` in ``layout``
+    (see the module's docstring; None: ModelOpt for NVFP4, gpt-oss for gpt-oss MXFP4,
+    compressed-tensors otherwise). ``device``: where the row blocks are quantized (``"cuda"``
+    for speed; the result is the same). Returns the summary (also written as
+    ``quantization_report.json`` in ``out``)."""
+    t0 = time.perf_counter()
+    check_fmt(fmt, _WHAT)
+    if isinstance(skip, str):
+        raise TypeError(f"{_WHAT}: skip must be a list of glob patterns such as ['lm_head'], got the str {skip!r}")
+    skip = list(skip)
+    src = Path(src)
+    if not src.is_dir() or not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{_WHAT}: {src} is not a checkpoint directory (a directory with config.json)")
+    from ..models import check_limits, load_config
+
+    check_limits(load_config(src / "config.json"))  # bounded read of config.json before transformers uses it
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"{_WHAT}: device {device!r} asked for, but CUDA is not available")
+    config, model = _model_on_meta(src)
+    model_type = getattr(config, "model_type", None)
+    layout = L.check_layout(L.default_layout(fmt, model_type) if layout is None else layout, fmt, model_type, _WHAT)
+    reader = SafetensorsReader(src, _WHAT)
+    try:
+        units, excluded = _plan(reader, model, model_type, fmt, layout, skip)
+        if not any(not isinstance(u, str) for u in units):
+            raise ValueError(f"{_WHAT}: nothing in {src} to quantize to {fmt} in the {layout} layout "
+                             "(no linear layer or routed experts it can convert)")
+        summary = QuantizeSummary(Path(out), fmt, layout, excluded=excluded)
+        summary.bytes_before = sum(reader.info(k).nbytes for k in reader)
+        declared = _declare(units, reader, fmt, layout, model_type)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=summary.bytes_before, unit="B", unit_scale=True, desc=f"quantize {src.name}",
+                       file=stream or sys.stderr)
+        qz = _Quantizer(fmt, dev, summary, bar)
+        cfg = load_config(src / "config.json")  # the source's own config.json, with a quantization_config added
+        with staging_dir(out, overwrite, _WHAT, source=src) as tmp:
+            writer = ShardedWriter(tmp, declared, max_shard_size)
+            try:
+                for u in units:
+                    if isinstance(u, str):
+                        _copy(u, reader, writer, qz)
+                    elif isinstance(u, _Linear):
+                        _run_linear(u, reader, writer, qz, layout)
+                    else:
+                        _run_experts(u, reader, writer, qz, layout, model_type)
+                    if bar is not None:
+                        bar.set_postfix_str(f"{summary.quantized} quantized", refresh=False)
+            except BaseException:
+                writer.abort()
+                raise
+            writer.close()
+            summary.bytes_after = writer.total_size
+            write_configs(tmp, cfg, layout, fmt, excluded)
+            copy_side_files(src, tmp)
+            summary.seconds = time.perf_counter() - t0
+            summary.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            (tmp / "quantization_report.json").write_text(json.dumps(summary.report(), indent=1) + "\n")
+        if bar is not None:
+            bar.close()
+        return summary
+    finally:
+        reader.close()

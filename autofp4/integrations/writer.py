@@ -1,0 +1,293 @@
+"""Writing FP4 checkpoints: :func:`save_pretrained` for a model in memory, and the parts the
+streaming converter (:mod:`autofp4.integrations.quantize_checkpoint`) shares with it.
+
+    report = autofp4.quantize_model(model, "nvfp4")
+    autofp4.save_pretrained(model, "out/llama-nvfp4")            # ModelOpt layout
+    autofp4.save_pretrained(model, "out/llama-ct", layout="compressed-tensors")
+
+The output directory is written in a hidden temporary directory beside it and moved into place
+when complete: an error (or a crash) leaves nothing half-written under the name, and an existing
+non-empty directory is replaced only with ``overwrite=True``. The layouts are described in
+:mod:`autofp4.integrations.layouts` and docs/checkpoints.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import torch
+from torch import nn
+
+from ..nn import FP4FusedLinear, FP4Linear
+from ..weights import FP4Weight, _describe
+from . import layouts as L
+from .safetensors_io import ShardedWriter
+
+__all__ = ["save_pretrained", "staging_dir", "write_configs", "copy_side_files"]
+
+_WHAT = "autofp4.save_pretrained"
+#: top-level files of a source checkpoint that are not copied: weights and what the writer writes
+_NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+_WRITTEN = ("config.json", "hf_quant_config.json", "quantization_report.json", "model.safetensors.index.json",
+            "pytorch_model.bin.index.json")
+
+
+@contextmanager
+def staging_dir(out: Union[str, Path], overwrite: bool, what: str,
+                source: Optional[Path] = None) -> Iterator[Path]:
+    """A temporary directory beside ``out``, moved to ``out`` when the block ends without an
+    error and removed when it raises. A non-empty ``out`` is refused unless ``overwrite``; ``out``
+    may not be (or hold) the ``source`` checkpoint."""
+    out = Path(out)
+    if out.exists():
+        if not out.is_dir():
+            raise FileExistsError(f"{what}: {out} exists and is not a directory")
+        if any(out.iterdir()) and not overwrite:
+            raise FileExistsError(f"{what}: {out} exists and is not empty; pass overwrite=True (--overwrite) "
+                                  "to replace it")
+    if source is not None:
+        src, dst = source.resolve(), out.resolve()
+        if src == dst or src.is_relative_to(dst):
+            raise ValueError(f"{what}: the output {out} would replace the source checkpoint {source}")
+    parent = out.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))
+            os.rename(out, old / "d")
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_configs(root: Path, config: dict, layout: str, fmt: str, excluded: list[str]) -> dict:
+    """config.json with the layout's quantization_config (and hf_quant_config.json for ModelOpt);
+    returns config.json's contents."""
+    config = dict(config)
+    qc, extra = L.quantization_config(layout, fmt, excluded)
+    config["quantization_config"] = qc
+    (root / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name, doc in extra.items():
+        (root / name).write_text(json.dumps(doc, indent=2) + "\n")
+    return config
+
+
+def copy_side_files(source: Optional[Path], root: Path) -> list[str]:
+    """The tokenizer, generation config and other small top-level files of ``source`` copied to
+    ``root`` (not the weights, nor the files the writer writes); returns their names."""
+    if source is None or not source.is_dir():
+        return []
+    copied = []
+    for f in sorted(source.iterdir()):
+        if (f.name.startswith(".") or not f.is_file() or f.name in _WRITTEN
+                or f.name.endswith(_NOT_COPIED_SUFFIXES) or (root / f.name).exists()):
+            continue
+        shutil.copy2(f, root / f.name)
+        copied.append(f.name)
+    return copied
+
+
+def config_dict(config: Any) -> dict:
+    """A transformers config as JSON-ready dict, without a quantization_config."""
+    d = json.loads(config.to_json_string(use_diff=False))
+    d.pop("quantization_config", None)
+    return d
+
+
+def write_tensors(root: Path, tensors: dict[str, torch.Tensor], max_shard_size: Union[int, str]) -> dict[str, str]:
+    writer = ShardedWriter(root, [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], max_shard_size)
+    try:
+        for k, v in tensors.items():
+            writer.write(k, v)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+# -- a model in memory --------------------------------------------------------------------------
+def _experts_cls():
+    from .transformers import FP4Experts
+
+    return FP4Experts
+
+
+def _model_fmt(model: nn.Module) -> Optional[str]:
+    fmts = {m.fmt for m in model.modules() if isinstance(m, (FP4Linear, _experts_cls()))}
+    if len(fmts) > 1:
+        raise ValueError(f"{_WHAT}: the model mixes FP4 formats {sorted(fmts)}; a checkpoint holds one")
+    return fmts.pop() if fmts else None
+
+
+def _module_tensors(name: str, module: nn.Module, layout: str, model_type: Optional[str]) -> dict[str, torch.Tensor]:
+    """The stored tensors of one FP4 module of the model (named by the model)."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(module, FP4FusedLinear):
+        w = module.fp4_weight()
+        for i, part in enumerate(module.part_names):
+            a, b = module.part_bounds[i], module.part_bounds[i + 1]
+            stored = L.stored_name(part, model_type)
+            out.update(L.linear_tensors(layout, stored, w.slice_rows(a, b)))
+            if module.bias is not None:
+                out[f"{stored}.bias"] = module.bias[a:b]
+        return out
+    if isinstance(module, FP4Linear):
+        stored = L.stored_name(name, model_type)
+        out.update(L.linear_tensors(layout, stored, module.fp4_weight()))
+        if module.bias is not None:
+            out[f"{stored}.bias"] = module.bias
+        return out
+    return L.experts_tensors(layout, L.stored_name(name, model_type), module.fp4_weight("gate_up_proj"),
+                             module.fp4_weight("down_proj"), module.gate_up_proj_bias, module.down_proj_bias,
+                             model_type)
+
+
+def _dense_experts_tensors(name: str, module: nn.Module, model_type: Optional[str]) -> dict[str, torch.Tensor]:
+    """Experts left in high precision, one linear per expert as checkpoints store them (gpt-oss's
+    stay stacked, under their own names)."""
+    from .transformers import _is_gpt_oss
+
+    stored = L.stored_name(name, model_type)
+    if _is_gpt_oss(module) or getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True):
+        return {f"{stored}.{k}": v for k, v in module.state_dict().items()}
+    g, u, d = L.expert_proj_names(model_type)
+    gu, dn = module.gate_up_proj.detach(), module.down_proj.detach()
+    i = gu.shape[1] // 2
+    out = {}
+    for x in range(gu.shape[0]):
+        out[f"{stored}.{x}.{g}.weight"] = gu[x, :i]
+        out[f"{stored}.{x}.{u}.weight"] = gu[x, i:]
+        out[f"{stored}.{x}.{d}.weight"] = dn[x]
+    return out
+
+
+def _excluded_modules(model: nn.Module, model_type: Optional[str], fp4_experts: list[str]) -> list[str]:
+    """Stored names of the modules kept in high precision that an engine could quantize: dense
+    linears, the routers next to the experts, experts left dense."""
+    from .checkpoint_experts import experts_modules
+
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    names += [n for n, _ in experts_modules(model)]
+    for ex in fp4_experts + [n for n, _ in experts_modules(model)]:
+        parent = ex.rpartition(".")[0]
+        for r in ("gate", "router"):
+            full = f"{parent}.{r}" if parent else r
+            try:
+                model.get_submodule(full)
+            except AttributeError:
+                continue
+            names.append(full)
+    return sorted({L.stored_name(n, model_type) for n in names})
+
+
+def save_pretrained(model: nn.Module, path: Union[str, Path], layout: Optional[str] = None, *,
+                    max_shard_size: Union[int, str] = "5GB", overwrite: bool = False, tokenizer: Any = None,
+                    copy_files_from: Union[str, Path, None] = None) -> Path:
+    """Write ``model`` (converted by :func:`autofp4.quantize_model` or loaded by
+    :func:`autofp4.from_pretrained`) as a Hugging Face checkpoint directory in ``layout``:
+    ``"modelopt"`` (NVFP4), ``"compressed-tensors"`` (NVFP4 or MXFP4) or ``"gpt-oss"`` (MXFP4
+    experts of a gpt-oss model); None picks ModelOpt for NVFP4, gpt-oss for a gpt-oss MXFP4 model
+    and compressed-tensors otherwise.
+
+    Quantized layers are written in the layout; everything else (embeddings, norms, routers,
+    skipped layers) as the model holds it. Fused q/k/v and gate/up weights are written as their
+    parts, sharing the fused weight's global scale (what a serving engine fuses again exactly).
+    ``tokenizer`` (anything with ``save_pretrained``) is saved alongside; the tokenizer and
+    generation files of ``copy_files_from`` (default: the directory the model was loaded from,
+    if it is a local one) are copied. See :func:`staging_dir` for ``overwrite`` and what an error
+    leaves behind. Returns the directory."""
+    config = getattr(model, "config", None)
+    if not isinstance(model, nn.Module) or config is None or not hasattr(config, "to_json_string"):
+        raise TypeError(f"{_WHAT}: model must be a transformers model (with a .config), got {_describe(model)}")
+    model_type = getattr(config, "model_type", None)
+    fmt = _model_fmt(model)
+    if fmt is None:
+        raise ValueError(f"{_WHAT}: the model has no FP4 layers; convert it first with autofp4.quantize_model(model, "
+                         "'nvfp4') (or load an FP4 checkpoint with autofp4.from_pretrained)")
+    layout = L.check_layout(L.default_layout(fmt, model_type) if layout is None else layout, fmt, model_type, _WHAT)
+    experts_cls = _experts_cls()
+    fp4 = {n: m for n, m in model.named_modules() if isinstance(m, (FP4Linear, experts_cls))}
+    if layout == "gpt-oss":
+        linears = [n for n, m in fp4.items() if isinstance(m, FP4Linear)]
+        if linears:
+            raise ValueError(
+                f"{_WHAT}: the gpt-oss layout stores only the routed experts in MXFP4, but {len(linears)} linear "
+                f"layers are FP4 ({linears[:3]}); quantize with skip=['lm_head', '*.self_attn.*'] or write "
+                "layout='compressed-tensors'")
+    from .checkpoint_experts import experts_modules
+
+    dense_experts = dict(experts_modules(model))
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    state = model.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
+    for key, value in state.items():
+        owner = next((p for p in _owners(key, fp4, dense_experts)), None)
+        if owner is not None:
+            if owner not in done:
+                done.add(owner)
+                if owner in fp4:
+                    tensors.update(_module_tensors(owner, fp4[owner], layout, model_type))
+                else:
+                    tensors.update(_dense_experts_tensors(owner, dense_experts[owner], model_type))
+            continue
+        if (tied and emb is not None and key.endswith("lm_head.weight")
+                and value.data_ptr() == emb.weight.data_ptr()):
+            continue  # the embeddings' copy: transformers ties it again
+        tensors[L.stored_name(key, model_type)] = value
+    excluded = _excluded_modules(model, model_type, [n for n, m in fp4.items() if isinstance(m, experts_cls)])
+    cfg = config_dict(config)
+    cfg["architectures"] = [type(model).__name__]
+    source = Path(copy_files_from) if copy_files_from is not None else _loaded_from(config)
+    with staging_dir(path, overwrite, _WHAT) as tmp:
+        write_tensors(tmp, {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, max_shard_size)
+        write_configs(tmp, cfg, layout, fmt, excluded)
+        gen = getattr(model, "generation_config", None)
+        if gen is not None and hasattr(gen, "to_json_file"):
+            gen.to_json_file(str(tmp / "generation_config.json"))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        copy_side_files(source, tmp)
+    return Path(path)
+
+
+def _owners(key: str, fp4: dict, dense_experts: dict) -> Iterator[str]:
+    """The FP4 module or dense experts module whose state ``key`` is."""
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in fp4 or prefix in dense_experts:
+            yield prefix
+            return
+
+
+def _loaded_from(config: Any) -> Optional[Path]:
+    p = getattr(config, "_name_or_path", None) or getattr(config, "name_or_path", None)
+    if isinstance(p, (str, os.PathLike)) and str(p) and Path(p).is_dir():
+        return Path(p)
+    return None
+
+
+def fp4_weight_like(fmt: str, shape: tuple[int, ...], device: Union[str, torch.device] = "meta") -> FP4Weight:
+    """An FP4Weight of ``shape`` ([N, K] or [E, N, K]) with uninitialised tensors (the meta device by
+    default): the layouts' functions on it give the stored tensors' names, dtypes and shapes."""
+    *lead, n, k = shape
+    bs = 16 if fmt == "nvfp4" else 32
+    data = torch.empty((*lead, n, k // 2), dtype=torch.uint8, device=device)
+    scale = torch.empty((*lead, n, k // bs), dtype=torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8,
+                        device=device)
+    gs = torch.empty(tuple(lead), dtype=torch.float32, device=device) if fmt == "nvfp4" else None
+    return FP4Weight(fmt, data, scale, gs, check_values=False)
