@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="autofp4", description="FP4 (NVFP4 / MXFP4) kernels tuned for the GPU you have."
     )
     parser.add_argument("--version", action="version", version=f"autofp4 {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{tune,db,info,cache,explain}")
+    sub = parser.add_subparsers(dest="command", metavar="{tune,quantize,db,info,cache,explain}")
     sub.required = True
 
     t = sub.add_parser("tune", help="tune the GEMM / MoE shapes of a model on this GPU")
@@ -162,6 +162,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--backend", action="append", metavar="NAME", help="only this backend (repeatable, or comma-separated)")
     t.add_argument("--device", choices=("cuda", "cpu"), help="where to tune (default: cuda if available, else cpu)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    q = sub.add_parser("quantize", help="write an FP4 checkpoint of a bf16 Hugging Face checkpoint (streamed)")
+    q.add_argument("src", metavar="HF_MODEL_DIR", help="the checkpoint directory (config.json and safetensors)")
+    q.add_argument("--fmt", choices=FORMATS, required=True)
+    q.add_argument("--layout", choices=("modelopt", "compressed-tensors", "gpt-oss"),
+                   help="the checkpoint layout (default: modelopt for nvfp4, gpt-oss for gpt-oss mxfp4, "
+                        "compressed-tensors otherwise)")
+    q.add_argument("--out", required=True, metavar="DIR", help="the new checkpoint directory")
+    q.add_argument("--skip", action="append", default=[], metavar="PATTERN",
+                   help="keep the modules matching this glob in high precision (repeatable; lm_head always)")
+    q.add_argument("--device", default="cpu", help="where to quantize: cpu (default) or cuda[:N] (faster, same result)")
+    q.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard (default 5GB)")
+    q.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    q.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     from .cli_db import add_db_parser
 
@@ -588,6 +602,30 @@ def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# quantize
+# --------------------------------------------------------------------------------------------
+def _cmd_quantize(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .integrations.quantize_checkpoint import quantize_checkpoint
+    from .integrations.safetensors_io import parse_size
+
+    try:
+        parse_size(args.max_shard_size)
+    except ValueError as e:
+        raise _UsageError(f"--max-shard-size: {e}") from None
+    try:
+        summary = quantize_checkpoint(args.src, args.out, args.fmt, args.layout,
+                                      skip=["lm_head", "*.lm_head", *args.skip], device=args.device,
+                                      max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                                      progress=not args.no_progress, stream=err)
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+        print(f"error: {e}", file=err)
+        return 2
+    print(summary, file=out)
+    print(f"  report: {summary.out / 'quantization_report.json'}", file=out)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # entry point
 # --------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -608,6 +646,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
             return _cmd_cache(args, out, err)
         if args.command == "explain":
             return _cmd_explain(args, out)
+        if args.command == "quantize":
+            return _cmd_quantize(args, out, err)
         if args.command == "db":
             from .cli_db import run_db
 

@@ -426,3 +426,88 @@ def test_importing_autofp4_never_imports_vllm():
     code = ("import sys, autofp4, autofp4.integrations.vllm; "
             "assert not [m for m in sys.modules if m.split('.')[0] == 'vllm'], 'vllm imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# -- checkpoints autofp4 writes ---------------------------------------------------------------------
+def _written(tmp_path, fmt, layout):
+    """A bf16 one-layer Qwen3-MoE checkpoint quantized by ``autofp4 quantize``; returns (dir, bf16 state)."""
+    src, sd = _bf16_dir(tmp_path / "src")
+    out = tmp_path / f"{fmt}-{layout}"
+    autofp4.quantize_checkpoint(src, out, fmt, layout, progress=False)
+    return out, sd
+
+
+@pytest.fixture
+def _src_dir(tmp_path):
+    (tmp_path / "src").mkdir()
+
+
+def test_vllm_serves_the_modelopt_checkpoint_autofp4_writes(tmp_path, monkeypatch, _src_dir):
+    path, sd = _written(tmp_path, "nvfp4", "modelopt")
+    assert _model_config(path).quantization == "modelopt_fp4"  # vLLM's own detection
+    own = vl.get_quantization_config("modelopt_fp4").from_config(
+        json.loads((path / "hf_quant_config.json").read_text()))
+    assert own.quant_method == "W4A16_NVFP4" and "model.layers.0.mlp.gate" in own.exclude_modules
+    vc, model = _load(path, "autofp4", monkeypatch)  # vLLM's loader: every stored tensor accepted
+    layer = model.model.layers[0]
+    p = "model.layers.0."
+    want = autofp4.quantize(torch.cat([sd[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]), "nvfp4")
+    x = torch.randn(3, H, dtype=BF16)
+    qkv = layer.self_attn.qkv_proj
+    assert torch.equal(qkv.quant_method.apply(qkv, x), autofp4.linear(x, want))  # one shared scale: exact
+
+    def stacked(*projs):
+        return torch.stack([torch.cat([sd[f"{p}mlp.experts.{e}.{q}_proj.weight"] for q in projs]) for e in range(E)])
+
+    w13, w2 = autofp4.quantize(stacked("gate", "up"), "nvfp4"), autofp4.quantize(stacked("down"), "nvfp4")
+    ex = layer.mlp.experts.routed_experts
+    tw, ti = autofp4.route(torch.randn(3, E), TOP_K)
+    assert torch.equal(ex.quant_method.apply(ex, x, tw, ti, None, None), reference_moe(x, w13, w2, tw, ti, "silu"))
+
+
+class _NoKernel:
+    """Stands in for the GPU GEMM kernel vLLM picks when a scheme is built (none exists on a CPU)."""
+
+    def input_quant_key(self):
+        return None
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_vllm_reads_the_compressed_tensors_checkpoint_autofp4_writes(tmp_path, fmt, monkeypatch, _src_dir):
+    """vLLM's compressed-tensors config picks its weights-only FP4 scheme for the layers, and its
+    weight loaders take the stored tensors of the fused q/k/v layer as they are."""
+    from safetensors import safe_open
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_w4a4_mxfp4 as mx_mod, compressed_tensors_w4a4_nvfp4 as nv_mod,
+    )
+
+    monkeypatch.setattr(nv_mod, "init_nvfp4_linear_kernel", lambda **kw: _NoKernel())
+    monkeypatch.setattr(mx_mod, "init_mxfp4_linear_kernel", lambda *a, **kw: _NoKernel())
+    path, _ = _written(tmp_path, fmt, "compressed-tensors")
+    assert _model_config(path).quantization == "compressed-tensors"
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    ct = vl.get_quantization_config("compressed-tensors").from_config(qc)
+    prefix = "model.layers.0.self_attn.qkv_proj"
+    layer = vl.QKVParallelLinear(H, HD, NH, NKV, bias=False, params_dtype=BF16, quant_config=ct, prefix=prefix)
+    scheme = layer.scheme
+    assert type(scheme).__name__ == ("CompressedTensorsW4A4Fp4" if fmt == "nvfp4" else "CompressedTensorsW4A4Mxfp4")
+    assert fmt == "mxfp4" or scheme.use_a16  # NVFP4 weights only: vLLM's W4A16 path
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys() if k.split(".")[-2] in ("q_proj", "k_proj", "v_proj")}
+    params = dict(layer.named_parameters())
+    names = sorted({k.rpartition(".")[2] for k in stored})
+    assert names == sorted(params)  # every tensor the scheme loads is stored, nothing else
+    for shard in "qkv":
+        for name in names:
+            t = stored[f"model.layers.0.self_attn.{shard}_proj.{name}"]
+            assert t.dtype == params[name].dtype, name
+            layer.weight_loader_v2(params[name], t, shard)
+    rows = [stored[f"model.layers.0.self_attn.{s}_proj.weight_packed"] for s in "qkv"]
+    assert torch.equal(params["weight_packed"].data, torch.cat(rows))
+    scales = [stored[f"model.layers.0.self_attn.{s}_proj.weight_scale"].view(torch.uint8) for s in "qkv"]
+    assert torch.equal(params["weight_scale"].data.view(torch.uint8), torch.cat(scales))
+    if fmt == "nvfp4":  # one global scale (the reciprocal) per part, all equal: the q/k/v share one
+        g = params["weight_global_scale"].data
+        assert g.shape == (3,) and torch.equal(g, g[:1].expand(3))
+    gate = vl.RowParallelLinear(H, E, bias=False, params_dtype=BF16, quant_config=ct, prefix="model.layers.0.mlp.gate")
+    assert type(gate.quant_method).__name__ == "UnquantizedLinearMethod"  # the router is in "ignore"

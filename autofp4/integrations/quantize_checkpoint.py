@@ -92,10 +92,9 @@ class QuantizeSummary:
         }
 
     def __str__(self) -> str:
-        gb = 1e9
         lines = [f"autofp4: wrote {self.out} ({self.layout}, {self.fmt}): quantized {self.quantized} tensors, "
-                 f"copied {self.copied}; {self.bytes_before / gb:.2f} GB -> {self.bytes_after / gb:.2f} GB in "
-                 f"{self.seconds:.1f} s, peak memory {self.peak_rss_bytes / gb:.2f} GB"]
+                 f"copied {self.copied}; {_size(self.bytes_before)} -> {_size(self.bytes_after)} in "
+                 f"{self.seconds:.1f} s, peak memory {_size(self.peak_rss_bytes)}"]
         if self.quality:
             rel = [q.rel_error for q in self.quality]
             lines.append(f"  relative error: median {sorted(rel)[len(rel) // 2]:.4f}, max {max(rel):.4f}; worst:")
@@ -103,6 +102,13 @@ class QuantizeSummary:
                 s = "exact" if q.sqnr_db is None else f"{q.sqnr_db:.1f} dB"
                 lines.append(f"    {q.name} {list(q.shape)}: {q.rel_error:.4f} ({s})")
         return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
 
 
 # -- the plan -----------------------------------------------------------------------------------
@@ -383,7 +389,7 @@ def _run_linear(u: _Linear, reader: SafetensorsReader, writer: ShardedWriter, qz
     gs = qz.global_scale([qz.row_chunks(reader, k) for k, _ in u.members])
     for key, name in u.members:
         info = reader.info(key)
-        data, scale = qz.quantize(key, qz.row_chunks(reader, key)(), info.shape, gs)
+        data, scale = qz.quantize(name, qz.row_chunks(reader, key)(), info.shape, gs)
         for k, v in L.linear_tensors(layout, name, _fp4(qz.fmt, data, scale, gs)).items():
             writer.write(k, v)
         qz.summary.quantized += 1
@@ -397,15 +403,16 @@ def _run_experts(u: _Experts, reader: SafetensorsReader, writer: ShardedWriter, 
         gate, up = u.read_gate_up(reader, x)
         down = u.read_down(reader, x)
         gs13 = qz.global_scale([qz.tensor_chunks(gate), qz.tensor_chunks(up)])
-        label = f"{u.out_name}.{x}"
-        d_g, s_g = qz.quantize(f"{label}.gate", qz.tensor_chunks(gate)(), (i, u.h), gs13)
-        d_u, s_u = qz.quantize(f"{label}.up", qz.tensor_chunks(up)(), (i, u.h), gs13)
+        g, up_, dn = (f"{u.out_name}.{x}.{p}" for p in L.expert_proj_names(model_type))
+        d_g, s_g = qz.quantize(g, qz.tensor_chunks(gate)(), (i, u.h), gs13)
+        d_u, s_u = qz.quantize(up_, qz.tensor_chunks(up)(), (i, u.h), gs13)
         gs2 = qz.global_scale([qz.tensor_chunks(down)])
-        d_d, s_d = qz.quantize(f"{label}.down", qz.tensor_chunks(down)(), (u.h, i), gs2)
+        d_d, s_d = qz.quantize(dn, qz.tensor_chunks(down)(), (u.h, i), gs2)
         w13 = _fp4(qz.fmt, torch.cat((d_g, d_u))[None], torch.cat((s_g, s_u))[None],
                    None if gs13 is None else gs13.reshape(1))
         w2 = _fp4(qz.fmt, d_d[None], s_d[None], None if gs2 is None else gs2.reshape(1))
-        b13 = None if biases[0] is None else biases[0][x:x + 1]
+        # gpt-oss stores the gate_up bias interleaved, as its rows: gate first here, as the weights
+        b13 = None if biases[0] is None else torch.cat((biases[0][x:x + 1, 0::2], biases[0][x:x + 1, 1::2]), 1)
         b2 = None if biases[1] is None else biases[1][x:x + 1]
         for k, v in L.experts_tensors(layout, u.out_name, w13, w2, b13, b2, model_type, first=x).items():
             # stacked layouts (gpt-oss): expert x's slice of each tensor is contiguous
@@ -464,14 +471,14 @@ def quantize_checkpoint(src: Union[str, Path], out: Union[str, Path], fmt: str, 
         summary.bytes_before = sum(reader.info(k).nbytes for k in reader)
         declared = _declare(units, reader, fmt, layout, model_type)
         bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=summary.bytes_before, unit="B", unit_scale=True, desc=f"quantize {src.name}",
-                       file=stream or sys.stderr)
-        qz = _Quantizer(fmt, dev, summary, bar)
         cfg = load_config(src / "config.json")  # the source's own config.json, with a quantization_config added
         with staging_dir(out, overwrite, _WHAT, source=src) as tmp:
+            if progress:
+                from tqdm import tqdm
+
+                bar = tqdm(total=summary.bytes_before, unit="B", unit_scale=True, desc=f"quantize {src.name}",
+                           file=stream or sys.stderr)
+            qz = _Quantizer(fmt, dev, summary, bar)
             writer = ShardedWriter(tmp, declared, max_shard_size)
             try:
                 for u in units:
