@@ -423,22 +423,24 @@ def quantize_model(
                                     lin.weight.numel() * lin.weight.element_size(), after))
         report.fused[fused_name] = list(names)
     if report.converted:
-        _mark_transformers_model(model)
+        notify_converted(model)
     return report
 
 
-def _mark_transformers_model(model: nn.Module) -> None:
-    """A converted transformers model is marked quantized by autofp4 (its ``save_pretrained``
-    then points to :func:`autofp4.save_pretrained`); transformers is not imported here if the
-    program has not imported it."""
-    import sys
+#: called with a model that now holds FP4 layers (converted by :func:`quantize_model` or built by
+#: ``autofp4.from_pretrained``); autofp4's transformers integration marks transformers models
+#: quantized with it (see ``autofp4.integrations.transformers_hook``)
+_CONVERTED_HOOKS: list[Callable[[nn.Module], None]] = []
 
-    tf = sys.modules.get("transformers")
-    if tf is None or not any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
-        return
-    from .integrations.hf_quantizer import mark_quantized
 
-    mark_quantized(model)
+def register_converted_hook(hook: Callable[[nn.Module], None]) -> None:
+    if hook not in _CONVERTED_HOOKS:
+        _CONVERTED_HOOKS.append(hook)
+
+
+def notify_converted(model: nn.Module) -> None:
+    for hook in list(_CONVERTED_HOOKS):
+        hook(model)
 
 
 def _skip_reason(name: str, lin: nn.Linear, fmt: str, patterns, keep: Mapping[str, str]) -> Optional[str]:

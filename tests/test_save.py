@@ -358,7 +358,14 @@ def test_the_cli_refuses_bad_sources_and_outputs(tmp_path, capsys):
     (tmp_path / "e" / "config.json").write_text((src / "config.json").read_text())
     assert cli_main(["quantize", str(tmp_path / "e"), "--fmt", "nvfp4", "--out", str(tmp_path / "o")]) == 2
     assert "no *.safetensors" in capsys.readouterr().err
-    assert not (tmp_path / "o").exists()
+    bad = tmp_path / "nan"
+    _bf16_checkpoint(bad, "llama")
+    sd = safetensors_torch.load_file(str(bad / "model.safetensors"))
+    sd["model.layers.1.self_attn.v_proj.weight"][3, 5] = float("nan")
+    safetensors_torch.save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    assert cli_main(["quantize", str(bad), "--fmt", "nvfp4", "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "NaN or inf" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() and not any(p.name.startswith(".") for p in tmp_path.iterdir())
 
 
 def test_the_quality_report_is_the_quantization_error(tmp_path):
@@ -380,61 +387,18 @@ def test_the_quality_report_is_the_quantization_error(tmp_path):
 
 
 # -- a checkpoint larger than the memory the conversion may use ----------------------------------
-_BIG = r"""
-import json, os, resource, sys, time
-from pathlib import Path
-import torch
-from autofp4.integrations.safetensors_io import ShardedWriter
-
-root, gb = Path(sys.argv[1]), float(sys.argv[2])
-# Llama-3.1-70B's layer shapes, as many layers as make ``gb`` GB of bf16
-H, I, V, NKV = 8192, 28672, 128256, 8
-layer = {"self_attn.q_proj": (H, H), "self_attn.k_proj": (NKV * 128, H), "self_attn.v_proj": (NKV * 128, H),
-         "self_attn.o_proj": (H, H), "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H), "mlp.down_proj": (H, I)}
-per_layer = sum(n * k for n, k in layer.values()) * 2
-layers = max(1, round((gb * 1e9 - 2 * V * H * 2) / per_layer))
-cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "intermediate_size": I,
-       "num_hidden_layers": layers, "num_attention_heads": 64, "num_key_value_heads": NKV, "vocab_size": V,
-       "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
-       "torch_dtype": "bfloat16"}
-root.mkdir(parents=True)
-(root / "config.json").write_text(json.dumps(cfg))
-decl = [("model.embed_tokens.weight", torch.bfloat16, (V, H))]
-for i in range(layers):
-    p = f"model.layers.{i}."
-    decl += [(p + n + ".weight", torch.bfloat16, s) for n, s in layer.items()]
-    decl += [(p + "input_layernorm.weight", torch.bfloat16, (H,)), (p + "post_attention_layernorm.weight", torch.bfloat16, (H,))]
-decl += [("model.norm.weight", torch.bfloat16, (H,)), ("lm_head.weight", torch.bfloat16, (V, H))]
-w = ShardedWriter(root, decl, "5GB")
-g = torch.Generator().manual_seed(0)
-pool = [torch.randn(4096, H, generator=g).mul_(0.02).to(torch.bfloat16) for _ in range(7)]  # fresh random rows
-for j, (name, _, shape) in enumerate(decl):
-    if len(shape) == 1:
-        w.write(name, torch.ones(shape, dtype=torch.bfloat16) + 0.01 * j)
-        continue
-    n, k = shape
-    at = 0
-    for r in range(0, n, 4096 * H // k):
-        rows = min(4096 * H // k, n - r)
-        blk = pool[(j + r) % 7].reshape(-1)[: rows * k].reshape(rows, k) * (1 + 0.001 * (j % 50))
-        w.write(name, blk.to(torch.bfloat16), at)
-        at += blk.numel() * 2
-w.close()
-print(json.dumps({"layers": layers, "bytes": sum(f.stat().st_size for f in root.glob("*.safetensors"))}))
-"""
-
-
 @pytest.mark.slow
 def test_a_30_gb_checkpoint_quantizes_in_bounded_memory(tmp_path):
-    """30 GB of bf16 Llama-3.1-70B layers (written here, random rows) quantized to NVFP4 by the CLI
-    in a fresh process: peak RSS under 6 GB; the time is printed. Skipped where the disk lacks
-    the 40 GB it needs."""
+    """30 GB of bf16 Llama-3.1-70B layers (written here by scripts/bench_quantize_checkpoint.py,
+    random rows) quantized to NVFP4 by the CLI in a fresh process: peak RSS under 6 GB; the time is
+    printed. Skipped where the disk lacks the 42 GB it needs."""
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     if free < 42e9:
         pytest.skip(f"needs 42 GB of free disk in {tmp_path}, has {free / 1e9:.0f} GB")
-    made = subprocess.run([sys.executable, "-c", _BIG, str(tmp_path / "src"), "30"], capture_output=True, text=True)
-    assert made.returncode == 0, made.stderr[-2000:]
-    info = json.loads(made.stdout.strip().splitlines()[-1])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_quantize_checkpoint import make_checkpoint
+
+    info = make_checkpoint(tmp_path / "src", 30)  # Llama-3.1-70B layer shapes, random rows
     assert info["bytes"] > 29e9
     run = subprocess.run([sys.executable, "-m", "autofp4", "quantize", str(tmp_path / "src"), "--fmt", "nvfp4",
                           "--out", str(tmp_path / "out"), "--no-progress"], capture_output=True, text=True)
@@ -455,3 +419,25 @@ def test_a_30_gb_checkpoint_quantizes_in_bounded_memory(tmp_path):
         assert torch.equal(_bits(out.read(f"{name}.weight_scale")), _bits(q.scale))
         assert torch.equal(out.read(f"{name}.weight_scale_2"), q.global_scale)
     assert torch.equal(out.read("lm_head.weight", (0, 8)), src.read("lm_head.weight", (0, 8)))
+
+
+# -- on the GPU ----------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,fmt,layout", [("qwen3_moe", "nvfp4", "modelopt"), ("gpt_oss", "mxfp4", "gpt-oss"),
+                                             ("deepseek_v3", "mxfp4", "compressed-tensors")])
+def test_quantizing_on_the_gpu_writes_the_cpu_bytes_and_the_checkpoint_runs_there(tmp_path, kind, fmt, layout):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    src = tmp_path / "src"
+    _bf16_checkpoint(src, kind)
+    skip = _skip(layout)
+    autofp4.quantize_checkpoint(src, tmp_path / "cpu", fmt, layout, skip=skip, progress=False)
+    autofp4.quantize_checkpoint(src, tmp_path / "gpu", fmt, layout, skip=skip, device="cuda", progress=False)
+    a, b = _tensors(tmp_path / "cpu"), _tensors(tmp_path / "gpu")
+    assert sorted(a) == sorted(b) and all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
+    # the checkpoint on the GPU (the FP4 kernels) against the same model quantized in memory there
+    model = _quantized(kind, fmt, layout).cuda()
+    back = autofp4.from_pretrained(tmp_path / "gpu", device_map="cuda")
+    ids = torch.randint(0, ATTN["vocab_size"], (2, 9), device="cuda")
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)

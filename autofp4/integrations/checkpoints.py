@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from ..loaders import load_state_dict_weight
-from ..nn import FP4Buffers, FP4Linear, fuse_projections
+from ..nn import FP4Buffers, FP4Linear, fuse_projections, notify_converted
 from ..weights import FP4Weight, _describe
 from .checkpoint_experts import Readers, load_experts
 
@@ -596,8 +596,8 @@ def _warn_dense(dense_stored: list[str], scheme: _Scheme, dtype: torch.dtype) ->
 
 def from_pretrained(path: Union[str, Path], device_map: Any = None, dtype: torch.dtype = torch.bfloat16,
                     fuse: bool = True) -> nn.Module:
-    """The transformers model of an FP4 checkpoint directory (ModelOpt or compressed-tensors NVFP4,
-    gpt-oss MXFP4), its quantized linears as :class:`~autofp4.nn.FP4Linear` and its routed experts
+    """The transformers model of an FP4 checkpoint directory (ModelOpt NVFP4, compressed-tensors
+    NVFP4 or MXFP4, gpt-oss MXFP4), its quantized linears as :class:`~autofp4.nn.FP4Linear` and its routed experts
     as :class:`~autofp4.integrations.transformers.FP4Experts`, in eval mode.
 
     device_map: None (CPU), ``"auto"`` (the current CUDA device if any), a device (``"cuda:0"``,
@@ -620,9 +620,7 @@ def from_pretrained(path: Union[str, Path], device_map: Any = None, dtype: torch
         fuse_projections(model)
     model.to(device)
     model.eval()
-    from .hf_quantizer import mark_quantized
-
-    mark_quantized(model)
+    notify_converted(model)  # a transformers model: marked quantized by autofp4 (its save_pretrained refuses)
     _warn_dense(dense_stored, scheme, dtype)
     unused = sorted(set(t) - t.used)
     if unused:

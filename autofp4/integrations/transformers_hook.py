@@ -61,9 +61,23 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _mark_converted(model) -> None:
+    """A transformers model that now holds FP4 layers gets autofp4's quantizer as its
+    ``hf_quantizer`` (see :func:`autofp4.integrations.hf_quantizer.mark_quantized`)."""
+    tf = sys.modules.get("transformers")
+    if tf is None or not any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
+        return
+    from .hf_quantizer import mark_quantized
+
+    mark_quantized(model)
+
+
 def install() -> None:
     if os.environ.get("AUTOFP4_NO_TRANSFORMERS_HOOK"):
         return
+    from ..nn import register_converted_hook
+
+    register_converted_hook(_mark_converted)
     if _TARGET in sys.modules:
         _register_quietly()
     elif not any(isinstance(f, _Finder) for f in sys.meta_path):
