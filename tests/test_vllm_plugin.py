@@ -472,6 +472,34 @@ class _NoKernel:
         return None
 
 
+def test_vllms_own_modelopt_method_loads_the_stored_tensors(tmp_path, monkeypatch, _src_dir):
+    """vLLM's own ModelOpt NVFP4 linear method (``modelopt_fp4``, W4A16 for this checkpoint) and
+    its weight loaders take the fused q/k/v tensors autofp4 writes."""
+    from safetensors import safe_open
+    from vllm.model_executor.layers.quantization import modelopt as mo_mod
+
+    monkeypatch.setattr(mo_mod, "init_nvfp4_linear_kernel", lambda **kw: _NoKernel())
+    path, _ = _written(tmp_path, "nvfp4", "modelopt")
+    own = vl.get_quantization_config("modelopt_fp4").from_config(json.loads((path / "hf_quant_config.json").read_text()))
+    layer = vl.QKVParallelLinear(H, HD, NH, NKV, bias=False, params_dtype=BF16, quant_config=own,
+                                 prefix="model.layers.0.self_attn.qkv_proj")
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys() if k.split(".")[-2] in ("q_proj", "k_proj", "v_proj")}
+    params = dict(layer.named_parameters())
+    names = sorted({k.rpartition(".")[2] for k in stored})
+    # W4A16 as genuine exports: no input_scale stored (vLLM registers one, NaN, for older exports
+    # that carry it, and drops it after loading)
+    assert set(params) - set(names) == {"input_scale"} and set(names) <= set(params)
+    for shard in "qkv":
+        for name in names:
+            t = stored[f"model.layers.0.self_attn.{shard}_proj.{name}"]
+            assert t.dtype == params[name].dtype, name
+            layer.weight_loader_v2(params[name], t, shard)
+    assert torch.equal(params["weight"].data, torch.cat([stored[f"model.layers.0.self_attn.{s}_proj.weight"] for s in "qkv"]))
+    assert torch.equal(params["weight_scale_2"].data, stored["model.layers.0.self_attn.q_proj.weight_scale_2"].expand(3))
+    assert torch.isnan(params["input_scale"].data).all()
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_vllm_reads_the_compressed_tensors_checkpoint_autofp4_writes(tmp_path, fmt, monkeypatch, _src_dir):
     """vLLM's compressed-tensors config picks its weights-only FP4 scheme for the layers, and its
