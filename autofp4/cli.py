@@ -612,14 +612,25 @@ def _cmd_quantize(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         parse_size(args.max_shard_size)
     except ValueError as e:
         raise _UsageError(f"--max-shard-size: {e}") from None
+    import signal
+    import threading
+
+    def on_term(signum, frame):  # a job scheduler's stop: cleaned up as an interrupt is
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_term) if main_thread else None
     try:
         summary = quantize_checkpoint(args.src, args.out, args.fmt, args.layout,
                                       skip=["lm_head", "*.lm_head", *args.skip], device=args.device,
                                       max_shard_size=args.max_shard_size, overwrite=args.overwrite,
                                       progress=not args.no_progress, stream=err)
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=err)
         return 2
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     print(summary, file=out)
     print(f"  report: {summary.out / 'quantization_report.json'}", file=out)
     return 0

@@ -441,3 +441,93 @@ def test_quantizing_on_the_gpu_writes_the_cpu_bytes_and_the_checkpoint_runs_ther
     ids = torch.randint(0, ATTN["vocab_size"], (2, 9), device="cuda")
     with torch.no_grad():
         assert torch.equal(back(ids).logits, model(ids).logits)
+
+
+# -- a broken source is named, never written through ------------------------------------------------
+def _edit_source(root: Path, fn) -> None:
+    sd = safetensors_torch.load_file(str(root / "model.safetensors"))
+    fn(sd)
+    safetensors_torch.save_file(sd, str(root / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("case,match", [
+    ("int8", r"stored as torch.int8, a linear weight must be floating point"),
+    ("shape", r"'model.layers.0.self_attn.q_proj.weight' is \[64, 48\], config.json wants \[64, 64\]"),
+    ("missing", r"lacks 1 tensors .*model.layers.1.mlp.up_proj.weight"),
+    ("nan-nvfp4", r"'model.layers.0.self_attn.k_proj.weight'.* holds NaN or inf"),
+    ("nan-mxfp4", r"model.layers.0.self_attn.k_proj holds NaN or inf"),
+    ("overlap", r"the bytes of tensor .* overlaps"),
+])
+def test_a_broken_source_is_refused_naming_the_tensor(tmp_path, case, match):
+    src = tmp_path / "src"
+    _bf16_checkpoint(src, "llama")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    if case == "int8":
+        _edit_source(src, lambda sd: sd.__setitem__(q, (sd[q].float() * 100).to(torch.int8)))
+    elif case == "shape":
+        _edit_source(src, lambda sd: sd.__setitem__(q, sd[q][:, :48].contiguous()))
+    elif case == "missing":
+        _edit_source(src, lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"))
+    elif case.startswith("nan"):
+        k = "model.layers.0.self_attn.k_proj.weight"
+        _edit_source(src, lambda sd: sd[k].__setitem__((3, 5), float("nan")))
+    else:  # up_proj's header entry pointing at gate_proj's bytes
+        f = src / "model.safetensors"
+        raw = f.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        header["model.layers.0.mlp.up_proj.weight"]["data_offsets"] = header["model.layers.0.mlp.gate_proj.weight"]["data_offsets"]
+        h = json.dumps(header).encode()
+        h += b" " * (-len(h) % 8)
+        f.write_bytes(len(h).to_bytes(8, "little") + h + raw[8 + n:])
+    fmt = "mxfp4" if case == "nan-mxfp4" else "nvfp4"
+    with pytest.raises(ValueError, match=match):
+        autofp4.quantize_checkpoint(src, tmp_path / "out", fmt, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_odd_outputs_and_devices(tmp_path, monkeypatch, capsys):
+    src = tmp_path / "src"
+    _bf16_checkpoint(src, "llama")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    assert cli_main(["quantize", str(src), "--fmt", "nvfp4", "--out", ".", "--no-progress"]) == 2  # not empty
+    assert cli_main(["quantize", str(src), "--fmt", "nvfp4", "--out", ".", "--overwrite", "--no-progress"]) == 0
+    assert (work / "model.safetensors").is_file() and not (work / "keep.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "work"]
+    capsys.readouterr()
+    assert cli_main(["quantize", str(src), "--fmt", "nvfp4", "--out", "/proc/autofp4-x", "--no-progress"]) == 2
+    assert "cannot write the checkpoint /proc/autofp4-x" in capsys.readouterr().err
+    for dev in ("meta", "tpu"):
+        assert cli_main(["quantize", str(src), "--fmt", "nvfp4", "--out", str(tmp_path / "o"), "--device", dev]) == 2
+        assert "device must be cpu or cuda" in capsys.readouterr().err
+    model = _quantized("llama", "nvfp4", "modelopt")
+    with pytest.raises(TypeError, match="tokenizer must have a save_pretrained"):
+        autofp4.save_pretrained(model, tmp_path / "o", tokenizer="abc")
+    with pytest.raises(FileNotFoundError, match="copy_files_from"):
+        autofp4.save_pretrained(model, tmp_path / "o", copy_files_from=tmp_path / "nope")
+    with pytest.raises(ValueError, match="meta device"):
+        autofp4.save_pretrained(model.to("meta"), tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_while_writing_leaves_nothing(tmp_path):
+    import signal
+    import time
+
+    src = tmp_path / "src"
+    cfg = transformers.LlamaConfig(**{**ATTN, "hidden_size": 1024, "num_hidden_layers": 4}, intermediate_size=2048)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=BF16).save_pretrained(src)
+    proc = subprocess.Popen([sys.executable, "-m", "autofp4", "quantize", str(src), "--fmt", "nvfp4", "--out",
+                             str(tmp_path / "out"), "--no-progress"], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(p.name.startswith(".out.partial-") for p in tmp_path.iterdir()) and time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"finished before it could be stopped: {proc.stderr.read()[-500:]}")
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 130, proc.stderr.read()[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -184,6 +184,8 @@ def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt:
     def matches(name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in skip)
 
+    _check_against_model(reader, model, model_type, by_model, experts)
+
     # linears to quantize
     linears: dict[str, str] = {}  # module name -> stored weight key
     excluded: list[str] = []
@@ -228,10 +230,15 @@ def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt:
         if h % bs or (two_i // 2) % bs:
             excluded.append(name)
             continue
-        unit = _experts_unit(name, e, two_i, h, gpt_oss, by_model, model_type)
+        unit = _experts_unit(reader, name, e, two_i, h, gpt_oss, by_model, model_type)
         if unit is None:
-            excluded.append(name)
-            continue
+            raise ValueError(f"{_WHAT}: the routed experts {L.stored_name(name, model_type)!r} are not stored, neither "
+                             "one linear per expert nor stacked; checkpoint and config.json do not match")
+        for k in unit.sources:
+            info = reader.info(k)
+            if info.dtype not in _FLOATS:
+                raise ValueError(f"{_WHAT}: {k!r} is stored as {info.dtype}; a weight to quantize must be "
+                                 "bfloat16, float16 or float32")
         exp_units[name] = unit
 
     # units in the order of their first source tensor
@@ -258,8 +265,53 @@ def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt:
     return units, sorted({L.stored_name(n, model_type) for n in excluded})
 
 
-def _experts_unit(name: str, e: int, two_i: int, h: int, gpt_oss: bool, by_model: dict[str, str],
-                  model_type: Optional[str]) -> Optional[_Experts]:
+def _check_against_model(reader: SafetensorsReader, model: Any, model_type: Optional[str], by_model: dict[str, str],
+                         experts: dict[str, Any]) -> None:
+    """The stored tensors against the model config.json builds: every parameter stored (the routed
+    experts are checked with their layout), in its shape, linear weights floating point; stored
+    tensors the model does not have are warned about and copied."""
+    import warnings
+
+    from torch import nn
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    state = set(model.state_dict())
+    under_experts = tuple(f"{n}." for n in experts)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    missing, wrong = [], []
+    for name, p in params.items():
+        if name.startswith(under_experts):
+            continue
+        key = by_model.get(name)
+        if key is None:
+            if not (tied and name.endswith("lm_head.weight")):
+                missing.append(L.stored_name(name, model_type))
+            continue
+        info = reader.info(key)
+        if info.shape != tuple(p.shape):
+            wrong.append(f"{key!r} is {list(info.shape)}, config.json wants {list(p.shape)}")
+    for name, mod in model.named_modules():
+        key = by_model.get(f"{name}.weight")
+        if isinstance(mod, nn.Linear) and key is not None and not reader.info(key).dtype.is_floating_point:
+            wrong.append(f"{key!r} is stored as {reader.info(key).dtype}, a linear weight must be floating point")
+    if missing:
+        raise ValueError(f"{_WHAT}: {reader.root} lacks {len(missing)} tensors the model of its config.json needs "
+                         f"(a shard missing from the index?): {missing[:8]}")
+    if wrong:
+        raise ValueError(f"{_WHAT}: {len(wrong)} stored tensors do not match the model of config.json: " + "; ".join(wrong[:5]))
+    extra = [k for m, k in by_model.items() if m not in state and not m.startswith(under_experts)]
+    if extra:
+        warnings.warn(f"{_WHAT}: {len(extra)} stored tensors are not in the model config.json builds; copied as they "
+                      f"are: {extra[:8]}", UserWarning, stacklevel=3)
+
+
+def _want_shape(reader: SafetensorsReader, key: str, want: tuple[int, ...]) -> None:
+    if reader.info(key).shape != want:
+        raise ValueError(f"{_WHAT}: {key!r} is {list(reader.info(key).shape)}, config.json wants {list(want)}")
+
+
+def _experts_unit(reader: SafetensorsReader, name: str, e: int, two_i: int, h: int, gpt_oss: bool,
+                  by_model: dict[str, str], model_type: Optional[str]) -> Optional[_Experts]:
     """Where the experts ``name`` are stored: one linear per expert (either projection naming)
     or stacked (transformers' ``gate_up_proj [E, 2I, H]``, gpt-oss's ``[E, H, 2I]`` interleaved)."""
     i = two_i // 2
@@ -267,11 +319,16 @@ def _experts_unit(name: str, e: int, two_i: int, h: int, gpt_oss: bool, by_model
     for g, u, d in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
         keys = [[by_model.get(f"{name}.{x}.{p}.weight") for p in (g, u, d)] for x in range(e)]
         if all(k is not None for ks in keys for k in ks):
+            for ks in keys:
+                for k, want in zip(ks, ((i, h), (i, h), (h, i))):
+                    _want_shape(reader, k, want)
             return _Experts(out, e, two_i, h, lambda r, x, ks=keys: (r.read(ks[x][0]), r.read(ks[x][1])),
                             lambda r, x, ks=keys: r.read(ks[x][2]), [k for ks in keys for k in ks])
     gu, dn = by_model.get(f"{name}.gate_up_proj"), by_model.get(f"{name}.down_proj")
     if gu is None or dn is None:
         return None
+    _want_shape(reader, gu, (e, h, two_i) if gpt_oss else (e, two_i, h))
+    _want_shape(reader, dn, (e, i, h) if gpt_oss else (e, h, i))
     if gpt_oss:
         def gate_up(r: SafetensorsReader, x: int) -> tuple[torch.Tensor, torch.Tensor]:
             t = r.read(gu, (x, x + 1))[0].t()  # [2I, H], gate and up rows interleaved
@@ -296,7 +353,7 @@ class _Quantizer:
     def _rows(self, t_rows: int, row_bytes: int) -> int:
         return max(1, min(t_rows, _CHUNK_BYTES // max(row_bytes, 1)))
 
-    def global_scale(self, parts: Iterable[Callable[[], Iterable[torch.Tensor]]]) -> Optional[torch.Tensor]:
+    def global_scale(self, parts: Iterable[Callable[[], Iterable[torch.Tensor]]], label: str) -> Optional[torch.Tensor]:
         """The NVFP4 global scale of tensors quantized as one: ``amax / (6 * 448)`` (1 if all zero),
         computed as :func:`autofp4.formats.quantize_nvfp4` computes it."""
         if self.fmt != "nvfp4":
@@ -307,7 +364,7 @@ class _Quantizer:
                 # the largest |w| in the stored dtype is exact; NaN and inf show in it
                 amax = torch.maximum(amax, c.to(self.device).abs().amax().float())
         if not bool(torch.isfinite(amax)):
-            raise ValueError(f"{_WHAT}: a weight holds NaN or inf")
+            raise ValueError(f"{_WHAT}: {label} holds NaN or inf")
         gs = amax / torch.tensor(E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=self.device)
         return torch.where(gs > 0, gs, torch.ones_like(gs))
 
@@ -326,7 +383,10 @@ class _Quantizer:
             if self.fmt == "nvfp4":
                 d, s, _ = quantize_nvfp4(w, gs)
             else:
-                d, s = quantize_mxfp4(w)
+                try:
+                    d, s = quantize_mxfp4(w)
+                except ValueError:
+                    raise ValueError(f"{_WHAT}: {name} holds NaN or inf") from None
             deq = dequantize_blocks(self.fmt, d, s, gs)
             wf = w.float()
             q.sum_sq += float(wf.square().sum())
@@ -386,7 +446,7 @@ def _declare(units: list[Any], reader: SafetensorsReader, fmt: str, layout: str,
 
 
 def _run_linear(u: _Linear, reader: SafetensorsReader, writer: ShardedWriter, qz: _Quantizer, layout: str) -> None:
-    gs = qz.global_scale([qz.row_chunks(reader, k) for k, _ in u.members])
+    gs = qz.global_scale([qz.row_chunks(reader, k) for k, _ in u.members], " or ".join(repr(k) for k, _ in u.members))
     for key, name in u.members:
         info = reader.info(key)
         data, scale = qz.quantize(name, qz.row_chunks(reader, key)(), info.shape, gs)
@@ -402,11 +462,11 @@ def _run_experts(u: _Experts, reader: SafetensorsReader, writer: ShardedWriter, 
     for x in range(u.num):
         gate, up = u.read_gate_up(reader, x)
         down = u.read_down(reader, x)
-        gs13 = qz.global_scale([qz.tensor_chunks(gate), qz.tensor_chunks(up)])
+        gs13 = qz.global_scale([qz.tensor_chunks(gate), qz.tensor_chunks(up)], f"expert {x} of {u.out_name!r} (gate or up)")
         g, up_, dn = (f"{u.out_name}.{x}.{p}" for p in L.expert_proj_names(model_type))
         d_g, s_g = qz.quantize(g, qz.tensor_chunks(gate)(), (i, u.h), gs13)
         d_u, s_u = qz.quantize(up_, qz.tensor_chunks(up)(), (i, u.h), gs13)
-        gs2 = qz.global_scale([qz.tensor_chunks(down)])
+        gs2 = qz.global_scale([qz.tensor_chunks(down)], f"expert {x} of {u.out_name!r} (down)")
         d_d, s_d = qz.quantize(dn, qz.tensor_chunks(down)(), (u.h, i), gs2)
         w13 = _fp4(qz.fmt, torch.cat((d_g, d_u))[None], torch.cat((s_g, s_u))[None],
                    None if gs13 is None else gs13.reshape(1))
@@ -455,7 +515,12 @@ def quantize_checkpoint(src: Union[str, Path], out: Union[str, Path], fmt: str, 
     from ..models import check_limits, load_config
 
     check_limits(load_config(src / "config.json"))  # bounded read of config.json before transformers uses it
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{_WHAT}: device must be cpu or cuda[:N], got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"{_WHAT}: device {device!r} asked for, but CUDA is not available")
     config, model = _model_on_meta(src)

@@ -98,6 +98,7 @@ def read_header(path: Path, what: str = "autofp4") -> tuple[dict, int]:
         raise ValueError(f"{what}: {path} is not a readable safetensors file: its header is not an object")
     data_start = 8 + n
     end = 0
+    spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -110,9 +111,16 @@ def read_header(path: Path, what: str = "autofp4") -> tuple[dict, int]:
                              f"(or a dtype autofp4 does not read): {entry!r}") from None
         if min(shape, default=0) < 0 or b - a != math.prod(shape) * _itemsize(dtype) or a < 0:
             raise ValueError(f"{what}: {path}: tensor {name!r} has {b - a} bytes for {entry['dtype']} {list(shape)}")
+        spans.append((a, b, name))
         end = max(end, b)
     if data_start + end > size:
         raise ValueError(f"{what}: {path} is truncated: its header needs {data_start + end} bytes, the file has {size}")
+    at, prev = 0, None
+    for a, b, name in sorted(spans):  # back to back, as safetensors requires: no overlap, no gap
+        if a != at:
+            why = f"overlaps {prev!r}" if a < at else f"leaves a gap of {a - at} bytes after {prev!r}"
+            raise ValueError(f"{what}: {path}: the bytes of tensor {name!r} ({a}..{b}) {why}")
+        at, prev = b, name
     return header, data_start
 
 

@@ -43,7 +43,7 @@ def staging_dir(out: Union[str, Path], overwrite: bool, what: str,
     """A temporary directory beside ``out``, moved to ``out`` when the block ends without an
     error and removed when it raises. A non-empty ``out`` is refused unless ``overwrite``; ``out``
     may not be (or hold) the ``source`` checkpoint."""
-    out = Path(out)
+    out = Path(os.path.abspath(out))  # "." and "sub/.." named by what they are
     if out.exists():
         if not out.is_dir():
             raise FileExistsError(f"{what}: {out} exists and is not a directory")
@@ -55,8 +55,13 @@ def staging_dir(out: Union[str, Path], overwrite: bool, what: str,
         if src == dst or src.is_relative_to(dst):
             raise ValueError(f"{what}: the output {out} would replace the source checkpoint {source}")
     parent = out.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
+    except OSError as e:
+        raise OSError(f"{what}: cannot write the checkpoint {out}: cannot create a directory in {parent} "
+                      f"({e.strerror or e})") from None
+    old = None
     try:
         yield tmp
         os.chmod(tmp, 0o755)
@@ -64,12 +69,16 @@ def staging_dir(out: Union[str, Path], overwrite: bool, what: str,
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))
             os.rename(out, old / "d")
             os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, out)
     except BaseException:
+        if old is not None and (old / "d").exists() and not out.exists():
+            os.rename(old / "d", out)  # the user's directory back where it was
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def write_configs(root: Path, config: dict, layout: str, fmt: str, excluded: list[str]) -> dict:
@@ -251,9 +260,18 @@ def save_pretrained(model: nn.Module, path: Union[str, Path], layout: Optional[s
     excluded = _excluded_modules(model, model_type, [n for n, m in fp4.items() if isinstance(m, experts_cls)])
     cfg = config_dict(config)
     cfg["architectures"] = [type(model).__name__]
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise TypeError(f"{_WHAT}: tokenizer must have a save_pretrained method (a transformers tokenizer), "
+                        f"got {_describe(tokenizer)}")
+    if copy_files_from is not None and not Path(copy_files_from).is_dir():
+        raise FileNotFoundError(f"{_WHAT}: copy_files_from={str(copy_files_from)!r} is not a directory")
+    meta = [k for k, v in tensors.items() if v.is_meta]
+    if meta:
+        raise ValueError(f"{_WHAT}: {len(meta)} tensors of the model are on the meta device (no values to write): "
+                         f"{meta[:5]}")
     source = Path(copy_files_from) if copy_files_from is not None else _loaded_from(config)
     with staging_dir(path, overwrite, _WHAT) as tmp:
-        write_tensors(tmp, {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, max_shard_size)
+        write_tensors(tmp, tensors, max_shard_size)  # each copied to the host only as it is written
         write_configs(tmp, cfg, layout, fmt, excluded)
         gen = getattr(model, "generation_config", None)
         if gen is not None and hasattr(gen, "to_json_file"):
