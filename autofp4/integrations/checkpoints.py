@@ -39,9 +39,6 @@ match either.
 from __future__ import annotations
 
 import fnmatch
-import json
-import os
-import stat
 import warnings
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -56,6 +53,7 @@ from ..loaders import load_state_dict_weight
 from ..nn import FP4Buffers, FP4Linear, fuse_projections, notify_converted
 from ..weights import FP4Weight, _describe
 from .checkpoint_experts import Readers, load_experts
+from .safetensors_io import INDEX, shard_files
 
 __all__ = ["from_pretrained", "from_compressed_tensors"]
 
@@ -66,15 +64,6 @@ _RENAMES = {"mixtral": [(".mlp.", ".block_sparse_moe.")]}
 
 
 # -- the stored tensors ------------------------------------------------------------------------
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{_WHAT}: {path} is not valid JSON: {e}") from None
-    except RecursionError:
-        raise ValueError(f"{_WHAT}: {path}: JSON nested too deep to be a checkpoint's") from None
-
-
 def _read_config(path: Path) -> dict:
     """A checkpoint's small JSON file (config.json, hf_quant_config.json): read bounded and
     depth-checked (:func:`autofp4.models.load_config`), its size fields within bounds."""
@@ -89,15 +78,6 @@ def _read_config(path: Path) -> dict:
     if qc is not None and not isinstance(qc, dict):
         raise ValueError(f"{_WHAT}: {path}: quantization_config must be an object, got {type(qc).__name__}")
     return config
-
-
-def _regular_file(path: Path) -> bool:
-    """Whether ``path`` is (or links to) a regular file: never a pipe, a device or a directory,
-    which a reader could block on or misread."""
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
 
 
 def _safe_open(path: Path, device: str) -> Any:
@@ -115,29 +95,8 @@ class _Tensors(Mapping):
     when asked for (a Mapping, so :func:`autofp4.loaders.load_state_dict_weight` reads it)."""
 
     def __init__(self, root: Path, device: torch.device, renames: tuple[tuple[str, str], ...] = ()) -> None:
-        index = root / "model.safetensors.index.json"
-        listed: dict[str, str] = {}
-        if index.is_file():
-            doc = _read_json(index)
-            weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise ValueError(f"{_WHAT}: {index} has no 'weight_map' of tensor names to shard files")
-            listed = {str(k): str(v) for k, v in weight_map.items()}
-            for v in sorted(set(listed.values())):
-                if not v or Path(v).name != v or v in (".", ".."):
-                    raise ValueError(f"{_WHAT}: {index} lists the shard {v!r}: a shard must be a file name in "
-                                     f"{root} (no directories, no absolute paths)")
-            files = sorted({root / v for v in listed.values()})
-            for f in files:
-                if not f.exists():
-                    raise FileNotFoundError(f"{_WHAT}: shard {f.name} listed in {index} does not exist in {root}")
-        else:
-            files = sorted(root.glob("*.safetensors"))
-            if not files:
-                raise FileNotFoundError(f"{_WHAT}: no *.safetensors file (or model.safetensors.index.json) in {root}")
-        for f in files:
-            if not _regular_file(f):
-                raise ValueError(f"{_WHAT}: {f} is not a regular file (a directory, a pipe or a device)")
+        files, listed = shard_files(root, _WHAT)
+        index = root / INDEX
         dev = "cpu" if device.type == "cpu" else str(device)
         self._files = {f.name: _safe_open(f, dev) for f in files}
         self._where: dict[str, str] = {}
@@ -146,7 +105,7 @@ class _Tensors(Mapping):
                 if key in self._where:
                     raise ValueError(f"{_WHAT}: tensor {key!r} is stored in both {self._where[key]} and {fname}")
                 self._where[key] = fname
-        for key, fname in listed.items():
+        for key, fname in (listed or {}).items():
             if self._where.get(key) != Path(fname).name:
                 raise ValueError(f"{_WHAT}: {index.name} puts {key!r} in {fname}, but that file does not hold it")
         self.stored: dict[str, str] = {}  # the model's name -> the stored name, where they differ

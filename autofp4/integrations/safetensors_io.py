@@ -124,38 +124,54 @@ def read_header(path: Path, what: str = "autofp4") -> tuple[dict, int]:
     return header, data_start
 
 
+def shard_files(root: Path, what: str) -> tuple[list[Path], Optional[dict[str, str]]]:
+    """The safetensors files of a checkpoint directory (the shards its index lists, or every
+    ``*.safetensors``) and the index's weight map (None without an index): shard names must be
+    file names in ``root``, listed shards must exist and be regular files (never a pipe or a
+    device a reader would block on)."""
+    index = root / INDEX
+    weight_map = None
+    if index.is_file():
+        try:
+            doc = json.loads(index.read_text())
+        except (ValueError, OSError, RecursionError) as e:
+            raise ValueError(f"{what}: {index} is not valid JSON: {e}") from None
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{what}: {index} has no 'weight_map' of tensor names to shard files")
+        weight_map = {str(k): str(v) for k, v in weight_map.items()}
+        names = sorted(set(weight_map.values()))
+        for v in names:
+            if not v or Path(v).name != v or v in (".", ".."):
+                raise ValueError(f"{what}: {index} lists the shard {v!r}: a shard must be a file name in {root} "
+                                 "(no directories, no absolute paths)")
+        files = [root / v for v in names]
+        for f in files:
+            if not f.exists():
+                raise FileNotFoundError(f"{what}: shard {f.name} listed in {index} does not exist in {root}")
+    else:
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{what}: no *.safetensors file (or {INDEX}) in {root}")
+    for f in files:
+        try:
+            regular = stat.S_ISREG(os.stat(f).st_mode)
+        except OSError:
+            regular = False
+        if not regular:
+            raise ValueError(f"{what}: {f} is not a regular file (a directory, a pipe or a device)")
+    return files, weight_map
+
+
 class SafetensorsReader:
     """The tensors of a checkpoint directory, read by name (see the module's docstring)."""
 
     def __init__(self, root: Union[str, Path], what: str = "autofp4") -> None:
         root = Path(root)
         self.root = root
-        index = root / INDEX
-        if index.is_file():
-            try:
-                doc = json.loads(index.read_text())
-            except (ValueError, OSError) as e:
-                raise ValueError(f"{what}: {index} is not valid JSON: {e}") from None
-            weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise ValueError(f"{what}: {index} has no 'weight_map' of tensor names to shard files")
-            names = sorted({str(v) for v in weight_map.values()})
-            for v in names:
-                if not v or Path(v).name != v or v in (".", ".."):
-                    raise ValueError(f"{what}: {index} lists the shard {v!r}: a shard must be a file name in {root}")
-            files = [root / v for v in names]
-        else:
-            files = sorted(root.glob("*.safetensors"))
-            weight_map = None
-            if not files:
-                raise FileNotFoundError(f"{what}: no *.safetensors file (or {INDEX}) in {root}")
+        files, weight_map = shard_files(root, what)
         self.tensors: dict[str, TensorInfo] = {}
         for f in files:
-            try:
-                if not stat.S_ISREG(os.stat(f).st_mode):
-                    raise ValueError(f"{what}: {f} is not a regular file")
-            except FileNotFoundError:
-                raise FileNotFoundError(f"{what}: shard {f.name} listed in {index} does not exist in {root}") from None
             header, start = read_header(f, what)
             for name, e in header.items():
                 if name == "__metadata__":
