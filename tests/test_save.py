@@ -450,8 +450,17 @@ def _edit_source(root: Path, fn) -> None:
     safetensors_torch.save_file(sd, str(root / "model.safetensors"), metadata={"format": "pt"})
 
 
+def test_a_non_finite_copied_tensor_is_warned_about(tmp_path):
+    src = tmp_path / "src"
+    _bf16_checkpoint(src, "llama")
+    _edit_source(src, lambda sd: sd["model.norm.weight"].__setitem__(2, float("inf")))
+    with pytest.warns(UserWarning, match=r"'model.norm.weight' holds 1 non-finite value"):
+        autofp4.quantize_checkpoint(src, tmp_path / "out", "nvfp4", progress=False)
+
+
 @pytest.mark.parametrize("case,match", [
     ("int8", r"stored as torch.int8, a linear weight must be floating point"),
+    ("float64", r"stored as torch.float64; a weight to quantize must be bfloat16, float16 or float32"),
     ("shape", r"'model.layers.0.self_attn.q_proj.weight' is \[64, 48\], config.json wants \[64, 64\]"),
     ("missing", r"lacks 1 tensors .*model.layers.1.mlp.up_proj.weight"),
     ("nan-nvfp4", r"'model.layers.0.self_attn.k_proj.weight'.* holds NaN or inf"),
@@ -464,6 +473,8 @@ def test_a_broken_source_is_refused_naming_the_tensor(tmp_path, case, match):
     q = "model.layers.0.self_attn.q_proj.weight"
     if case == "int8":
         _edit_source(src, lambda sd: sd.__setitem__(q, (sd[q].float() * 100).to(torch.int8)))
+    elif case == "float64":
+        _edit_source(src, lambda sd: sd.__setitem__(q, sd[q].double()))
     elif case == "shape":
         _edit_source(src, lambda sd: sd.__setitem__(q, sd[q][:, :48].contiguous()))
     elif case == "missing":

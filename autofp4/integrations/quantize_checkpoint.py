@@ -23,6 +23,7 @@ import math
 import resource
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, TextIO, Union
@@ -193,9 +194,11 @@ def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt:
         if not isinstance(mod, nn.Linear):
             continue
         key = by_model.get(f"{name}.weight")
-        ok = (layout != "gpt-oss" and key is not None and name not in keep and not matches(name)
-              and mod.in_features % bs == 0 and reader.info(key).dtype in _FLOATS
-              and reader.info(key).shape == (mod.out_features, mod.in_features))
+        wanted = layout != "gpt-oss" and key is not None and name not in keep and not matches(name)
+        if wanted and reader.info(key).dtype not in _FLOATS:
+            raise ValueError(f"{_WHAT}: {key!r} is stored as {reader.info(key).dtype}; a weight to quantize must be "
+                             f"bfloat16, float16 or float32 (or keep the layer with --skip {name})")
+        ok = wanted and mod.in_features % bs == 0
         if ok:
             linears[name] = key
         elif key is not None or name in keep:
@@ -270,8 +273,6 @@ def _check_against_model(reader: SafetensorsReader, model: Any, model_type: Opti
     """The stored tensors against the model config.json builds: every parameter stored (the routed
     experts are checked with their layout), in its shape, linear weights floating point; stored
     tensors the model does not have are warned about and copied."""
-    import warnings
-
     from torch import nn
 
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -483,13 +484,16 @@ def _run_experts(u: _Experts, reader: SafetensorsReader, writer: ShardedWriter, 
 
 def _copy(key: str, reader: SafetensorsReader, writer: ShardedWriter, qz: _Quantizer) -> None:
     info = reader.info(key)
-    if not info.shape:
-        writer.write(key, reader.read(key))
-    else:
-        step = qz._rows(info.shape[0], info.row_bytes)
-        for a in range(0, info.shape[0], step):
-            b = min(a + step, info.shape[0])
-            writer.write(key, reader.read(key, (a, b)), at=a * info.row_bytes)
+    bad = 0
+    step = qz._rows(info.shape[0], info.row_bytes) if info.shape else 1
+    for a in range(0, info.shape[0] if info.shape else 1, step):
+        t = reader.read(key, (a, min(a + step, info.shape[0])) if info.shape else None)
+        if t.is_floating_point():
+            bad += int((~torch.isfinite(t)).sum())
+        writer.write(key, t, at=a * info.row_bytes if info.shape else 0)
+    if bad:
+        warnings.warn(f"{_WHAT}: {key!r} holds {bad} non-finite value(s) (NaN or inf); copied as it is",
+                      UserWarning, stacklevel=3)
     if qz.progress is not None:
         qz.progress.update(info.nbytes)
     qz.summary.copied += 1
