@@ -53,14 +53,13 @@ from ..loaders import load_state_dict_weight
 from ..nn import FP4Buffers, FP4Linear, fuse_projections, notify_converted
 from ..weights import FP4Weight, _describe
 from .checkpoint_experts import Readers, load_experts
+from .layouts import RENAMES
 from .safetensors_io import INDEX, shard_files
 
 __all__ = ["from_pretrained", "from_compressed_tensors"]
 
 _WHAT = "autofp4.from_pretrained"
 _CT_FORMATS = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
-# (model name part, stored name part) by config.model_type
-_RENAMES = {"mixtral": [(".mlp.", ".block_sparse_moe.")]}
 
 
 # -- the stored tensors ------------------------------------------------------------------------
@@ -534,7 +533,7 @@ def _open(root: Path, config: Mapping, model_type: Optional[str], device: torch.
     """The quantization scheme (from ``config``, config.json's contents, and hf_quant_config.json)
     and the stored tensors, named as the model names them."""
     scheme = _scheme(root, config)
-    scheme.renames = tuple(_RENAMES.get(model_type or "", ()))
+    scheme.renames = tuple(RENAMES.get(model_type or "", ()))
     return scheme, _Tensors(root, device, scheme.renames)
 
 

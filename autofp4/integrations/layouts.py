@@ -32,7 +32,8 @@ import torch
 
 from ..weights import FP4Weight
 
-__all__ = ["LAYOUTS", "check_layout", "default_layout", "stored_name", "expert_proj_names", "linear_tensors",
+__all__ = ["LAYOUTS", "check_layout", "default_layout", "stored_name", "model_name", "routers_next_to",
+           "expert_proj_names", "linear_tensors",
            "experts_tensors", "quantization_config"]
 
 LAYOUTS = ("modelopt", "compressed-tensors", "gpt-oss")
@@ -71,6 +72,30 @@ def stored_name(name: str, model_type: Optional[str]) -> str:
     for model_part, stored_part in RENAMES.get(model_type or "", ()):
         name = name.replace(model_part, stored_part)
     return name
+
+
+def model_name(stored: str, model_type: Optional[str]) -> str:
+    """The model's name of a tensor a checkpoint of ``model_type`` stores as ``stored`` (the
+    inverse of :func:`stored_name`)."""
+    for model_part, stored_part in RENAMES.get(model_type or "", ()):
+        stored = stored.replace(stored_part, model_part)
+    return stored
+
+
+def routers_next_to(model, experts: list[str]) -> list[str]:
+    """The router modules (``gate`` / ``router``, any class) beside each routed-experts module
+    ``experts`` names: kept in high precision, listed as excluded in a checkpoint's config."""
+    out = []
+    for name in experts:
+        parent = name.rpartition(".")[0]
+        for r in ("gate", "router"):
+            full = f"{parent}.{r}" if parent else r
+            try:
+                model.get_submodule(full)
+            except AttributeError:
+                continue
+            out.append(full)
+    return out
 
 
 def expert_proj_names(model_type: Optional[str]) -> tuple[str, str, str]:

@@ -149,12 +149,6 @@ def _model_on_meta(src: Path) -> tuple[Any, Any]:
     return config, model
 
 
-def _unrename(stored: str, model_type: Optional[str]) -> str:
-    for model_part, stored_part in L.RENAMES.get(model_type or "", ()):
-        stored = stored.replace(stored_part, model_part)
-    return stored
-
-
 def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt: str, layout: str,
           skip: list[str]) -> tuple[list[Any], list[str]]:
     """Units in source order (_Linear, _Experts, or a str: a tensor copied as it is) and the
@@ -165,22 +159,13 @@ def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt:
     from .transformers import _activation, _is_gpt_oss, _layout_problem
 
     bs = BLOCK_SIZE[fmt]
-    by_model = {_unrename(k, model_type): k for k in reader}
+    by_model = {L.model_name(k, model_type): k for k in reader}
     for k in reader:
         if k.endswith(("_blocks", ".weight_packed", ".weight_scale", ".weight_scale_2")):
             raise ValueError(f"{_WHAT}: {reader.root} already holds quantized tensors ({k!r}); quantize a bf16, "
                              "fp16 or fp32 checkpoint")
     experts = dict(experts_modules(model))
-    keep: set[str] = set()  # routers
-    for name in experts:
-        parent = name.rpartition(".")[0]
-        for r in ("gate", "router"):
-            full = f"{parent}.{r}" if parent else r
-            try:
-                model.get_submodule(full)
-                keep.add(full)
-            except AttributeError:
-                pass
+    keep = set(L.routers_next_to(model, list(experts)))
 
     def matches(name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in skip)

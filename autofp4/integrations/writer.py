@@ -187,17 +187,9 @@ def _excluded_modules(model: nn.Module, model_type: Optional[str], fp4_experts: 
     linears, the routers next to the experts, experts left dense."""
     from .checkpoint_experts import experts_modules
 
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    names += [n for n, _ in experts_modules(model)]
-    for ex in fp4_experts + [n for n, _ in experts_modules(model)]:
-        parent = ex.rpartition(".")[0]
-        for r in ("gate", "router"):
-            full = f"{parent}.{r}" if parent else r
-            try:
-                model.get_submodule(full)
-            except AttributeError:
-                continue
-            names.append(full)
+    dense_experts = [n for n, _ in experts_modules(model)]
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)] + dense_experts
+    names += L.routers_next_to(model, fp4_experts + dense_experts)
     return sorted({L.stored_name(n, model_type) for n in names})
 
 
