@@ -47,8 +47,27 @@ def add_param(layer: torch.nn.Module, name: str, param: torch.nn.Parameter, attr
     return param
 
 
+def _dummy_load() -> bool:
+    """Whether vLLM is loading dummy weights (``--load-format dummy``)."""
+    from vllm.config import get_current_vllm_config
+
+    try:
+        return str(get_current_vllm_config().load_config.load_format) == "dummy"
+    except Exception:  # no config set (a layer built outside a vLLM engine)
+        return False
+
+
 def check_loaded(layer: torch.nn.Module, names: Iterable[str], prefix: str) -> None:
-    """A RuntimeError if a scale still holds the NaN it was created with (never loaded)."""
+    """A RuntimeError if a scale still holds the NaN it was created with (never loaded).
+
+    Under ``--load-format dummy`` the scales get their ``dummy_weight_value`` here first: vLLM
+    before 0.27 fills every float parameter with uniform(-1e-3, 1e-3) (negative scales), later
+    releases write the value themselves."""
+    if _dummy_load():
+        for name in names:
+            value = getattr(getattr(layer, name), "dummy_weight_value", None)
+            if value is not None:
+                getattr(layer, name).data.fill_(value)
     for name in names:
         t = getattr(layer, name)
         bad = (t.view(torch.uint8) == _E4M3_NAN) if t.dtype == torch.float8_e4m3fn else torch.isnan(t)
