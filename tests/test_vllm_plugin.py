@@ -321,9 +321,9 @@ def _experts(quant_config, activation="silu"):
     return runner.routed_experts
 
 
-def test_modelopt_experts_layer_matches_the_reference_moe():
-    ex = _experts(vl.AutoFP4Config.from_config(MODELOPT_IN_CONFIG))
-    torch.manual_seed(3)
+def _load_experts(ex) -> dict:
+    """Random ModelOpt NVFP4 experts (gate and up at different scales) through vLLM's expert
+    loader; returns {(expert, proj): FP4Weight}."""
     ws = {}
     prefix = "model.layers.0.mlp.experts.routed_experts."
     for e in range(E):
@@ -333,6 +333,13 @@ def test_modelopt_experts_layer_matches_the_reference_moe():
             for suffix, t in (("weight", w.data), ("weight_scale", w.scale), ("weight_scale_2", w.global_scale),
                               ("input_scale", torch.tensor(0.1 + e + (shard == "w3")))):
                 ex.weight_loader(getattr(ex, stem + suffix), t, prefix + stem + suffix, shard, e)
+    return ws
+
+
+def test_modelopt_experts_layer_matches_the_reference_moe():
+    ex = _experts(vl.AutoFP4Config.from_config(MODELOPT_IN_CONFIG))
+    torch.manual_seed(3)
+    ws = _load_experts(ex)
     originals = [weakref.ref(ex.w13_weight), weakref.ref(ex.w13_weight_scale)]
     ex.quant_method.process_weights_after_loading(ex)
     gc.collect()
@@ -350,6 +357,64 @@ def test_modelopt_experts_layer_matches_the_reference_moe():
     # under torch.compile the method calls the custom op on the layer's buffers
     compiled = torch.compile(lambda x: ex.quant_method.apply(ex, x, tw, ti, None, None), backend="eager", fullgraph=True)
     assert torch.equal(compiled(x), reference_moe(x, w13, w2, tw, ti, "silu"))
+    # the load-time warm-up's call: random tokens to top_k distinct experts
+    y = ex.quant_method._run_random(ex, 5, BF16)
+    assert y.shape == (5, H) and bool(y.isfinite().all()) and float(y.abs().amax()) > 0
+
+
+def _graph_config(sizes):
+    """A VllmConfig that captures piecewise CUDA graphs for ``sizes`` tokens (set after
+    construction: without a model, vLLM's config turns graphs off)."""
+    from vllm.config import CUDAGraphMode
+
+    vc = vl.VllmConfig()
+    vc.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    vc.compilation_config.cudagraph_capture_sizes = list(sizes)
+    return vc
+
+
+def test_the_graph_sizes_are_read_from_the_config_being_loaded():
+    from autofp4.integrations.vllm._layer import graph_sizes
+
+    with vl.set_current_vllm_config(vl.VllmConfig()):
+        assert graph_sizes() == ([], BF16)  # a config that captures no graphs
+    with vl.set_current_vllm_config(_graph_config([16, 1, 4, 4])):
+        assert graph_sizes() == ([1, 4, 16], BF16)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_layers_run_at_load_for_each_graph_size_so_that_capture_packs_nothing():
+    """vLLM captures some sizes with no eager call before; a weight packed during capture fails
+    (host-to-device copies are refused there), so the methods run each size at load."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    qc = vl.AutoFP4Config.from_config(MODELOPT_IN_CONFIG)
+    torch.manual_seed(5)
+    with vl.set_current_vllm_config(_graph_config([1, 4, 16])), torch.device("cuda"):
+        lin = _qkv(qc)
+        for shard, n in (("q", NH), ("k", NKV), ("v", NKV)):
+            w = autofp4.quantize(torch.randn(n * HD, H, dtype=BF16), "nvfp4")
+            for param, t in ((lin.weight, w.data), (lin.weight_scale, w.scale), (lin.weight_scale_2, w.global_scale),
+                             (lin.input_scale, torch.tensor(0.1))):
+                lin.weight_loader_v2(param, t.cuda(), shard)
+        lin.quant_method.process_weights_after_loading(lin)
+        ex = _experts(qc)
+        _load_experts(ex)
+        ex.quant_method.process_weights_after_loading(ex)
+    for m in (1, 4, 16):
+        x = torch.randn(m, H, dtype=BF16, device="cuda")
+        tw, ti = autofp4.route(torch.randn(m, E, device="cuda"), TOP_K)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = lin.quant_method.apply(lin, x, lin.bias)
+            z = ex.quant_method.apply(ex, x, tw, ti)
+        x.copy_(torch.randn_like(x))
+        tw2, ti2 = autofp4.route(torch.randn(m, E, device="cuda"), TOP_K)
+        tw.copy_(tw2)
+        ti.copy_(ti2)
+        g.replay()
+        torch.testing.assert_close(y, lin.quant_method.apply(lin, x, lin.bias), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(z, ex.quant_method.apply(ex, x, tw, ti), rtol=1e-2, atol=1e-2)
 
 
 # -- online quantization ----------------------------------------------------------------------------

@@ -28,9 +28,10 @@ def test_the_plugin_tests_pass_against_the_oldest_vllm():
     version = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], env=env, cwd=ROOT,
                              capture_output=True, text=True, timeout=600)
     assert version.stdout.strip().splitlines()[-1:] == [OLDEST], version.stdout + version.stderr
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "tests/test_vllm_plugin.py"],
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-m", "not gpu",
+                          "tests/test_vllm_plugin.py"],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    # every test ran: none skipped (a skip would mean vLLM did not import or a test gave up)
-    assert re.fullmatch(r"=*\s*\d+ passed in [\d.]+s.*", summary), summary
+    # every CPU test ran: none skipped (a skip would mean vLLM did not import or a test gave up)
+    assert re.fullmatch(r"=*\s*\d+ passed(, \d+ deselected)? in [\d.]+s.*", summary), summary

@@ -6,10 +6,13 @@ After loading, a layer holds each FP4 weight as three non-persistent buffers
 for a linear layer and ``"w13_"`` / ``"w2_"`` for routed experts. The loaded parameters are
 deleted; each weight parameter is left as a 0-element tensor of its dtype on its device, for
 code that reads ``layer.weight.dtype`` or ``.device``.
+
+On a GPU each layer then runs once eagerly for every token count vLLM will capture a CUDA graph
+for (:func:`warm_up`), so that no weight is packed during capture.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -112,3 +115,38 @@ def fp4_weight(layer: torch.nn.Module, stem: str) -> FP4Weight:
         w = FP4Weight(layer.autofp4_fmt, data, scale, gs, ins, check_values=False)
         layer.__dict__["_autofp4_weights"][stem] = w
     return w
+
+
+def graph_sizes() -> tuple[list[int], torch.dtype]:
+    """The token counts vLLM will capture CUDA graphs for (none when it captures none) and the
+    model's dtype (bf16 when unknown), from the vLLM config being loaded; none without one (a
+    layer built outside vLLM's loader)."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        vc = get_current_vllm_config()
+    except Exception:  # noqa: BLE001 - no current config
+        return [], torch.bfloat16
+    dtype = getattr(vc.model_config, "dtype", None)
+    dtype = dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
+    cc = vc.compilation_config
+    mode = getattr(cc, "cudagraph_mode", None)
+    if mode is None or getattr(mode, "name", "") == "NONE":
+        return [], dtype
+    return sorted({int(s) for s in getattr(cc, "cudagraph_capture_sizes", None) or ()}), dtype
+
+
+def warm_up(device: torch.device, call: Callable[[int, torch.dtype], Any]) -> None:
+    """``call(m, dtype)`` for each token count ``m`` vLLM will capture a CUDA graph for.
+
+    The first call that picks a kernel packs the weight into that kernel's layout and builds the
+    kernel's per-device state; during CUDA graph capture neither can happen (host-to-device copies
+    are refused there, and what is built would live in the graph's memory pool), and vLLM's model
+    runner captures some sizes with no eager call before. Calls at load time also make the packed
+    weights part of the memory vLLM measures for the model, before it sizes the KV cache."""
+    if device.type != "cuda":
+        return
+    sizes, dtype = graph_sizes()
+    with torch.inference_mode():
+        for m in sizes:
+            call(m, dtype)

@@ -25,7 +25,7 @@ from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScalePa
 from ...loaders import from_modelopt, fuse_modelopt
 from ...ops import linear
 from ...weights import quantize
-from ._layer import add_param, check_divisible, check_loaded, fp4_weight, install, tensors
+from ._layer import add_param, check_divisible, check_loaded, fp4_weight, install, tensors, warm_up
 
 __all__ = ["AutoFP4ModelOptLinearMethod", "AutoFP4OnlineLinearMethod", "run_linear"]
 
@@ -47,6 +47,12 @@ class _FP4LinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return run_linear(layer, x, bias)
+
+    def _install(self, layer: torch.nn.Module, w, release: list[str]) -> None:
+        """``w`` installed as the layer's weight, then run once for each CUDA graph size."""
+        install(layer, "", w, release)
+        bias = getattr(layer, "bias", None)
+        warm_up(w.device, lambda m, dtype: run_linear(layer, torch.randn(m, w.k, dtype=dtype, device=w.device), bias))
 
 
 @register_weight_loader_v2_supported_method
@@ -88,7 +94,7 @@ class AutoFP4ModelOptLinearMethod(_FP4LinearMethod):
                 bounds.append((start, start + width))
                 start += width
             w = fuse_modelopt([(weight[a:b], scale[a:b], s2[i]) for i, (a, b) in enumerate(bounds)], ins)
-        install(layer, "", w, ["weight", "weight_scale", "weight_scale_2", "input_scale"])
+        self._install(layer, w, ["weight", "weight_scale", "weight_scale_2", "input_scale"])
 
 
 @register_weight_loader_v2_supported_method
@@ -107,5 +113,4 @@ class AutoFP4OnlineLinearMethod(_FP4LinearMethod):
             input_dim=1, output_dim=0, weight_loader=wl), attrs)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        w = quantize(layer.weight.data, self.quant_config.fmt)
-        install(layer, "", w, ["weight"])
+        self._install(layer, quantize(layer.weight.data, self.quant_config.fmt), ["weight"])

@@ -31,7 +31,7 @@ from ...kernels._moe_act import SWIGLU_ALPHA, SWIGLU_LIMIT
 from ...loaders import from_modelopt, fuse_modelopt
 from ...ops import moe
 from ...weights import quantize
-from ._layer import add_param, check_divisible, check_loaded, fp4_weight, install, tensors
+from ._layer import add_param, check_divisible, check_loaded, fp4_weight, install, tensors, warm_up
 
 __all__ = ["AutoFP4ModelOptMoEMethod", "AutoFP4OnlineMoEMethod", "moe_activation"]
 
@@ -84,6 +84,19 @@ class _FP4MoEMethod(FusedMoEMethodBase):
             layer.w13_bias.data = _deinterleave(layer.w13_bias.data)
         install(layer, "w13_", w13, release)
         install(layer, "w2_", w2, [])
+        warm_up(w13.device, lambda t, dtype: self._run_random(layer, t, dtype))
+
+    def _run_random(self, layer, t: int, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`apply` on ``t`` random tokens routed to ``top_k`` distinct random experts of
+        all ranks' (under expert parallelism some are other ranks', as in real traffic)."""
+        dev = layer.autofp4_w13_packed.device
+        emap = layer.expert_map
+        e = emap.numel() if emap is not None else layer.autofp4_w13_packed.shape[0]
+        k = self.moe.experts_per_token
+        ids = torch.rand(t, e, device=dev).topk(k, dim=1).indices.to(torch.int32)
+        weights = torch.rand(t, k, device=dev).softmax(dim=1)
+        x = torch.randn(t, layer.autofp4_w13_packed.shape[-1] * 2, dtype=dtype, device=dev)
+        return self.apply(layer, x, weights, ids)
 
     def get_fused_moe_quant_config(self, layer):
         return None  # autofp4.moe reads the weights off the layer; no vLLM kernel to configure
