@@ -846,6 +846,59 @@ def test_read_only_database_cli(tmp_path, how):
     assert _snapshot(db_path) == before and _integrity(db_path) == "ok"
 
 
+@pytest.mark.parametrize("left", ["db-alone", "crashed-writer"])
+def test_the_dispatcher_uses_the_rows_of_a_db_in_a_read_only_folder(tmp_path, left):
+    """``$AUTOFP4_DB`` in a folder this process cannot write to: the dispatcher's lookups use its
+    rows, also those still in the WAL file of a writer that died before a checkpoint, and the
+    files stay as they were."""
+    import shutil
+
+    import torch
+
+    from autofp4 import backends as registry
+    from autofp4 import dispatch
+    from autofp4.backends.reference import ReferenceConfig
+    from autofp4.env import current_environment
+    from autofp4.problem import ProblemKey
+
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 512, 256)
+    cpu = torch.device("cpu")
+
+    def rec(m_bucket: int, chunk_n: int) -> TuningRecord:
+        return TuningRecord(
+            op=key.op, fmt=key.fmt, dtype=key.dtype, backend="reference", m_bucket=m_bucket, n=key.n, k=key.k,
+            config={"chunk_n": chunk_n}, median_us=10.0, spread_us=0.5, samples=10, default_median_us=12.0,
+            backend_source=dispatch.backend_source_hash(registry.get_backend("reference"), {"chunk_n": chunk_n}),
+            env=current_environment(cpu))
+
+    work, ro = tmp_path / "work", tmp_path / "ro"
+    work.mkdir()
+    ro.mkdir()
+    db = TuningDB(work / "u.db")
+    db.upsert_result(rec(16, 64))
+    if left == "db-alone":
+        db.close()
+    else:  # a second row committed to the WAL, then the files copied as a killed writer leaves them
+        db.upsert_result(rec(128, 32))
+        assert (work / "u.db-wal").stat().st_size > 0
+    for f in work.iterdir():
+        shutil.copy(f, ro / f.name)
+    if left != "db-alone":
+        db.close()
+    path = ro / "u.db"
+    files = {f.name: f.read_bytes() for f in ro.iterdir()}
+    with read_only(path, "folder"):
+        dispatch.set_db(path)
+        try:
+            d = dispatch.get_dispatcher(cpu)
+            assert d.pick(key, 16)[1] == ReferenceConfig(chunk_n=64)
+            if left != "db-alone":
+                assert d.pick(key, 128)[1] == ReferenceConfig(chunk_n=32)
+        finally:
+            dispatch.set_db(None)
+    assert {f.name: f.read_bytes() for f in ro.iterdir()} == files
+
+
 TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256,
         "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 1000}
