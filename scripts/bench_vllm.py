@@ -129,8 +129,35 @@ def _timed(llm, prompts, params, reps: int) -> float:
     return statistics.median(times)
 
 
-def run_variant(variant: str, model_dir: str, out: Path, dummy: bool) -> dict:
-    """Build vLLM's ``LLM`` for ``variant`` and measure it; writes and returns its results."""
+def profile_decode(llm, sampling_params, vocab: int, tokens: int = 64) -> dict:
+    """One batch-1 generation of ``tokens`` tokens under torch.profiler (the engine runs in this
+    process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): wall and GPU kernel time per token and the
+    kernels that take it, summed by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = _prompts(1, PROMPT_LEN, vocab, 1)
+    params = sampling_params(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+    kernels: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False):
+            k = kernels.setdefault(e.name, [0.0, 0])
+            k[0] += e.device_time_total
+            k[1] += 1
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    total = sum(v[0] for v in kernels.values())
+    return {"tokens": tokens, "wall_ms_per_token": wall * 1e3 / tokens, "gpu_ms_per_token": total / 1e3 / tokens,
+            "kernels": [{"name": n[:160], "us_per_token": v[0] / tokens, "calls_per_token": v[1] / tokens}
+                        for n, v in top[:30]]}
+
+
+def run_variant(variant: str, model_dir: str, out: Path, dummy: bool, profile: bool = False) -> dict:
+    """Build vLLM's ``LLM`` for ``variant`` and measure it (or, ``profile``, profile its batch-1
+    decode); writes and returns its results."""
     from vllm import LLM, SamplingParams
 
     kw = {}
@@ -146,6 +173,10 @@ def run_variant(variant: str, model_dir: str, out: Path, dummy: bool) -> dict:
     vocab = cfg.vocab_size
     res["quantization"] = llm.llm_engine.model_config.quantization
     greedy = dict(temperature=0.0, ignore_eos=True)
+    if profile:
+        res["profile"] = profile_decode(llm, SamplingParams, vocab)
+        (out / f"{variant}-profile.json").write_text(json.dumps(res))
+        return res
     # warm-up: every batch size once
     for b in DECODE_BATCHES:
         llm.generate(_prompts(b, PROMPT_LEN, vocab, 99), SamplingParams(max_tokens=SHORT, **greedy), use_tqdm=False)
@@ -286,6 +317,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def profile_table(rows: list[dict]) -> str:
+    """Per variant: wall and GPU kernel ms per token, and the five kernels that take the most."""
+    lines = ["| model | variant | wall ms/token | GPU kernels ms/token | top kernels (us/token) |", "|---|---|---:|---:|---|"]
+    for row in rows:
+        for v, p in row["profiles"].items():
+            top = "; ".join(f"{k['name'][:60]} {k['us_per_token']:.0f}" for k in p["kernels"][:5])
+            lines.append(f"| {row['model']} | {v} | {p['wall_ms_per_token']:.3f} | {p['gpu_ms_per_token']:.3f} | {top} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="llama-3.1-8b", help="comma-separated configs of examples/ (default llama-3.1-8b)")
@@ -296,12 +337,14 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/bench_vllm", help="checkpoints and raw results (default /tmp/bench_vllm)")
     ap.add_argument("--out", help="folder for vllm.json / vllm.md (default docs/results/<gpu>/)")
     ap.add_argument("--rerun", action="store_true", help="measure variants whose results are in --work again")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of measuring, profile each variant's batch-1 decode (kernel times per token)")
     ap.add_argument("--run-variant", nargs=3, metavar=("VARIANT", "MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--dummy", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run_variant:
         v, d, o = args.run_variant
-        run_variant(v, d, Path(o), args.dummy)
+        run_variant(v, d, Path(o), args.dummy, args.profile)
         return 0
     if (rc := require_gpu("bench_vllm.py")) is not None:
         return rc
@@ -320,8 +363,9 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         runs = {}
         for v in variants:
-            if (out / f"{v}.json").exists() and not args.rerun:  # measured by an earlier call
-                runs[v] = json.loads((out / f"{v}.json").read_text())
+            name = f"{v}-profile" if args.profile else v
+            if (out / f"{name}.json").exists() and not args.rerun:  # measured by an earlier call
+                runs[v] = json.loads((out / f"{name}.json").read_text())
                 continue
             d = dirs["nvfp4"] if v in ("vllm-nvfp4", "autofp4-nvfp4") else dirs["bf16"]
             env = dict(os.environ)
@@ -330,14 +374,20 @@ def main() -> int:
             elif v == "autofp4-mxfp4":
                 env["AUTOFP4_VLLM_FORMAT"] = "mxfp4"
             cmd = [sys.executable, __file__, "--run-variant", v, d, str(out)] + ([] if args.bf16_checkpoint else ["--dummy"])
+            if args.profile:  # the engine in this process, where the profiler sees its kernels
+                cmd.append("--profile")
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             t0 = time.perf_counter()
-            with open(out / f"{v}.log", "w") as log:
+            with open(out / f"{name}.log", "w") as log:
                 rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-            print(f"{model} {v}: rc {rc} in {time.perf_counter() - t0:.0f} s", flush=True)
+            print(f"{model} {name}: rc {rc} in {time.perf_counter() - t0:.0f} s", flush=True)
             if rc:
-                print((out / f"{v}.log").read_text()[-4000:], flush=True)
+                print((out / f"{name}.log").read_text()[-4000:], flush=True)
                 continue
-            runs[v] = json.loads((out / f"{v}.json").read_text())
+            runs[v] = json.loads((out / f"{name}.json").read_text())
+        if args.profile:
+            rows.append({"model": model, "profiles": {v: r["profile"] for v, r in runs.items()}})
+            continue
         if args.serve:  # the ModelOpt checkpoint, and the bf16 one quantized to MXFP4 at load
             online = ("--load-format", "dummy") if not args.bf16_checkpoint else ()
             for name, d, env, extra in (("modelopt-nvfp4", dirs["nvfp4"], None, ()),
@@ -351,8 +401,16 @@ def main() -> int:
                 serve[f"{model} {name}"] = res
                 print(f"{model} serve {name}: {json.dumps(res)[:600]}", flush=True)
         rows.append(summarize(model, runs))
-    doc.update(rows=rows, serve=serve)
     dest = results_dir(args.out)
+    if args.profile:
+        doc.update(profiles=rows)
+        (dest / "vllm-profile.json").write_text(json.dumps(doc, indent=1))
+        md = profile_table(rows)
+        (dest / "vllm-profile.md").write_text(f"# vLLM batch-1 decode, profiled\n\n{provenance_line(doc)} "
+                                              f"vLLM {doc['vllm']}.\n\n{md}\n")
+        print(md)
+        return 0
+    doc.update(rows=rows, serve=serve)
     (dest / "vllm.json").write_text(json.dumps(doc, indent=1))
     md = table(rows)
     (dest / "vllm.md").write_text(f"# vLLM serving: autofp4 against vLLM's own paths\n\n{provenance_line(doc)} "

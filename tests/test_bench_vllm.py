@@ -79,3 +79,10 @@ def test_the_table_gives_the_ratios_and_compares_each_variant_with_the_same_weig
            "0.250 / 0.250 | 0.000 / 0.000 |" in md
     assert "| m | bf16 | 50 | 1 | 2000 | 8000 | 1 | 0.50 / 2.00 / 1.60 | - | vllm-nvfp4 | 50% |" in md
     assert "| m | vllm-nvfp4 | 100 | 1 | 1000 | 5000 | 1 | - | 2.00 | vllm-nvfp4 | - | - | - |" not in md
+
+
+def test_the_profile_table_gives_the_time_per_token_and_the_top_kernels():
+    prof = {"tokens": 64, "wall_ms_per_token": 2.612, "gpu_ms_per_token": 1.984,
+            "kernels": [{"name": f"k{i}", "us_per_token": 100.0 - i, "calls_per_token": 32.0} for i in range(8)]}
+    md = B.profile_table([{"model": "m", "profiles": {"autofp4-nvfp4": prof}}])
+    assert "| m | autofp4-nvfp4 | 2.612 | 1.984 | k0 100; k1 99; k2 98; k3 97; k4 96 |" in md
