@@ -205,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("cache", help="the compiled-kernel cache: where it is and what it holds")
     c.add_argument("--clear", action="store_true", help="delete every cached kernel")
+    c.add_argument("--export", metavar="FILE", dest="export_to",
+                   help="write the cached kernels to an archive that travels with a tuning DB")
+    c.add_argument("--import", metavar="FILE", dest="import_from",
+                   help="add an archive's kernels to the cache (those this machine's autofp4 and CuTeDSL "
+                        "would build the same; the others are listed and left out)")
     c.add_argument("--warm", metavar="CONFIG",
                    help="compile the default kernels of a model (a Hugging Face config.json) into the cache")
     c.add_argument("--fmt", choices=FORMATS, default="nvfp4")
@@ -552,12 +557,39 @@ def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     if args.clear:
         print(f"removed {clear()} compiled kernels", file=out)
+    if args.import_from or args.export_to:
+        _archive(args, out, err)
     if args.warm:
         rc = _warm(args, out, err)
         if rc:
             return rc
     print(f"kernel cache: {_cache_line()}", file=out)
     return 0
+
+
+def _archive(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
+    """``cache --import FILE`` (first) and ``cache --export FILE``."""
+    from .kernel_cache import KernelArchiveError, export_archive, import_archive
+
+    def left_out(skipped: list[tuple[str, str]]) -> None:
+        for name, why in skipped[:10]:
+            print(f"  left out {name}: {why}", file=err)
+        if len(skipped) > 10:
+            print(f"  ... and {len(skipped) - 10} more", file=err)
+
+    try:
+        if args.import_from:
+            r = import_archive(args.import_from)
+            print(f"imported {r.kernels} kernels ({r.bytes / 2**20:.1f} MiB) from {args.import_from}; "
+                  f"{r.present} already cached, {len(r.skipped)} left out", file=out)
+            left_out(r.skipped)
+        if args.export_to:
+            r = export_archive(args.export_to)
+            print(f"exported {r.kernels} kernels to {args.export_to} ({r.bytes / 2**20:.1f} MiB); "
+                  f"{len(r.skipped)} left out", file=out)
+            left_out(r.skipped)
+    except KernelArchiveError as e:
+        raise _UsageError(str(e)) from None
 
 
 def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

@@ -12,6 +12,13 @@ docstrings, see :func:`code_only`), the CuTeDSL version and the target architect
 written to a temporary name and renamed, so a crash or two processes compiling the same kernel
 never leave a partial file; a file that fails to load is deleted and the kernel compiled again.
 
+Next to each ``.o`` file a ``.json`` file records what its name hashes (the kernel's name, its
+module and that module's source hash, the CuTeDSL version, the architecture, the parameters):
+:func:`export_archive` packs the kernels into one file that travels with a tuning DB, and
+:func:`import_archive` unpacks on another machine only the kernels its own modules and CuTeDSL
+would build the same, checking each file's name against that record and its bytes against the
+archive's checksums.
+
 ``$AUTOFP4_KERNEL_CACHE`` names the directory (default ``$XDG_CACHE_HOME/autofp4/kernels``);
 ``off`` (or ``0``) disables the cache: every call compiles.
 """
@@ -22,11 +29,15 @@ import functools
 import hashlib
 import inspect
 import io
+import json
 import os
+import re
+import tarfile
 import tempfile
 import tokenize
 import warnings
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .env import cutlass_dsl_version
@@ -106,13 +117,34 @@ def target_arch() -> str:
     return "unknown"
 
 
-def cache_key(name: str, module_name: str, params: Any) -> str:
-    """Hex digest naming one compiled kernel (see the module docstring for what it covers)."""
+def _record(name: str, module_name: str, params: Any) -> dict[str, str]:
+    """What a compiled kernel's file name hashes, as stored beside it."""
+    return {"name": name, "module": module_name, "source": _module_source_hash(module_name),
+            "cutlass_dsl": cutlass_dsl_version(), "arch": target_arch(), "params": repr(params)}
+
+
+def _digest(record: dict[str, str]) -> str:
     h = hashlib.sha256()
-    for part in (name, _module_source_hash(module_name), cutlass_dsl_version(), target_arch(), repr(params)):
+    for part in (record["name"], record["source"], record["cutlass_dsl"], record["arch"], record["params"]):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
+
+
+def cache_key(name: str, module_name: str, params: Any) -> str:
+    """Hex digest naming one compiled kernel (see the module docstring for what it covers)."""
+    return _digest(_record(name, module_name, params))
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=path.suffix, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _load(path: Path, symbol: str) -> Callable:
@@ -131,7 +163,8 @@ def compile_cached(name: str, module_name: str, params: Any, compile_fn: Callabl
     d = cache_dir()
     if d is None:
         return compile_fn()
-    key = cache_key(name, module_name, params)
+    record = _record(name, module_name, params)
+    key = _digest(record)
     symbol = f"autofp4_{key}"
     path = d / f"{name}-{key}.o"
     if path.exists():
@@ -147,6 +180,7 @@ def compile_cached(name: str, module_name: str, params: Any, compile_fn: Callabl
         os.close(fd)
         try:
             fn.export_to_c(tmp, function_name=symbol)
+            _write_atomic(path.with_suffix(".json"), json.dumps(record, sort_keys=True).encode())
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -174,5 +208,191 @@ def clear() -> int:
     n = 0
     for p in d.glob("*.o"):
         p.unlink(missing_ok=True)
+        p.with_suffix(".json").unlink(missing_ok=True)
         n += 1
     return n
+
+
+# -- archives: a warmed cache that travels ---------------------------------------------------
+ARCHIVE_FORMAT = "autofp4-kernel-cache"
+ARCHIVE_VERSION = 1
+MANIFEST = "manifest.json"
+#: bounds on what an import reads: the archive, its manifest, its kernels
+MAX_ARCHIVE_BYTES = 8 * 2**30
+MAX_MANIFEST_BYTES = 64 * 2**20
+MAX_KERNELS = 100_000
+_FILE_NAME = re.compile(r"[A-Za-z0-9_]{1,64}-[0-9a-f]{32}\.o")
+_RECORD_KEYS = ("name", "module", "source", "cutlass_dsl", "arch", "params")
+
+
+class KernelArchiveError(ValueError):
+    """An archive that cannot be exported or imported (the message names the file and why)."""
+
+
+@dataclass
+class ArchiveReport:
+    """What an export wrote or an import did."""
+
+    kernels: int = 0  # exported, or imported
+    present: int = 0  # imported: already in the cache
+    bytes: int = 0
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (file, why) left out or refused
+
+
+def _require_cache() -> Path:
+    d = cache_dir()
+    if d is None:
+        raise KernelArchiveError("the kernel cache is disabled (AUTOFP4_KERNEL_CACHE=off)")
+    if d.exists() and not d.is_dir():
+        raise KernelArchiveError(f"the kernel cache {d} ($AUTOFP4_KERNEL_CACHE) is not a directory")
+    return d
+
+
+def export_archive(dest: str | Path) -> ArchiveReport:
+    """Write the cache's kernels (with their records) to the archive ``dest`` (a gzipped tar
+    with a manifest of checksums), atomically. Kernels without a record (compiled by an earlier
+    autofp4) are left out and listed."""
+    d = _require_cache()
+    dest = Path(dest)
+    if dest.is_dir():
+        raise KernelArchiveError(f"{dest} is a directory; name the archive file to write")
+    if d.is_dir() and dest.resolve().parent == d.resolve():
+        raise KernelArchiveError(f"{dest} is inside the kernel cache {d}; write the archive elsewhere")
+    report, entries = ArchiveReport(), []
+    for o in sorted(d.glob("*.o")) if d.is_dir() else []:
+        try:
+            record = json.loads(o.with_suffix(".json").read_text())
+            data = o.read_bytes()
+        except (OSError, ValueError) as e:
+            report.skipped.append((o.name, f"no record of what it was built from ({type(e).__name__})"))
+            continue
+        entries.append(({"file": o.name, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+                         **{k: record.get(k) for k in _RECORD_KEYS}}, data))
+    if not entries:
+        without = f" ({len(report.skipped)} without a record)" if report.skipped else ""
+        raise KernelArchiveError(f"the kernel cache {d} holds no kernels to export{without}")
+    manifest = json.dumps({"format": ARCHIVE_FORMAT, "version": ARCHIVE_VERSION,
+                           "kernels": [e for e, _ in entries]}, indent=1).encode()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}-", dir=dest.parent)
+    os.close(fd)
+    try:
+        with tarfile.open(tmp, "w:gz") as tar:
+            for name, data in [(MANIFEST, manifest)] + [(e["file"], b) for e, b in entries]:
+                info = tarfile.TarInfo(name)
+                info.size, info.mode = len(data), 0o644
+                tar.addfile(info, io.BytesIO(data))
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    report.kernels = len(entries)
+    report.bytes = dest.stat().st_size
+    return report
+
+
+def _check_entry(entry: Any, src: Path) -> dict[str, Any]:
+    """One manifest entry, its fields checked (types, the file name against its record)."""
+    if not isinstance(entry, dict):
+        raise KernelArchiveError(f"{src}: a manifest entry is {type(entry).__name__}, not an object")
+    for k in ("file", "sha256", *_RECORD_KEYS):
+        if not isinstance(entry.get(k), str) or len(entry[k]) > 100_000:
+            raise KernelArchiveError(f"{src}: a manifest entry's {k!r} is missing or not a string: {str(entry)[:200]}")
+    size = entry.get("size")
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_ARCHIVE_BYTES:
+        raise KernelArchiveError(f"{src}: {entry['file']}: size {size!r} is not a positive byte count")
+    if not _FILE_NAME.fullmatch(entry["file"]) or not re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]):
+        raise KernelArchiveError(f"{src}: {entry['file']!r} is not a kernel file name (or its sha256 is malformed)")
+    if entry["file"] != f"{entry['name']}-{_digest(entry)}.o":
+        raise KernelArchiveError(f"{src}: {entry['file']} does not match the record stored with it")
+    return entry
+
+
+def _refusal(entry: dict[str, Any]) -> str | None:
+    """Why this machine would not build the kernel the same (None: it would)."""
+    if entry["cutlass_dsl"] != cutlass_dsl_version():
+        return f"built with CuTeDSL {entry['cutlass_dsl']}, this machine has {cutlass_dsl_version()}"
+    if not re.fullmatch(r"sm_\d+[af]?", entry["arch"]):
+        return f"unknown architecture {entry['arch']!r}"
+    if not re.fullmatch(r"autofp4\.kernels\.[a-z0-9_]+", entry["module"]):
+        return f"{entry['module']!r} is not an autofp4 kernel module"
+    try:
+        source = _module_source_hash(entry["module"])
+    except Exception as e:  # noqa: BLE001 - a module this autofp4 does not have, or cannot import
+        return f"module {entry['module']} is not available here ({type(e).__name__})"
+    if source != entry["source"]:
+        return f"built from another version of {entry['module']}"
+    return None
+
+
+def import_archive(src: str | Path) -> ArchiveReport:
+    """Unpack the kernels of archive ``src`` (from :func:`export_archive`) that this machine's
+    modules and CuTeDSL would build the same into the cache; the others are refused and listed.
+    Reads are bounded; a file that is not such an archive raises :class:`KernelArchiveError`."""
+    d = _require_cache()
+    src = Path(src)
+    try:
+        size = src.stat().st_size
+    except OSError as e:
+        raise KernelArchiveError(f"cannot read {src}: {e.strerror or e}") from None
+    if not src.is_file():
+        raise KernelArchiveError(f"{src} is not a regular file")
+    if size > MAX_ARCHIVE_BYTES:
+        raise KernelArchiveError(f"{src} is {size} bytes, above the {MAX_ARCHIVE_BYTES} an archive may hold")
+    report = ArchiveReport()
+    try:
+        with tarfile.open(src, "r:gz") as tar:
+            members: dict[str, tarfile.TarInfo] = {}
+            for info in tar:
+                if len(members) > MAX_KERNELS:
+                    raise KernelArchiveError(f"{src}: more than {MAX_KERNELS} files")
+                if not info.isfile() or info.name in members:
+                    raise KernelArchiveError(f"{src}: {info.name!r} is not a plain file, or appears twice")
+                members[info.name] = info
+            info = members.get(MANIFEST)
+            if info is None or info.size > MAX_MANIFEST_BYTES:
+                raise KernelArchiveError(f"{src}: no {MANIFEST} (or one over {MAX_MANIFEST_BYTES} bytes): "
+                                         "not an autofp4 kernel archive")
+            try:
+                manifest = json.loads(tar.extractfile(info).read())
+            except (ValueError, RecursionError) as e:
+                raise KernelArchiveError(f"{src}: {MANIFEST} is not valid JSON ({e})") from None
+            if not isinstance(manifest, dict) or manifest.get("format") != ARCHIVE_FORMAT:
+                raise KernelArchiveError(f"{src}: not an autofp4 kernel archive ({MANIFEST} has no "
+                                         f"format {ARCHIVE_FORMAT!r})")
+            if manifest.get("version") != ARCHIVE_VERSION:
+                raise KernelArchiveError(f"{src}: archive version {manifest.get('version')!r}; this autofp4 "
+                                         f"reads version {ARCHIVE_VERSION}")
+            kernels = manifest.get("kernels")
+            if not isinstance(kernels, list) or len(kernels) > MAX_KERNELS:
+                raise KernelArchiveError(f"{src}: {MANIFEST} 'kernels' must be a list of at most {MAX_KERNELS}")
+            entries = [_check_entry(e, src) for e in kernels]
+            if len({e["file"] for e in entries}) != len(entries):
+                raise KernelArchiveError(f"{src}: {MANIFEST} lists a kernel twice")
+            extra = sorted(set(members) - {MANIFEST} - {e["file"] for e in entries})
+            if extra:
+                raise KernelArchiveError(f"{src}: files not in its manifest: {', '.join(extra[:5])}")
+            d.mkdir(parents=True, exist_ok=True)
+            for e in entries:
+                why = _refusal(e)
+                if why is not None:
+                    report.skipped.append((e["file"], why))
+                    continue
+                info = members.get(e["file"])
+                if info is None or info.size != e["size"]:
+                    raise KernelArchiveError(f"{src}: {e['file']} is missing or not {e['size']} bytes")
+                data = tar.extractfile(info).read(e["size"] + 1)
+                if hashlib.sha256(data).hexdigest() != e["sha256"]:
+                    raise KernelArchiveError(f"{src}: {e['file']} does not match its sha256 (damaged archive)")
+                path = d / e["file"]
+                if path.exists() and path.with_suffix(".json").exists():
+                    report.present += 1
+                    continue
+                _write_atomic(path.with_suffix(".json"), json.dumps({k: e[k] for k in _RECORD_KEYS}, sort_keys=True).encode())
+                _write_atomic(path, data)
+                report.kernels += 1
+                report.bytes += len(data)
+    except (tarfile.TarError, EOFError, OSError, UnicodeDecodeError) as e:
+        raise KernelArchiveError(f"{src}: not a readable autofp4 kernel archive ({type(e).__name__}: {e})") from None
+    return report
+

@@ -377,3 +377,155 @@ def test_cli_warm_builds_for_the_named_arch_without_a_gpu(tmp_path, compiler_fir
     assert len(files) == 8
     for f in files:
         assert b"sm_100" not in f.read_bytes(), f"{f.name} was built for another GPU"
+
+
+# -- archives: a warmed cache that travels ---------------------------------------------------
+def _tar(path, files: dict) -> None:
+    """A gzipped tar of ``files`` {name: bytes}, written here without the exporter."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _read_archive(path) -> tuple[dict, dict]:
+    import json
+    import tarfile
+
+    with tarfile.open(path, "r:gz") as tar:
+        files = {m.name: tar.extractfile(m).read() for m in tar}
+    return json.loads(files.pop("manifest.json")), files
+
+
+def _other_cache(monkeypatch, path):
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(path))
+    return path
+
+
+def test_an_exported_cache_imported_elsewhere_loads_without_compiling(cache, tmp_path, monkeypatch, capsys):
+    from autofp4.cli import main
+
+    cfgs = [D.DecodeConfig(warps=4, k_split=2, m_max=8), D.DecodeConfig(warps=2, k_split=1, m_max=16)]
+    for cfg in cfgs:
+        _compile_decode(cfg, [])
+    # a kernel compiled by an earlier autofp4 has no record: left out, and said so
+    (cache / f"w4a16_decode-{'0' * 32}.o").write_bytes(os.urandom(2048))
+    archive = tmp_path / "share" / "kernels.tar.gz"
+    assert main(["cache", "--export", str(archive)]) == 0
+    outs = capsys.readouterr()
+    assert "exported 2 kernels" in outs.out and "1 left out" in outs.out and "no record" in outs.err
+    manifest, files = _read_archive(archive)
+    assert manifest["format"] == "autofp4-kernel-cache" and len(manifest["kernels"]) == 2
+    assert {e["file"] for e in manifest["kernels"]} == set(files)
+    assert all(files[e["file"]] == (cache / e["file"]).read_bytes() for e in manifest["kernels"])
+
+    other = _other_cache(monkeypatch, tmp_path / "elsewhere")
+    assert main(["cache", "--import", str(archive)]) == 0
+    assert "imported 2 kernels" in capsys.readouterr().out
+    assert sorted(p.name for p in other.glob("*.o")) == sorted(files)
+    for cfg in cfgs:  # loaded from the imported files, not compiled
+        kernel_cache.compile_cached("w4a16_decode", D.__name__, (cfg, N, K, "nvfp4", "bfloat16", False), _no_compile)
+    assert main(["cache", "--import", str(archive)]) == 0
+    assert "imported 0 kernels (0.0 MiB) from" in capsys.readouterr().out
+    report = kernel_cache.import_archive(archive)
+    assert (report.kernels, report.present, report.skipped) == (0, 2, [])
+
+
+def test_an_import_leaves_out_kernels_this_machine_would_build_otherwise(cache, tmp_path, monkeypatch):
+    import json
+
+    _compile_decode(D.DecodeConfig(warps=4, k_split=2, m_max=8), [])
+    kernel_cache.export_archive(tmp_path / "a.tgz")
+    manifest, files = _read_archive(tmp_path / "a.tgz")
+    (entry,) = manifest["kernels"]
+    data = files[entry["file"]]
+    entries, out = [], {}
+    # what another machine's archive holds: records consistent with their file names
+    for change in ({}, {"cutlass_dsl": "0.0.1"}, {"source": "f" * 64}, {"module": "os.path", "params": "(1,)"},
+                   {"module": "autofp4.kernels.not_here", "params": "(2,)"}, {"arch": "gfx942"}, {"arch": "sm_100a"}):
+        e = {**entry, **change}
+        e["file"] = f"{e['name']}-{kernel_cache._digest(e)}.o"
+        entries.append(e)
+        out[e["file"]] = data
+    _tar(tmp_path / "b.tgz", {"manifest.json": json.dumps({**manifest, "kernels": entries}).encode(), **out})
+    report = kernel_cache.import_archive(tmp_path / "b.tgz")
+    # the same kernel, already cached; and sm_100a's (a kernel for another GPU of this autofp4)
+    assert (report.present, report.kernels) == (1, 1)
+    whys = [w for _, w in report.skipped]
+    assert len(whys) == 5
+    assert "CuTeDSL 0.0.1" in whys[0] and "another version of autofp4.kernels.w4a16_decode" in whys[1]
+    assert "'os.path' is not an autofp4 kernel module" in whys[2] and "not available here" in whys[3]
+    assert "unknown architecture 'gfx942'" in whys[4]
+    assert len(list(cache.glob("*.o"))) == 2 and len(list(cache.glob("*.json"))) == 2
+
+
+def test_a_hostile_archive_is_refused_naming_it_and_writes_nothing(cache, tmp_path, monkeypatch, capsys):
+    import gzip
+    import json
+
+    from autofp4.cli import main
+
+    _compile_decode(D.DecodeConfig(warps=4, k_split=2, m_max=8), [])
+    good = tmp_path / "good.tgz"
+    kernel_cache.export_archive(good)
+    manifest, files = _read_archive(good)
+    (entry,) = manifest["kernels"]
+    name, data = entry["file"], files[entry["file"]]
+
+    def with_manifest(m, extra=None):
+        return {"manifest.json": json.dumps(m).encode(), name: data, **(extra or {})}
+
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    cases = {
+        "not-gzip": os.urandom(4096),
+        "gzip-not-tar": gzip.compress(os.urandom(4096)),
+        "no-manifest": {name: data},
+        "manifest-not-json": {"manifest.json": b"{'kernels': [", name: data},
+        "other-format": with_manifest({**manifest, "format": "something-else"}),
+        "newer-version": with_manifest({**manifest, "version": 2}),
+        "kernels-not-a-list": with_manifest({**manifest, "kernels": {"a": 1}}),
+        "entry-not-object": with_manifest({**manifest, "kernels": ["x"]}),
+        "path-in-name": with_manifest({**manifest, "kernels": [{**entry, "file": "../" + name}]}),
+        "name-not-its-record": with_manifest({**manifest, "kernels": [{**entry, "params": "(1, 2)"}]}),
+        "negative-size": with_manifest({**manifest, "kernels": [{**entry, "size": -1}]}),
+        "listed-twice": with_manifest({**manifest, "kernels": [entry, entry]}),
+        "file-not-listed": with_manifest(manifest, {"w4a16_decode-" + "1" * 32 + ".o": data}),
+        "damaged-kernel": {"manifest.json": json.dumps(manifest).encode(), name: bytes(flipped)},
+        "missing-kernel": {"manifest.json": json.dumps(manifest).encode()},
+    }
+    other = _other_cache(monkeypatch, tmp_path / "elsewhere")
+    for case, content in cases.items():
+        path = tmp_path / f"{case}.tgz"
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            _tar(path, content)
+        with pytest.raises(kernel_cache.KernelArchiveError) as ei:
+            kernel_cache.import_archive(path)
+        assert str(path) in str(ei.value), (case, str(ei.value))
+        assert not any(other.glob("*.o")), case  # nothing written before the refusal
+        assert main(["cache", "--import", str(path)]) == 2, case
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and str(path) in err[0], (case, err)
+    # a symlink member, and a directory named like the archive
+    import tarfile
+
+    link = tmp_path / "link.tgz"
+    with tarfile.open(link, "w:gz") as tar:
+        info = tarfile.TarInfo("manifest.json")
+        info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(info)
+    for path in (link, tmp_path, tmp_path / "absent.tgz"):
+        with pytest.raises(kernel_cache.KernelArchiveError, match=str(path).replace(".", r"\.")):
+            kernel_cache.import_archive(path)
+    # exports that make no sense
+    with pytest.raises(kernel_cache.KernelArchiveError, match="is a directory"):
+        kernel_cache.export_archive(tmp_path)
+    _other_cache(monkeypatch, tmp_path / "empty")
+    with pytest.raises(kernel_cache.KernelArchiveError, match="holds no kernels"):
+        kernel_cache.export_archive(tmp_path / "x.tgz")
