@@ -553,7 +553,11 @@ def _cache_line() -> str:
 
 
 def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from .kernel_cache import clear
+    from .kernel_cache import cache_dir, clear
+
+    d = cache_dir()
+    if d is not None and d.exists() and not d.is_dir():
+        raise _UsageError(f"the kernel cache {d} ($AUTOFP4_KERNEL_CACHE) is not a directory")
 
     if args.clear:
         print(f"removed {clear()} compiled kernels", file=out)

@@ -314,6 +314,14 @@ def _check_export_target(target: Path, source: Path) -> None:
             raise UsageError(f"--out {target} is the database being exported; write the export elsewhere")
         if target.is_dir():
             raise UsageError(f"--out {target} is a directory")
+        if target.exists() and not target.is_file():
+            raise UsageError(f"--out {target} is not a regular file (a device, FIFO or socket); an export "
+                             "replaces its target, so name a file")
+        for parent in target.absolute().parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise UsageError(f"--out {target}: {parent} is a file, not a folder")
+                break
         if target.is_file():
             with target.open("rb") as f:
                 if f.read(len(_SQLITE_MAGIC)) == _SQLITE_MAGIC:
@@ -374,8 +382,8 @@ def _cmd_prune(args: argparse.Namespace, out: TextIO) -> int:
                          "--keep-current-env-only, --failed-trials, --stale, --unused-buckets")
     if alone and (others or len(alone) > 1):
         raise UsageError(f"prune {alone[0]} takes no other criterion")
-    if args.older_than_days is not None and not args.older_than_days >= 0:
-        raise UsageError(f"--older-than-days must be >= 0, got {args.older_than_days}")
+    if args.older_than_days is not None and not 0 <= args.older_than_days <= 1_000_000:
+        raise UsageError(f"--older-than-days must be between 0 and 1000000, got {args.older_than_days}")
     with _open(args, write=True) as db:
         if args.stale:
             from .dispatch import row_is_stale

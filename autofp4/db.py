@@ -350,7 +350,21 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name} is not allowed")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are each given once (JSON would keep the last of a repeated key
+    silently, while a reader of the file sees the first)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} appears twice in one object")
+        out[k] = v
+    return out
+
+
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+#: a record's fields are each given once (the top-level members, which may hold many keys, are
+#: read without building the pairs list this check needs)
+_RECORD_DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
 _NOT_SPACE = re.compile(r"[^ \t\n\r]")
 #: a value this close to the end of what was read may go on in the next chunk
 _LOOKAHEAD = 64
@@ -442,13 +456,13 @@ class _ExportReader:
         self.pos += 1
         return c
 
-    def value(self, limit: int, what: str, *args: Any) -> Any:
+    def value(self, limit: int, what: str, *args: Any, decoder: json.JSONDecoder = _DECODER) -> Any:
         """The JSON value at the next non-whitespace character (at most ``limit`` characters);
         ``what.format(*args)`` names it in errors."""
         self.peek()
         while True:
             try:
-                val, end = _DECODER.raw_decode(self.buf, self.pos)
+                val, end = decoder.raw_decode(self.buf, self.pos)
             except json.JSONDecodeError as e:
                 cut = e.msg.startswith("Unterminated string") or e.pos >= len(self.buf) - _LOOKAHEAD
                 if self.eof or not cut:
@@ -502,7 +516,7 @@ class _ExportReader:
         while True:
             if i >= MAX_RECORDS:
                 raise TuningFileError(f"{self.path}: more than {MAX_RECORDS} records; split the file")
-            yield "record", i, self.value(MAX_RECORD_CHARS, "record #{}", i)
+            yield "record", i, self.value(MAX_RECORD_CHARS, "record #{}", i, decoder=_RECORD_DECODER)
             if self.expect(",]", "after record #{}", i) == "]":
                 return
             i += 1
@@ -531,6 +545,25 @@ def _check_version(path: Path, raw: dict[str, Any]) -> None:
         raise TuningFileError(
             f"{path}: unsupported schema_version {version!r:.40}; this autofp4 reads {sorted(SUPPORTED_EXPORT_VERSIONS)}"
         )
+
+
+def brief(e: BaseException) -> str:
+    """An error in one line: for a pydantic ValidationError each failing field and why, without
+    pydantic's input dumps and links (where a value fails every branch of a union, the branch
+    that bounds it, not the type mismatches, is kept)."""
+    if not isinstance(e, ValidationError):
+        return str(e)
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for err in e.errors(include_url=False, include_input=False):
+        loc = ".".join(str(x) for x in err.get("loc", ())[:2])
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        groups.setdefault(loc, []).append((str(err.get("type", "")), msg))
+    parts = []
+    for loc, errs in groups.items():
+        bounds = [m for t, m in errs if not t.endswith("_type")]
+        for m in dict.fromkeys(bounds or [m for _, m in errs]):
+            parts.append(f"{loc}: {m}" if loc else m)
+    return "; ".join(parts)
 
 
 def _describe_raw_record(raw: Any) -> str:
@@ -711,7 +744,7 @@ def _read_export_for_env(path: Path, env_key: str, problem: Any = None) -> list[
     try:
         env = Environment.model_validate(index.environments[env_key])
     except ValidationError as e:
-        raise TuningFileError(f"{path}: environment {env_key}: {e}") from None
+        raise TuningFileError(f"{path}: environment {env_key}: {brief(e)}") from None
     if env.key() != env_key:
         raise TuningFileError(f"{path}: environment {env_key} hashes to {env.key()}")
     if problem is None:
@@ -724,7 +757,7 @@ def _read_export_for_env(path: Path, env_key: str, problem: Any = None) -> list[
             out.append(ExportedRecord.model_validate(rec).to_record(env))
         except (ValidationError, ValueError) as e:
             warnings.warn(
-                f"{path}: skipping record #{i} ({_describe_raw_record(rec)}): {e}",
+                f"{path}: skipping record #{i} ({_describe_raw_record(rec)}): {brief(e)}",
                 TuningDBWarning,
                 stacklevel=3,
             )
@@ -928,9 +961,12 @@ class TuningDB:
         if row is None:
             return 0
         try:
-            return int(row[0])
+            version = int(row[0])
         except (TypeError, ValueError):
-            raise TuningDBError(f"{self.path}: corrupt schema_version {row[0]!r}") from None
+            version = -1
+        if version < 0:
+            raise TuningDBError(f"{self.path}: corrupt schema_version {row[0]!r}")
+        return version
 
     @property
     def schema_version(self) -> int:
@@ -1010,7 +1046,8 @@ class TuningDB:
             try:
                 env = Environment.model_validate_json(text)
             except ValidationError as e:
-                warnings.warn(f"{self.path}: skipping invalid environment {key}: {e}", TuningDBWarning, stacklevel=2)
+                warnings.warn(f"{self.path}: skipping invalid environment {key}: {brief(e)}", TuningDBWarning,
+                              stacklevel=2)
                 continue
             if env.key() != key:
                 warnings.warn(
@@ -1140,12 +1177,12 @@ class TuningDB:
         env = envs.get(env_key)
         try:
             if env is None:
-                raise ValueError(f"environment {env_key} is missing from the environments table")
+                raise ValueError(f"its environment {env_key} is missing from the environments table or unreadable")
             row["config"] = json.loads(row["config"])
             return TuningRecord.model_validate({**row, "env": env})
         except (ValueError, ValidationError) as e:
             warnings.warn(
-                f"{self.path}: skipping invalid result row ({_describe_raw_record(row)} env={env_key}): {e}",
+                f"{self.path}: skipping invalid result row ({_describe_raw_record(row)} env={env_key}): {brief(e)}",
                 TuningDBWarning,
                 stacklevel=3,
             )

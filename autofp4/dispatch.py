@@ -52,7 +52,7 @@ import torch
 
 from .backends import available_backends, get_backend
 from .backends.base import Backend, BackendConfig, Runner
-from .problem import DEFAULT_M_BUCKETS, ProblemKey, bucket_for
+from .problem import BLOCK_SIZE, DEFAULT_M_BUCKETS, ProblemKey, bucket_for
 
 __all__ = [
     "DEFAULT_M_BUCKETS",
@@ -493,12 +493,19 @@ def _write_misses(path: Path, merged: dict[tuple[ProblemKey, int], int], eg: dic
 _MAX_DIM = 1 << 20
 
 
+_MAX_MISSES_BYTES = 64 * 2**20
+
+
 def _read_misses(path: Path, strict: bool) -> list[tuple[ProblemKey, int, int, int]]:
     if not path.exists():
         if strict:
             raise FileNotFoundError(f"misses file not found: {path}")
         return []
     try:
+        if not path.is_file():  # a FIFO or device would block or never end
+            raise ValueError("not a regular file")
+        if path.stat().st_size > _MAX_MISSES_BYTES:
+            raise ValueError(f"larger than {_MAX_MISSES_BYTES} bytes")
         doc = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(doc, dict) or doc.get("version") != MISSES_VERSION:
             raise ValueError(f"expected a JSON object with version {MISSES_VERSION}")
@@ -516,6 +523,10 @@ def _read_misses(path: Path, strict: bool) -> list[tuple[ProblemKey, int, int, i
             if max(key.n, key.k) > _MAX_DIM or m > _MAX_DIM or key.experts > 8192 or g > 8192:
                 raise ValueError(f"misses[{i}]: sizes beyond any model's (n, k and m at most {_MAX_DIM}, "
                                  f"experts at most 8192), got n={key.n}, k={key.k}, m={m}, experts={key.experts}")
+            block = BLOCK_SIZE[key.fmt]
+            if key.k % block or (key.op == "moe" and key.n % (2 * block)):
+                raise ValueError(f"misses[{i}]: K={key.k} (and a MoE layer's intermediate size N/2={key.n // 2}) "
+                                 f"must be a multiple of {key.fmt}'s block of {block}: no FP4 weight has this shape")
             if g and (key.op != "moe" or g <= key.experts):
                 raise ValueError(f"misses[{i}]: experts_global={g} needs a MoE key with fewer experts, got {key}")
             out.append((key, m, c, g))

@@ -243,6 +243,10 @@ def test_from_misses_cli(tmp_path):
      '"k": 128, "m": 8}]}', "sizes beyond any model's"),
     ('{"version": 1, "misses": [{"op": "linear", "fmt": "nvfp4", "dtype": "bfloat16", "n": 256, "k": 128, '
      '"m": 1000000000000}]}', "sizes beyond any model's"),
+    ('{"version": 1, "misses": [{"op": "linear", "fmt": "nvfp4", "dtype": "bfloat16", "n": 256, "k": 130, '
+     '"m": 8}]}', "K=130 (and a MoE layer's intermediate size N/2=128) must be a multiple of nvfp4's block of 16"),
+    ('{"version": 1, "misses": [{"op": "moe", "fmt": "mxfp4", "dtype": "bfloat16", "n": 80, "k": 256, '
+     '"experts": 8, "topk": 2, "m": 8}]}', "must be a multiple of mxfp4's block of 32"),
 ])
 def test_from_misses_refuses_a_bad_file_with_exit_2(tmp_path, content, match):
     bad = tmp_path / "bad.misses.json"
@@ -250,6 +254,23 @@ def test_from_misses_refuses_a_bad_file_with_exit_2(tmp_path, content, match):
     for extra in ([], ["--dry-run"]):
         rc, out, err = run(["tune", "--from-misses", bad, "--db", tmp_path / "t.db", "--device", "cpu", *extra])
         assert rc == 2 and match in err and "Traceback" not in err, err
+
+
+def test_from_misses_refuses_a_fifo_instead_of_blocking_on_it(tmp_path):
+    fifo = tmp_path / "m.json"
+    os.mkfifo(fifo)
+    rc, out, err = run(["tune", "--from-misses", fifo, "--db", tmp_path / "t.db", "--device", "cpu", "--dry-run"])
+    assert rc == 2 and "not a regular file" in err and str(fifo) in err, err
+
+
+def test_cache_refuses_a_cache_path_that_is_a_file(tmp_path, monkeypatch):
+    f = tmp_path / "kc"
+    f.write_text("x")
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(f))
+    for argv in (["cache"], ["cache", "--clear"]):
+        rc, out, err = run(argv)
+        assert rc == 2 and f"the kernel cache {f} ($AUTOFP4_KERNEL_CACHE) is not a directory" in err, (argv, err)
+    assert f.read_text() == "x"
 
 
 def test_two_processes_tune_one_db(tmp_path):

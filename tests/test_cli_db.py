@@ -201,6 +201,23 @@ def test_export_to_standard_output_and_never_over_a_database(dbfile, tmp_path, c
         assert len(db.results()) == 3
 
 
+def test_export_never_replaces_what_is_not_a_regular_file(dbfile, tmp_path, capsys):
+    """An export replaces its target: a FIFO (as a device node would be) is refused and left
+    as it was; a path under a regular file is named as such."""
+    import stat
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert cli("export", "--db", str(dbfile), "--out", str(fifo)) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    f = tmp_path / "f"
+    f.write_text("x")
+    assert cli("export", "--db", str(dbfile), "--out", str(f / "sub" / "e.json")) == 2
+    assert f"{f} is a file, not a folder" in capsys.readouterr().err
+    assert f.read_text() == "x"
+
+
 def test_db_help_is_plain_text_and_the_command_has_a_version():
     out = subprocess.run([sys.executable, "-m", "autofp4", "db", "--help"], capture_output=True, text=True,
                          cwd=REPO, check=True).stdout

@@ -1203,3 +1203,61 @@ def test_chunked_reading_matches_json_loads(chunk, tmp_path, monkeypatch):
         with pytest.raises(TuningFileError) as ei:  # and a cut anywhere is refused
             read_export(_write(tmp_path / f"cut{j}.json", text.encode()[: rng.randrange(1, len(text.encode()))]))
         assert str(tmp_path / f"cut{j}.json") in str(ei.value).splitlines()[0]
+
+
+# --------------------------------------------------------------------------------------
+# a fresh adversarial round: what it found, each class with a test
+# --------------------------------------------------------------------------------------
+def test_a_record_with_a_key_given_twice_is_refused(tmp_path):
+    """JSON keeps the last of a repeated key, where a reader of the file sees the first."""
+    doc = valid_doc(random.Random(SEED), 1)
+    twice = json.dumps(doc["records"][0])[:-1] + ', "n": 999}'
+    assert twice.count('"n":') == 2
+    head = json.dumps({k: v for k, v in doc.items() if k != "records"})
+    path = _write(tmp_path / "dup.json", head[:-1] + ', "records": [' + twice + "]}")
+    target = _target(tmp_path / "t")
+    before = _snapshot(target)
+    rc, _, err = cli("import", path, "--db", target)
+    got = judge_cli(rc, err, (str(path), "'n' appears twice"))
+    assert got.kind == "clear", got
+    assert _snapshot(target) == before
+
+
+def test_a_negative_schema_version_is_named_as_corrupt(tmp_path):
+    path = _ro_db(tmp_path)
+    with contextlib.closing(sqlite3.connect(path)) as c:
+        c.execute("UPDATE meta SET value = '-1' WHERE key = 'schema_version'")
+        c.commit()
+    before = _snapshot(path)
+    for argv in (("list",), ("prune", "--failed-trials")):
+        rc, _, err = cli(*argv, "--db", path)
+        got = judge_cli(rc, err, (str(path), "corrupt schema_version '-1'"))
+        assert got.kind == "clear", (argv, got)
+    assert _snapshot(path) == before
+
+
+def test_prune_older_than_an_absurd_number_of_days_is_refused(tmp_path):
+    path = _ro_db(tmp_path)
+    rc, _, err = cli("prune", "--older-than-days", "1e12", "--db", path)
+    assert judge_cli(rc, err, ("--older-than-days", "1000000000000")).kind == "clear", err
+
+
+@pytest.mark.parametrize("config,why", [
+    ("[1, 2]", "config: Input should be a valid dictionary"),
+    ('{"chunk_n": -5}', "chunk_n must be >= 0, got -5"),
+    ('{"chunk_n": 1000000000000000000000000000000}', "less than or equal to"),
+])
+def test_the_dispatcher_names_a_bad_row_in_one_line(tmp_path, config, why):
+    """A row the dispatcher skips is named with the field and the reason, without pydantic's
+    input dumps and links (and, for a value that fails a union, without its type mismatches)."""
+    path = _ro_db(tmp_path)
+    with contextlib.closing(sqlite3.connect(path)) as c:
+        c.execute("UPDATE results SET config = ? WHERE id = (SELECT MIN(id) FROM results)", [config])
+        c.commit()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with TuningDB(path, readonly=True) as db:
+            assert len(db.results()) == 3
+    (w,) = [str(c.message) for c in caught if issubclass(c.category, TuningDBWarning)]
+    assert str(path) in w and "skipping invalid result row" in w and why in w, w
+    assert "pydantic.dev" not in w and "input_value" not in w and "\n" not in w and "valid boolean" not in w, w
