@@ -38,6 +38,7 @@ scales counts: nothing is built per layer. :func:`load_config` reads at most
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -221,7 +222,22 @@ def load_config(path_or_dict: Union[str, Path, Mapping[str, Any]]) -> dict:
         raise ValueError(
             f"{path}: expected a JSON object at the top level, got {type(config).__name__}"
         )
+    where = _nan_field(config)
+    if where is not None:
+        raise ValueError(f"{path}: {where} is NaN, which no model setting can be")
     return config
+
+
+def _nan_field(value: Any, where: str = "") -> str | None:
+    """The path of the first NaN in a parsed config (None: there is none)."""
+    if isinstance(value, float) and math.isnan(value):
+        return where or "the value"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = _nan_field(v, f"{where}.{k}" if where and isinstance(k, str) else f"{where}[{k}]" if where else str(k))
+        if found is not None:
+            return found
+    return None
 
 
 def _config_path(path_or_dir: Union[str, Path]) -> Path:

@@ -455,6 +455,7 @@ def test_hostile_ignore_patterns_neither_hang_nor_escape(tmp_path, entry, match)
     (("config.json", "hidden_size", 2**40), "'hidden_size' must be a positive integer up to"),
     (("config.json", "quantization_config", [1]), "quantization_config must be an object"),
     (("hf_quant_config.json", None, None), "nested deeper than"),
+    (("config.json", "rms_norm_eps", float("nan")), "config.json: rms_norm_eps is NaN"),
 ])
 def test_broken_configs_are_named_before_anything_is_built(tmp_path, change, match):
     """Sizes out of bounds, a quantization_config of the wrong type, a JSON nested a million deep:
@@ -494,3 +495,9 @@ def test_dense_tensors_of_the_wrong_kind_or_with_nan_are_named(tmp_path):
     safetensors_torch.save_file(good, str(path / "model.safetensors"))
     with pytest.warns(UserWarning, match="'model.embed_tokens.weight' holds 5 non-finite value"):
         autofp4.from_pretrained(path, device_map=None, dtype=torch.bfloat16)
+    # a dense tensor stored in float8 (no isfinite there) is checked and upcast like any other
+    fp8 = emb.to(torch.float8_e4m3fn)
+    good["model.embed_tokens.weight"] = fp8
+    safetensors_torch.save_file(good, str(path / "model.safetensors"))
+    model = autofp4.from_pretrained(path, device_map=None, dtype=torch.bfloat16)
+    assert torch.equal(model.get_input_embeddings().weight.data, fp8.to(torch.bfloat16))

@@ -466,6 +466,8 @@ def test_a_non_finite_copied_tensor_is_warned_about(tmp_path):
     ("nan-nvfp4", r"'model.layers.0.self_attn.k_proj.weight'.* holds NaN or inf"),
     ("nan-mxfp4", r"model.layers.0.self_attn.k_proj holds NaN or inf"),
     ("overlap", r"the bytes of tensor .* overlaps"),
+    ("int-norm", r"'model.norm.weight' is stored as torch.int64, the model's parameter must be floating point"),
+    ("nan-config", r"config.json: rms_norm_eps is NaN"),
 ])
 def test_a_broken_source_is_refused_naming_the_tensor(tmp_path, case, match):
     src = tmp_path / "src"
@@ -479,6 +481,11 @@ def test_a_broken_source_is_refused_naming_the_tensor(tmp_path, case, match):
         _edit_source(src, lambda sd: sd.__setitem__(q, sd[q][:, :48].contiguous()))
     elif case == "missing":
         _edit_source(src, lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"))
+    elif case == "int-norm":
+        _edit_source(src, lambda sd: sd.__setitem__("model.norm.weight", torch.randint(1, 5, sd["model.norm.weight"].shape)))
+    elif case == "nan-config":
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": float("nan")}))
     elif case.startswith("nan"):
         k = "model.layers.0.self_attn.k_proj.weight"
         _edit_source(src, lambda sd: sd[k].__setitem__((3, 5), float("nan")))

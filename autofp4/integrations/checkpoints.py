@@ -403,7 +403,7 @@ def _dense(t: _Tensors, key: str, shape: tuple[int, ...], dtype: torch.dtype, pa
             raise ValueError(f"{_WHAT}: {key!r} is stored as {v.dtype}, but the model's parameter is floating "
                              f"point ({dtype})")
         return v
-    bad = int((~torch.isfinite(v)).sum())
+    bad = int((~torch.isfinite(v.float() if v.element_size() == 1 else v)).sum())  # no isfinite for float8
     if bad:
         warnings.warn(f"autofp4: {key!r} holds {bad} non-finite value(s) (NaN or inf) in the checkpoint",
                       UserWarning, stacklevel=3)

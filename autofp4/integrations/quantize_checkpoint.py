@@ -140,6 +140,9 @@ def _model_on_meta(src: Path) -> tuple[Any, Any]:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise RuntimeError(f"{_WHAT} needs transformers (to know the model's layers): pip install transformers") from None
+    from ..models import check_limits, load_config
+
+    check_limits(load_config(src))  # bounded, depth-checked, sizes within bounds, no NaN: before transformers
     config = AutoConfig.from_pretrained(str(src), local_files_only=True)
     if getattr(config, "quantization_config", None) is not None:
         raise ValueError(f"{_WHAT}: {src} is already quantized (config.json has a quantization_config); "
@@ -276,10 +279,10 @@ def _check_against_model(reader: SafetensorsReader, model: Any, model_type: Opti
         info = reader.info(key)
         if info.shape != tuple(p.shape):
             wrong.append(f"{key!r} is {list(info.shape)}, config.json wants {list(p.shape)}")
-    for name, mod in model.named_modules():
-        key = by_model.get(f"{name}.weight")
-        if isinstance(mod, nn.Linear) and key is not None and not reader.info(key).dtype.is_floating_point:
-            wrong.append(f"{key!r} is stored as {reader.info(key).dtype}, a linear weight must be floating point")
+        elif p.dtype.is_floating_point and not info.dtype.is_floating_point:
+            what = "a linear weight" if name.endswith(".weight") and isinstance(
+                model.get_submodule(name.rsplit(".", 1)[0]), nn.Linear) else "the model's parameter"
+            wrong.append(f"{key!r} is stored as {info.dtype}, {what} must be floating point")
     if missing:
         raise ValueError(f"{_WHAT}: {reader.root} lacks {len(missing)} tensors the model of its config.json needs "
                          f"(a shard missing from the index?): {missing[:8]}")
