@@ -366,7 +366,7 @@ def test_modelopt_variants_a_config_that_disagrees_and_a_missing_scale(tmp_path)
 
 
 @pytest.mark.parametrize("case", ["parent shard", "absolute shard", "index is a list", "directory shard",
-                                  "truncated shard"])
+                                  "truncated shard", "shard name too long"])
 def test_shards_are_files_of_the_checkpoint_only(tmp_path, case):
     """What ``model.safetensors.index.json`` lists must be a file name in the checkpoint (no
     ``..``, no absolute path: a shard outside it is never opened), every shard a regular file,
@@ -392,6 +392,9 @@ def test_shards_are_files_of_the_checkpoint_only(tmp_path, case):
         (path / first).unlink()
         (path / first).mkdir()
         match = "is not a regular file"
+    elif case == "shard name too long":
+        doc["weight_map"] = {k: ("x" * 300 if v == first else v) for k, v in doc["weight_map"].items()}
+        match = r"lists the shard 'x{80}'\.\.\.: .*at most 255 bytes"
     else:
         data = (path / first).read_bytes()
         (path / first).write_bytes(data[: len(data) // 3])
@@ -501,3 +504,26 @@ def test_dense_tensors_of_the_wrong_kind_or_with_nan_are_named(tmp_path):
     safetensors_torch.save_file(good, str(path / "model.safetensors"))
     model = autofp4.from_pretrained(path, device_map=None, dtype=torch.bfloat16)
     assert torch.equal(model.get_input_embeddings().weight.data, fp8.to(torch.bfloat16))
+
+
+def test_a_config_that_is_not_a_file_is_named_by_transformers_config(tmp_path):
+    import os
+
+    fifo, dev = tmp_path / "fifo", tmp_path / "dev"
+    fifo.mkdir()
+    dev.mkdir()
+    os.mkfifo(fifo / "config.json")
+    (dev / "config.json").symlink_to("/dev/zero")
+    for d in (fifo, dev):
+        with pytest.raises(ValueError, match=f"{d / 'config.json'} is not a regular file"):
+            autofp4.transformers_config(d)
+
+
+def test_a_safetensors_header_nested_too_deeply_is_named(tmp_path):
+    from autofp4.integrations.safetensors_io import read_header
+
+    h = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(len(h).to_bytes(8, "little") + h)
+    with pytest.raises(ValueError, match=f"{f} is not a readable safetensors file: its header is nested too deeply"):
+        read_header(f)

@@ -138,6 +138,13 @@ def transformers_config(path: Union[str, Path], **kwargs: Any):
     (pass it as ``from_pretrained(path, config=...)``)."""
     from transformers import AutoConfig
 
+    if Path(path).is_dir() or Path(path).suffix == ".json":  # a local checkpoint: its config checked first
+        from ..models import check_limits, load_config
+
+        try:
+            check_limits(load_config(path))
+        except (ValueError, OSError) as e:
+            raise ValueError(f"transformers_config: {e}") from None
     config = AutoConfig.from_pretrained(str(path), **kwargs)
     own = getattr(config, "quantization_config", None)
     if isinstance(own, QuantizationConfigMixin):

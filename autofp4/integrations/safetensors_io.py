@@ -92,6 +92,8 @@ def read_header(path: Path, what: str = "autofp4") -> tuple[dict, int]:
             if n > _MAX_HEADER or 8 + n > size:
                 raise ValueError(f"header length {n} does not fit the file ({size} bytes)")
             header = json.loads(f.read(n))
+    except RecursionError:
+        raise ValueError(f"{what}: {path} is not a readable safetensors file: its header is nested too deeply") from None
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{what}: {path} is not a readable safetensors file: {e}") from None
     if not isinstance(header, dict):
@@ -142,9 +144,9 @@ def shard_files(root: Path, what: str) -> tuple[list[Path], Optional[dict[str, s
         weight_map = {str(k): str(v) for k, v in weight_map.items()}
         names = sorted(set(weight_map.values()))
         for v in names:
-            if not v or Path(v).name != v or v in (".", ".."):
-                raise ValueError(f"{what}: {index} lists the shard {v!r}: a shard must be a file name in {root} "
-                                 "(no directories, no absolute paths)")
+            if not v or Path(v).name != v or v in (".", "..") or len(v.encode()) > 255:
+                raise ValueError(f"{what}: {index} lists the shard {v[:80]!r}{'...' if len(v) > 80 else ''}: a shard "
+                                 f"must be a file name in {root} (no directories, no absolute paths, at most 255 bytes)")
         files = [root / v for v in names]
         for f in files:
             if not f.exists():
