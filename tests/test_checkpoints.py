@@ -366,7 +366,7 @@ def test_modelopt_variants_a_config_that_disagrees_and_a_missing_scale(tmp_path)
 
 
 @pytest.mark.parametrize("case", ["parent shard", "absolute shard", "index is a list", "directory shard",
-                                  "truncated shard", "shard name too long"])
+                                  "truncated shard", "shard name too long", "shape against bytes"])
 def test_shards_are_files_of_the_checkpoint_only(tmp_path, case):
     """What ``model.safetensors.index.json`` lists must be a file name in the checkpoint (no
     ``..``, no absolute path: a shard outside it is never opened), every shard a regular file,
@@ -392,13 +392,24 @@ def test_shards_are_files_of_the_checkpoint_only(tmp_path, case):
         (path / first).unlink()
         (path / first).mkdir()
         match = "is not a regular file"
+    elif case == "shape against bytes":  # a header whose shape does not match its byte range
+        raw = (path / first).read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        name = sorted(k for k in header if k != "__metadata__")[0]
+        header[name]["shape"] = [1] + header[name]["shape"]
+        header[name]["shape"][-1] += 1
+        h = json.dumps(header).encode()
+        h += b" " * (-len(h) % 8)
+        (path / first).write_bytes(len(h).to_bytes(8, "little") + h + raw[8 + n:])
+        match = rf"tensor '{name}' has \d+ bytes for"
     elif case == "shard name too long":
         doc["weight_map"] = {k: ("x" * 300 if v == first else v) for k, v in doc["weight_map"].items()}
         match = r"lists the shard 'x{80}'\.\.\.: .*at most 255 bytes"
     else:
         data = (path / first).read_bytes()
         (path / first).write_bytes(data[: len(data) // 3])
-        match = "is not a readable safetensors file"
+        match = r"is truncated \(or its header is wrong\): tensor '.*' ends at byte"
     index.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=match) as err:
         autofp4.from_pretrained(path, device_map=None, dtype=torch.bfloat16)

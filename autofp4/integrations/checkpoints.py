@@ -54,7 +54,7 @@ from ..nn import FP4Buffers, FP4Linear, fuse_projections, notify_converted
 from ..weights import FP4Weight, _describe
 from .checkpoint_experts import Readers, load_experts
 from .layouts import RENAMES
-from .safetensors_io import INDEX, shard_files
+from .safetensors_io import INDEX, read_header, shard_files
 
 __all__ = ["from_pretrained", "from_compressed_tensors"]
 
@@ -86,6 +86,7 @@ def _safe_open(path: Path, device: str) -> Any:
     try:
         return safe_open(str(path), framework="pt", device=device)
     except Exception as e:  # safetensors' own error types (header, offsets, ...) and OSError
+        read_header(path, _WHAT)  # names the tensor at fault where safetensors' message does not
         raise ValueError(f"{_WHAT}: {path} is not a readable safetensors file: {e}") from None
 
 

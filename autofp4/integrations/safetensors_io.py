@@ -114,9 +114,11 @@ def read_header(path: Path, what: str = "autofp4") -> tuple[dict, int]:
         if min(shape, default=0) < 0 or b - a != math.prod(shape) * _itemsize(dtype) or a < 0:
             raise ValueError(f"{what}: {path}: tensor {name!r} has {b - a} bytes for {entry['dtype']} {list(shape)}")
         spans.append((a, b, name))
-        end = max(end, b)
+        if b > end:
+            end, last = b, name
     if data_start + end > size:
-        raise ValueError(f"{what}: {path} is truncated: its header needs {data_start + end} bytes, the file has {size}")
+        raise ValueError(f"{what}: {path} is truncated (or its header is wrong): tensor {last!r} ends at byte "
+                         f"{data_start + end}, the file has {size}")
     at, prev = 0, None
     for a, b, name in sorted(spans):  # back to back, as safetensors requires: no overlap, no gap
         if a != at:
