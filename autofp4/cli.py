@@ -609,9 +609,6 @@ def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise _UsageError(f"--arch must look like sm_90a, got {arch!r}")
     if arch not in _ARCHS:
         raise _UsageError(f"--arch {arch}: the kernels are built for {', '.join(_ARCHS)}")
-    cache = cache_dir()
-    if cache is not None and cache.exists() and not cache.is_dir():
-        raise _UsageError(f"the kernel cache {cache} ($AUTOFP4_KERNEL_CACHE) is not a directory")
     shapes = _model_shapes(args.warm, args)
     stored = []
     if args.warm_db:
