@@ -19,7 +19,7 @@ from .kernels._moe_act import ACTIVATIONS
 from .problem import ProblemKey, dtype_name
 from .weights import FP4Weight, _describe, _values_readable
 
-__all__ = ["explain", "linear", "moe", "route"]
+__all__ = ["explain", "free_loaded", "linear", "moe", "route"]
 
 # (data_ptr of the packed values, data_ptr of the scales, fmt, shape) -> FP4Weight (weak)
 _WEIGHTS: "weakref.WeakValueDictionary[tuple, FP4Weight]" = weakref.WeakValueDictionary()
@@ -31,6 +31,35 @@ def _register(w: FP4Weight) -> FP4Weight:
         _WEIGHTS[(w.data.data_ptr(), w.scale.data_ptr(), w.fmt, w.data.shape)] = w
         w.__dict__["_registered"] = True
     return w
+
+
+def free_loaded(w: FP4Weight, dtype: torch.dtype, gate_up: Optional[bool] = None, why: str = "free_loaded") -> int:
+    """Free ``w``'s stored ``data`` and ``scale`` where the kernels will not read them again: each
+    backend that has packed ``w`` so far packs every layout its calls with ``dtype`` activations
+    can ask for (``gate_up``: None for a linear weight, True / False for a MoE layer's w13 / w2),
+    and says that none of its calls reads the stored tensors after that. Returns the bytes freed:
+    0 where they are kept (nothing packed yet, or a backend that reads them, such as the
+    reference backend or a fallback).
+
+    For a server that holds each weight in its kernels' layouts and needs the memory for its
+    cache (the vLLM plugin, after its load-time calls). Anything that needs the values again
+    afterwards (a layout not packed, :meth:`FP4Weight.dequantize`, a copy) raises
+    :class:`~autofp4.weights.LoadedTensorsFreed` naming ``why``; the weight still runs under
+    ``autofp4.linear`` / ``autofp4.moe`` and their custom ops."""
+    from .backends import backend_names, get_backend
+
+    if w.freed or not w._packed:
+        return 0
+    for name, prepared in list(w._packed.items()):
+        if name not in backend_names() or not get_backend(name).pack_all(prepared, dtype_name(dtype), gate_up):
+            return 0
+    key = (w.data.data_ptr(), w.scale.data_ptr(), w.fmt, w.data.shape)
+    if _WEIGHTS.get(key) is w:
+        del _WEIGHTS[key]
+    freed = w._free_loaded(why)
+    w.__dict__.pop("_registered", None)
+    _register(w)
+    return freed
 
 
 def _weight_from_tensors(

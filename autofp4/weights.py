@@ -20,7 +20,11 @@ checks need one device sync on CUDA; they are skipped while a CUDA graph is bein
 under torch.compile and for meta/fake tensors.
 
 Backends keep their prepacked forms in a per-instance cache (:meth:`FP4Weight.packed`);
-:meth:`FP4Weight.to` returns a new weight whose cache starts empty.
+:meth:`FP4Weight.to` returns a new weight whose cache starts empty. Once every form its calls
+will need is packed, a server may free the stored ``data`` and ``scale``
+(:func:`autofp4.ops.free_loaded`): the weight keeps its shape, dtype and device, and anything
+that would read them again (a new prepacked form, ``dequantize``, ``to``, a copy) raises
+:class:`LoadedTensorsFreed`.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from .formats import E8M0_NAN, check_fmt, dequantize_blocks, quantize_mxfp4, qua
 from .graph_pools import outside_graph_pools
 from .problem import BLOCK_SIZE, FORMATS
 
-__all__ = ["FP4Weight", "quantize", "dequantize"]
+__all__ = ["FP4Weight", "LoadedTensorsFreed", "quantize", "dequantize"]
 
 Device = Union[torch.device, str, int]
 
@@ -70,6 +74,11 @@ def _describe(t: Any) -> str:
 
 _DENSE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _DENSE_NAMES = tuple(str(d).removeprefix("torch.") for d in _DENSE_DTYPES)
+
+
+class LoadedTensorsFreed(RuntimeError):
+    """An FP4Weight's stored tensors were freed after packing (:func:`autofp4.ops.free_loaded`)
+    and something asked to read them."""
 
 
 class FP4Weight:
@@ -236,7 +245,36 @@ class FP4Weight:
     def nbytes(self) -> int:
         """Bytes of the stored tensors."""
         ts = [self.data, self.scale, self.global_scale, self.input_scale]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return sum(t.untyped_storage().nbytes() if self.freed else t.numel() * t.element_size()
+                   for t in ts if t is not None)
+
+    # -- freeing the stored tensors once packed -----------------------------------------
+    @property
+    def freed(self) -> bool:
+        """Whether ``data`` and ``scale`` were freed after packing (see :meth:`_free_loaded`)."""
+        return self.__dict__.get("_freed") is not None
+
+    def _require_loaded(self, what: str) -> None:
+        why = self.__dict__.get("_freed")
+        if why is not None:
+            raise LoadedTensorsFreed(
+                f"{what} needs this {self.fmt} weight {tuple(self.shape)}'s stored values, which were freed "
+                f"after packing ({why})"
+            )
+
+    def _free_loaded(self, why: str) -> int:
+        """Replace ``data`` and ``scale`` with placeholders of the same shape, dtype and device that
+        hold one element each (stride 0), freeing the loaded bytes; returns the bytes freed. The
+        prepacked forms cached so far stay; ``why`` is said by any later read of the values."""
+        if self.freed:
+            return 0
+        freed = 0
+        for field in ("data", "scale"):
+            t = getattr(self, field)
+            freed += t.untyped_storage().nbytes()
+            setattr(self, field, torch.empty(1, dtype=t.dtype, device=t.device).expand(t.shape))
+        self.__dict__["_freed"] = why
+        return freed
 
     def __repr__(self) -> str:
         extra = "" if self.input_scale is None else ", input_scale"
@@ -250,6 +288,7 @@ class FP4Weight:
             raise TypeError(f"dequantize: dtype must be a torch.dtype, one of {_DENSE_NAMES}, got {_describe(dtype)}")
         if dtype not in _DENSE_DTYPES:
             raise ValueError(f"dequantize: dtype must be one of {_DENSE_NAMES}, got {dtype}")
+        self._require_loaded("dequantize")
         return dequantize_blocks(self.fmt, self.data, self.scale, self.global_scale, dtype)
 
     def _derived(self, data, scale, gs, ins) -> "FP4Weight":
@@ -261,6 +300,7 @@ class FP4Weight:
         data = self.data.to(device, non_blocking=non_blocking)
         if data is self.data:
             return self
+        self._require_loaded("to")
         mv = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         return self._derived(data, mv(self.scale), mv(self.global_scale), mv(self.input_scale))
 
@@ -272,6 +312,7 @@ class FP4Weight:
         if i is None or not 0 <= i < self.experts:
             raise IndexError(f"expert index must be an int in [0, {self.experts}), got {e!r}")
         e = i
+        self._require_loaded("expert()")
         gs = None if self.global_scale is None else self.global_scale[e]
         ins = self.input_scale
         if ins is not None and ins.dim() == 1:
@@ -284,6 +325,7 @@ class FP4Weight:
         if s is None or e is None or not 0 <= s < e <= self.n:
             raise IndexError(f"slice_rows needs ints 0 <= start < end <= N={self.n}, got start={start!r}, end={end!r}")
         start, end = s, e
+        self._require_loaded("slice_rows()")
         return self._derived(
             self.data[..., start:end, :], self.scale[..., start:end, :], self.global_scale, self.input_scale
         )
@@ -293,6 +335,7 @@ class FP4Weight:
         """What a copy or a pickle keeps: the format and the tensors. The prepacked forms and the
         runners ``autofp4.linear`` cached on this instance (which hold locks and device state)
         are built again on the copy's first use."""
+        self._require_loaded("a copy or pickle")
         return {k: self.__dict__[k] for k in ("fmt", "data", "scale", "global_scale", "input_scale")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -306,11 +349,13 @@ class FP4Weight:
         try:
             return self._packed[name]
         except KeyError:
+            self._require_loaded(f"the {name} backend's packed form")
             value = self._packed[name] = outside_graph_pools(lambda: factory(self), self.data.device)
             return value
 
     def clear_packed(self) -> None:
         """Drop every cached prepacked form (and the runners ``autofp4.linear`` kept with them)."""
+        self._require_loaded("clear_packed() (the forms could not be packed again)")
         self._packed.clear()
         self.__dict__.pop("_linear_fast", None)
 

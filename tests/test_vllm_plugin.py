@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import autofp4
-from autofp4.backends.reference import reference_moe
+from autofp4.backends.reference import reference_linear, reference_moe
 from autofp4.loaders import from_modelopt, fuse_modelopt
 
 if importlib.util.find_spec("vllm") is None:
@@ -173,6 +173,9 @@ def _load(path, quantization, monkeypatch, load_format="auto", **kw):
 
     # the loader empties the accelerator's cache; a CPU build of torch has no accelerator
     monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    # on a CPU with AMX, vLLM prepacks its unquantized layers with its compiled extension, which
+    # the Python package installed for these tests does not have
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     vc = vl.VllmConfig(model_config=_model_config(path, quantization, **kw), load_config=vl.LoadConfig(load_format=load_format))
     with vl.set_current_vllm_config(vc):
         return vc, get_model(vllm_config=vc)
@@ -382,25 +385,66 @@ def test_the_graph_sizes_are_read_from_the_config_being_loaded():
         assert graph_sizes() == ([1, 4, 16], BF16)
 
 
+def test_keep_loaded_is_read_when_the_config_is_made(monkeypatch):
+    monkeypatch.setenv("AUTOFP4_VLLM_KEEP_LOADED", "1")
+    assert vl.AutoFP4Config.from_config(MODELOPT_IN_CONFIG).keep_loaded is True
+    monkeypatch.setenv("AUTOFP4_VLLM_KEEP_LOADED", "keep")
+    with pytest.raises(ValueError, match="AUTOFP4_VLLM_KEEP_LOADED must be 1 or 0, got 'keep'"):
+        vl.AutoFP4Config.from_config(MODELOPT_IN_CONFIG)
+    monkeypatch.delenv("AUTOFP4_VLLM_KEEP_LOADED")
+    assert vl.AutoFP4Config().keep_loaded is False
+
+
 @pytest.mark.gpu
-def test_on_a_gpu_the_layers_run_at_load_for_each_graph_size_so_that_capture_packs_nothing():
+@pytest.mark.parametrize("keep", [False, True], ids=["freed", "kept"])
+def test_on_a_gpu_the_layers_run_at_load_for_each_graph_size_then_free_the_loaded_bytes(monkeypatch, keep):
     """vLLM captures some sizes with no eager call before; a weight packed during capture fails
-    (host-to-device copies are refused there), so the methods run each size at load."""
+    (host-to-device copies are refused there), so the methods run each size at load. Then, with
+    both kernels' layouts built, the loaded bytes are freed (unless AUTOFP4_VLLM_KEEP_LOADED=1):
+    graph replays, eager calls past the captured sizes (the GEMM kernels) and torch.compile still
+    match the reference of the checkpoint's weights."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("AUTOFP4_VLLM_KEEP_LOADED", "1" if keep else "0")
     qc = vl.AutoFP4Config.from_config(MODELOPT_IN_CONFIG)
     torch.manual_seed(5)
+    parts = []
     with vl.set_current_vllm_config(_graph_config([1, 4, 16])), torch.device("cuda"):
         lin = _qkv(qc)
         for shard, n in (("q", NH), ("k", NKV), ("v", NKV)):
             w = autofp4.quantize(torch.randn(n * HD, H, dtype=BF16), "nvfp4")
+            parts.append(w)
             for param, t in ((lin.weight, w.data), (lin.weight_scale, w.scale), (lin.weight_scale_2, w.global_scale),
                              (lin.input_scale, torch.tensor(0.1))):
                 lin.weight_loader_v2(param, t.cuda(), shard)
+        lin.bias.data.normal_()
         lin.quant_method.process_weights_after_loading(lin)
         ex = _experts(qc)
-        _load_experts(ex)
+        ws = _load_experts(ex)
         ex.quant_method.process_weights_after_loading(ex)
+    w_lin = fuse_modelopt([(p.data, p.scale, p.global_scale) for p in parts])  # what the layer holds, kept apart
+
+    def stack(proj):
+        return tuple(torch.stack([getattr(ws[(e, proj)], f) for e in range(E)]) for f in ("data", "scale", "global_scale"))
+
+    w13, w2 = fuse_modelopt([stack("gate"), stack("up")]), from_modelopt(*stack("down"))
+    for t in (lin.autofp4_packed, lin.autofp4_scale, ex.autofp4_w13_packed, ex.autofp4_w2_scale):
+        assert (t.untyped_storage().nbytes() < 1024) != keep  # a one-element placeholder
+    assert tuple(lin.autofp4_packed.shape) == tuple(w_lin.data.shape)
+    if not keep:
+        with pytest.raises(autofp4.weights.LoadedTensorsFreed, match="AUTOFP4_VLLM_KEEP_LOADED=1"):
+            lin._autofp4_weights[""].dequantize()
+
+    def lin_ref(x):
+        return reference_linear(x, w_lin.to("cuda"), lin.bias)
+
+    def moe_ref(x, tw, ti):
+        return reference_moe(x, w13.to("cuda"), w2.to("cuda"), tw, ti, "silu")
+
+    def close(got, want):  # the kernels' bf16 rounding against the reference's
+        err = (got.float() - want.float()).norm() / want.float().norm()
+        assert float(err) < 1e-2, float(err)
+
     for m in (1, 4, 16):
         x = torch.randn(m, H, dtype=BF16, device="cuda")
         tw, ti = autofp4.route(torch.randn(m, E, device="cuda"), TOP_K)
@@ -413,8 +457,18 @@ def test_on_a_gpu_the_layers_run_at_load_for_each_graph_size_so_that_capture_pac
         tw.copy_(tw2)
         ti.copy_(ti2)
         g.replay()
-        torch.testing.assert_close(y, lin.quant_method.apply(lin, x, lin.bias), rtol=1e-2, atol=1e-2)
-        torch.testing.assert_close(z, ex.quant_method.apply(ex, x, tw, ti), rtol=1e-2, atol=1e-2)
+        close(y, lin_ref(x))
+        close(z, moe_ref(x, tw, ti))
+    for m in (64, 300):  # past the captured sizes: eager, on the GEMM kernels' layouts
+        x = torch.randn(m, H, dtype=BF16, device="cuda")
+        tw, ti = autofp4.route(torch.randn(m, E, device="cuda"), TOP_K)
+        close(lin.quant_method.apply(lin, x, lin.bias), lin_ref(x))
+        close(ex.quant_method.apply(ex, x, tw, ti), moe_ref(x, tw, ti))
+        compiled = torch.compile(lambda x: (lin.quant_method.apply(lin, x, lin.bias), ex.quant_method.apply(ex, x, tw, ti)),
+                                 backend="eager", fullgraph=True)
+        y, z = compiled(x)
+        close(y, lin_ref(x))
+        close(z, moe_ref(x, tw, ti))
 
 
 # -- online quantization ----------------------------------------------------------------------------

@@ -241,3 +241,62 @@ def test_cuda_round_trip(gen, fmt):
     assert c.packed("x", lambda x: "cuda form") == "cuda form"
     assert torch.equal(c.dequantize().cpu(), w.dequantize())
     assert torch.equal(c.expert(1).to("cpu").data, w.expert(1).data)
+
+
+# ------------------------------------------------------------------ freeing the loaded tensors
+def _tensor_fields(packed) -> dict:
+    """The tensors of a packed layout (a dataclass), by field."""
+    return {k: v for k, v in vars(packed).items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_free_loaded_keeps_the_built_layouts_and_refuses_every_later_read(gen, fmt):
+    import copy
+
+    from autofp4.backends import get_backend
+    from autofp4.ops import _weight_from_tensors, free_loaded
+    from autofp4.weights import LoadedTensorsFreed
+
+    b = get_backend("sm90_w4a16")
+    w = quantize(torch.randn(256, 512, generator=gen, dtype=torch.bfloat16), fmt)
+    assert free_loaded(w, torch.bfloat16) == 0  # nothing packed yet: nothing to run from
+    twin = copy.deepcopy(w)
+    want = b.prepare(twin)
+    want_decode, want_gemm = _tensor_fields(want.decode), _tensor_fields(want.gemm)
+    prep = w.packed(b.name, b.prepare)
+    assert prep._gemm is None  # built lazily: free_loaded builds what is missing
+    loaded = w.data.numel() + w.scale.numel() * w.scale.element_size()
+    assert free_loaded(w, torch.bfloat16, why="served by X") == loaded
+    assert w.freed and w.shape == twin.shape and w.data.dtype == torch.uint8 and w.scale.dtype == twin.scale.dtype
+    assert w.data.untyped_storage().nbytes() == 1 and w.scale.untyped_storage().nbytes() == w.scale.element_size()
+    for got, ref in ((_tensor_fields(prep.decode), want_decode), (_tensor_fields(prep.gemm), want_gemm)):
+        assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    assert _weight_from_tensors(w.data, w.scale, w.global_scale, fmt) is w  # what a compiled graph finds
+    assert w.to("cpu") is w and w.packed(b.name, b.prepare) is prep
+    for read in (w.dequantize, lambda: copy.deepcopy(w), lambda: w.slice_rows(0, 8), lambda: w.to("meta"),
+                 lambda: w.packed("reference", lambda x: x.dequantize()), w.clear_packed):
+        with pytest.raises(LoadedTensorsFreed, match="freed after packing \\(served by X\\)"):
+            read()
+    assert free_loaded(w, torch.bfloat16) == 0  # once
+
+
+def test_free_loaded_keeps_what_a_call_would_still_read(gen):
+    from autofp4.backends import get_backend
+    from autofp4.ops import free_loaded
+
+    ref = quantize(torch.randn(64, 128, generator=gen), "nvfp4")
+    ref.packed("reference", get_backend("reference").prepare)
+    assert free_loaded(ref, torch.bfloat16) == 0 and not ref.freed  # the reference backend reads them on every call
+    # MXFP4 block exponents 60 binades apart: fp16 activations fall back to the reference backend
+    t = torch.randn(64, 128, generator=gen)
+    t[:, :32] *= 2.0**-60
+    mx = quantize(t, "mxfp4")
+    sm90 = get_backend("sm90_w4a16")
+    mx.packed(sm90.name, sm90.prepare)
+    assert free_loaded(mx, torch.float16) == 0 and not mx.freed
+    assert free_loaded(mx, torch.bfloat16) > 0
+    # experts: both MoE kernels' layouts of the weight's role, built
+    ex = quantize(torch.randn(4, 64, 128, generator=gen), "nvfp4")
+    prep = ex.packed(sm90.name, sm90.prepare)
+    assert free_loaded(ex, torch.bfloat16, gate_up=False) > 0
+    assert {k for k in prep._moe if len(k) == 2} == {("moe_decode", False), ("moe_gemm", False)}

@@ -185,6 +185,14 @@ class Backend(ABC):
     def prepare(self, weight: "FP4Weight") -> Any:  # noqa: F821
         """The weight in the layout this backend's kernels read (callers cache it)."""
 
+    def pack_all(self, prepared: Any, dtype: str, gate_up: bool | None) -> bool:
+        """Build every layout in ``prepared`` (this backend's :meth:`prepare` of a weight) that
+        its calls in activation dtype ``dtype`` can ask for (``gate_up``: None for a linear
+        weight, True / False for a MoE layer's w13 / w2); True when, after that, no call reads
+        the weight's stored tensors again, so that they can be freed
+        (:func:`autofp4.ops.free_loaded`). The default: False (they are read on every call)."""
+        return False
+
     @abstractmethod
     def compile(self, config: BackendConfig, key: ProblemKey) -> Runner:
         """Build (or load) the runner for ``config`` and ``key``; raises on invalid configs."""

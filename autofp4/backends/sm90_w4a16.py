@@ -154,7 +154,28 @@ class SM90Prepared:
         return self._gemm
 
     def _pack(self, fn):
+        self.weight._require_loaded("a layout of the sm90_w4a16 kernels not built before they were freed")
         return outside_graph_pools(fn, self.weight.data.device)
+
+    def pack_all(self, dtype: str, gate_up: bool | None) -> bool:
+        """Every layout a call can ask for, built: both dense kernels' (``gate_up`` None), or both
+        MoE kernels' for this weight's role (w13: True, w2: False). False where a call may still
+        read the stored tensors (the reference fallback of a dense weight over 2 GiB, of MXFP4
+        weights with fp16 activations that fp16 cannot hold)."""
+        w = self.weight
+        fp16 = w.fmt == "mxfp4" and dtype == "float16"
+        if gate_up is None:
+            if w.experts or _too_large(self):
+                return False
+            self.decode, self.gemm  # noqa: B018 - built on first read
+            return not (fp16 and (_fp16_range_problem(self, "decode") or _fp16_range_problem(self, "gemm")))
+        if not w.experts:
+            return False
+        for kernel in ("moe_decode", "moe_gemm"):
+            self.moe_groups(kernel, gate_up)
+            if fp16 and self.moe(kernel, gate_up).unsupported[1]:
+                return False
+        return True
 
     def moe_groups(self, kernel: str, gate_up: bool) -> list[tuple[int, int, Any]]:
         """The experts in ``kernel``'s layout as ``(first, end, packed)`` runs of consecutive
@@ -348,6 +369,9 @@ class SM90W4A16Backend(Backend):
     # -- running ------------------------------------------------------------------------------
     def prepare(self, weight: Any) -> SM90Prepared:
         return SM90Prepared(weight)
+
+    def pack_all(self, prepared: Any, dtype: str, gate_up: bool | None) -> bool:
+        return isinstance(prepared, SM90Prepared) and prepared.pack_all(dtype, gate_up)
 
     def moe_routing_layout(self, config: BackendConfig) -> tuple[int, bool] | None:
         """The warp-level kernel's ``(m_block, per_pair)``; the grouped GEMM's sorted ``tile_m`` blocks."""

@@ -8,7 +8,9 @@ deleted; each weight parameter is left as a 0-element tensor of its dtype on its
 code that reads ``layer.weight.dtype`` or ``.device``.
 
 On a GPU each layer then runs once eagerly for every token count vLLM will capture a CUDA graph
-for (:func:`warm_up`), so that no weight is packed during capture.
+for (:func:`warm_up`), so that no weight is packed during capture, and, with every layout its
+kernels read built, the loaded bytes are freed (:func:`free_loaded`): the buffers ``packed`` and
+``scale`` become one-element placeholders of the same shape (unless ``AUTOFP4_VLLM_KEEP_LOADED=1``).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from ...ops import free_loaded as _free_weight
 from ...problem import BLOCK_SIZE
 from ...weights import FP4Weight
 
@@ -136,17 +139,41 @@ def graph_sizes() -> tuple[list[int], torch.dtype]:
     return sorted({int(s) for s in getattr(cc, "cudagraph_capture_sizes", None) or ()}), dtype
 
 
-def warm_up(device: torch.device, call: Callable[[int, torch.dtype], Any]) -> None:
+def warm_up(device: torch.device, call: Callable[[int, torch.dtype], Any]) -> Optional[torch.dtype]:
     """``call(m, dtype)`` for each token count ``m`` vLLM will capture a CUDA graph for.
 
     The first call that picks a kernel packs the weight into that kernel's layout and builds the
     kernel's per-device state; during CUDA graph capture neither can happen (host-to-device copies
     are refused there, and what is built would live in the graph's memory pool), and vLLM's model
     runner captures some sizes with no eager call before. Calls at load time also make the packed
-    weights part of the memory vLLM measures for the model, before it sizes the KV cache."""
+    weights part of the memory vLLM measures for the model, before it sizes the KV cache.
+    Returns the activation dtype the calls ran in (None where none ran)."""
     if device.type != "cuda":
-        return
+        return None
     sizes, dtype = graph_sizes()
     with torch.inference_mode():
         for m in sizes:
             call(m, dtype)
+    return dtype if sizes else None
+
+
+def free_loaded(layer: torch.nn.Module, roles: dict[str, Optional[bool]], dtype: Optional[torch.dtype],
+                keep: bool, prefix: str) -> int:
+    """Free the loaded tensors of the layer's FP4 weights ``roles`` (stem -> None for a linear
+    weight, True / False for w13 / w2) once their kernels' layouts are all built
+    (:func:`autofp4.ops.free_loaded`), after the load-time calls of :func:`warm_up` (``dtype``:
+    theirs; None: none ran, nothing is freed) unless ``keep``. Each weight's ``packed`` and
+    ``scale`` buffers become its placeholders. Returns the bytes freed."""
+    if keep or dtype is None:
+        return 0
+    why = (f"the vLLM plugin freed them once {prefix or 'the layer'}'s kernel layouts were built; "
+           f"set AUTOFP4_VLLM_KEEP_LOADED=1 to keep them")
+    freed = 0
+    for stem, gate_up in roles.items():
+        w = fp4_weight(layer, stem)
+        n = _free_weight(w, dtype, gate_up, why)
+        if n:
+            layer.register_buffer(f"autofp4_{stem}packed", w.data, persistent=False)
+            layer.register_buffer(f"autofp4_{stem}scale", w.scale, persistent=False)
+            freed += n
+    return freed

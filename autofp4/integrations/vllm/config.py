@@ -30,13 +30,15 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from ...problem import FORMATS
 
-__all__ = ["AutoFP4Config", "CLAIM_ENV", "FORMAT_ENV", "is_modelopt_nvfp4"]
+__all__ = ["AutoFP4Config", "CLAIM_ENV", "FORMAT_ENV", "KEEP_ENV", "is_modelopt_nvfp4"]
 
 #: ``AUTOFP4_VLLM_CLAIM=1``: run every ModelOpt NVFP4 checkpoint with autofp4 unless the user
 #: names another ``--quantization``
 CLAIM_ENV = "AUTOFP4_VLLM_CLAIM"
 #: ``AUTOFP4_VLLM_FORMAT=mxfp4|nvfp4``: the format of online quantization (default mxfp4)
 FORMAT_ENV = "AUTOFP4_VLLM_FORMAT"
+#: 1: keep each FP4 weight's loaded tensors after its kernels' layouts are built (default 0: freed)
+KEEP_ENV = "AUTOFP4_VLLM_KEEP_LOADED"
 
 _MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4")
 _ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
@@ -63,13 +65,17 @@ def is_modelopt_nvfp4(hf_quant_cfg: Any) -> bool:
     return _modelopt_algo(hf_quant_cfg) in _MODELOPT_ALGOS
 
 
-def _claim_enabled() -> bool:
-    value = os.environ.get(CLAIM_ENV, "").strip().lower()
+def _flag(env: str) -> bool:
+    value = os.environ.get(env, "").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False
     if value in ("1", "true", "yes", "on"):
         return True
-    raise ValueError(f"{CLAIM_ENV} must be 1 or 0, got {os.environ[CLAIM_ENV]!r}")
+    raise ValueError(f"{env} must be 1 or 0, got {os.environ[env]!r}")
+
+
+def _claim_enabled() -> bool:
+    return _flag(CLAIM_ENV)
 
 
 def _format(fmt: Any, source: str) -> str:
@@ -101,6 +107,7 @@ class AutoFP4Config(QuantizationConfig):
         if isinstance(ignore, str) or not all(isinstance(p, str) for p in ignore):
             raise TypeError(f"autofp4: ignore must be a list of glob patterns (str), got {ignore!r}")
         self.ignore = list(ignore)
+        self.keep_loaded = _flag(KEEP_ENV)
 
     def __repr__(self) -> str:
         mode = f"ModelOpt {self.checkpoint.quant_method}" if self.checkpoint is not None else "online"

@@ -25,7 +25,7 @@ from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScalePa
 from ...loaders import from_modelopt, fuse_modelopt
 from ...ops import linear
 from ...weights import quantize
-from ._layer import add_param, check_divisible, check_loaded, fp4_weight, install, tensors, warm_up
+from ._layer import add_param, check_divisible, check_loaded, fp4_weight, free_loaded, install, tensors, warm_up
 
 __all__ = ["AutoFP4ModelOptLinearMethod", "AutoFP4OnlineLinearMethod", "run_linear"]
 
@@ -49,10 +49,12 @@ class _FP4LinearMethod(LinearMethodBase):
         return run_linear(layer, x, bias)
 
     def _install(self, layer: torch.nn.Module, w, release: list[str]) -> None:
-        """``w`` installed as the layer's weight, then run once for each CUDA graph size."""
+        """``w`` installed as the layer's weight, run once for each CUDA graph size, and its loaded
+        bytes freed once both kernels' layouts are built."""
         install(layer, "", w, release)
         bias = getattr(layer, "bias", None)
-        warm_up(w.device, lambda m, dtype: run_linear(layer, torch.randn(m, w.k, dtype=dtype, device=w.device), bias))
+        dtype = warm_up(w.device, lambda m, dt: run_linear(layer, torch.randn(m, w.k, dtype=dt, device=w.device), bias))
+        free_loaded(layer, {"": None}, dtype, self.quant_config.keep_loaded, getattr(layer, "prefix", ""))
 
 
 @register_weight_loader_v2_supported_method

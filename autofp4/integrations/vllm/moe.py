@@ -31,7 +31,7 @@ from ...kernels._moe_act import SWIGLU_ALPHA, SWIGLU_LIMIT
 from ...loaders import from_modelopt, fuse_modelopt
 from ...ops import moe
 from ...weights import quantize
-from ._layer import add_param, check_divisible, check_loaded, fp4_weight, install, tensors, warm_up
+from ._layer import add_param, check_divisible, check_loaded, fp4_weight, free_loaded, install, tensors, warm_up
 
 __all__ = ["AutoFP4ModelOptMoEMethod", "AutoFP4OnlineMoEMethod", "moe_activation"]
 
@@ -84,7 +84,8 @@ class _FP4MoEMethod(FusedMoEMethodBase):
             layer.w13_bias.data = _deinterleave(layer.w13_bias.data)
         install(layer, "w13_", w13, release)
         install(layer, "w2_", w2, [])
-        warm_up(w13.device, lambda t, dtype: self._run_random(layer, t, dtype))
+        dtype = warm_up(w13.device, lambda t, dt: self._run_random(layer, t, dt))
+        free_loaded(layer, {"w13_": True, "w2_": False}, dtype, self.quant_config.keep_loaded, self.prefix)
 
     def _run_random(self, layer, t: int, dtype: torch.dtype) -> torch.Tensor:
         """:meth:`apply` on ``t`` random tokens routed to ``top_k`` distinct random experts of
