@@ -254,6 +254,25 @@ def serve_check(model_dir: str, out: Path, name: str, env: dict | None = None, e
     return res
 
 
+# -- memory, from vLLM's log ------------------------------------------------------------------------
+_LOG_FIGURES = {"model_gib": r"Model loading took ([0-9.]+) GiB", "kv_cache_gib": r"Available KV cache memory: ([0-9.]+) GiB",
+                "kv_tokens": r"GPU KV cache size: ([0-9,]+) tokens"}
+
+
+def log_figures(text: str) -> dict:
+    """The model's memory after loading, the KV cache's memory and its size in tokens, as vLLM
+    logs them while it starts (the last of each; absent where a line is missing)."""
+    import re
+
+    out = {}
+    for key, pattern in _LOG_FIGURES.items():
+        found = re.findall(pattern, text)
+        if found:
+            value = found[-1].replace(",", "")
+            out[key] = int(value) if key == "kv_tokens" else float(value)
+    return out
+
+
 # -- comparison -------------------------------------------------------------------------------
 def compare(a: list[dict], b: list[dict]) -> dict:
     """Greedy-token agreement and prompt log-probability differences of two variants' outputs."""
@@ -285,6 +304,7 @@ def summarize(model: str, runs: dict) -> dict:
     for v, r in runs.items():
         row["variants"][v] = {"decode_tok_s": r["decode_tok_s"], "prefill_tok_s": r["prefill_tok_s"],
                               "startup_s": r["startup_s"], "quantization": r.get("quantization"),
+                              **{k: r[k] for k in _LOG_FIGURES if k in r},
                               "batch_vs_single": compare(r["batch"], r["single"])}
         for ref in ("vllm-nvfp4", "bf16"):
             if ref in runs and v != ref:
@@ -294,8 +314,8 @@ def summarize(model: str, runs: dict) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | variant | decode b=1 | b=8 | b=64 | prefill 1x2048 | 8x2048 | x default b=1 / b=64 / prefill "
-             "| x bf16 b=1 | compared with | tokens identical | dlogp mean / max | noise mean / max |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|---|---:|---|---|"]
+             "| x bf16 b=1 | compared with | tokens identical | dlogp mean / max | noise mean / max | model GiB | KV tokens |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---|---:|---|---|---:|---:|"]
     for row in rows:
         variants = row["variants"]
         base, bf16 = variants.get("vllm-nvfp4"), variants.get("bf16")
@@ -313,8 +333,13 @@ def table(rows: list[dict]) -> str:
                 if vs else "- | - | -"
             lines.append(f"| {row['model']} | {v} | {d['1']:.0f} | {d['8']:.0f} | {d['64']:.0f} | {p['1']:.0f} | "
                          f"{p['8']:.0f} | {ratio} | {xb} | {agree} | "
-                         f"{noise['logprob_diff_mean']:.3f} / {noise['logprob_diff_max']:.3f} |")
+                         f"{noise['logprob_diff_mean']:.3f} / {noise['logprob_diff_max']:.3f} | "
+                         f"{_fig(r.get('model_gib'), '.1f')} | {_fig(r.get('kv_tokens'), ',')} |")
     return "\n".join(lines)
+
+
+def _fig(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def profile_table(rows: list[dict]) -> str:
@@ -384,7 +409,8 @@ def main() -> int:
             if rc:
                 print((out / f"{name}.log").read_text()[-4000:], flush=True)
                 continue
-            runs[v] = json.loads((out / f"{name}.json").read_text())
+            runs[v] = json.loads((out / f"{name}.json").read_text()) | log_figures((out / f"{name}.log").read_text())
+            (out / f"{name}.json").write_text(json.dumps(runs[v]))
         if args.profile:
             rows.append({"model": model, "profiles": {v: r["profile"] for v, r in runs.items()}})
             continue

@@ -65,18 +65,23 @@ def test_the_table_gives_the_ratios_and_compares_each_variant_with_the_same_weig
         return {"decode_tok_s": {"1": d1, "8": 1.0, "64": d64}, "prefill_tok_s": {"1": p1, "8": 1.0}, "startup_s": 1.0,
                 "batch": rows, "single": rows}
 
+    log = ("INFO 12-04 [gpu_model_runner.py:2001] Model loading took 5.7127 GiB memory and 3.1 seconds\n"
+           "INFO 12-04 [gpu_worker.py:300] Available KV cache memory: 98.25 GiB\n"
+           "INFO 12-04 [kv_cache_utils.py:1000] GPU KV cache size: 804,864 tokens\n")
+    figures = B.log_figures(log)
+    assert figures == {"model_gib": 5.7127, "kv_cache_gib": 98.25, "kv_tokens": 804864}
     row = B.summarize("m", {"bf16": run(50.0, 2000.0, 8000.0, (1, 3), -0.5),
                             "vllm-nvfp4": run(100.0, 1000.0, 5000.0),
-                            "autofp4-nvfp4": run(150.0, 1200.0, 4000.0, (1, 2), -1.25),
+                            "autofp4-nvfp4": run(150.0, 1200.0, 4000.0, (1, 2), -1.25) | figures,
                             "autofp4-mxfp4": run(160.0, 1300.0, 4100.0, (1, 3), -0.75)})
     assert row["variants"]["autofp4-nvfp4"]["vs_vllm_nvfp4"]["tokens_identical"] == 1.0
     assert row["variants"]["autofp4-nvfp4"]["vs_bf16"]["tokens_identical"] == 0.5
     md = B.table([row])
     # the ModelOpt checkpoint against vLLM's path for it; the weights quantized at load against bf16
     assert "| m | autofp4-nvfp4 | 150 | 1 | 1200 | 4000 | 1 | 1.50 / 1.20 / 0.80 | 3.00 | vllm-nvfp4 | 100% | " \
-           "0.250 / 0.250 | 0.000 / 0.000 |" in md
+           "0.250 / 0.250 | 0.000 / 0.000 | 5.7 | 804,864 |" in md
     assert "| m | autofp4-mxfp4 | 160 | 1 | 1300 | 4100 | 1 | 1.60 / 1.30 / 0.82 | 3.20 | bf16 | 100% | " \
-           "0.250 / 0.250 | 0.000 / 0.000 |" in md
+           "0.250 / 0.250 | 0.000 / 0.000 | - | - |" in md
     assert "| m | bf16 | 50 | 1 | 2000 | 8000 | 1 | 0.50 / 2.00 / 1.60 | - | vllm-nvfp4 | 50% |" in md
     assert "| m | vllm-nvfp4 | 100 | 1 | 1000 | 5000 | 1 | - | 2.00 | vllm-nvfp4 | - | - | - |" not in md
 
