@@ -354,6 +354,14 @@ def check_limits(config: Mapping[str, Any]) -> None:
                     _check_field(key, part[key])
 
 
+def load_checked_config(path_or_dict: Union[str, Path, Mapping[str, Any]]) -> dict:
+    """:func:`load_config` then :func:`check_limits`: a config read bounded and depth-checked,
+    its size fields within bounds (what every loader checks before a framework builds anything)."""
+    config = load_config(path_or_dict)
+    check_limits(config)
+    return config
+
+
 def _validate(config: Mapping[str, Any], model_type: str, fields: Mapping[str, bool]) -> dict[str, int]:
     """The integer fields of ``fields`` present in ``config`` (null counts as absent), checked."""
     values = {}

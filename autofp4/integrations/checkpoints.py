@@ -66,11 +66,10 @@ _CT_FORMATS = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
 def _read_config(path: Path) -> dict:
     """A checkpoint's small JSON file (config.json, hf_quant_config.json): read bounded and
     depth-checked (:func:`autofp4.models.load_config`), its size fields within bounds."""
-    from ..models import check_limits, load_config
+    from ..models import load_checked_config
 
     try:
-        config = load_config(path)
-        check_limits(config)
+        config = load_checked_config(path)
     except ValueError as e:
         raise ValueError(f"{_WHAT}: {e}") from None
     qc = config.get("quantization_config")

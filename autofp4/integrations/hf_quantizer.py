@@ -139,10 +139,10 @@ def transformers_config(path: Union[str, Path], **kwargs: Any):
     from transformers import AutoConfig
 
     if Path(path).is_dir() or Path(path).suffix == ".json":  # a local checkpoint: its config checked first
-        from ..models import check_limits, load_config
+        from ..models import load_checked_config
 
         try:
-            check_limits(load_config(path))
+            load_checked_config(path)
         except (ValueError, OSError) as e:
             raise ValueError(f"transformers_config: {e}") from None
     config = AutoConfig.from_pretrained(str(path), **kwargs)

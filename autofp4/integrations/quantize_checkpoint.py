@@ -140,9 +140,9 @@ def _model_on_meta(src: Path) -> tuple[Any, Any]:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise RuntimeError(f"{_WHAT} needs transformers (to know the model's layers): pip install transformers") from None
-    from ..models import check_limits, load_config
+    from ..models import load_checked_config
 
-    check_limits(load_config(src))  # bounded, depth-checked, sizes within bounds, no NaN: before transformers
+    load_checked_config(src)  # bounded, depth-checked, sizes within bounds, no NaN: before transformers
     config = AutoConfig.from_pretrained(str(src), local_files_only=True)
     if getattr(config, "quantization_config", None) is not None:
         raise ValueError(f"{_WHAT}: {src} is already quantized (config.json has a quantization_config); "
@@ -504,9 +504,9 @@ def quantize_checkpoint(src: Union[str, Path], out: Union[str, Path], fmt: str, 
     src = Path(src)
     if not src.is_dir() or not (src / "config.json").is_file():
         raise FileNotFoundError(f"{_WHAT}: {src} is not a checkpoint directory (a directory with config.json)")
-    from ..models import check_limits, load_config
+    from ..models import load_checked_config, load_config
 
-    check_limits(load_config(src / "config.json"))  # bounded read of config.json before transformers uses it
+    load_checked_config(src / "config.json")  # bounded read of config.json before transformers uses it
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
