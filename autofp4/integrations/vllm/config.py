@@ -182,12 +182,37 @@ class AutoFP4Config(QuantizationConfig):
             return True
         return any(fnmatch.fnmatchcase(prefix, p) for p in self.ignore)
 
+    def hash_factors(self) -> dict:
+        """What the layers this config builds depend on, beyond the checkpoint: the format, the
+        checkpoint kind, the layers left unquantized, whether loaded bytes are kept."""
+        return {"fmt": self.fmt, "checkpoint": None if self.checkpoint is None else self.checkpoint.quant_method,
+                "ignore": self.ignore, "keep_loaded": self.keep_loaded}
+
+    def _key_compiled_graphs(self) -> None:
+        """Put :meth:`hash_factors` in the current vLLM config's ``additional_config``.
+
+        vLLM keys its torch.compile cache on a hash of its config in which a quantization
+        method's own settings do not appear (only its name); the format of online quantization
+        comes from the environment, so a checkpoint served in MXFP4 and then in NVFP4 would reuse
+        the first run's compiled graph, whose ``autofp4`` ops carry the format as a constant.
+        ``additional_config`` is in that hash (a dict there; a platform's own object is left as
+        it is)."""
+        try:
+            from vllm.config import get_current_vllm_config
+
+            extra = get_current_vllm_config().additional_config
+        except Exception:  # noqa: BLE001 - no current config (a layer built outside vLLM's loader)
+            return
+        if isinstance(extra, dict) and extra.get("autofp4") != self.hash_factors():
+            extra["autofp4"] = self.hash_factors()
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
         from vllm.model_executor.layers.attention import Attention, MLAAttention
         from vllm.model_executor.layers.fused_moe import RoutedExperts
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+        self._key_compiled_graphs()
         if isinstance(layer, (Attention, MLAAttention)):
             if self.checkpoint is None:
                 return None
