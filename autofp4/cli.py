@@ -27,9 +27,19 @@ class _UsageError(Exception):
     """Bad command-line input (exit code 2)."""
 
 
+def _items(text: str, what: str) -> list[str]:
+    """The comma-separated items of an option's value (spaces around them dropped); an empty item
+    (``1,,2``, a trailing comma, an empty value) is refused, naming the option."""
+    items = [t.strip() for t in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"{what} has an empty item in {text!r}")
+    return items
+
+
 def _int_list(text: str, what: str) -> list[int]:
+    items = _items(text, what)
     try:
-        vals = [int(t) for t in text.replace(" ", "").split(",") if t]
+        vals = [int(t) for t in items]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{what} must be comma-separated integers, got {text!r}") from None
     if not vals or any(v < 0 for v in vals):
@@ -67,7 +77,7 @@ def _gpu_list(text: str) -> list[int]:
 def _devices_list(text: str) -> list[str]:
     """``--devices``: ``all`` (every CUDA GPU), CUDA indices ``0,1,...``, or ``cpu`` entries
     (``cpu,cpu``: processes on the CPU standing in for GPUs)."""
-    items = [v.strip() for v in text.split(",") if v.strip()]
+    items = _items(text, "--devices")
     if items == ["all"]:
         return ["all"]
     if items and all(v == "cpu" for v in items):
@@ -119,6 +129,8 @@ def _time_budget(text: str) -> float:
 
 #: the GPU architectures the kernels are compiled for (Hopper, Blackwell)
 _ARCHS = ("sm_90a", "sm_100a")
+#: backends that run torch ops: nothing of theirs is compiled into the kernel cache
+_NOT_COMPILED = ("reference",)
 
 _LAYOUT_HELP = ("whose modules: vllm (fused qkv_proj, gate_up_proj; the default), transformers "
                 "(Hugging Face q_proj, k_proj, v_proj, gate_proj, up_proj), or both")
@@ -174,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the modules matching this glob in high precision (repeatable; lm_head always)")
     q.add_argument("--device", default="cpu", help="where to quantize: cpu (default) or cuda[:N] (faster, same result)")
     q.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard (default 5GB)")
-    q.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    q.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty --out that holds a previous output (a quantized checkpoint)")
     q.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     from .cli_db import add_db_parser
@@ -240,7 +253,10 @@ def _backend_names(args: argparse.Namespace) -> list[str] | None:
         return None
     from .backends import backend_names
 
-    names = [n.strip() for item in args.backend for n in item.split(",") if n.strip()]
+    names = [n.strip() for item in args.backend for n in item.split(",")]
+    if not all(names):
+        raise _UsageError(f"--backend has an empty name in {','.join(map(repr, args.backend))}; known: "
+                          f"{', '.join(backend_names())}")
     known = backend_names()
     for n in names:
         if n not in known:
@@ -256,8 +272,14 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.model is not None and args.from_misses is not None:
         raise _UsageError("give either --model or --from-misses, not both")
     backends = _backend_names(args)
-    if args.db:
-        dispatch.set_db(args.db)
+    if args.storage:
+        from .tuning.claims import claim_ttl_s
+
+        try:
+            claim_ttl_s()
+        except ValueError as e:
+            raise _UsageError(str(e)) from None
+    _set_db(args)
     db_path = dispatch.user_db_path()
     on_cpu, cpu_note = _tune_device(args)
     common: dict[str, Any] = dict(
@@ -268,6 +290,15 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.from_misses is not None:
         return _tune_misses(args, on_cpu, cpu_note, common, db_path, out)
     return _tune_model(args, on_cpu, cpu_note, common, db_path, out)
+
+
+def _set_db(args: argparse.Namespace) -> None:
+    """``--db PATH``: the user DB of this command (a ``~user`` that cannot be expanded: exit 2)."""
+    if args.db:
+        from . import dispatch
+        from .db import expand_path
+
+        dispatch.set_db(expand_path(args.db, "--db"))
 
 
 def _tune_device(args: argparse.Namespace) -> tuple[bool, str]:
@@ -377,7 +408,7 @@ def _one_line(text: str, limit: int = 1000) -> str:
 
 def _ops_list(text: str) -> tuple[str, ...]:
     """``--ops``: a comma-separated subset of the ops."""
-    ops = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    ops = tuple(dict.fromkeys(_items(text, "--ops")))
     bad = [o for o in ops if o not in OPS]
     if not ops or bad:
         raise argparse.ArgumentTypeError(f"ops must be a comma-separated subset of {', '.join(OPS)}, got {text!r}")
@@ -440,8 +471,7 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
     from . import dispatch
     from .problem import ProblemKey
 
-    if args.db:
-        dispatch.set_db(args.db)
+    _set_db(args)
     if args.model is not None:
         if args.n is not None or args.k is not None:
             raise _UsageError("give --model or one shape (--n, --k), not both")
@@ -470,11 +500,10 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
 def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from . import dispatch
     from .backends import backend_names, get_backend
-    from .db import TuningDB, TuningDBError, read_export, shipped_db_dir
+    from .db import TuningDB, TuningDBError, read_export, shipped_db_dir, shipped_db_files
     from .env import current_environment
 
-    if args.db:
-        dispatch.set_db(args.db)
+    _set_db(args)
     dev = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise _UsageError(f"--device {args.device}: no CUDA GPU is available")
@@ -522,9 +551,11 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     else:
         print(f"  user     {user}: (not created yet)", file=out)
     shipped = shipped_db_dir()
-    files = sorted(shipped.glob("*.json")) if shipped.is_dir() else []
+    files = shipped_db_files()
     if not files:
-        print(f"  shipped  {shipped}: no files", file=out)
+        why = ("no *.json files" if shipped.is_dir() else "no such file or folder" if not shipped.exists()
+               else "not a regular file or folder")
+        print(f"  shipped  {shipped}: {why}", file=out)
     for f in files:
         try:
             doc = read_export(f)
@@ -553,7 +584,7 @@ def _cache_line() -> str:
 
 
 def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from .kernel_cache import cache_dir, clear
+    from .kernel_cache import cache_dir, clear, others
 
     d = cache_dir()
     if d is not None and d.exists() and not d.is_dir():
@@ -561,6 +592,11 @@ def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     if args.clear:
         print(f"removed {clear()} compiled kernels", file=out)
+        left = others()
+        if left:
+            names = ", ".join(p.name for p in left[:3]) + (", ..." if len(left) > 3 else "")
+            print(f"left {len(left)} other file{'s' if len(left) != 1 else ''} in {d} that are not autofp4 "
+                  f"kernels ({names})", file=out)
     if args.import_from or args.export_to:
         _archive(args, out, err)
     if args.warm:
@@ -619,6 +655,11 @@ def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         except (TuningDBError, TuningFileError, OSError) as e:
             raise _UsageError(f"cannot read the tuning DB {args.warm_db}: {e}") from None
     backends = _backend_names(args) or ["sm90_w4a16"]
+    torch_only = [n for n in backends if n in _NOT_COMPILED]
+    if torch_only:
+        raise _UsageError(f"--backend {torch_only[0]}: the {torch_only[0]} backend runs torch ops and compiles no "
+                          "kernels, so it has nothing to put in the kernel cache (warm sm90_w4a16 or "
+                          "sm100_blockscaled)")
     ms = sorted(set(args.m)) if args.m else list(dispatch.DEFAULT_M_BUCKETS)
     jobs = tuning.jobs_for(shapes, ms, args.fmt, args.dtype)
     workers = args.workers or max(1, (os.cpu_count() or 2) - 1)

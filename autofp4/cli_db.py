@@ -6,6 +6,7 @@ Exit codes: 0 success; 1 nothing found (``show``) or differences found (``diff``
 from __future__ import annotations
 
 import argparse
+import os
 import sqlite3
 import sys
 from pathlib import Path
@@ -18,9 +19,10 @@ from .db import (
     TuningDBError,
     TuningFileError,
     default_db_path,
+    expand_path,
 )
 from .problem import DTYPES, FORMATS
-from .schema import TuningRecord, config_json
+from .schema import MAX_DIM, MAX_EXPERTS, TuningRecord, config_json
 
 SUBCOMMANDS = ("list", "show", "export", "import", "merge", "diff", "prune")
 _DESCRIPTION = """Inspect, export, import, merge, diff and prune the tuning database.
@@ -41,16 +43,33 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="tuning database (default: $AUTOFP4_DB or ~/.cache/autofp4/tuning.db)")
 
 
+def _int_in(lo: int, hi: int):
+    """An argparse type: an integer from ``lo`` to ``hi`` (the range the tuning DB stores; argparse
+    names the option in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"expected an integer from {lo} to {hi}, got {text}")
+        return v
+
+    parse.__name__ = "integer"  # argparse's "invalid <name> value" line
+    return parse
+
+
 def _add_key_filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", choices=("linear", "moe"))
     p.add_argument("--fmt", choices=FORMATS)
     p.add_argument("--dtype", choices=DTYPES)
     p.add_argument("--backend")
-    p.add_argument("--m", "--m-bucket", dest="m_bucket", type=int, metavar="M", help="M bucket")
-    p.add_argument("--n", type=int)
-    p.add_argument("--k", type=int)
-    p.add_argument("--experts", type=int)
-    p.add_argument("--topk", type=int)
+    p.add_argument("--m", "--m-bucket", dest="m_bucket", type=_int_in(1, MAX_DIM), metavar="M", help="M bucket")
+    p.add_argument("--n", type=_int_in(1, MAX_DIM))
+    p.add_argument("--k", type=_int_in(1, MAX_DIM))
+    p.add_argument("--experts", type=_int_in(0, MAX_EXPERTS))
+    p.add_argument("--topk", type=_int_in(0, MAX_EXPERTS))
     p.add_argument("--env", default="all", metavar="current|all|KEY",
                    help="environment: the running one, all (default) or an env key")
 
@@ -111,15 +130,25 @@ def add_db_parser(subparsers: Any) -> argparse.ArgumentParser:
 # helpers
 # --------------------------------------------------------------------------------------
 def _db_path(args: argparse.Namespace) -> Path:
-    return Path(args.db).expanduser() if getattr(args, "db", None) else default_db_path()
+    return expand_path(args.db, "--db") if getattr(args, "db", None) else default_db_path()
+
+
+def _not_a_file(path: Path) -> str | None:
+    """Why the existing ``path`` cannot be a tuning database file (None: it is a regular file)."""
+    if path.is_dir():
+        return f"{path} is a directory, not a tuning database file"
+    if path.exists() and not path.is_file():
+        return f"{path} is not a regular file (a device, FIFO or socket), not a tuning database"
+    return None
 
 
 def _open(args: argparse.Namespace, *, write: bool) -> TuningDB:
     path = _db_path(args)
+    why = _not_a_file(path)
+    if why is not None:
+        raise UsageError(why)
     if write:
         return TuningDB(path)
-    if path.is_dir():
-        raise UsageError(f"{path} is a directory, not a tuning database file")
     if not path.is_file():
         raise UsageError(f"no tuning database at {path}")
     try:
@@ -211,7 +240,7 @@ def _layers(args: argparse.Namespace, env_key: str | None) -> list[tuple[str, li
     """``(label, results)`` of what ``list`` reads: the file of ``--db`` (a database or an
     export), else every layer the dispatcher reads, in its order (the user database, then each
     shipped export)."""
-    from .db import shipped_db_dir
+    from .db import shipped_db_files
 
     filters = _filters(args)
     if getattr(args, "db", None):
@@ -222,11 +251,13 @@ def _layers(args: argparse.Namespace, env_key: str | None) -> list[tuple[str, li
             return [(str(path), db.results(env_key, **filters))]
     out = []
     user = default_db_path()
+    why = _not_a_file(user)
+    if why is not None:  # the dispatcher warns and reads no rows from it
+        raise UsageError(f"the user tuning DB{' ($AUTOFP4_DB)' if os.environ.get('AUTOFP4_DB') else ''}: {why}")
     if user.is_file():
         with TuningDB(user, readonly=True) as db:
             out.append(("user", db.results(env_key, **filters)))
-    shipped = shipped_db_dir()
-    for f in sorted(shipped.glob("*.json")) if shipped.is_dir() else []:
+    for f in shipped_db_files():
         out.append((f.name, _export_results(f, env_key, filters)))
     return out
 

@@ -125,21 +125,48 @@ def _readonly_message(path: Path, e: sqlite3.Error) -> str:
 # --------------------------------------------------------------------------------------
 # paths
 # --------------------------------------------------------------------------------------
+def expand_path(path: str | os.PathLike, what: str) -> Path:
+    """``path`` with a leading ``~`` or ``~user`` expanded; :class:`TuningDBError` naming ``what``
+    (the variable or option it came from) where that cannot be done (no such user, no home)."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # Path.expanduser: "Could not determine home directory."
+        raise TuningDBError(f"{what}={str(path)!r}: cannot expand its leading '~' (no such user, or no home "
+                            "directory); give the path without it") from None
+
+
 def default_db_path() -> Path:
     """``$AUTOFP4_DB`` if set, else ``$XDG_CACHE_HOME/autofp4/tuning.db`` (default ``~/.cache``)."""
     env = os.environ.get("AUTOFP4_DB")
     if env:
-        return Path(env).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache).expanduser() / "autofp4" / "tuning.db"
+        return expand_path(env, "AUTOFP4_DB")
+    cache = os.environ.get("XDG_CACHE_HOME")
+    if cache:
+        return expand_path(cache, "XDG_CACHE_HOME") / "autofp4" / "tuning.db"
+    try:
+        home = Path.home()
+    except RuntimeError:
+        raise TuningDBError("the default tuning DB is in the home directory, and there is none (HOME is unset "
+                            "and the user has no entry): set AUTOFP4_DB or XDG_CACHE_HOME") from None
+    return home / ".cache" / "autofp4" / "tuning.db"
 
 
 def shipped_db_dir() -> Path:
-    """The folder of shipped exports: ``$AUTOFP4_SHIPPED_DB`` if set, else the repo's ``tuning_db/``."""
+    """The folder of shipped exports: ``$AUTOFP4_SHIPPED_DB`` if set, else the repo's ``tuning_db/``
+    (``$AUTOFP4_SHIPPED_DB`` may also name one export file: see :func:`shipped_db_files`)."""
     env = os.environ.get("AUTOFP4_SHIPPED_DB")
     if env:
-        return Path(env).expanduser()
+        return expand_path(env, "AUTOFP4_SHIPPED_DB")
     return Path(__file__).resolve().parents[1] / "tuning_db"
+
+
+def shipped_db_files() -> list[Path]:
+    """The shipped exports the dispatcher reads, in its order: the ``*.json`` files of
+    :func:`shipped_db_dir`, or that path itself where ``$AUTOFP4_SHIPPED_DB`` names a file."""
+    shipped = shipped_db_dir()
+    if shipped.is_dir():
+        return sorted(shipped.glob("*.json"))
+    return [shipped] if shipped.is_file() else []
 
 
 # --------------------------------------------------------------------------------------
@@ -807,7 +834,7 @@ class TuningDB:
     """One SQLite tuning database file. Use as a context manager or call :meth:`close`."""
 
     def __init__(self, path: str | Path | None = None, *, readonly: bool = False) -> None:
-        self.path = Path(path).expanduser() if path is not None else default_db_path()
+        self.path = expand_path(path, "the tuning DB path") if path is not None else default_db_path()
         self.readonly = readonly
         if self.path.is_dir():
             raise TuningDBError(f"{self.path} is a directory, not a tuning database file")
@@ -888,6 +915,7 @@ class TuningDB:
             try:
                 # Reading the schema fails here on a file that is not an SQLite database.
                 self._conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+                self._refuse_foreign_objects()
                 if not readonly:
                     self._refuse_before_writing()
                     self._db.enable_wal()
@@ -949,10 +977,28 @@ class TuningDB:
                 f"{self.path} has schema version {version}, newer than this autofp4 supports "
                 f"({SCHEMA_VERSION}); upgrade autofp4"
             )
+        self._refuse_unversioned(version)
+
+    def _refuse_unversioned(self, version: int) -> None:
+        """A file with tables besides ``meta`` but no schema version is not an autofp4 tuning
+        database (autofp4 creates its tables and stores the version in one transaction): another
+        program's SQLite database, or tables autofp4 did not make. Refused, read or written."""
         tables = set(self._db.table_names()) - {"meta"}  # a meta table alone: a first open cut short
         if version == 0 and tables:
             raise TuningDBError(f"{self.path} is not an autofp4 tuning database (it holds the tables "
                                 f"{', '.join(sorted(tables)[:5])} and no schema version); it is left as it is")
+
+    def _refuse_foreign_objects(self) -> None:
+        """Refuse a file holding triggers or views: autofp4 creates neither, and a trigger can change
+        or undo what autofp4 writes (an import would report rows that are gone), a view hide a table."""
+        odd = self._conn.execute(
+            "SELECT type, name FROM sqlite_master WHERE type IN ('trigger', 'view') ORDER BY type, name"
+        ).fetchall()
+        if odd:
+            names = ", ".join(f"{t} {n!r}" for t, n in odd[:5]) + (f" and {len(odd) - 5} more" if len(odd) > 5 else "")
+            raise TuningDBError(f"{self.path} holds {names}, which autofp4 never creates (a trigger can change or "
+                                "undo what autofp4 writes and reads); not used as a tuning database: drop "
+                                f"{'them' if len(odd) > 1 else 'it'} (DROP TRIGGER / DROP VIEW) or use another file")
 
     def _version_now(self) -> int:
         if "meta" not in self._db.table_names():
@@ -985,9 +1031,7 @@ class TuningDB:
             tables = set(self._db.table_names())
             if version == 0 and not tables:
                 raise TuningDBError(f"{self.path} is an empty file, not a tuning database")
-            if version == 0 and not tables & {"results", "trials", "environments"}:
-                raise TuningDBError(f"{self.path} is not an autofp4 tuning database (it holds the tables "
-                                    f"{', '.join(sorted(tables)[:5])}); it is left as it is")
+            self._refuse_unversioned(version)
             raise TuningDBError(
                 f"{self.path} has schema version {version} and needs migrating to {SCHEMA_VERSION}; "
                 "open it writable once"
@@ -1475,18 +1519,17 @@ def layer_results(env: Environment, user_path: str | Path | None = None,
     key = env.key()
     filters = {} if problem is None else {f: getattr(problem, f) for f in _PROBLEM_FIELDS}
     layers: list[tuple[str, list[TuningRecord]]] = []
-    user = Path(user_path).expanduser() if user_path is not None else default_db_path()
+    user = expand_path(user_path, "the tuning DB path") if user_path is not None else default_db_path()
     if user.exists():
         try:  # read only: reading never changes a file (no tables, no migration, no journal mode)
             with TuningDB(user, readonly=True) as db:
                 layers.append((str(user), db.results(key, **filters)))
         except (TuningDBError, sqlite3.Error, OSError) as e:
             _warn_skip(user, e)
-    shipped = shipped_db_dir()
     try:
-        files = sorted(shipped.glob("*.json")) if shipped.is_dir() else []
-    except OSError as e:
-        _warn_skip(shipped, e)
+        files = shipped_db_files()
+    except (OSError, TuningDBError) as e:
+        _warn_skip(Path(os.environ.get("AUTOFP4_SHIPPED_DB") or "tuning_db"), e)
         files = []
     for f in files:
         try:

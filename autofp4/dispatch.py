@@ -138,12 +138,11 @@ def log_from_env() -> None:
     """``AUTOFP4_LOG=info|debug``: the ``autofp4`` logger at that level, on standard error (info:
     what the first call of each problem and M bucket runs, and why; debug: of each M too). Any
     other value warns and changes nothing."""
-    level = os.environ.get("AUTOFP4_LOG", "").strip().upper()
-    if level in ("", "0", "OFF"):
-        return
-    if level not in ("INFO", "DEBUG"):
-        warnings.warn(f"autofp4: AUTOFP4_LOG={level.lower()!r} ignored: use info or debug", RuntimeWarning,
-                      stacklevel=2)
+    from .env import env_choice
+
+    level = env_choice("AUTOFP4_LOG", {"info": "INFO", "debug": "DEBUG", "0": None, "off": None}, None,
+                       "no logging")
+    if level is None:
         return
     if not any(getattr(h, "_autofp4", False) for h in _LOG.handlers):
         h = logging.StreamHandler()
@@ -496,6 +495,61 @@ _MAX_DIM = 1 << 20
 _MAX_MISSES_BYTES = 64 * 2**20
 
 
+#: the fields of a misses file's entry and their types; ``count``, ``experts``, ``topk`` and
+#: ``experts_global`` may be left out (1, 0, 0, 0)
+_MISS_FIELDS: dict[str, type] = {"op": str, "fmt": str, "dtype": str, "n": int, "k": int, "experts": int,
+                                 "topk": int, "m": int, "count": int, "experts_global": int}
+_MISS_REQUIRED = ("op", "fmt", "dtype", "n", "k", "m")
+#: the errors listed for an invalid misses file
+_MAX_MISS_ERRORS = 20
+
+
+def _json_text(v: Any, limit: int = 60) -> str:
+    """``v`` as the JSON it was read from (``true``, ``"64"``, ``NaN``), cut to ``limit`` characters."""
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError):
+        text = repr(v)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _miss_entry(e: Any) -> tuple[tuple[ProblemKey, int, int, int] | None, list[str]]:
+    """One entry of a misses file, checked strictly: ``(key, m, count, experts_global)``, or None
+    and what is wrong with it (each field named; ints are ints, not floats, strings or bools)."""
+    if not isinstance(e, dict):
+        return None, [f"{_json_text(e)} is not an object"]
+    errors = [f"missing field {f!r}" for f in _MISS_REQUIRED if f not in e]
+    errors += [f"unknown field {str(f)!r:.60}" for f in e if f not in _MISS_FIELDS]
+    for f, t in _MISS_FIELDS.items():
+        if f in e and not (isinstance(e[f], t) and not isinstance(e[f], bool)):
+            errors.append(f"field {f!r}: {_json_text(e[f])} is not {'an integer' if t is int else 'a string'}")
+    if errors:
+        return None, errors
+    n, k, m = e["n"], e["k"], e["m"]
+    c, experts, topk, g = e.get("count", 1), e.get("experts", 0), e.get("topk", 0), e.get("experts_global", 0)
+    top = DEFAULT_M_BUCKETS[-1]
+    for f, v, lo, hi in (("n", n, 1, _MAX_DIM), ("k", k, 1, _MAX_DIM), ("count", c, 1, 2**63 - 1),
+                         ("experts", experts, 0, 8192), ("topk", topk, 0, 8192), ("experts_global", g, 0, 8192)):
+        if not lo <= v <= hi:
+            errors.append(f"field {f!r}: {v} is not from {lo} to {hi}")
+    if not 1 <= m <= top:
+        errors.append(f"field 'm': {m} is not an M bucket the dispatcher looks up (1 to {top}; it counts a miss "
+                      f"of M tokens at M's bucket, at most {top})")
+    if errors:
+        return None, errors
+    try:
+        key = ProblemKey(e["op"], e["fmt"], e["dtype"], n, k, experts, topk)
+    except ValueError as err:
+        return None, [str(err)]
+    block = BLOCK_SIZE[key.fmt]
+    if key.k % block or (key.op == "moe" and key.n % (2 * block)):
+        return None, [f"K={key.k} (and a MoE layer's intermediate size N/2={key.n // 2}) must be a multiple of "
+                      f"{key.fmt}'s block of {block}: no FP4 weight has this shape"]
+    if g and (key.op != "moe" or g <= key.experts):
+        return None, [f"experts_global={g} needs a MoE key with fewer experts, got {key}"]
+    return (key, m, c, g), []
+
+
 def _read_misses(path: Path, strict: bool) -> list[tuple[ProblemKey, int, int, int]]:
     if not path.exists():
         if strict:
@@ -509,27 +563,20 @@ def _read_misses(path: Path, strict: bool) -> list[tuple[ProblemKey, int, int, i
         doc = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(doc, dict) or doc.get("version") != MISSES_VERSION:
             raise ValueError(f"expected a JSON object with version {MISSES_VERSION}")
-        out = []
-        for i, e in enumerate(doc.get("misses", [])):
-            if not isinstance(e, dict):
-                raise ValueError(f"misses[{i}] must be an object")
-            key = ProblemKey(
-                str(e["op"]), str(e["fmt"]), str(e["dtype"]), int(e["n"]), int(e["k"]),
-                int(e.get("experts", 0)), int(e.get("topk", 0)),
-            )
-            m, c, g = int(e["m"]), int(e.get("count", 1)), int(e.get("experts_global", 0))
-            if m < 1 or c < 1:
-                raise ValueError(f"misses[{i}]: m and count must be >= 1, got m={m}, count={c}")
-            if max(key.n, key.k) > _MAX_DIM or m > _MAX_DIM or key.experts > 8192 or g > 8192:
-                raise ValueError(f"misses[{i}]: sizes beyond any model's (n, k and m at most {_MAX_DIM}, "
-                                 f"experts at most 8192), got n={key.n}, k={key.k}, m={m}, experts={key.experts}")
-            block = BLOCK_SIZE[key.fmt]
-            if key.k % block or (key.op == "moe" and key.n % (2 * block)):
-                raise ValueError(f"misses[{i}]: K={key.k} (and a MoE layer's intermediate size N/2={key.n // 2}) "
-                                 f"must be a multiple of {key.fmt}'s block of {block}: no FP4 weight has this shape")
-            if g and (key.op != "moe" or g <= key.experts):
-                raise ValueError(f"misses[{i}]: experts_global={g} needs a MoE key with fewer experts, got {key}")
-            out.append((key, m, c, g))
+        entries = doc.get("misses", [])
+        if not isinstance(entries, list):
+            raise ValueError(f"'misses' is a {type(entries).__name__}, not a list")
+        out, errors = [], []
+        for i, e in enumerate(entries):
+            got, why = _miss_entry(e)
+            if got is not None:
+                out.append(got)
+            errors += [f"misses[{i}]{' ' if w.startswith('field') else ': '}{w}" for w in why]
+            if len(errors) >= _MAX_MISS_ERRORS:
+                errors = errors[:_MAX_MISS_ERRORS] + [f"... (the entries after misses[{i}] were not checked)"]
+                break
+        if errors:
+            raise ValueError("\n  ".join(errors))
         return out
     except RecursionError:
         e = ValueError("JSON nested too deep to be a misses file")
@@ -672,7 +719,9 @@ def set_miss_hook(hook: MissHook | None) -> None:
 def set_db(path: str | os.PathLike | None) -> None:
     """Use ``path`` as the user tuning DB (``None``: back to the default) and drop dispatchers."""
     global _DB_PATH
-    _DB_PATH = Path(path).expanduser() if path is not None else None
+    from .db import expand_path
+
+    _DB_PATH = expand_path(path, "the tuning DB path") if path is not None else None
     reload()
 
 

@@ -15,13 +15,37 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Mapping, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, Strict, StringConstraints
 
 _NVIDIA_SMI_TIMEOUT_S = 5.0
+
+_T = TypeVar("_T")
+_WARNED_ENV: set[tuple[str, str]] = set()
+
+
+def env_choice(name: str, choices: Mapping[str, _T], default: _T, default_text: str = "") -> _T:
+    """The value of the environment variable ``name`` among ``choices`` (its accepted spellings,
+    lower case; the value is compared stripped and lower-cased), ``default`` where it is unset or
+    empty. Any other value warns (once per variable and value) naming the variable, its value and
+    the accepted values, and gives ``default`` (``default_text`` says what that means). Read it
+    once (at import, or once per setting) and keep the result: this is not for hot paths."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    value = raw.strip().lower()
+    if value in choices:
+        return choices[value]
+    if (name, raw) not in _WARNED_ENV:
+        _WARNED_ENV.add((name, raw))
+        then = f"; {default_text}" if default_text else ""
+        warnings.warn(f"autofp4: {name}={raw!r} ignored: use one of {', '.join(choices)}{then}",
+                      RuntimeWarning, stacklevel=3)
+    return default
 
 _Text = Annotated[str, Strict(), StringConstraints(max_length=256)]
 

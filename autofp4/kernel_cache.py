@@ -32,6 +32,7 @@ import io
 import json
 import os
 import re
+import shutil
 import tarfile
 import tempfile
 import tokenize
@@ -191,26 +192,49 @@ def compile_cached(name: str, module_name: str, params: Any, compile_fn: Callabl
         return fn
 
 
+#: the names of the cache's own files: a compiled kernel ``<name>-<key>.o`` and its record ``.json``
+_OWN_FILE = re.compile(r"[A-Za-z0-9_]{1,64}-[0-9a-f]{32}\.(o|json)")
+
+
+def _kernel_files(d: Path) -> list[Path]:
+    """The compiled kernels in ``d``: the ``.o`` files named as :func:`compile_cached` names them
+    (any other file there, say a build folder's ``foo.o``, is not the cache's)."""
+    return sorted(p for p in d.glob("*.o") if _OWN_FILE.fullmatch(p.name)) if d.is_dir() else []
+
+
 def summary() -> tuple[Path | None, int, int]:
     """``(directory, kernels, bytes)`` of the cache; ``(None, 0, 0)`` when it is disabled."""
     d = cache_dir()
     if d is None:
         return None, 0, 0
-    files = list(d.glob("*.o")) if d.is_dir() else []
+    files = _kernel_files(d)
     return d, len(files), sum(f.stat().st_size for f in files)
 
 
 def clear() -> int:
-    """Delete every cached kernel; returns how many files were removed."""
+    """Delete every cached kernel (its ``.o`` file and ``.json`` record); returns how many kernels
+    were removed. Only the cache's own files are deleted (named ``<name>-<32 hex>.o`` / ``.json``):
+    others in the folder are left (:func:`others` lists them)."""
     d = cache_dir()
     if d is None or not d.is_dir():
         return 0
     n = 0
-    for p in d.glob("*.o"):
+    for p in _kernel_files(d):
         p.unlink(missing_ok=True)
         p.with_suffix(".json").unlink(missing_ok=True)
         n += 1
+    for p in d.glob("*.json"):  # records whose kernel is gone
+        if _OWN_FILE.fullmatch(p.name) and not p.with_suffix(".o").exists():
+            p.unlink(missing_ok=True)
     return n
+
+
+def others() -> list[Path]:
+    """The entries of the cache folder that are not the cache's own files (left by :func:`clear`)."""
+    d = cache_dir()
+    if d is None or not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if not _OWN_FILE.fullmatch(p.name))
 
 
 # -- archives: a warmed cache that travels ---------------------------------------------------
@@ -259,7 +283,7 @@ def export_archive(dest: str | Path) -> ArchiveReport:
     if d.is_dir() and dest.resolve().parent == d.resolve():
         raise KernelArchiveError(f"{dest} is inside the kernel cache {d}; write the archive elsewhere")
     report, entries = ArchiveReport(), []
-    for o in sorted(d.glob("*.o")) if d.is_dir() else []:
+    for o in _kernel_files(d):
         try:
             record = json.loads(o.with_suffix(".json").read_text())
             data = o.read_bytes()
@@ -340,6 +364,8 @@ def import_archive(src: str | Path) -> ArchiveReport:
     if size > MAX_ARCHIVE_BYTES:
         raise KernelArchiveError(f"{src} is {size} bytes, above the {MAX_ARCHIVE_BYTES} an archive may hold")
     report = ArchiveReport()
+    stage: Path | None = None
+    created = False
     try:
         with tarfile.open(src, "r:gz") as tar:
             members: dict[str, tarfile.TarInfo] = {}
@@ -372,7 +398,9 @@ def import_archive(src: str | Path) -> ArchiveReport:
             extra = sorted(set(members) - {MANIFEST} - {e["file"] for e in entries})
             if extra:
                 raise KernelArchiveError(f"{src}: files not in its manifest: {', '.join(extra[:5])}")
-            d.mkdir(parents=True, exist_ok=True)
+            # Every kernel is checked and written to a folder of its own inside the cache first;
+            # only when all of them passed are they moved in: a refused archive writes nothing.
+            staged: list[tuple[dict[str, Any], int]] = []
             for e in entries:
                 why = _refusal(e)
                 if why is not None:
@@ -383,16 +411,33 @@ def import_archive(src: str | Path) -> ArchiveReport:
                     raise KernelArchiveError(f"{src}: {e['file']} is missing or not {e['size']} bytes")
                 data = tar.extractfile(info).read(e["size"] + 1)
                 if hashlib.sha256(data).hexdigest() != e["sha256"]:
-                    raise KernelArchiveError(f"{src}: {e['file']} does not match its sha256 (damaged archive)")
+                    raise KernelArchiveError(f"{src}: {e['file']} does not match its sha256 (damaged archive); "
+                                             "nothing imported")
                 path = d / e["file"]
                 if path.exists() and path.with_suffix(".json").exists():
                     report.present += 1
                     continue
+                if stage is None:
+                    created = not d.exists()
+                    d.mkdir(parents=True, exist_ok=True)
+                    stage = Path(tempfile.mkdtemp(prefix=".import-", dir=d))
+                (stage / e["file"]).write_bytes(data)
+                staged.append((e, len(data)))
+            for e, size in staged:
+                path = d / e["file"]
                 _write_atomic(path.with_suffix(".json"), json.dumps({k: e[k] for k in _RECORD_KEYS}, sort_keys=True).encode())
-                _write_atomic(path, data)
+                os.replace(stage / e["file"], path)
                 report.kernels += 1
-                report.bytes += len(data)
+                report.bytes += size
     except (tarfile.TarError, EOFError, OSError, UnicodeDecodeError) as e:
         raise KernelArchiveError(f"{src}: not a readable autofp4 kernel archive ({type(e).__name__}: {e})") from None
+    finally:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+            if created and report.kernels == 0:
+                try:
+                    d.rmdir()  # the cache folder this refused import made
+                except OSError:
+                    pass
     return report
 

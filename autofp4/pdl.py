@@ -10,18 +10,22 @@ Whether a kernel config uses it is part of the config (``pdl``; the tuner measur
 defaults use it where it measured faster, see ``autofp4.backends.sm90_heuristics.with_pdl``). It does
 not change any result. This module is the global switch over all of them: ``AUTOFP4_PDL=0`` in
 the environment or ``autofp4.set_pdl(False)`` turns it off everywhere (for the next launch; a
-CUDA graph keeps what was set when it was captured).
+CUDA graph keeps what was set when it was captured). ``AUTOFP4_PDL`` is read once, at import:
+``1``/``true``/``on``/``yes`` or ``0``/``false``/``off``/``no``; another value warns and leaves it on.
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Iterator, TypeVar
 
+from .env import env_choice
+
 T = TypeVar("T")
 
-_enabled = os.environ.get("AUTOFP4_PDL", "1").strip().lower() not in ("0", "false", "off", "no")
+#: ``AUTOFP4_PDL``'s accepted values (read once, at import); any other value warns and leaves PDL on
+PDL_CHOICES = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
+_enabled = env_choice("AUTOFP4_PDL", PDL_CHOICES, True, "dependent launch stays on")
 
 
 def pdl_enabled() -> bool:
@@ -30,8 +34,11 @@ def pdl_enabled() -> bool:
 
 
 def set_pdl(enabled: bool) -> bool:
-    """Turn programmatic dependent launch on or off for later launches; returns the old value."""
+    """Turn programmatic dependent launch on or off for later launches; returns the old value.
+    ``enabled`` must be a bool (a string such as ``"no"`` would be truthy: TypeError)."""
     global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_pdl takes True or False, got {enabled!r} ({type(enabled).__name__})")
     old, _enabled = _enabled, bool(enabled)
     return old
 

@@ -39,7 +39,6 @@ expert or ``-1`` where another rank holds it), pairs routed to experts elsewhere
 """
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from contextlib import contextmanager
@@ -48,6 +47,7 @@ from typing import Callable
 
 import torch
 
+from .env import env_choice
 from .graph_pools import outside_graph_pools
 
 __all__ = ["MoERouting", "moe_routing", "per_pair_routing", "prebuilt", "rank_expert_map", "routing_sizes"]
@@ -123,7 +123,8 @@ def _const(key: tuple, device: torch.device, build) -> torch.Tensor:
 
 
 #: build sorted routing with the routing kernel where it can run (``$AUTOFP4_MOE_ROUTING=torch``: never)
-USE_KERNEL = os.environ.get("AUTOFP4_MOE_ROUTING", "kernel").strip().lower() != "torch"
+USE_KERNEL = env_choice("AUTOFP4_MOE_ROUTING", {"kernel": True, "torch": False}, True,
+                        "the routing kernel is used where it can run")
 _KERNELS: dict[tuple, Callable | None] = {}
 
 

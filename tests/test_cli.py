@@ -240,9 +240,9 @@ def test_from_misses_cli(tmp_path):
     ("[]", "expected a JSON object"),
     ("[" * 100000 + "]" * 100000, "nested too deep"),
     ('{"version": 1, "misses": [{"op": "linear", "fmt": "nvfp4", "dtype": "bfloat16", "n": 1099511627776, '
-     '"k": 128, "m": 8}]}', "sizes beyond any model's"),
+     '"k": 128, "m": 8}]}', "misses[0] field 'n': 1099511627776 is not from 1 to 1048576"),
     ('{"version": 1, "misses": [{"op": "linear", "fmt": "nvfp4", "dtype": "bfloat16", "n": 256, "k": 128, '
-     '"m": 1000000000000}]}', "sizes beyond any model's"),
+     '"m": 1000000000000}]}', "misses[0] field 'm': 1000000000000 is not an M bucket the dispatcher looks up"),
     ('{"version": 1, "misses": [{"op": "linear", "fmt": "nvfp4", "dtype": "bfloat16", "n": 256, "k": 130, '
      '"m": 8}]}', "K=130 (and a MoE layer's intermediate size N/2=128) must be a multiple of nvfp4's block of 16"),
     ('{"version": 1, "misses": [{"op": "moe", "fmt": "mxfp4", "dtype": "bfloat16", "n": 80, "k": 256, '
@@ -391,3 +391,188 @@ def test_ops_limits_the_shapes_tuned(capsys):
     dense = str(Path(__file__).resolve().parents[1] / "examples" / "llama-3.1-8b.json")
     rc, _, err = run(["tune", "--model", dense, "--ops", "moe", "--dry-run", "--device", "cpu"])
     assert rc == 2 and "has no moe shapes" in err
+
+
+# --------------------------------------------------------------------------------------------
+# hardening: misses files, list options, env variables, the kernel cache
+# --------------------------------------------------------------------------------------------
+_MISS = {"op": "linear", "fmt": "nvfp4", "dtype": "bfloat16", "n": 64, "k": 64, "m": 1, "count": 1}
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"count": 1.5}, "misses[0] field 'count': 1.5 is not an integer"),
+    ({"n": "64"}, "misses[0] field 'n': \"64\" is not an integer"),
+    ({"n": True}, "misses[0] field 'n': true is not an integer"),
+    ({"n": 64.5}, "misses[0] field 'n': 64.5 is not an integer"),
+    ({"m": 1000000}, "misses[0] field 'm': 1000000 is not an M bucket the dispatcher looks up (1 to 8192"),
+    ({"count": float("nan")}, "misses[0] field 'count': NaN is not an integer"),
+    ({"m": None}, "misses[0]: missing field 'm'"),
+    ({"extra": 1}, "misses[0]: unknown field 'extra'"),
+    ({"op": 3}, "misses[0] field 'op': 3 is not a string"),
+])
+def test_from_misses_checks_each_field_strictly(tmp_path, change, needle):
+    """A misses file's numbers are ints (not floats, strings or booleans, never coerced), its M a
+    bucket the dispatcher looks up; every problem is named with its entry and field (exit 2)."""
+    entry = {**_MISS, **change}
+    if change.get("m", 1) is None:
+        del entry["m"]
+    bad = tmp_path / "m.json"
+    bad.write_text(json.dumps({"version": 1, "misses": [entry, dict(_MISS, n=128)]}))
+    rc, out, err = run(["tune", "--from-misses", bad, "--db", tmp_path / "t.db", "--device", "cpu", "--dry-run"])
+    assert rc == 2 and needle in err and str(bad) in err and "Traceback" not in err, err
+    assert "missed (problem, M) pairs" not in out
+
+
+def test_from_misses_lists_every_bad_entry_one_line_each(tmp_path):
+    bad = tmp_path / "m.json"
+    bad.write_text(json.dumps({"version": 1, "misses": [{**_MISS, "count": 1.5}, dict(_MISS), 7,
+                                                        {k: v for k, v in _MISS.items() if k != "k"}]}))
+    rc, _, err = run(["tune", "--from-misses", bad, "--db", tmp_path / "t.db", "--dry-run"])
+    lines = err.splitlines()
+    assert rc == 2 and len(lines) == 3, err
+    assert "misses[0] field 'count'" in lines[0] and "misses[2]: 7 is not an object" in lines[1]
+    assert "misses[3]: missing field 'k'" in lines[2]
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["--m", "1,,2"], "--m"), (["--m", "1,2,"], "--m"), (["--ops", "linear,"], "--ops"),
+    (["--devices", "cpu,,cpu"], "--devices"),
+])
+def test_list_options_refuse_empty_items(tiny, capsys, argv, option):
+    rc, out, _ = run(["tune", "--model", tiny, "--dry-run", "--device", "cpu", *argv])
+    err = capsys.readouterr().err  # argparse's own message
+    assert rc == 2 and f"{option} has an empty item" in err and "jobs" not in out, err
+
+
+@pytest.mark.parametrize("value", ["", ",", "reference,", " , reference"])
+def test_backend_refuses_an_empty_name(tiny, value):
+    rc, out, err = run(["tune", "--model", tiny, "--dry-run", "--device", "cpu", "--backend", value])
+    assert rc == 2 and "--backend has an empty name" in err and "jobs" not in out, err
+
+
+def test_claim_ttl_variable_is_checked_before_any_tuning_process_starts(tiny, tmp_path, monkeypatch):
+    from autofp4.tuning.claims import RDB_CLAIM_TTL_S, claim_ttl_s
+
+    for bad in ("abc", "0", "-5", "nan", "inf"):
+        monkeypatch.setenv("AUTOFP4_CLAIM_TTL_S", bad)
+        with pytest.raises(ValueError, match=f"AUTOFP4_CLAIM_TTL_S={bad!r}"):
+            claim_ttl_s()
+    monkeypatch.setenv("AUTOFP4_CLAIM_TTL_S", "abc")
+    rc, out, err = run(["tune", "--model", tiny, "--device", "cpu", "--m", "1", "--budget", "1", "--no-progress",
+                        "--storage", f"sqlite:///{tmp_path / 's.db'}", "--devices", "cpu,cpu", "--db", tmp_path / "t.db"])
+    assert rc == 2 and "AUTOFP4_CLAIM_TTL_S='abc'" in err and "Traceback" not in err, err
+    assert not (tmp_path / "t.db").exists() and not (tmp_path / "s.db").exists()
+    monkeypatch.setenv("AUTOFP4_CLAIM_TTL_S", " 12.5 ")
+    assert claim_ttl_s() == 12.5
+    monkeypatch.delenv("AUTOFP4_CLAIM_TTL_S")
+    assert claim_ttl_s() == RDB_CLAIM_TTL_S
+
+
+def test_an_unexpandable_db_path_is_named(tiny, tmp_path, monkeypatch):
+    """``~nosuchuser/...`` in $AUTOFP4_DB or --db: exit 2 naming the variable or option."""
+    monkeypatch.setenv("AUTOFP4_DB", "~nouser_autofp4_xyz/x.db")
+    for argv in (["info", "--device", "cpu"], ["tune", "--model", tiny, "--device", "cpu", "--dry-run"],
+                 ["db", "list"], ["db", "import", REPO / "tuning_db" / "nvidia-h200.json"]):
+        rc, out, err = run(argv)
+        assert rc == 2 and "AUTOFP4_DB='~nouser_autofp4_xyz/x.db'" in err and "Traceback" not in err, (argv, err)
+    monkeypatch.delenv("AUTOFP4_DB")
+    for argv in (["info", "--device", "cpu"], ["db", "list"], ["explain", "--n", "64", "--k", "64"]):
+        rc, out, err = run([*argv, "--db", "~nouser_autofp4_xyz/y.db"])
+        assert rc == 2 and "--db='~nouser_autofp4_xyz/y.db'" in err, (argv, err)
+
+
+def test_a_shipped_export_named_as_a_file_is_read(tmp_path, monkeypatch):
+    shipped = REPO / "tuning_db" / "nvidia-h200.json"
+    monkeypatch.setenv("AUTOFP4_DB", str(tmp_path / "none.db"))
+    monkeypatch.setenv("AUTOFP4_SHIPPED_DB", str(shipped))
+    rc, out, err = run(["info", "--device", "cpu"])
+    line = next(x for x in out.splitlines() if x.strip().startswith("shipped"))
+    assert rc == 0 and f"{shipped}: 0 / " in line, line
+    rc, out, err = run(["db", "list"])
+    assert rc == 0 and "nvidia-h200.json (0)" not in out.splitlines()[-1] and "in 1 layers" in out, out
+    monkeypatch.setenv("AUTOFP4_SHIPPED_DB", str(tmp_path / "nowhere"))
+    rc, out, err = run(["info", "--device", "cpu"])
+    assert rc == 0 and f"{tmp_path / 'nowhere'}: no such file or folder" in out
+
+
+def _own_kernel(d: Path, name: str = "w4a16_decode") -> Path:
+    o = d / f"{name}-{'0123456789abcdef' * 2}.o"
+    o.write_bytes(b"kernel")
+    o.with_suffix(".json").write_text("{}")
+    return o
+
+
+def test_cache_clear_deletes_only_the_caches_own_files(tmp_path, monkeypatch):
+    """``cache --clear`` on a folder that also holds someone's build files: only the files named
+    as autofp4 names its kernels (``<name>-<32 hex>.o`` and the ``.json`` beside it) go."""
+    kc = tmp_path / "build"
+    kc.mkdir()
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(kc))
+    own = _own_kernel(kc)
+    orphan = kc / f"other-{'f' * 32}.json"  # a record whose kernel is gone
+    orphan.write_text("{}")
+    theirs = {"foo.o": "obj", "foo.json": "{}", "foo.c": "int x;", f"x-{'0' * 31}.o": "short key"}
+    for name, text in theirs.items():
+        (kc / name).write_text(text)
+    rc, out, err = run(["cache"])
+    assert rc == 0 and "1 compiled kernel," in out, out
+    rc, out, err = run(["cache", "--clear"])
+    assert rc == 0 and "removed 1 compiled kernels" in out, out
+    assert "left 4 other files" in out and "not autofp4 kernels" in out and "foo.c" in out, out
+    assert not own.exists() and not own.with_suffix(".json").exists() and not orphan.exists()
+    assert {p.name: p.read_text() for p in kc.iterdir()} == theirs
+
+
+def test_cache_warm_refuses_the_reference_backend(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(tmp_path / "kc"))
+    rc, out, err = run(["cache", "--warm", tiny, "--arch", "sm_90a", "--backend", "reference", "--no-progress"])
+    assert rc == 2 and "--backend reference" in err and "compiles no kernels" in err, err
+    assert "compiled" not in out and not (tmp_path / "kc").exists()
+
+
+def test_cache_import_checks_every_kernel_before_writing_any(tmp_path, monkeypatch):
+    """An archive whose second kernel fails its sha256 is refused and the first is not written."""
+    pytest.importorskip("cutlass")
+    import hashlib
+    import tarfile
+
+    from autofp4 import kernel_cache as kc_
+
+    kc = tmp_path / "kc"
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(kc))
+    mod = "autofp4.kernels.w4a16_decode"
+
+    def entry(name, data, sha_of):
+        r = {"name": name, "module": mod, "source": kc_._module_source_hash(mod),
+             "cutlass_dsl": kc_.cutlass_dsl_version(), "arch": "sm_90a", "params": "{}"}
+        return {**r, "file": f"{name}-{kc_._digest(r)}.o", "sha256": hashlib.sha256(sha_of).hexdigest(),
+                "size": len(data)}
+
+    a, b = b"A" * 100, b"B" * 100
+    ea, eb = entry("ka", a, a), entry("kb", b, b"other")
+    archive = tmp_path / "a.tgz"
+    with tarfile.open(archive, "w:gz") as t:
+        for name, data in [("manifest.json", json.dumps({"format": "autofp4-kernel-cache", "version": 1,
+                                                           "kernels": [ea, eb]}).encode()),
+                           (ea["file"], a), (eb["file"], b)]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    rc, out, err = run(["cache", "--import", archive])
+    assert rc == 2 and f"{eb['file']} does not match its sha256" in err and "nothing imported" in err, err
+    assert not kc.exists() or list(kc.iterdir()) == [], list(kc.iterdir())
+    kc.mkdir(exist_ok=True)
+    rc, out, err = run(["cache", "--import", archive])
+    assert rc == 2 and list(kc.iterdir()) == []  # an existing cache: no kernel, no staging folder left
+    with tarfile.open(archive, "w:gz") as t:  # both good: both written
+        eb = entry("kb", b, b)
+        for name, data in [("manifest.json", json.dumps({"format": "autofp4-kernel-cache", "version": 1,
+                                                           "kernels": [ea, eb]}).encode()),
+                           (ea["file"], a), (eb["file"], b)]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    rc, out, err = run(["cache", "--import", archive])
+    assert rc == 0 and "imported 2 kernels" in out, out + err
+    assert sorted(p.name for p in kc.iterdir()) == sorted(
+        [ea["file"], eb["file"], ea["file"][:-2] + ".json", eb["file"][:-2] + ".json"])

@@ -252,3 +252,52 @@ def test_list_and_show_read_exports_and_every_layer(dbfile, tmp_path, capsys, mo
     layers = [line.split()[0] for line in lines[1:-1]]
     assert layers == ["user"] + ["gpu.json"] * 3
     assert "4 results in 2 layers" in lines[-1] and "user (1), gpu.json (3)" in lines[-1]
+
+
+# --------------------------------------------------------------------------------------
+# hardening
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,option", [
+    (["list", "--m", "99999999999999999999999"], "--m/--m-bucket"),
+    (["show", "--n", str(2**70), "--k", "64"], "--n"),
+    (["list", "--k", "0"], "--k"),
+    (["show", "--experts", "-1"], "--experts"),
+    (["list", "--topk", "x"], "--topk"),
+])
+def test_key_filters_out_of_range_exit_2_naming_the_option(dbfile, capsys, argv, option):
+    """Integers SQLite cannot even hold (an OverflowError traceback before) are refused up front."""
+    from autofp4.cli import main
+
+    assert main(["db", *argv, "--db", str(dbfile)]) == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}:" in err and "Traceback" not in err, err
+
+
+def test_merge_and_diff_name_another_programs_sqlite_file(dbfile, tmp_path, capsys):
+    """A file with a ``results`` table and no autofp4 schema version is not an autofp4 DB (not
+    an old one that needs migrating), for merge and diff as for import; it is left as it is."""
+    import sqlite3
+
+    other = tmp_path / "other.db"
+    c = sqlite3.connect(other)
+    c.execute("create table results (a)")
+    c.commit()
+    c.close()
+    before = other.read_bytes()
+    for cmd in ("merge", "diff"):
+        assert cli(cmd, str(other), "--db", str(dbfile)) == 2
+        err = capsys.readouterr().err
+        assert f"{other} is not an autofp4 tuning database" in err and "migrating" not in err, err
+    assert cli("list", "--db", str(other)) == 2
+    assert "not an autofp4 tuning database" in capsys.readouterr().err
+    assert other.read_bytes() == before
+
+
+def test_a_user_db_that_is_not_a_regular_file_is_named(dbfile, capsys, monkeypatch):
+    monkeypatch.setenv("AUTOFP4_DB", os.devnull)
+    assert cli("list") == 2
+    err = capsys.readouterr().err
+    assert f"{os.devnull} is not a regular file" in err and "AUTOFP4_DB" in err, err
+    for argv in (("list", "--db", os.devnull), ("import", str(dbfile), "--db", os.devnull)):
+        assert cli(*argv) == 2
+        assert f"{os.devnull} is not a regular file" in capsys.readouterr().err

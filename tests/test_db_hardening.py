@@ -1261,3 +1261,35 @@ def test_the_dispatcher_names_a_bad_row_in_one_line(tmp_path, config, why):
     (w,) = [str(c.message) for c in caught if issubclass(c.category, TuningDBWarning)]
     assert str(path) in w and "skipping invalid result row" in w and why in w, w
     assert "pydantic.dev" not in w and "input_value" not in w and "\n" not in w and "valid boolean" not in w, w
+
+
+@pytest.mark.parametrize("ddl,named", [
+    ("create trigger t after insert on results begin delete from results where rowid = new.rowid; end",
+     "trigger 't'"),
+    ("create view v as select * from results", "view 'v'"),
+])
+def test_a_database_with_triggers_or_views_is_refused_naming_them(tmp_path, ddl, named):
+    """autofp4 creates no triggers or views; a file holding one (a trigger could delete every row an
+    import reports as added) is refused, read or written, by the API, the CLI and the dispatcher."""
+    rng = random.Random(7)
+    path = tmp_path / "t.db"
+    with TuningDB(path):
+        pass
+    c = sqlite3.connect(path)
+    c.execute(ddl)
+    c.commit()
+    c.close()
+    before = _snapshot(path)
+    for readonly in (False, True):
+        with pytest.raises(TuningDBError, match=f"{re.escape(str(path))} holds {named}, which autofp4 never creates"):
+            TuningDB(path, readonly=readonly)
+    export = tmp_path / "in.json"
+    export.write_text(dumps(valid_doc(rng, 1)))
+    for argv in (("import", export), ("list",), ("show", "--n", "64")):
+        rc, out, err = cli(*argv, "--db", path)
+        assert rc == 2 and named in err and str(path) in err and "added" not in out, (argv, out, err)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert load_layers(Environment(**ENV), user_path=path) is not None
+    assert any(named in str(x.message) for x in w)
+    assert _snapshot(path) == before

@@ -541,3 +541,51 @@ def test_blocking_tunes_an_expert_parallel_slice_as_a_slice(monkeypatch, tmp_pat
     assert len(sizes) >= 3 and set(sizes) == {eg}, sizes  # trials and the tuned call: all as a slice
     ref = autofp4.moe(x, w13, w2, tw, ti, expert_map=emap)
     assert torch.equal(y, ref)
+
+
+@pytest.mark.parametrize("var,value,needle", [
+    ("AUTOFP4_AUTOTUNE_WORKERS", "1.5", "AUTOFP4_AUTOTUNE_WORKERS='1.5' is not an integer >= 0"),
+    ("AUTOFP4_AUTOTUNE_WORKERS", "-1", "AUTOFP4_AUTOTUNE_WORKERS='-1' is not an integer >= 0"),
+    ("AUTOFP4_AUTOTUNE_BUDGET_S", "abc", "AUTOFP4_AUTOTUNE_BUDGET_S='abc' is not a positive number of seconds"),
+    ("AUTOFP4_AUTOTUNE_BUDGET_S", "nan", "AUTOFP4_AUTOTUNE_BUDGET_S='nan' is not a positive number"),
+    ("AUTOFP4_AUTOTUNE_DUTY", "50%", "AUTOFP4_AUTOTUNE_DUTY='50%' is not a number in (0, 1]"),
+    ("AUTOFP4_AUTOTUNE_DUTY", "2", "AUTOFP4_AUTOTUNE_DUTY='2' is not a number in (0, 1]"),
+    ("AUTOFP4_AUTOTUNE_OPS", "linear,conv", "AUTOFP4_AUTOTUNE_OPS='linear,conv' is not a comma-separated subset"),
+])
+def test_a_bad_autotune_knob_is_named_in_the_warning(monkeypatch, var, value, needle):
+    """The warning names the variable at fault and its value (not only AUTOFP4_AUTOTUNE's)."""
+    monkeypatch.setenv("AUTOFP4_AUTOTUNE", "blocking")
+    monkeypatch.setenv(var, value)
+    with pytest.warns(RuntimeWarning) as rec:
+        jit.from_env()
+    msgs = [str(w.message) for w in rec]
+    assert any(needle in m and "AUTOFP4_AUTOTUNE='blocking' ignored" in m for m in msgs), msgs
+    assert not any("invalid literal" in m or "could not convert" in m for m in msgs), msgs
+    assert jit.active() is None
+
+
+def test_a_worker_that_cannot_be_spawned_warns_once_and_calls_run_untuned(monkeypatch):
+    """Popen itself failing (the interpreter cannot be executed: PermissionError) is a worker that
+    cannot start: one warning naming why, the calls run their defaults, nothing raises."""
+    from autofp4.tuning import worker
+
+    spawned = []
+
+    def refuse(*a, **kw):
+        spawned.append(a)
+        raise PermissionError(13, "Permission denied", sys.executable)
+
+    monkeypatch.setattr(worker.subprocess, "Popen", refuse)
+    w1, w2 = _weight(KEY.n, KEY.k), _weight(384, 128)
+    x = _act(3, KEY.k)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        with autofp4.autotune(mode="blocking"):
+            y = autofp4.linear(x, w1)
+            autofp4.linear(_act(40, KEY.k), w1)
+            autofp4.linear(x, w2)
+            assert autofp4.autotune.wait(5) is False  # its worker cannot start
+    assert _rel_err(y, x, w1) < 0.05
+    msgs = [str(w.message) for w in rec if "just-in-time tuning is off" in str(w.message)]
+    assert len(msgs) == 1 and "PermissionError" in msgs[0] and "cannot start" in msgs[0], msgs
+    assert len(spawned) == 1

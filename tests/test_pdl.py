@@ -46,6 +46,32 @@ def test_environment_variable(value, expected):
     assert out == str(expected)
 
 
+@pytest.mark.parametrize("value, expected", [("maybe", True), (" OFF ", False), ("No", False)])
+def test_an_unknown_value_warns_naming_the_variable(value, expected):
+    """Only the on / off spellings are read; another value warns once, naming AUTOFP4_PDL, its value
+    and the accepted ones (read once at import: no cost per launch)."""
+    env = dict(os.environ, AUTOFP4_PDL=value)
+    r = subprocess.run([sys.executable, "-c", "import autofp4; print(autofp4.pdl_enabled())"],
+                       env=env, capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == str(expected)
+    warned = [line for line in r.stderr.splitlines() if "AUTOFP4_PDL" in line]
+    if value.strip().lower() in pdl.PDL_CHOICES:
+        assert not warned, r.stderr
+    else:
+        assert len(warned) == 1 and f"AUTOFP4_PDL={value!r} ignored: use one of 1, true, on" in warned[0], r.stderr
+
+
+@pytest.mark.parametrize("bad", ["no", "0", 1, 0, None])
+def test_set_pdl_takes_a_bool(bad):
+    old = autofp4.pdl_enabled()
+    with pytest.raises(TypeError, match="set_pdl takes True or False"):
+        autofp4.set_pdl(bad)
+    with pytest.raises(TypeError):
+        with pdl.pdl(bad):
+            pass
+    assert autofp4.pdl_enabled() == old
+
+
 def test_info_says_whether_dependent_launch_is_on():
     import io
 

@@ -269,3 +269,20 @@ def test_a_ranks_expert_map_holds_its_run_of_experts():
         rank_expert_map(16, 4, 4)
     with pytest.raises(ValueError, match="does not fit"):
         rank_expert_map(4, 8)
+
+
+@pytest.mark.parametrize("value, use_kernel", [("kernal", True), ("TORCH", False), ("kernel", True)])
+def test_routing_variable_warns_on_an_unknown_value(value, use_kernel):
+    """$AUTOFP4_MOE_ROUTING: kernel or torch (read once, at import); a typo warns once, naming the
+    variable, its value and the accepted values, and keeps the kernel."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", "import autofp4.routing as r; print(r.USE_KERNEL)"],
+                       env={**os.environ, "AUTOFP4_MOE_ROUTING": value}, capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == str(use_kernel)
+    warned = [line for line in r.stderr.splitlines() if "AUTOFP4_MOE_ROUTING" in line]
+    if value == "kernal":
+        assert len(warned) == 1 and "AUTOFP4_MOE_ROUTING='kernal' ignored: use one of kernel, torch" in warned[0]
+    else:
+        assert not warned, r.stderr

@@ -18,6 +18,7 @@ granted: the processes then fall back to re-checking the DB before each job.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import time
 from pathlib import Path
@@ -121,6 +122,22 @@ class RDBClaim(Claim):
             self.owner = None
 
 
+def claim_ttl_s() -> float:
+    """``$AUTOFP4_CLAIM_TTL_S`` (default :data:`RDB_CLAIM_TTL_S`): seconds after which a claim not
+    renewed is taken over; ValueError naming the variable where it is not a positive number."""
+    text = os.environ.get("AUTOFP4_CLAIM_TTL_S", "").strip()
+    if not text:
+        return RDB_CLAIM_TTL_S
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"AUTOFP4_CLAIM_TTL_S={os.environ['AUTOFP4_CLAIM_TTL_S']!r}: expected a positive number "
+                         f"of seconds (default {RDB_CLAIM_TTL_S:g})")
+    return v
+
+
 class RDBClaims:
     """The claims of jobs in a table of an SQL database (``autofp4_job_claims`` in the optuna
     storage's database: PostgreSQL, MySQL or SQLite by SQLAlchemy URL), for tuning processes on
@@ -137,7 +154,7 @@ class RDBClaims:
 
         import sqlalchemy as sa
 
-        self.ttl_s = float(ttl_s if ttl_s is not None else os.environ.get("AUTOFP4_CLAIM_TTL_S", RDB_CLAIM_TTL_S))
+        self.ttl_s = float(ttl_s) if ttl_s is not None else claim_ttl_s()
         kw: dict[str, Any] = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
         self.engine = sa.create_engine(url, **kw)
         meta = sa.MetaData()

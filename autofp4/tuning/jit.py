@@ -19,17 +19,18 @@ pick up its row.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import threading
 import time
 import warnings
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from .. import dispatch
 from ..backends import get_backend
-from ..db import ChangeMonitor
+from ..db import ChangeMonitor, TuningDBError
 from ..problem import OPS
 from .compile_pool import _spec
 from .jobs import STORED, Job
@@ -270,25 +271,46 @@ class autotune:
         return True if s is None else s.wait(timeout)
 
 
-def _env_float(name: str) -> float | None:
-    text = os.environ.get(name, "").strip()
-    return float(text) if text else None
+def _env_number(name: str, kind: type, what: str, ok: Callable[[Any], bool]) -> Any:
+    """The number in the environment variable ``name`` (None where unset or empty); ValueError
+    naming the variable and its value where it is not a finite ``kind`` (int or float) that
+    passes ``ok`` (``what`` says what it must be)."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return None
+    try:
+        v = kind(raw.strip())
+    except ValueError:
+        v = None
+    if v is None or not math.isfinite(v) or not ok(v):
+        raise ValueError(f"{name}={raw!r} is not {what}")
+    return v
 
 
 def from_env() -> None:
     """Turn autotuning on for the process where ``AUTOFP4_AUTOTUNE`` asks for it (a bad setting
-    warns and leaves it off)."""
-    mode = os.environ.get("AUTOFP4_AUTOTUNE", "").strip().lower()
+    warns, naming the variable at fault and its value, and leaves it off)."""
+    raw_mode = os.environ.get("AUTOFP4_AUTOTUNE", "")
+    mode = raw_mode.strip().lower()
     if mode in ("", "0", "off", "none"):
         return
     ops_text = os.environ.get("AUTOFP4_AUTOTUNE_OPS")
     ops = OPS if ops_text is None else tuple(o.strip() for o in ops_text.split(",") if o.strip())
     try:
-        workers = os.environ.get("AUTOFP4_AUTOTUNE_WORKERS", "").strip()
-        s = _Scope(**_settings(mode, _env_float("AUTOFP4_AUTOTUNE_BUDGET_S"), ops, None,
-                                 _env_float("AUTOFP4_AUTOTUNE_DUTY"), int(workers) if workers else None))
-    except ValueError as e:
-        warnings.warn(f"autofp4: AUTOFP4_AUTOTUNE={mode!r} ignored: {e}", RuntimeWarning, stacklevel=2)
+        if mode not in MODES:
+            raise ValueError(f"use {', '.join(MODES)} or off")
+        if not frozenset(ops) <= set(OPS):
+            raise ValueError(f"AUTOFP4_AUTOTUNE_OPS={ops_text!r} is not a comma-separated subset of "
+                             f"{', '.join(OPS)}")
+        budget_s = _env_number("AUTOFP4_AUTOTUNE_BUDGET_S", float, "a positive number of seconds", lambda v: v > 0)
+        duty = _env_number("AUTOFP4_AUTOTUNE_DUTY", float, "a number in (0, 1] (the share of the wall time the "
+                           "worker may measure, e.g. 0.5)", lambda v: 0 < v <= 1)
+        workers = _env_number("AUTOFP4_AUTOTUNE_WORKERS", int, "an integer >= 0 (compile processes)",
+                              lambda v: v >= 0)
+        s = _Scope(**_settings(mode, budget_s, ops, None, duty, workers))
+    except (ValueError, TuningDBError) as e:  # TuningDBError: an AUTOFP4_DB that names no usable path
+        warnings.warn(f"autofp4: AUTOFP4_AUTOTUNE={raw_mode!r} ignored (just-in-time tuning stays off): {e}",
+                      RuntimeWarning, stacklevel=2)
         return
     _push(s)
     atexit.register(s.close)

@@ -260,7 +260,15 @@ class WorkerClient:
                     self.pending.clear()
                 return False
             self.restarts += 1
-        self._start()
+        try:
+            self._start()
+        except (OSError, subprocess.SubprocessError) as e:  # cannot spawn: no tuning, the calls run untuned
+            self.fatal = f"{type(e).__name__}: {e}"
+            warnings.warn(f"autofp4: just-in-time tuning is off: its worker cannot start ({self.fatal}); calls "
+                          f"run untuned{f', {len(self.pending)} jobs not tuned' if self.pending else ''}",
+                          RuntimeWarning, stacklevel=4)
+            self.pending.clear()
+            return False
         for i, job in self.pending.items():
             self._send(i, job)
         return True
@@ -274,6 +282,9 @@ class WorkerClient:
                 stdout=subprocess.DEVNULL, pass_fds=(w,), env=_child_env(), start_new_session=True,
                 text=True, encoding="utf-8",
             )
+        except BaseException:
+            os.close(r)
+            raise
         finally:
             os.close(w)
         self._reading = True
