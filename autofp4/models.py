@@ -52,6 +52,8 @@ __all__ = [
     "LIMITS",
     "MAX_CONFIG_BYTES",
     "check_limits",
+    "check_buildable",
+    "load_checked_config",
     "MAX_CONFIG_DEPTH",
     "MAX_PARALLEL",
     "LAYOUTS",
@@ -354,11 +356,56 @@ def check_limits(config: Mapping[str, Any]) -> None:
                     _check_field(key, part[key])
 
 
+#: size fields whose 0 :func:`model_shapes` reads as "derive it" (``head_dim``: hidden_size /
+#: num_attention_heads) but that transformers uses as they are when it builds the model
+_POSITIVE_TO_BUILD = ("head_dim",)
+#: the fields of the number of routed experts, and of the experts each token is routed to
+_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_TOPK_KEYS = ("num_experts_per_tok", "experts_per_token")
+
+
+def _check_topk(topk_key: str, topk: int, experts_key: str, experts: int) -> None:
+    if topk > experts:
+        raise ValueError(
+            f"{topk_key}={topk} (experts per token) exceeds {experts_key}={experts} "
+            "(the number of experts)"
+        )
+
+
+def check_buildable(config: Mapping[str, Any]) -> None:
+    """What a loader checks beyond :func:`check_limits` before transformers builds a model from
+    ``config`` (or its ``text_config``): ``head_dim``, where set, is positive, and no MoE routes a
+    token to more experts than it has (``num_experts_per_tok`` <= ``num_local_experts`` /
+    ``num_experts`` / ``n_routed_experts``); ``ValueError`` naming the fields otherwise."""
+    def ints(part: Mapping[str, Any], keys: Sequence[str]) -> list[tuple[str, int]]:
+        return [(k, part[k]) for k in keys if isinstance(part.get(k), int) and not isinstance(part[k], bool)]
+
+    for part in (config, config.get("text_config")):
+        if not isinstance(part, Mapping):
+            continue
+        for key, value in ints(part, _POSITIVE_TO_BUILD):
+            if value <= 0:
+                raise ValueError(
+                    f"config field {key!r} must be a positive integer to build the model (leave it out, or null, "
+                    f"for hidden_size / num_attention_heads), got {_show(value)}"
+                )
+        for topk_key, topk in ints(part, _TOPK_KEYS)[:1]:
+            for experts_key, experts in ints(part, _EXPERTS_KEYS):
+                _check_topk(topk_key, topk, experts_key, experts)
+
+
 def load_checked_config(path_or_dict: Union[str, Path, Mapping[str, Any]]) -> dict:
-    """:func:`load_config` then :func:`check_limits`: a config read bounded and depth-checked,
-    its size fields within bounds (what every loader checks before a framework builds anything)."""
+    """:func:`load_config` then :func:`check_limits` and :func:`check_buildable`: a config read
+    bounded and depth-checked, its size fields within bounds and buildable (what every loader
+    checks before a framework builds anything). A file's errors name it."""
     config = load_config(path_or_dict)
-    check_limits(config)
+    try:
+        check_limits(config)
+        check_buildable(config)
+    except ValueError as e:
+        if isinstance(path_or_dict, Mapping):
+            raise
+        raise ValueError(f"{_config_path(path_or_dict)}: {e}") from None
     return config
 
 
@@ -521,11 +568,7 @@ def _moe(m: _Model, inter_key: str, experts_key: str, topk_key: str) -> ModelSha
     v = m.v
     hidden, intermediate = v["hidden_size"], v[inter_key]
     experts, topk = v[experts_key], v[topk_key]
-    if topk > experts:
-        raise ValueError(
-            f"{topk_key}={topk} (experts per token) exceeds {experts_key}={experts} "
-            "(the number of experts)"
-        )
+    _check_topk(topk_key, topk, experts_key, experts)
     if m.ep > 1:
         local_experts = _split(experts, m.ep, "number of experts", "ep", experts_key)
         local_inter, inter_from = intermediate, inter_key

@@ -376,13 +376,28 @@ def quantize_model(
     cross-attention of an encoder-decoder model: ``k_proj`` and ``v_proj`` on the encoder's
     states) stay correct but compute the whole stacked product for each input: use
     ``fuse=False`` there.
+
+    A model that already holds FP4 layers keeps them: in ``fmt`` they are reported as skipped
+    (already quantized); in another FP4 format the call is refused (``ValueError``): FP4 weights
+    are not re-quantized, convert the original high-precision model instead.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_model: model must be a torch.nn.Module, got {_describe(model)}")
     check_fmt(fmt, "quantize_model")
     _check_compute_dtype(dtype, "quantize_model: dtype")
+    if not isinstance(fuse, bool):
+        raise TypeError(f"quantize_model: fuse must be True or False, got {_describe(fuse)}")
     patterns = _skip_patterns(skip)
+    already = _fp4_layers(model)
+    other = [(n, f) for n, f, *_ in already if f != fmt]
+    if other:
+        fmts = sorted({f for _, f in other})
+        raise ValueError(f"quantize_model: the model is already quantized: {len(other)} of its layers are "
+                         f"{' and '.join(fmts)} (the first: {other[0][0]!r}); re-quantizing FP4 weights to {fmt} is "
+                         "not supported: convert the original high-precision model")
     report = ConversionReport(fmt)
+    for name, _, kind, shape, nbytes in already:  # the same format: left as they are
+        report.add(TensorRecord(name, kind, shape, False, nbytes, nbytes, f"already quantized ({fmt})"))
     keep: dict[str, str] = {}
     for hook in list(_MODULE_CONVERTERS):
         keep.update(hook(model, fmt, patterns, report))
@@ -441,6 +456,31 @@ def register_converted_hook(hook: Callable[[nn.Module], None]) -> None:
 def notify_converted(model: nn.Module) -> None:
     for hook in list(_CONVERTED_HOOKS):
         hook(model)
+
+
+def _fp4_weight_bytes(w: FP4Weight) -> int:
+    return sum(t.numel() * t.element_size() for t in (w.data, w.scale, w.global_scale) if t is not None)
+
+
+def _fp4_layers(model: nn.Module) -> list[tuple[str, str, str, tuple[int, ...], int]]:
+    """The FP4 layers ``model`` already holds, as :func:`quantize_model` reports tensors:
+    ``(name, fmt, kind, shape, bytes)``; a fused weight is listed as its parts, experts as their
+    two stacked weights."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, FP4FusedLinear):
+            continue  # its FP4LinearPart modules, in the original layers' places, are listed
+        if isinstance(m, (FP4Linear, FP4LinearPart)):
+            w = m.fp4_weight()
+            out.append((name, m.fmt, "linear", (m.out_features, m.in_features), _fp4_weight_bytes(w)))
+        elif isinstance(m, FP4Buffers) and isinstance(getattr(m, "fmt", None), str):
+            for p in ("gate_up_proj", "down_proj"):
+                try:
+                    w = m.fp4_weight(p)
+                except (AttributeError, KeyError, TypeError):
+                    continue
+                out.append((f"{name}.{p}" if name else p, m.fmt, "experts", tuple(w.shape), _fp4_weight_bytes(w)))
+    return out
 
 
 def _skip_reason(name: str, lin: nn.Linear, fmt: str, patterns, keep: Mapping[str, str]) -> Optional[str]:

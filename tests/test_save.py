@@ -316,9 +316,15 @@ def test_bad_input_is_refused_clearly(tmp_path):
     (tmp_path / "full" / "keep.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not empty"):
         autofp4.save_pretrained(model, tmp_path / "full")
+    # overwrite replaces a previous output only, never a directory of other files
+    with pytest.raises(FileExistsError, match="is not a quantized checkpoint"):
+        autofp4.save_pretrained(model, tmp_path / "full", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["keep.txt"]
+    (tmp_path / "full" / "keep.txt").unlink()
+    autofp4.save_pretrained(model, tmp_path / "full")
+    (tmp_path / "full" / "notes.txt").write_text("mine")
     autofp4.save_pretrained(model, tmp_path / "full", overwrite=True)
-    assert not (tmp_path / "full" / "keep.txt").exists() and (tmp_path / "full" / "model.safetensors").is_file()
+    assert not (tmp_path / "full" / "notes.txt").exists() and (tmp_path / "full" / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]  # no temporary directory left
 
 
@@ -512,8 +518,13 @@ def test_odd_outputs_and_devices(tmp_path, monkeypatch, capsys):
     (work / "keep.txt").write_text("mine")
     monkeypatch.chdir(work)
     assert cli_main(["quantize", str(src), "--fmt", "nvfp4", "--out", ".", "--no-progress"]) == 2  # not empty
-    assert cli_main(["quantize", str(src), "--fmt", "nvfp4", "--out", ".", "--overwrite", "--no-progress"]) == 0
-    assert (work / "model.safetensors").is_file() and not (work / "keep.txt").exists()
+    # --overwrite never replaces the working directory, nor a directory of other files
+    assert cli_main(["quantize", str(src), "--fmt", "nvfp4", "--out", ".", "--overwrite", "--no-progress"]) == 2
+    assert "is the current working directory" in capsys.readouterr().err
+    assert sorted(p.name for p in work.iterdir()) == ["keep.txt"]
+    (work / "keep.txt").unlink()  # an empty working directory is written into
+    assert cli_main(["quantize", str(src), "--fmt", "nvfp4", "--out", ".", "--no-progress"]) == 0
+    assert (work / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "work"]
     capsys.readouterr()
     assert cli_main(["quantize", str(src), "--fmt", "nvfp4", "--out", "/proc/autofp4-x", "--no-progress"]) == 2

@@ -124,6 +124,25 @@ def _dense_experts(read: "Readers", t: "_Tensors", name: str, module: nn.Module,
     module.down_proj = nn.Parameter(torch.stack(d), requires_grad=False)
 
 
+#: the config fields of a MoE layer's number of routed experts
+_EXPERTS_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _check_no_more_experts(model: nn.Module, t: "_Tensors", scheme: "_Scheme", name: str,
+                           names: Optional[tuple[str, str, str]], e: int) -> None:
+    """A checkpoint that stores one linear per expert holds no expert ``e`` (or beyond) of a
+    layer whose config says ``e`` experts (stacked layouts have their shape checked)."""
+    if names is None:
+        return
+    extra = f"{name}.{e}.{names[0]}"
+    key = next((k for k in (scheme.packed_key(extra), f"{extra}.weight", f"{extra}.weight_packed") if k in t), None)
+    if key is not None:
+        config = getattr(model, "config", None)
+        field = next((f for f in _EXPERTS_FIELDS if getattr(config, f, None) == e), "its experts count")
+        raise ValueError(f"{_WHAT}: {name!r}: the checkpoint stores expert {e} ({key!r}) but config.json gives the "
+                         f"layer {e} experts ({field} = {e}); checkpoint and config.json do not match")
+
+
 def load_experts(model: nn.Module, t: "_Tensors", scheme: "_Scheme", dtype: torch.dtype, read: "Readers") -> list[str]:
     """Replace each experts module of ``model`` stored in FP4 by an FP4Experts over the stored
     tensors; returns the names of the experts modules that are not excluded but stored dense.
@@ -146,6 +165,7 @@ def load_experts(model: nn.Module, t: "_Tensors", scheme: "_Scheme", dtype: torc
             if not excluded:
                 dense.append(name)
             continue
+        _check_no_more_experts(model, t, scheme, name, names, e)
         why = _layout_problem(module)
         if why:
             raise NotImplementedError(f"{_WHAT}: {name!r} ({type(module).__name__}): {why}")

@@ -12,7 +12,8 @@ or ``config.json`` ``quantization_config`` with ``"quant_method": "modelopt"``, 
     ``<name>.weight_scale`` float8_e4m3fn [N, K/16], ``<name>.weight_scale_2`` fp32 scalar
     (value = e2m1 * weight_scale * weight_scale_2), ``<name>.input_scale`` fp32 scalar (optional).
     ``exclude_modules`` (or ``ignore``) holds glob patterns (``"lm_head"``, ``"*.mlp.gate"``); a
-    pattern also covers the modules below the one it names.
+    pattern also covers the modules below the one it names. Module names are looked up (any
+    number of them); at most :data:`MAX_GLOBS` patterns may have wildcards.
 
 compressed-tensors ``nvfp4-pack-quantized`` or ``mxfp4-pack-quantized`` (``quantization_config`` with ``"quant_method": "compressed-tensors"``):
     ``<name>.weight_packed`` uint8 [N, K/2] (same packing), ``<name>.weight_scale`` float8_e4m3fn
@@ -39,6 +40,7 @@ match either.
 from __future__ import annotations
 
 import fnmatch
+import re
 import warnings
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -49,7 +51,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from ..loaders import load_state_dict_weight
+from ..loaders import MissingKeyError, load_state_dict_weight
 from ..nn import FP4Buffers, FP4Linear, fuse_projections, notify_converted
 from ..weights import FP4Weight, _describe
 from .checkpoint_experts import Readers, load_experts
@@ -78,6 +80,34 @@ def _read_config(path: Path) -> dict:
     return config
 
 
+def auto_config(path: Union[str, Path], what: str, conf: Optional[Mapping] = None, **kwargs: Any) -> Any:
+    """``transformers.AutoConfig.from_pretrained(path, **kwargs)``, its field validation errors
+    (huggingface_hub's ``StrictDataclassError``: a null or mistyped field) raised as one-line
+    ``ValueError`` naming config.json and the field. ``conf``: config.json's contents, when
+    read already: two fields of it that transformers reads as one (the config class's
+    ``attribute_map``: ``num_experts`` and ``num_local_experts``) set to different values are
+    refused, naming both (transformers would silently keep one)."""
+    from transformers import AutoConfig
+
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: no strict dataclasses, nothing of the kind to catch
+        StrictDataclassError = ()  # type: ignore[assignment,misc]
+    where = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    try:
+        config = AutoConfig.from_pretrained(str(path), **kwargs)
+    except StrictDataclassError as e:
+        raise ValueError(f"{what}: {where}: {' '.join(str(e).split())}") from None
+    aliases = getattr(type(config), "attribute_map", None)
+    if isinstance(conf, Mapping) and isinstance(aliases, Mapping):
+        for alias, field_name in aliases.items():
+            if alias in conf and field_name in conf and conf[alias] != conf[field_name]:
+                raise ValueError(f"{what}: {where}: {alias} = {conf[alias]!r} but {field_name} = {conf[field_name]!r}; "
+                                 f"transformers reads both as {field_name} ({type(config).__name__}), so the config "
+                                 "contradicts itself: keep one")
+    return config
+
+
 def _safe_open(path: Path, device: str) -> Any:
     """The safetensors handle of ``path``; a file safetensors cannot read is named."""
     from safetensors import safe_open
@@ -95,6 +125,7 @@ class _Tensors(Mapping):
 
     def __init__(self, root: Path, device: torch.device, renames: tuple[tuple[str, str], ...] = ()) -> None:
         files, listed = shard_files(root, _WHAT)
+        self.root = root
         index = root / INDEX
         dev = "cpu" if device.type == "cpu" else str(device)
         self._files = {f.name: _safe_open(f, dev) for f in files}
@@ -160,6 +191,67 @@ def _regex_match(regex_text: str, entry: str, name: str, source: str) -> bool:
                          f"name {name!r} (it backtracks without bound); write it without nested repetition") from None
 
 
+_GLOB = re.compile(r"[*?[]")
+#: the most ModelOpt patterns with wildcards (``*``, ``?``, ``[``) a checkpoint may list; plain
+#: module names are looked up, any number of them (real configs list tens of patterns)
+MAX_GLOBS = 4096
+
+
+class _Patterns:
+    """One list of a checkpoint's module patterns (``exclude_modules``, ``ignore``, ``targets``),
+    matched against module names at a cost that does not grow with the number of plain names in
+    it: ModelOpt's and compressed-tensors' plain names (no wildcard, not ``re:``) are a set, each
+    name's module boundaries looked up in it; ModelOpt's glob patterns are grouped by the literal
+    text before their first wildcard, each group one compiled regex, tried only on the names that
+    start with that text; regexes (compressed-tensors ``re:``, gpt-oss) are matched one by one."""
+
+    def __init__(self, scheme: "_Scheme", patterns: list[str], label: str) -> None:
+        self.scheme = scheme
+        self.names: set[str] = set()
+        self.globs: dict[str, list[str]] = {}  # literal prefix -> ModelOpt glob patterns
+        self.regexes: list[str] = []
+        self._compiled: dict[str, Any] = {}
+        n_globs = 0
+        for p in patterns:
+            if scheme.method == "modelopt" and _GLOB.search(p):
+                self.globs.setdefault(p[:_GLOB.search(p).start()], []).append(p)
+                n_globs += 1
+            elif scheme.method == "modelopt" or (scheme.method == "compressed-tensors" and not p.startswith("re:")):
+                self.names.add(p)
+            else:
+                self.regexes.append(p)
+        if n_globs > MAX_GLOBS:
+            raise ValueError(f"{_WHAT}: {label} holds {n_globs} patterns with wildcards (*, ?, [...]), more than "
+                             f"the {MAX_GLOBS} autofp4 matches; list module names (each also covers the modules "
+                             "below it) or fewer patterns")
+        self._prefix_lengths = sorted({len(k) for k in self.globs})
+
+    def _glob_regex(self, prefix: str) -> Any:
+        rx = self._compiled.get(prefix)
+        if rx is None:  # a pattern also covers the modules below the one it names: p and p + ".*"
+            rx = self._compiled[prefix] = re.compile("|".join(
+                fnmatch.translate(q) for p in self.globs[prefix] for q in (p, p + ".*")))
+        return rx
+
+    def match(self, name: str, cls: str) -> bool:
+        if self.names:
+            if self.scheme.method == "compressed-tensors" and cls in self.names:
+                return True
+            if name in self.names:
+                return True
+            at = name.find(".")
+            while at >= 0:  # the modules above: "a", "a.b" of "a.b.c"
+                if name[:at] in self.names:
+                    return True
+                at = name.find(".", at + 1)
+        for n in self._prefix_lengths:
+            if n > len(name):
+                break
+            if name[:n] in self.globs and self._glob_regex(name[:n]).match(name):
+                return True
+        return any(self.scheme._match(p, name, cls) for p in self.regexes)
+
+
 @dataclass
 class _Scheme:
     method: str  # "modelopt" | "compressed-tensors" | "mxfp4"
@@ -168,6 +260,8 @@ class _Scheme:
     source: str = ""
     renames: tuple[tuple[str, str], ...] = ()  # (model name part, stored name part)
     fmt: str = "nvfp4"  # the FP4 format of the quantized tensors
+    labels: tuple[str, str] = ("", "")  # where exclude and targets come from, for errors
+    _matchers: dict[str, _Patterns] = field(default_factory=dict, repr=False, compare=False)
 
     def _match(self, pattern: str, name: str, cls: str) -> bool:
         if self.method == "modelopt":
@@ -179,6 +273,14 @@ class _Scheme:
             return _regex_match(pattern[3:], pattern, name, self.source)
         return pattern in (name, cls) or name.startswith(pattern + ".")
 
+    def _matcher(self, which: str) -> _Patterns:
+        m = self._matchers.get(which)
+        if m is None:
+            patterns = self.exclude if which == "exclude" else self.targets or []
+            label = self.labels[0 if which == "exclude" else 1] or f"{self.source} {which}"
+            m = self._matchers[which] = _Patterns(self, patterns, label)
+        return m
+
     def _names(self, name: str) -> list[str]:
         """``name`` and the name the checkpoint stores it under."""
         out = [name]
@@ -188,12 +290,16 @@ class _Scheme:
         return out
 
     def excluded(self, name: str, cls: str) -> bool:
-        return any(self._match(p, n, cls) for p in self.exclude for n in self._names(name))
+        m = self._matcher("exclude")
+        return any(m.match(n, cls) for n in self._names(name))
 
     def targeted(self, name: str, cls: str) -> bool:
         if self.excluded(name, cls):
             return False
-        return self.targets is None or any(self._match(p, n, cls) for p in self.targets for n in self._names(name))
+        if self.targets is None:
+            return True
+        m = self._matcher("targets")
+        return any(m.match(n, cls) for n in self._names(name))
 
     def packed_key(self, name: str) -> str:
         return {"compressed-tensors": f"{name}.weight_packed", "mxfp4": f"{name}_blocks"}.get(
@@ -203,8 +309,16 @@ class _Scheme:
 def _str_list(value: Any, label: str) -> list[str]:
     if value is None:
         return []
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"{_WHAT}: {label} must be a list of module names or patterns, got {value!r}")
+    if not isinstance(value, list):
+        shown = repr(value) if len(repr(value)) <= 120 else f"a {type(value).__name__}"
+        raise ValueError(f"{_WHAT}: {label} must be a list of module names or patterns, got {shown}")
+    for i, v in enumerate(value):
+        if not isinstance(v, str):
+            raise ValueError(f"{_WHAT}: {label} must be a list of module names or patterns, got "
+                             f"{type(v).__name__} {v!r:.80} at position {i}")
+        if v in ("", "re:"):  # a pattern that matches every module
+            raise ValueError(f"{_WHAT}: {label}: entry {i} is the empty pattern {v!r}, which would match every "
+                             "module; remove it")
     return list(value)
 
 
@@ -221,7 +335,10 @@ def _modelopt_scheme(q: Mapping, source: str) -> _Scheme:
     if q.get("group_size", 16) != 16:
         raise ValueError(f"{_WHAT}: {source}: NVFP4 needs group_size 16, got {q.get('group_size')!r}")
     key = "exclude_modules" if "exclude_modules" in q else "ignore"
-    return _Scheme("modelopt", _str_list(q.get(key), f"{source} {key}"), None, source)
+    scheme = _Scheme("modelopt", _str_list(q.get(key), f"{source} {key}"), None, source,
+                     labels=(f"{source} {key}", ""))
+    scheme._matcher("exclude")  # the patterns checked (their number bounded) before anything is built
+    return scheme
 
 
 def _ct_scheme(q: Mapping, source: str) -> _Scheme:
@@ -240,7 +357,13 @@ def _ct_scheme(q: Mapping, source: str) -> _Scheme:
                 f"(only {' or '.join(repr(f) for f in _CT_FORMATS)})"
             )
         fmts.add(_CT_FORMATS[fmt])
-        w = g.get("weights") or {}
+        w = g.get("weights")
+        if w is None:
+            w = {}
+        if not isinstance(w, dict):
+            shown = repr(w) if len(repr(w)) <= 80 else f"a {type(w).__name__}"
+            raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}].weights must be an object (num_bits, "
+                             f"type, group_size, ...), got {shown}")
         bs = 16 if _CT_FORMATS[fmt] == "nvfp4" else 32
         for k, want in (("num_bits", 4), ("type", "float"), ("group_size", bs)):
             if k in w and w[k] != want:
@@ -249,8 +372,9 @@ def _ct_scheme(q: Mapping, source: str) -> _Scheme:
         targets += _str_list(g.get("targets"), f"{source} config_groups[{gname!r}].targets")
     if len(fmts) > 1:
         raise ValueError(f"{_WHAT}: {source}: config groups in both NVFP4 and MXFP4; autofp4 reads one format a checkpoint")
-    return _Scheme("compressed-tensors", _str_list(q.get("ignore"), f"{source} ignore"), targets, source,
-                   fmt=fmts.pop())
+    scheme = _Scheme("compressed-tensors", _str_list(q.get("ignore"), f"{source} ignore"), targets, source,
+                     fmt=fmts.pop(), labels=(f"{source} ignore", f"{source} config_groups targets"))
+    return scheme
 
 
 def _scheme(root: Path, config: Mapping) -> _Scheme:
@@ -291,7 +415,7 @@ def _scheme(root: Path, config: Mapping) -> _Scheme:
     if method == "mxfp4":
         src = "config.json quantization_config"
         return _Scheme("mxfp4", _str_list(qc.get("modules_to_not_convert"), f"{src} modules_to_not_convert"), [], src,
-                       fmt="mxfp4")
+                       fmt="mxfp4", labels=(f"{src} modules_to_not_convert", ""))
     raise ValueError(
         f"{_WHAT}: unknown quant_method {method!r} in config.json quantization_config; supported: "
         f"'modelopt' (quant_algo NVFP4), 'compressed-tensors' (formats {', '.join(map(repr, _CT_FORMATS))}) and 'mxfp4' "
@@ -383,6 +507,9 @@ def _fp4_linear(t: _Tensors, scheme: _Scheme, name: str, lin: nn.Linear, dtype: 
 def _dense(t: _Tensors, key: str, shape: tuple[int, ...], dtype: torch.dtype, param: bool = True) -> torch.Tensor:
     """The stored dense tensor ``key``, checked against the model's ``shape`` (and, for a
     parameter, being floating point), in ``dtype``; non-finite values are warned about."""
+    if key not in t:
+        raise MissingKeyError(f"{_WHAT}: {t.root}: the checkpoint has no tensor {key!r}, which the model needs "
+                              f"(shape {list(shape)})")
     v = t[key]
     if (v.dtype == torch.uint8 and key.endswith(".weight") and len(shape) == 2
             and tuple(v.shape) == (shape[0], shape[1] // 2)):
@@ -515,9 +642,16 @@ def _device(device_map: Any) -> torch.device:
         raise ValueError(f"{_WHAT}: device_map must be None, 'auto', a device or {{'': device}}, got {device_map!r}") from None
 
 
+#: the dtypes a loaded model runs in: the FP4 kernels' activations (and the dense layers' weights)
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def _check_dtype(dtype: Any) -> None:
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"{_WHAT}: dtype must be a floating-point torch.dtype, got {dtype!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{_WHAT}: dtype must be torch.bfloat16 or torch.float16, got {_describe(dtype)}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"{_WHAT}: dtype must be torch.bfloat16 or torch.float16 (the activation dtypes of the "
+                         f"FP4 kernels), got {dtype}")
 
 
 def _checkpoint_dir(path: Union[str, Path]) -> Path:
@@ -559,17 +693,18 @@ def from_pretrained(path: Union[str, Path], device_map: Any = None, dtype: torch
     as :class:`~autofp4.integrations.transformers.FP4Experts`, in eval mode.
 
     device_map: None (CPU), ``"auto"`` (the current CUDA device if any), a device (``"cuda:0"``,
-    ``0``) or ``{"": device}``. dtype: the dtype of the dense tensors and the activations.
+    ``0``) or ``{"": device}``. dtype: the dtype of the dense tensors and the activations,
+    ``torch.bfloat16`` or ``torch.float16`` (those the FP4 kernels compute in).
     fuse: stack the stored q/k/v and gate/up projections of each block into one weight where
     that is exact (:func:`autofp4.nn.fuse_projections`: one kernel per group).
     """
-    from transformers import AutoConfig
-
     _check_dtype(dtype)
+    if not isinstance(fuse, bool):
+        raise TypeError(f"{_WHAT}: fuse must be True or False, got {_describe(fuse)}")
     device = _device(device_map)
     root = _checkpoint_dir(path)
     conf = _read_config(root / "config.json")  # checked before transformers builds anything from it
-    config = AutoConfig.from_pretrained(str(root), local_files_only=True)
+    config = auto_config(root, _WHAT, conf, local_files_only=True)
     scheme, t = _open(root, conf, config.model_type, device)
     model = _empty_model(config, dtype)
     dense_stored = load_quantized_modules(model, t, scheme, dtype)

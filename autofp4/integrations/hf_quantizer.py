@@ -136,16 +136,15 @@ class AutoFP4Quantizer(HfQuantizer):
 def transformers_config(path: Union[str, Path], **kwargs: Any):
     """``AutoConfig.from_pretrained(path)`` with its quantization_config handed to autofp4
     (pass it as ``from_pretrained(path, config=...)``)."""
-    from transformers import AutoConfig
-
+    conf = None
     if Path(path).is_dir() or Path(path).suffix == ".json":  # a local checkpoint: its config checked first
         from ..models import load_checked_config
 
         try:
-            load_checked_config(path)
+            conf = load_checked_config(path)
         except (ValueError, OSError) as e:
             raise ValueError(f"transformers_config: {e}") from None
-    config = AutoConfig.from_pretrained(str(path), **kwargs)
+    config = _ckpt.auto_config(path, "transformers_config", conf, **kwargs)
     own = getattr(config, "quantization_config", None)
     if isinstance(own, QuantizationConfigMixin):
         own = own.to_dict()

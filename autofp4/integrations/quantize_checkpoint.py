@@ -34,7 +34,7 @@ from ..formats import E2M1_MAX, E4M3_MAX, check_fmt, dequantize_blocks, quantize
 from ..problem import BLOCK_SIZE
 from . import layouts as L
 from .safetensors_io import SafetensorsReader, ShardedWriter
-from .writer import copy_side_files, fp4_weight_like, staging_dir, write_configs
+from .writer import check_output, copy_side_files, fp4_weight_like, staging_dir, write_configs
 
 __all__ = ["quantize_checkpoint", "QuantizeSummary"]
 
@@ -137,13 +137,15 @@ class _Experts:
 
 def _model_on_meta(src: Path) -> tuple[Any, Any]:
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
     except ImportError:
         raise RuntimeError(f"{_WHAT} needs transformers (to know the model's layers): pip install transformers") from None
     from ..models import load_checked_config
 
-    load_checked_config(src)  # bounded, depth-checked, sizes within bounds, no NaN: before transformers
-    config = AutoConfig.from_pretrained(str(src), local_files_only=True)
+    from .checkpoints import auto_config
+
+    conf = load_checked_config(src)  # bounded, depth-checked, sizes within bounds, no NaN: before transformers
+    config = auto_config(src, _WHAT, conf, local_files_only=True)
     if getattr(config, "quantization_config", None) is not None:
         raise ValueError(f"{_WHAT}: {src} is already quantized (config.json has a quantization_config); "
                          "quantize a bf16, fp16 or fp32 checkpoint")
@@ -504,6 +506,7 @@ def quantize_checkpoint(src: Union[str, Path], out: Union[str, Path], fmt: str, 
     src = Path(src)
     if not src.is_dir() or not (src / "config.json").is_file():
         raise FileNotFoundError(f"{_WHAT}: {src} is not a checkpoint directory (a directory with config.json)")
+    check_output(out, overwrite, _WHAT, "out (--out)", src)  # before the work: again when it is written
     from ..models import load_checked_config, load_config
 
     load_checked_config(src / "config.json")  # bounded read of config.json before transformers uses it
@@ -529,7 +532,7 @@ def quantize_checkpoint(src: Union[str, Path], out: Union[str, Path], fmt: str, 
         declared = _declare(units, reader, fmt, layout, model_type)
         bar = None
         cfg = load_config(src / "config.json")  # the source's own config.json, with a quantization_config added
-        with staging_dir(out, overwrite, _WHAT, source=src) as tmp:
+        with staging_dir(out, overwrite, _WHAT, source=src, arg="out (--out)") as tmp:
             if progress:
                 from tqdm import tqdm
 

@@ -79,6 +79,12 @@ class TensorInfo:
         return self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
 
 
+def _short(value: object, limit: int = 120) -> str:
+    """``repr`` of a header value, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def read_header(path: Path, what: str = "autofp4") -> tuple[dict, int]:
     """A safetensors file's header (tensor name -> entry, ``__metadata__``) and the offset of its
     data; a file that is not a safetensors file is named."""
@@ -101,16 +107,34 @@ def read_header(path: Path, what: str = "autofp4") -> tuple[dict, int]:
     data_start = 8 + n
     end = 0
     spans: list[tuple[int, int, str]] = []
+    meta = header.get("__metadata__")
+    if meta is not None:
+        if not isinstance(meta, dict):
+            raise ValueError(f"{what}: {path}: __metadata__ must be an object of strings (safetensors' format), "
+                             f"got {_short(meta)}")
+        for k, v in meta.items():
+            if not isinstance(v, str):
+                raise ValueError(f"{what}: {path}: __metadata__[{k!r}] must be a string (safetensors' format), "
+                                 f"got {_short(v)}")
     for name, entry in header.items():
         if name == "__metadata__":
             continue
+        if not isinstance(entry, dict):
+            raise ValueError(f"{what}: {path}: tensor {name!r} has an entry safetensors does not define: {_short(entry)}")
+        for key, count in (("shape", None), ("data_offsets", 2)):
+            v = entry.get(key)
+            # JSON integers only: safetensors refuses "64", 64.0 and true where a size goes
+            if (not isinstance(v, list) or (count is not None and len(v) != count)
+                    or not all(type(x) is int and x >= 0 for x in v)):
+                want = "two non-negative integers" if count else "a list of non-negative integers"
+                raise ValueError(f"{what}: {path}: tensor {name!r}: {key} must be {want}, got {_short(v)}")
         try:
             dtype = DTYPES[entry["dtype"]]
-            shape = tuple(int(s) for s in entry["shape"])
-            a, b = (int(v) for v in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError):
             raise ValueError(f"{what}: {path}: tensor {name!r} has an entry safetensors does not define "
-                             f"(or a dtype autofp4 does not read): {entry!r}") from None
+                             f"(or a dtype autofp4 does not read): {_short(entry)}") from None
+        shape = tuple(entry["shape"])
+        a, b = entry["data_offsets"]
         if min(shape, default=0) < 0 or b - a != math.prod(shape) * _itemsize(dtype) or a < 0:
             raise ValueError(f"{what}: {path}: tensor {name!r} has {b - a} bytes for {entry['dtype']} {list(shape)}")
         spans.append((a, b, name))

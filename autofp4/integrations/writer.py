@@ -7,7 +7,8 @@ streaming converter (:mod:`autofp4.integrations.quantize_checkpoint`) shares wit
 
 The output directory is written in a hidden temporary directory beside it and moved into place
 when complete: an error (or a crash) leaves nothing half-written under the name, and an existing
-non-empty directory is replaced only with ``overwrite=True``. The layouts are described in
+non-empty directory is replaced only with ``overwrite=True`` and only when it is a quantized
+checkpoint (a previous output; see :func:`check_output`). The layouts are described in
 :mod:`autofp4.integrations.layouts` and docs/checkpoints.md.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..weights import FP4Weight, _describe
 from . import layouts as L
 from .safetensors_io import ShardedWriter
 
-__all__ = ["save_pretrained", "staging_dir", "write_configs", "copy_side_files"]
+__all__ = ["save_pretrained", "check_output", "staging_dir", "write_configs", "copy_side_files"]
 
 _WHAT = "autofp4.save_pretrained"
 #: top-level files of a source checkpoint that are not copied: weights and what the writer writes
@@ -37,23 +38,83 @@ _WRITTEN = ("config.json", "hf_quant_config.json", "quantization_report.json", "
             "pytorch_model.bin.index.json")
 
 
+def _not_replaceable(out: Path) -> Optional[str]:
+    """Why ``overwrite`` may not replace the existing non-empty directory ``out`` (None: it may)."""
+    real = out.resolve()
+    if real == Path(real.anchor):
+        return "is the root directory"
+    try:
+        if real == Path.home().resolve():
+            return "is the home directory"
+    except (RuntimeError, OSError):  # no home directory to compare with
+        pass
+    try:
+        cwd = Path.cwd().resolve()
+    except OSError:
+        cwd = None
+    if cwd is not None and (cwd == real or cwd.is_relative_to(real)):
+        return "is the current working directory" + ("" if cwd == real else " (or holds it)")
+    subdirs = sorted(p.name for p in out.iterdir() if p.is_dir() and not p.is_symlink())
+    if subdirs:
+        return f"holds the directory {subdirs[0]!r} (a checkpoint directory holds only files)"
+    from ..models import load_config
+
+    try:
+        conf = load_config(out / "config.json")
+    except (OSError, ValueError, TypeError):
+        conf = None
+    if not isinstance(conf, dict) or not isinstance(conf.get("quantization_config"), dict):
+        return "is not a quantized checkpoint (it has no config.json with a quantization_config)"
+    return None
+
+
+def check_output(out: Any, overwrite: Any, what: str, arg: str = "path",
+                 source: Optional[Path] = None) -> Path:
+    """The output directory ``out`` (the argument ``arg``) as an absolute path, checked before
+    anything is written: a str or path, not empty (an unset variable is not the current
+    directory); an existing ``out`` must be a directory, empty, or with ``overwrite`` (a bool) a
+    quantized checkpoint to replace: a directory of files only with a config.json holding a
+    quantization_config (what autofp4 and other FP4 tools write), and neither the root, the home
+    or the current working directory (nor one holding it); ``out`` may not be (or hold) the
+    ``source`` checkpoint."""
+    if not isinstance(out, (str, os.PathLike)):
+        raise TypeError(f"{what}: {arg} must be a directory path (a str or a Path), got {_describe(out)}")
+    text = os.fsdecode(os.fspath(out))
+    if not text:
+        raise ValueError(f"{what}: {arg} is empty (''); name the output directory ('.' for the current one)")
+    if "\0" in text:
+        raise ValueError(f"{what}: {arg} contains a NUL character: {text[:80]!r}")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"{what}: overwrite must be True or False, got {_describe(overwrite)}")
+    path = Path(os.path.abspath(text))  # "." and "sub/.." named by what they are
+    if source is not None:
+        src, dst = Path(source).resolve(), path.resolve()
+        if src == dst or src.is_relative_to(dst):
+            raise ValueError(f"{what}: the output {path} would replace the source checkpoint {source}")
+    if path.exists():
+        if not path.is_dir():
+            raise FileExistsError(f"{what}: {path} exists and is not a directory")
+        if any(path.iterdir()):
+            if not overwrite:
+                raise FileExistsError(f"{what}: {path} exists and is not empty; pass overwrite=True (--overwrite) "
+                                      "to replace it")
+            why = _not_replaceable(path)
+            if why:
+                raise FileExistsError(
+                    f"{what}: {path} {why}; overwrite replaces only a previous output (a directory of files with a "
+                    f"config.json holding a quantization_config) or an empty directory: remove it yourself or "
+                    f"choose another {arg}")
+    return path
+
+
 @contextmanager
 def staging_dir(out: Union[str, Path], overwrite: bool, what: str,
-                source: Optional[Path] = None) -> Iterator[Path]:
+                source: Optional[Path] = None, arg: str = "path") -> Iterator[Path]:
     """A temporary directory beside ``out``, moved to ``out`` when the block ends without an
-    error and removed when it raises. A non-empty ``out`` is refused unless ``overwrite``; ``out``
-    may not be (or hold) the ``source`` checkpoint."""
-    out = Path(os.path.abspath(out))  # "." and "sub/.." named by what they are
-    if out.exists():
-        if not out.is_dir():
-            raise FileExistsError(f"{what}: {out} exists and is not a directory")
-        if any(out.iterdir()) and not overwrite:
-            raise FileExistsError(f"{what}: {out} exists and is not empty; pass overwrite=True (--overwrite) "
-                                  "to replace it")
-    if source is not None:
-        src, dst = source.resolve(), out.resolve()
-        if src == dst or src.is_relative_to(dst):
-            raise ValueError(f"{what}: the output {out} would replace the source checkpoint {source}")
+    error and removed when it raises. ``out`` is checked by :func:`check_output`: a non-empty
+    ``out`` is refused unless ``overwrite``, and replaced only when it is a quantized checkpoint;
+    ``out`` may not be (or hold) the ``source`` checkpoint."""
+    out = check_output(out, overwrite, what, arg, source)
     parent = out.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -212,6 +273,7 @@ def save_pretrained(model: nn.Module, path: Union[str, Path], layout: Optional[s
     config = getattr(model, "config", None)
     if not isinstance(model, nn.Module) or config is None or not hasattr(config, "to_json_string"):
         raise TypeError(f"{_WHAT}: model must be a transformers model (with a .config), got {_describe(model)}")
+    check_output(path, overwrite, _WHAT, "path")
     model_type = getattr(config, "model_type", None)
     fmt = _model_fmt(model)
     if fmt is None:

@@ -1,0 +1,402 @@
+"""Hostile FP4 checkpoints, configs and arguments of the loading and writing API (adversarial run 3:
+Q08, Q16/Q17, C09, C19, C20, H08, H11, Q33, S03-S06, S09, S10, S50, S54, S55, A37, P13, U29).
+
+Each is refused with one clear error naming the file, field or argument at fault (or handled
+correctly), before anything is built or destroyed. Checkpoints are tiny models with fresh random
+weights, quantized and written by autofp4 itself, then edited."""
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+import autofp4  # noqa: E402
+from autofp4.cli import main as cli_main  # noqa: E402
+from autofp4.integrations import checkpoints as ck  # noqa: E402
+from autofp4.integrations.safetensors_io import read_header  # noqa: E402
+
+ATTN = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def _config(kind: str):
+    if kind == "llama":
+        return transformers.LlamaConfig(**ATTN, intermediate_size=128)
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**ATTN, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                                           num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    return transformers.GptOssConfig(**ATTN, head_dim=16, intermediate_size=64, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=16)
+
+
+def _model(kind: str, seed: int):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(_config(kind), dtype=torch.bfloat16)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.05)
+            if n.endswith("norm.weight"):
+                p.add_(1)
+    return model
+
+
+@pytest.fixture
+def seed():
+    s = random.randrange(2**31)
+    print(f"random seed: {s}")
+    return s
+
+
+def _checkpoint(root: Path, kind: str, layout: str, seed: int) -> Path:
+    fmt = "mxfp4" if layout == "gpt-oss" else "nvfp4"
+    model = _model(kind, seed)
+    autofp4.quantize_model(model, fmt, skip=["lm_head", "*.self_attn.*"] if layout == "gpt-oss" else ["lm_head"])
+    autofp4.save_pretrained(model, root, layout=layout)
+    return root
+
+
+def _edit(path: Path, fn) -> None:
+    doc = json.loads(path.read_text())
+    fn(doc)
+    path.write_text(json.dumps(doc))
+
+
+def _edit_header(path: Path, fn) -> None:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    fn(header)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(len(h).to_bytes(8, "little") + h + raw[8 + n:])
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e)
+    assert "\n" not in msg, msg
+    return msg
+
+
+# -- Q08: pattern lists that grow --------------------------------------------------------------
+def test_a_huge_exclude_list_of_module_names_loads_in_bounded_time(tmp_path, seed):
+    """~170k plain names in hf_quant_config.json exclude_modules (1.6 MB, under the 2 MiB config
+    limit) used to take minutes (fnmatch against every layer); a set lookup now. Run in a child
+    with a deadline, so a regression fails instead of hanging."""
+    path = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
+    rng = random.Random(seed)
+    base = rng.randrange(10**4)
+    names = ["lm_head"] + [f"x{base + i}" for i in range(170_000)]
+    doc = json.loads((path / "hf_quant_config.json").read_text())
+    doc["quantization"]["exclude_modules"] = names
+    (path / "hf_quant_config.json").write_text(json.dumps(doc, separators=(",", ":")))  # ~1.7 MB: under 2 MiB
+    code = ("import autofp4, time, warnings\nwarnings.simplefilter('ignore')\nt = time.time()\n"
+            f"m = autofp4.from_pretrained({str(path)!r})\nprint('loaded', time.time() - t)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.stdout.startswith("loaded"), r.stdout + r.stderr
+    assert float(r.stdout.split()[1]) < 30, r.stdout
+
+
+def test_too_many_wildcard_patterns_are_refused_naming_the_file_and_count(tmp_path, seed):
+    path = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
+    n = ck.MAX_GLOBS + 1 + random.Random(seed).randrange(100)
+    _edit(path / "hf_quant_config.json",
+          lambda d: d["quantization"].update(exclude_modules=["lm_head"] + [f"*x{i}" for i in range(n)]))
+    t = time.time()
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    msg = _one_line(info.value)
+    assert str(path / "hf_quant_config.json") in msg and "exclude_modules" in msg and str(n) in msg
+    assert time.time() - t < 10
+
+
+def _old_modelopt_match(patterns, name):
+    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, p + ".*") for p in patterns)
+
+
+def _old_ct_match(patterns, name, cls):
+    return any(p in (name, cls) or name.startswith(p + ".") for p in patterns)
+
+
+def test_pattern_matching_is_what_fnmatch_and_the_name_rules_say(seed):
+    """The grouped matcher against the pattern-by-pattern rules, on random names and patterns
+    (globs with *, ?, [...], names, prefixes of names, class names)."""
+    rng = random.Random(seed)
+    parts = ["model", "layers", "0", "1", "12", "mlp", "gate", "self_attn", "q_proj", "experts", "lm_head", "a.b"]
+
+    def name():
+        return ".".join(rng.choice(parts) for _ in range(rng.randint(1, 5)))
+
+    def pattern():
+        p = name()
+        for _ in range(rng.randint(0, 3)):
+            i = rng.randrange(len(p) + 1)
+            p = p[:i] + rng.choice(["*", "?", "[0-9]", "[!a]", ".", "*.", "["]) + p[i:]
+        return p if p not in ("", "re:") else "x"
+
+    for _ in range(30):
+        patterns = [pattern() if rng.random() < 0.5 else name() for _ in range(rng.randint(1, 40))]
+        mo = ck._Scheme("modelopt", patterns, None, "test")
+        ct = ck._Scheme("compressed-tensors", patterns, None, "test")
+        for _ in range(60):
+            n = name() if rng.random() < 0.7 else rng.choice(patterns)
+            cls = rng.choice(["Linear", "Qwen3MoeExperts"])
+            assert mo.excluded(n, cls) == _old_modelopt_match(patterns, n), (patterns, n)
+            assert ct.excluded(n, cls) == _old_ct_match(patterns, n, cls), (patterns, n, cls)
+
+
+# -- compressed-tensors and gpt-oss configs --------------------------------------------------------
+@pytest.mark.parametrize("weights", [["num_bits"], "num_bits", 4])
+def test_ct_config_group_weights_of_the_wrong_type_are_named(tmp_path, seed, weights):  # Q16, Q17
+    path = _checkpoint(tmp_path / "ct", "llama", "compressed-tensors", seed)
+    _edit(path / "config.json", lambda d: d["quantization_config"]["config_groups"]["group_0"].update(weights=weights))
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    msg = _one_line(info.value)
+    assert "config.json" in msg and "config_groups['group_0'].weights must be an object" in msg
+
+
+@pytest.mark.parametrize("entry", ["", "re:"])
+def test_an_empty_pattern_is_refused_naming_the_entry(tmp_path, seed, entry):  # Q33
+    path = _checkpoint(tmp_path / "g", "gpt_oss", "gpt-oss", seed)
+    layout_key = "modules_to_not_convert"
+    if entry == "re:":  # compressed-tensors' empty regex: matches every module too
+        path = _checkpoint(tmp_path / "c", "llama", "compressed-tensors", seed)
+        layout_key = "ignore"
+    at = {}
+
+    def add(d):
+        lst = d["quantization_config"][layout_key]
+        at["i"] = random.Random(seed).randrange(len(lst) + 1)
+        lst.insert(at["i"], entry)
+
+    _edit(path / "config.json", add)
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    msg = _one_line(info.value)
+    assert f"config.json quantization_config {layout_key}" in msg and f"entry {at['i']}" in msg and repr(entry) in msg
+
+
+# -- config.json fields transformers would choke on ------------------------------------------------
+@pytest.mark.parametrize("field,value,named", [
+    ("head_dim", 0, "'head_dim' must be a positive integer"),  # C19: ZeroDivisionError in rotary init
+    ("intermediate_size", None, "'intermediate_size'"),  # C09: huggingface_hub's strict dataclass error
+    ("tie_word_embeddings", "yes", "'tie_word_embeddings'"),  # C20
+])
+def test_config_fields_transformers_refuses_are_named_as_value_errors(tmp_path, seed, field, value, named):
+    path = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
+    _edit(path / "config.json", lambda d: d.update({field: value}))
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    msg = _one_line(info.value)
+    assert msg.startswith("autofp4.from_pretrained: ") and str(path / "config.json") in msg and named in msg
+    with pytest.raises(ValueError, match=named):
+        autofp4.transformers_config(path)
+
+
+def test_moe_top_k_beyond_the_experts_is_refused_at_load(tmp_path, seed):  # S55
+    path = _checkpoint(tmp_path / "q", "qwen3_moe", "modelopt", seed)
+    k = 5 + random.Random(seed).randrange(20)
+    _edit(path / "config.json", lambda d: d.update(num_experts_per_tok=k))
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    msg = _one_line(info.value)
+    assert str(path / "config.json") in msg and f"num_experts_per_tok={k}" in msg and "num_local_experts=4" in msg
+
+
+def test_expert_counts_that_disagree_are_refused(tmp_path, seed):  # S54
+    path = _checkpoint(tmp_path / "q", "qwen3_moe", "modelopt", seed)
+    good = (path / "config.json").read_text()
+    _edit(path / "config.json", lambda d: d.update(num_experts=2))  # beside num_local_experts = 4
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    msg = _one_line(info.value)
+    assert str(path / "config.json") in msg and "num_experts = 2" in msg and "num_local_experts = 4" in msg
+    # fewer experts in the config than the checkpoint stores: the stored expert beyond is named
+    (path / "config.json").write_text(good)
+    _edit(path / "config.json", lambda d: d.update(num_local_experts=2, num_experts_per_tok=1))
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    msg = _one_line(info.value)
+    assert "model.layers.0.mlp.experts.2.gate_proj" in msg and "num_local_experts = 2" in msg
+
+
+# -- arguments ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float32, torch.float64])
+def test_a_dtype_the_model_cannot_run_in_is_refused_at_load(tmp_path, seed, dtype):  # H08
+    path = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path, dtype=dtype)
+    msg = _one_line(info.value)
+    assert "dtype must be torch.bfloat16 or torch.float16" in msg and str(dtype) in msg
+    with pytest.raises(TypeError, match="dtype must be torch.bfloat16 or torch.float16"):
+        autofp4.from_pretrained(path, dtype="bfloat16")
+    model = autofp4.from_pretrained(path, dtype=torch.float16)
+    assert model(torch.tensor([[1, 2, 3]])).logits.dtype == torch.float16
+
+
+@pytest.mark.parametrize("fuse", ["no", 0, None, "False"])
+def test_fuse_must_be_a_bool(tmp_path, seed, fuse):  # H11
+    path = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
+    with pytest.raises(TypeError, match="from_pretrained: fuse must be True or False"):
+        autofp4.from_pretrained(path, fuse=fuse)
+    with pytest.raises(TypeError, match="quantize_model: fuse must be True or False"):
+        autofp4.quantize_model(nn.Sequential(nn.Linear(64, 64)), "nvfp4", fuse=fuse)
+
+
+def test_requantizing_an_fp4_model_is_refused_or_reported(seed):  # A37
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 48)).to(torch.bfloat16)
+    autofp4.quantize_model(net, "nvfp4")
+    before = [b.clone() for b in net.buffers()]
+    with pytest.raises(ValueError) as info:
+        autofp4.quantize_model(net, "mxfp4")
+    msg = _one_line(info.value)
+    assert "already quantized" in msg and "nvfp4" in msg and "'0'" in msg and "mxfp4" in msg
+    report = autofp4.quantize_model(net, "nvfp4")  # the same format: left as they are, reported
+    assert report.converted == [] and dict(report.skipped) == {"0": "already quantized (nvfp4)",
+                                                               "2": "already quantized (nvfp4)"}
+    assert all(torch.equal(a, b) for a, b in zip(before, net.buffers()))
+    model = _model("qwen3_moe", seed)
+    autofp4.quantize_model(model, "nvfp4")
+    report = autofp4.quantize_model(model, "nvfp4")
+    skipped = dict(report.skipped)
+    assert skipped["model.layers.0.mlp.experts.gate_up_proj"] == "already quantized (nvfp4)"
+    assert skipped["model.layers.1.self_attn.q_proj"] == "already quantized (nvfp4)"  # a fused part
+    with pytest.raises(ValueError, match="already quantized"):
+        autofp4.quantize_model(model, "mxfp4")
+
+
+# -- safetensors headers -------------------------------------------------------------------------
+_TENSOR = "model.layers.0.mlp.down_proj.weight"
+
+
+@pytest.mark.parametrize("case,edit,named", [
+    ("S03", lambda e: e.update(shape=[str(s) for s in e["shape"]]), "shape must be a list of non-negative integers"),
+    ("S04", lambda e: e.update(shape=[float(s) for s in e["shape"]]), "shape must be a list of non-negative integers"),
+    ("S05", lambda e: e.update(shape=[True, e["shape"][0] * e["shape"][1]]),  # as many bytes: true counted as 1
+     "shape must be a list of non-negative integers"),
+    ("S06", lambda e: e.update(data_offsets=[float(v) for v in e["data_offsets"]]),
+     "data_offsets must be two non-negative integers"),
+    ("offsets-3", lambda e: e.update(data_offsets=e["data_offsets"] + [0]), "data_offsets must be two"),
+    ("entry-list", None, "has an entry safetensors does not define"),
+])
+def test_header_values_of_the_wrong_type_name_the_file_and_tensor(tmp_path, seed, case, edit, named):
+    path = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
+    f = path / "model.safetensors"
+    if edit is None:
+        _edit_header(f, lambda h: h.update({_TENSOR: [1, 2]}))
+    else:
+        _edit_header(f, lambda h: edit(h[_TENSOR]))
+    for call in (lambda: autofp4.from_pretrained(path), lambda: read_header(f, "autofp4.test")):
+        with pytest.raises(ValueError) as info:
+            call()
+        msg = _one_line(info.value)
+        assert str(f) in msg and repr(_TENSOR) in msg and named in msg
+
+
+@pytest.mark.parametrize("meta,named", [([1, 2], "__metadata__ must be an object of strings"),  # S09
+                                        ({"format": 5}, "__metadata__['format'] must be a string"),  # S10
+                                        ({"format": "pt", "n": None}, "__metadata__['n'] must be a string")])
+def test_malformed_metadata_is_named(tmp_path, seed, meta, named):
+    path = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
+    f = path / "model.safetensors"
+    _edit_header(f, lambda h: h.update(__metadata__=meta))
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    msg = _one_line(info.value)
+    assert str(f) in msg and named in msg
+
+
+def test_a_missing_gpt_oss_bias_is_named(tmp_path, seed):  # S50
+    path = _checkpoint(tmp_path / "g", "gpt_oss", "gpt-oss", seed)
+    f = path / "model.safetensors"
+    sd = safetensors_torch.load_file(str(f))
+    layer = random.Random(seed).randrange(2)
+    name = f"model.layers.{layer}.mlp.experts.{random.Random(seed).choice(['gate_up', 'down'])}_proj_bias"
+    del sd[name]
+    safetensors_torch.save_file(sd, str(f), metadata={"format": "pt"})
+    with pytest.raises(KeyError) as info:
+        autofp4.from_pretrained(path)
+    assert isinstance(info.value, ValueError)  # autofp4.loaders.MissingKeyError
+    msg = info.value.args[0]
+    assert "\n" not in msg and str(path) in msg and f"has no tensor {name!r}" in msg
+
+
+# -- P13, U29: what overwrite may replace ---------------------------------------------------------
+def _fp4_llama(seed):
+    model = _model("llama", seed)
+    autofp4.quantize_model(model, "nvfp4")
+    return model
+
+
+def test_an_empty_output_path_is_refused_and_the_working_directory_kept(tmp_path, seed, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    secret = os.urandom(8).hex()
+    (work / "notes.txt").write_text(secret)
+    monkeypatch.chdir(work)
+    model = _fp4_llama(seed)
+    for overwrite in (True, False):
+        with pytest.raises(ValueError) as info:
+            autofp4.save_pretrained(model, "", overwrite=overwrite)
+        assert "save_pretrained: path is empty" in _one_line(info.value)
+    src = tmp_path / "src"
+    _model("llama", seed).save_pretrained(src)
+    with pytest.raises(ValueError, match=r"out \(--out\) is empty"):
+        autofp4.quantize_checkpoint(src, "", "nvfp4", overwrite=True, progress=False)
+    assert cli_main(["quantize", str(src), "--fmt", "nvfp4", "--out", "", "--overwrite", "--no-progress"]) == 2
+    assert sorted(p.name for p in work.iterdir()) == ["notes.txt"] and (work / "notes.txt").read_text() == secret
+    with pytest.raises(TypeError, match="overwrite must be True or False"):
+        autofp4.save_pretrained(model, tmp_path / "o", overwrite="no")
+
+
+def test_overwrite_replaces_only_a_previous_output(tmp_path, seed, monkeypatch):
+    model = _fp4_llama(seed)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError) as info:  # a directory of other files
+        autofp4.save_pretrained(model, out, overwrite=True)
+    assert str(out) in _one_line(info.value) and "is not a quantized checkpoint" in str(info.value)
+    (out / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {}}))
+    (out / "sub").mkdir()  # a checkpoint holds files only
+    with pytest.raises(FileExistsError, match="holds the directory 'sub'"):
+        autofp4.save_pretrained(model, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "notes.txt", "sub"]
+    (out / "sub").rmdir()
+    autofp4.save_pretrained(model, out, overwrite=True)  # a quantized checkpoint: replaced
+    assert (out / "model.safetensors").is_file() and not (out / "notes.txt").exists()
+    autofp4.save_pretrained(model, out, overwrite=True)  # autofp4's own output: replaced again
+    # never the working directory (or one holding it), nor the home directory
+    monkeypatch.chdir(out)
+    for where in (".", str(out), str(tmp_path)):
+        with pytest.raises(FileExistsError, match="current working directory"):
+            autofp4.save_pretrained(model, where, overwrite=True)
+    monkeypatch.chdir(tmp_path)
+    home = os.environ.get("HOME")
+    monkeypatch.setenv("HOME", str(out))
+    with pytest.raises(FileExistsError, match="is the home directory"):
+        autofp4.save_pretrained(model, out, overwrite=True)
+    if home is None:
+        monkeypatch.delenv("HOME")
+    else:
+        monkeypatch.setenv("HOME", home)
+    # the checkpoint a model was loaded from is a previous output: replaced with the same tensors
+    loaded = autofp4.from_pretrained(out)
+    autofp4.save_pretrained(loaded, out, overwrite=True)
+    again = autofp4.from_pretrained(out)
+    a, b = (m.model.layers[1].mlp.down_proj.fp4_weight() for m in (loaded, again))
+    assert torch.equal(a.data, b.data) and torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
