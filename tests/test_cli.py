@@ -548,30 +548,26 @@ def test_cache_import_checks_every_kernel_before_writing_any(tmp_path, monkeypat
         return {**r, "file": f"{name}-{kc_._digest(r)}.o", "sha256": hashlib.sha256(sha_of).hexdigest(),
                 "size": len(data)}
 
+    def write(archive, kernels):  # kernels: (manifest entry, bytes)
+        with tarfile.open(archive, "w:gz") as t:
+            manifest = json.dumps({"format": "autofp4-kernel-cache", "version": 1, "kernels": [e for e, _ in kernels]})
+            for name, data in [("manifest.json", manifest.encode())] + [(e["file"], d) for e, d in kernels]:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+
     a, b = b"A" * 100, b"B" * 100
     ea, eb = entry("ka", a, a), entry("kb", b, b"other")
     archive = tmp_path / "a.tgz"
-    with tarfile.open(archive, "w:gz") as t:
-        for name, data in [("manifest.json", json.dumps({"format": "autofp4-kernel-cache", "version": 1,
-                                                           "kernels": [ea, eb]}).encode()),
-                           (ea["file"], a), (eb["file"], b)]:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            t.addfile(info, io.BytesIO(data))
+    write(archive, [(ea, a), (eb, b)])
     rc, out, err = run(["cache", "--import", archive])
     assert rc == 2 and f"{eb['file']} does not match its sha256" in err and "nothing imported" in err, err
     assert not kc.exists() or list(kc.iterdir()) == [], list(kc.iterdir())
     kc.mkdir(exist_ok=True)
     rc, out, err = run(["cache", "--import", archive])
     assert rc == 2 and list(kc.iterdir()) == []  # an existing cache: no kernel, no staging folder left
-    with tarfile.open(archive, "w:gz") as t:  # both good: both written
-        eb = entry("kb", b, b)
-        for name, data in [("manifest.json", json.dumps({"format": "autofp4-kernel-cache", "version": 1,
-                                                           "kernels": [ea, eb]}).encode()),
-                           (ea["file"], a), (eb["file"], b)]:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            t.addfile(info, io.BytesIO(data))
+    eb = entry("kb", b, b)
+    write(archive, [(ea, a), (eb, b)])  # both good: both written
     rc, out, err = run(["cache", "--import", archive])
     assert rc == 0 and "imported 2 kernels" in out, out + err
     assert sorted(p.name for p in kc.iterdir()) == sorted(
