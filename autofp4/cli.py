@@ -294,7 +294,7 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def _set_db(args: argparse.Namespace) -> None:
     """``--db PATH``: the user DB of this command (a ``~user`` that cannot be expanded: exit 2)."""
-    if args.db:
+    if args.db is not None:
         from . import dispatch
         from .db import expand_path
 
@@ -575,20 +575,24 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _cache_line() -> str:
-    from .kernel_cache import summary
+    from .kernel_cache import disabled_by, summary
 
     d, n, size = summary()
     if d is None:
-        return "disabled (AUTOFP4_KERNEL_CACHE=off): every process compiles its kernels"
+        return f"disabled ({disabled_by()}): every process compiles its kernels"
     return f"{d}: {n} compiled kernel{'s' if n != 1 else ''}, {size / 2**20:.1f} MiB"
 
 
 def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from .kernel_cache import cache_dir, clear, others
+    from .kernel_cache import cache_dir, cache_dir_problem, clear, others
 
-    d = cache_dir()
-    if d is not None and d.exists() and not d.is_dir():
-        raise _UsageError(f"the kernel cache {d} ($AUTOFP4_KERNEL_CACHE) is not a directory")
+    try:
+        d = cache_dir()
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+    why = cache_dir_problem(d) if d is not None else None
+    if why is not None:
+        raise _UsageError(why)
 
     if args.clear:
         print(f"removed {clear()} compiled kernels", file=out)
@@ -634,10 +638,10 @@ def _archive(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
 
 def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from . import dispatch, tuning
-    from .kernel_cache import cache_dir, target_arch
+    from .kernel_cache import cache_dir, disabled_by, target_arch
 
     if cache_dir() is None:
-        raise _UsageError("the kernel cache is disabled (AUTOFP4_KERNEL_CACHE=off): nothing to warm")
+        raise _UsageError(f"the kernel cache is disabled ({disabled_by()}): nothing to warm")
     arch = args.arch or target_arch()  # $CUTE_DSL_ARCH, else this machine's GPU
     if arch == "unknown":
         raise _UsageError("no CUDA GPU here: name the target with --arch (e.g. sm_90a)")
@@ -647,11 +651,11 @@ def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise _UsageError(f"--arch {arch}: the kernels are built for {', '.join(_ARCHS)}")
     shapes = _model_shapes(args.warm, args)
     stored = []
-    if args.warm_db:
-        from .db import TuningDBError, TuningFileError, read_records
+    if args.warm_db is not None:
+        from .db import TuningDBError, TuningFileError, expand_path, read_records
 
         try:
-            stored = read_records(args.warm_db)[1]
+            stored = read_records(expand_path(args.warm_db, "--db"))[1]
         except (TuningDBError, TuningFileError, OSError) as e:
             raise _UsageError(f"cannot read the tuning DB {args.warm_db}: {e}") from None
     backends = _backend_names(args) or ["sm90_w4a16"]

@@ -130,7 +130,7 @@ def add_db_parser(subparsers: Any) -> argparse.ArgumentParser:
 # helpers
 # --------------------------------------------------------------------------------------
 def _db_path(args: argparse.Namespace) -> Path:
-    return expand_path(args.db, "--db") if getattr(args, "db", None) else default_db_path()
+    return expand_path(args.db, "--db") if getattr(args, "db", None) is not None else default_db_path()
 
 
 def _not_a_file(path: Path) -> str | None:
@@ -243,7 +243,7 @@ def _layers(args: argparse.Namespace, env_key: str | None) -> list[tuple[str, li
     from .db import shipped_db_files
 
     filters = _filters(args)
-    if getattr(args, "db", None):
+    if getattr(args, "db", None) is not None:
         path = _db_path(args)
         if _is_export(path):
             return [(str(path), _export_results(path, env_key, filters))]
@@ -264,7 +264,7 @@ def _layers(args: argparse.Namespace, env_key: str | None) -> list[tuple[str, li
 
 def _cmd_list(args: argparse.Namespace, out: TextIO) -> int:
     layers = _layers(args, _env_key(args.env))
-    if getattr(args, "db", None):
+    if getattr(args, "db", None) is not None:
         recs = layers[0][1]
         _table(_result_rows(recs), RESULT_HEADER, out)
         print(f"{len(recs)} results", file=out)

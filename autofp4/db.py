@@ -125,9 +125,23 @@ def _readonly_message(path: Path, e: sqlite3.Error) -> str:
 # --------------------------------------------------------------------------------------
 # paths
 # --------------------------------------------------------------------------------------
+def unusable_path(path: str | os.PathLike) -> str | None:
+    """Why no file can have the name ``path`` (empty, only whitespace, a NUL byte), or None."""
+    text = os.fsdecode(os.fspath(path))
+    if "\0" in text:
+        return "the path holds a NUL byte; give a file path"
+    if not text.strip():
+        return "the path is empty or only whitespace; give a file path"
+    return None
+
+
 def expand_path(path: str | os.PathLike, what: str) -> Path:
     """``path`` with a leading ``~`` or ``~user`` expanded; :class:`TuningDBError` naming ``what``
-    (the variable or option it came from) where that cannot be done (no such user, no home)."""
+    (the variable or option it came from) where that cannot be done (no such user, no home), or
+    where ``path`` is empty, only whitespace or holds a NUL byte (no file can have such a name)."""
+    why = unusable_path(path)
+    if why is not None:
+        raise TuningDBError(f"{what}={os.fsdecode(os.fspath(path))!r:.80}: {why}")
     try:
         return Path(path).expanduser()
     except RuntimeError:  # Path.expanduser: "Could not determine home directory."
@@ -136,7 +150,9 @@ def expand_path(path: str | os.PathLike, what: str) -> Path:
 
 
 def default_db_path() -> Path:
-    """``$AUTOFP4_DB`` if set, else ``$XDG_CACHE_HOME/autofp4/tuning.db`` (default ``~/.cache``)."""
+    """``$AUTOFP4_DB`` if set, else ``$XDG_CACHE_HOME/autofp4/tuning.db`` (default ``~/.cache``).
+    An empty variable counts as unset; a whitespace-only one (or one with a NUL byte) is refused
+    (:class:`TuningDBError` naming it)."""
     env = os.environ.get("AUTOFP4_DB")
     if env:
         return expand_path(env, "AUTOFP4_DB")

@@ -52,7 +52,7 @@ import torch
 
 from .backends import available_backends, get_backend
 from .backends.base import Backend, BackendConfig, Runner
-from .problem import BLOCK_SIZE, DEFAULT_M_BUCKETS, ProblemKey, bucket_for
+from .problem import DEFAULT_M_BUCKETS, ProblemKey, bucket_for, shape_errors
 
 __all__ = [
     "DEFAULT_M_BUCKETS",
@@ -541,10 +541,9 @@ def _miss_entry(e: Any) -> tuple[tuple[ProblemKey, int, int, int] | None, list[s
         key = ProblemKey(e["op"], e["fmt"], e["dtype"], n, k, experts, topk)
     except ValueError as err:
         return None, [str(err)]
-    block = BLOCK_SIZE[key.fmt]
-    if key.k % block or (key.op == "moe" and key.n % (2 * block)):
-        return None, [f"K={key.k} (and a MoE layer's intermediate size N/2={key.n // 2}) must be a multiple of "
-                      f"{key.fmt}'s block of {block}: no FP4 weight has this shape"]
+    bad_shape = shape_errors(key.op, key.fmt, key.n, key.k)
+    if bad_shape:
+        return None, [f"field {f!r}: {why}" for f, why in bad_shape.items()]
     if g and (key.op != "moe" or g <= key.experts):
         return None, [f"experts_global={g} needs a MoE key with fewer experts, got {key}"]
     return (key, m, c, g), []
@@ -719,8 +718,16 @@ def set_miss_hook(hook: MissHook | None) -> None:
 def set_db(path: str | os.PathLike | None) -> None:
     """Use ``path`` as the user tuning DB (``None``: back to the default) and drop dispatchers."""
     global _DB_PATH
-    from .db import expand_path
+    from .db import expand_path, unusable_path
 
+    if path is not None:
+        try:
+            why = unusable_path(path)
+        except TypeError:
+            raise TypeError(f"set_db(path): path must be a str, os.PathLike or None, "
+                            f"got {type(path).__name__}") from None
+        if why is not None:
+            raise ValueError(f"set_db({path!r:.80}): {why}")
     _DB_PATH = expand_path(path, "the tuning DB path") if path is not None else None
     reload()
 

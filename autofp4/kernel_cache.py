@@ -19,8 +19,9 @@ module and that module's source hash, the CuTeDSL version, the architecture, the
 would build the same, checking each file's name against that record and its bytes against the
 archive's checksums.
 
-``$AUTOFP4_KERNEL_CACHE`` names the directory (default ``$XDG_CACHE_HOME/autofp4/kernels``);
-``off`` (or ``0``) disables the cache: every call compiles.
+``$AUTOFP4_KERNEL_CACHE`` names the directory (default ``$XDG_CACHE_HOME/autofp4/kernels``; an
+empty value counts as unset); ``off`` (or ``0``) disables the cache: every call compiles. A value
+of only whitespace, or one holding a NUL byte, is refused (``ValueError`` naming the variable).
 """
 from __future__ import annotations
 
@@ -47,10 +48,15 @@ _OFF = ("off", "0", "false", "no")
 
 
 def cache_dir() -> Path | None:
-    """The cache directory, or ``None`` when the cache is disabled."""
+    """The cache directory, or ``None`` when the cache is disabled (``$AUTOFP4_KERNEL_CACHE`` is
+    ``off``, ``0``, ...). An empty ``$AUTOFP4_KERNEL_CACHE`` counts as unset (the default folder)."""
     env = os.environ.get("AUTOFP4_KERNEL_CACHE")
-    if env is not None:
-        return None if env.strip().lower() in _OFF or not env.strip() else Path(env)
+    if env:
+        if not env.strip() or "\0" in env:
+            why = "holds a NUL byte" if "\0" in env else "is only whitespace"
+            raise ValueError(f"AUTOFP4_KERNEL_CACHE={env!r:.80}: the path {why}; name a folder, "
+                             "or set it to 'off' to disable the kernel cache")
+        return None if env.strip().lower() in _OFF else Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "autofp4" / "kernels"
 
@@ -263,12 +269,41 @@ class ArchiveReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (file, why) left out or refused
 
 
+def disabled_by() -> str:
+    """What disabled the cache, as the user set it: ``AUTOFP4_KERNEL_CACHE='off'``."""
+    return f"AUTOFP4_KERNEL_CACHE={os.environ.get('AUTOFP4_KERNEL_CACHE', '')!r:.80}"
+
+
+def cache_dir_problem(d: Path) -> str | None:
+    """Why ``d`` cannot be (or become) the kernel cache folder: a dangling symlink, a file, or a
+    path under a file (None: it is a folder, or one can be made there)."""
+    where = f"the kernel cache {d} ($AUTOFP4_KERNEL_CACHE)"
+    if d.is_symlink() and not d.exists():
+        try:
+            target = os.readlink(d)
+        except OSError:
+            target = "?"
+        return f"{where} is a dangling symlink (to {target}); point it at a folder or remove it"
+    if d.exists():
+        return None if d.is_dir() else f"{where} is not a directory"
+    for parent in d.parents:
+        if parent.is_symlink() and not parent.exists():
+            return f"{where} cannot be made: {parent} is a dangling symlink"
+        if parent.exists():
+            return None if parent.is_dir() else f"{where} cannot be made: {parent} is not a directory"
+    return None
+
+
 def _require_cache() -> Path:
-    d = cache_dir()
+    try:
+        d = cache_dir()
+    except ValueError as e:
+        raise KernelArchiveError(str(e)) from None
     if d is None:
-        raise KernelArchiveError("the kernel cache is disabled (AUTOFP4_KERNEL_CACHE=off)")
-    if d.exists() and not d.is_dir():
-        raise KernelArchiveError(f"the kernel cache {d} ($AUTOFP4_KERNEL_CACHE) is not a directory")
+        raise KernelArchiveError(f"the kernel cache is disabled ({disabled_by()})")
+    why = cache_dir_problem(d)
+    if why is not None:
+        raise KernelArchiveError(why)
     return d
 
 
@@ -297,8 +332,18 @@ def export_archive(dest: str | Path) -> ArchiveReport:
         raise KernelArchiveError(f"the kernel cache {d} holds no kernels to export{without}")
     manifest = json.dumps({"format": ARCHIVE_FORMAT, "version": ARCHIVE_VERSION,
                            "kernels": [e for e, _ in entries]}, indent=1).encode()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}-", dir=dest.parent)
+    for parent in (dest.parent, *dest.parent.parents):
+        if parent.is_symlink() and not parent.exists():
+            raise KernelArchiveError(f"cannot write {dest}: {parent} is a dangling symlink")
+        if parent.exists():
+            if not parent.is_dir():
+                raise KernelArchiveError(f"cannot write {dest}: {parent} is a file, not a directory")
+            break
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}-", dir=dest.parent)
+    except OSError as e:
+        raise KernelArchiveError(f"cannot write {dest}: {e.strerror or e}") from None
     os.close(fd)
     try:
         with tarfile.open(tmp, "w:gz") as tar:

@@ -19,6 +19,7 @@ __all__ = [
     "BLOCK_SIZE",
     "DEFAULT_M_BUCKETS",
     "standard_bucket",
+    "shape_errors",
     "ProblemKey",
     "dtype_name",
     "bucket_for",
@@ -61,6 +62,24 @@ def standard_bucket(m: int) -> int:
     8192 (``bucket_for(m, DEFAULT_M_BUCKETS)``). The tuner tunes at these buckets (a requested M
     is rounded up to its bucket), and the dispatcher counts misses by them."""
     return bucket_for(int(m), DEFAULT_M_BUCKETS)
+
+
+def shape_errors(op: str, fmt: str, n: int, k: int) -> dict[str, str]:
+    """The key fields no FP4 weight of ``fmt`` can have, and why: ``{"k": why, "n": why}`` (empty
+    when the shape is one). K must be a multiple of the format's block (16 for NVFP4, 32 for
+    MXFP4); a MoE key's N (2 x the intermediate size) also needs N/2 a multiple of the block.
+    The one rule for every check of a stored or recorded problem (the tuning DB's records, the
+    misses file); an unknown ``fmt`` is left to the format check."""
+    block = BLOCK_SIZE.get(fmt)
+    if block is None:
+        return {}
+    out = {}
+    if k % block:
+        out["k"] = f"{k} is not a multiple of {fmt}'s block of {block}: no FP4 weight has K={k}"
+    if op == "moe" and n % (2 * block):
+        out["n"] = (f"{n} is not twice a multiple of {block}: a MoE layer's N is 2 x its intermediate size, "
+                    f"which must be a multiple of {fmt}'s block of {block} (no FP4 weight has this shape)")
+    return out
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,14 @@ from pydantic import (
     Field,
     Strict,
     StringConstraints,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from .backends import backend_names, get_backend
 from .env import Environment
-from .problem import DTYPES, FORMATS, OPS, ProblemKey
+from .problem import DTYPES, FORMATS, OPS, ProblemKey, shape_errors
 
 #: version of the JSON export format (``ExportDoc.schema_version``) this code reads and writes.
 EXPORT_SCHEMA_VERSION = 1
@@ -210,6 +211,17 @@ class _ResultFields(_KeyFields):
     backend_source: _Hash = ""
     created_at: str = Field(default_factory=utc_now)
     origin: Origin = "offline"
+
+    @field_validator("n", "k")
+    @classmethod
+    def _fp4_shape(cls, v: int, info: ValidationInfo) -> int:
+        # a result stands for a problem an FP4 weight can have (the misses file's rule, too)
+        d = info.data
+        if "op" in d and "fmt" in d:
+            why = shape_errors(d["op"], d["fmt"], d.get("n", v), v).get(info.field_name or "")
+            if why:
+                raise ValueError(why)
+        return v
 
     @field_validator("median_us")
     @classmethod

@@ -244,9 +244,9 @@ def test_from_misses_cli(tmp_path):
     ('{"version": 1, "misses": [{"op": "linear", "fmt": "nvfp4", "dtype": "bfloat16", "n": 256, "k": 128, '
      '"m": 1000000000000}]}', "misses[0] field 'm': 1000000000000 is not an M bucket the dispatcher looks up"),
     ('{"version": 1, "misses": [{"op": "linear", "fmt": "nvfp4", "dtype": "bfloat16", "n": 256, "k": 130, '
-     '"m": 8}]}', "K=130 (and a MoE layer's intermediate size N/2=128) must be a multiple of nvfp4's block of 16"),
+     '"m": 8}]}', "misses[0] field 'k': 130 is not a multiple of nvfp4's block of 16"),
     ('{"version": 1, "misses": [{"op": "moe", "fmt": "mxfp4", "dtype": "bfloat16", "n": 80, "k": 256, '
-     '"experts": 8, "topk": 2, "m": 8}]}', "must be a multiple of mxfp4's block of 32"),
+     '"experts": 8, "topk": 2, "m": 8}]}', "misses[0] field 'n': 80 is not twice a multiple of 32"),
 ])
 def test_from_misses_refuses_a_bad_file_with_exit_2(tmp_path, content, match):
     bad = tmp_path / "bad.misses.json"
@@ -572,3 +572,70 @@ def test_cache_import_checks_every_kernel_before_writing_any(tmp_path, monkeypat
     assert rc == 0 and "imported 2 kernels" in out, out + err
     assert sorted(p.name for p in kc.iterdir()) == sorted(
         [ea["file"], eb["file"], ea["file"][:-2] + ".json", eb["file"][:-2] + ".json"])
+
+
+def test_cache_export_under_a_file_is_one_line_exit_2(tmp_path, monkeypatch):
+    """CA04: ``cache --export f/x.tgz`` where f is a regular file: no traceback, the file named."""
+    kc = tmp_path / "kc"
+    kc.mkdir()
+    name = "k-" + "0" * 32
+    (kc / f"{name}.o").write_bytes(b"obj")
+    (kc / f"{name}.json").write_text(json.dumps({"name": "k"}))
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(kc))
+    f = tmp_path / "f"
+    f.write_text("x")
+    rc, out, err = run(["cache", "--export", f / "x.tgz"])
+    assert rc == 2 and "Traceback" not in err, err
+    assert f"cannot write {f / 'x.tgz'}: {f} is a file, not a directory" in err, err
+    assert f.read_text() == "x"
+
+
+def test_cache_import_names_a_dangling_cache_symlink(tmp_path, monkeypatch):
+    """EV08: the cache path is a dangling symlink: it is named, not the (readable) archive."""
+    dang = tmp_path / "dang"
+    dang.symlink_to(tmp_path / "nonexistent" / "kc")
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(dang))
+    archive = tmp_path / "a.tgz"
+    archive.write_bytes(b"not read")
+    for argv in (["cache", "--import", archive], ["cache"]):
+        rc, out, err = run(argv)
+        assert rc == 2 and f"the kernel cache {dang} ($AUTOFP4_KERNEL_CACHE) is a dangling symlink" in err, err
+        assert "a.tgz" not in err, err
+    assert not (tmp_path / "nonexistent").exists()
+
+
+def test_cache_empty_variable_is_unset_and_off_shows_the_value(tmp_path, monkeypatch):
+    """EV05: an empty AUTOFP4_KERNEL_CACHE is the default folder (as for AUTOFP4_DB); a disabled
+    cache is reported with the value that disabled it; whitespace-only is refused."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", "")
+    rc, out, err = run(["cache"])
+    assert rc == 0 and f"kernel cache: {tmp_path / 'xdg' / 'autofp4' / 'kernels'}: 0 compiled kernels" in out, out + err
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", "0")
+    rc, out, err = run(["cache"])
+    assert rc == 0 and "disabled (AUTOFP4_KERNEL_CACHE='0')" in out, out + err
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", "   ")
+    rc, out, err = run(["cache"])
+    assert rc == 2 and "AUTOFP4_KERNEL_CACHE='   ': the path is only whitespace" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("value,why", [("   ", "is empty or only whitespace"), ("a\0b", "holds a NUL byte")])
+def test_db_variable_or_option_of_whitespace_or_nul_is_refused(tmp_path, monkeypatch, value, why):
+    """EV02: AUTOFP4_DB='   ' used to create a file named three spaces in the working folder."""
+    monkeypatch.chdir(tmp_path)
+    export = tmp_path / "x.json"
+    TuningDB(tmp_path / "src.db").close()
+    assert run(["db", "export", "--db", tmp_path / "src.db", "--out", export])[0] == 0
+    if "\0" not in value:  # an environment variable cannot hold a NUL byte; an argument can
+        monkeypatch.setenv("AUTOFP4_DB", value)
+        rc, out, err = run(["db", "import", export])
+        assert rc == 2 and f"AUTOFP4_DB={value!r}: the path {why}" in err and "Traceback" not in err, err
+        monkeypatch.delenv("AUTOFP4_DB")
+    for argv in (["db", "import", export, "--db", value], ["db", "list", "--db", value]):
+        rc, out, err = run(argv)
+        assert rc == 2 and f"--db={value!r}: the path {why}" in err, (argv, err)
+    assert all(p.name.strip() and p.name != "a" for p in tmp_path.iterdir()), list(tmp_path.iterdir())
+    monkeypatch.setenv("AUTOFP4_DB", "")  # empty: unset, the default file
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    rc, out, err = run(["db", "import", export])
+    assert rc == 0 and (tmp_path / "xdg" / "autofp4" / "tuning.db").is_file(), err

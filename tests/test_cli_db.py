@@ -301,3 +301,34 @@ def test_a_user_db_that_is_not_a_regular_file_is_named(dbfile, capsys, monkeypat
     for argv in (("list", "--db", os.devnull), ("import", str(dbfile), "--db", os.devnull)):
         assert cli(*argv) == 2
         assert f"{os.devnull} is not a regular file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("over,field,why", [
+    (dict(fmt="nvfp4", k=63), "k", "63 is not a multiple of nvfp4's block of 16"),
+    (dict(fmt="mxfp4", k=4112), "k", "4112 is not a multiple of mxfp4's block of 32"),
+    (dict(op="moe", fmt="nvfp4", experts=8, topk=2, n=2064), "n", "2064 is not twice a multiple of 16"),
+])
+def test_import_refuses_a_shape_no_fp4_weight_has(dbfile, tmp_path, capsys, over, field, why):
+    """DI25: a record whose K (or a MoE key's N/2) is not a block multiple is refused, naming the
+    record and field, by the rule the misses file is checked with; the DB is left as it was."""
+    good = tmp_path / "good.json"
+    assert cli("export", "--db", str(dbfile), "--out", str(good)) == 0
+    doc = json.loads(good.read_text())
+    doc["records"][0].update(over)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    before = dbfile.read_bytes()
+    capsys.readouterr()
+    assert cli("import", "--db", str(dbfile), str(bad)) == 2
+    err = capsys.readouterr().err
+    assert "invalid tuning export: record #0 (" in err and f") field {field}: {why}" in err, err
+    assert dbfile.read_bytes() == before
+    from autofp4.dispatch import _miss_entry  # the misses file: the same rule, the same words
+    miss = {k: v for k, v in doc["records"][0].items() if k in ("op", "fmt", "dtype", "n", "k", "experts", "topk")}
+    assert _miss_entry({**miss, "m": 1}) == (None, [f"field {field!r}: " + _shape_why(miss)[field]])
+
+
+def _shape_why(r):
+    from autofp4.problem import shape_errors
+
+    return shape_errors(r["op"], r["fmt"], r["n"], r["k"])

@@ -52,7 +52,8 @@ def _timestamp(rng: random.Random) -> str:
 
 
 def valid_record(rng: random.Random, n: int, env_key: str = ENV_KEY) -> dict[str, Any]:
-    """A random exported record that validates (reference backend; ``n`` makes the key unique)."""
+    """A random exported record that validates (reference backend; ``n``, a multiple of 16, makes the
+    key unique; a MoE record has N = 4n, so that N/2 is a multiple of both blocks)."""
     moe = rng.random() < 0.3
     experts = rng.randint(1, 256) if moe else 0
     chunk = rng.choice([0, 16 * rng.randint(1, max(1, n // 16 - 1))]) if n > 16 else 0
@@ -62,7 +63,8 @@ def valid_record(rng: random.Random, n: int, env_key: str = ENV_KEY) -> dict[str
         "dtype": rng.choice(["bfloat16", "float16"]), "backend": "reference",
         # a bucket the dispatcher serves: a standard one or any M up to the largest
         "m_bucket": rng.choice([rng.choice(DEFAULT_M_BUCKETS), rng.randint(1, TOP_BUCKET)]),
-        "n": n, "k": 32 * rng.randint(1, 4096), "experts": experts,
+        # a shape an FP4 weight can have: K a multiple of both blocks, a MoE key's N/2 too
+        "n": 4 * n if moe else n, "k": 32 * rng.randint(1, 4096), "experts": experts,
         "topk": rng.randint(1, experts) if moe else 0, "config": {"chunk_n": chunk},
         "median_us": median, "spread_us": rng.uniform(0.0, median), "samples": rng.randint(1, 10**6),
         "default_median_us": rng.choice([None, rng.uniform(0.5, 5e4)]),

@@ -436,3 +436,17 @@ def test_reading_a_db_never_changes_the_file(tmp_path, monkeypatch, gen):
     assert con.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
     assert [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")] == ["users"]
     con.close()
+
+
+@pytest.mark.parametrize("bad", ["", "   ", "a\0b"])
+def test_set_db_refuses_an_empty_or_whitespace_path(bad):
+    """AP65: set_db('') was accepted (the path '.') and the next call failed in pathlib."""
+    dispatch.set_db(None)
+    before = dispatch.user_db_path()
+    with pytest.raises(ValueError, match=r"set_db\(" + repr(bad).replace("\\", "\\\\") + r"\): the path "):
+        dispatch.set_db(bad)
+    with pytest.raises(ValueError, match=r"^set_db\(PosixPath\('\.'\)\)|set_db"):
+        dispatch.set_db(type("P", (), {"__fspath__": lambda self: bad})())
+    assert dispatch.user_db_path() == before  # the DB in use is unchanged
+    w = autofp4.quantize(torch.randn(64, 64), "nvfp4")
+    assert autofp4.linear(torch.randn(2, 64, dtype=torch.bfloat16), w).shape == (2, 64)
