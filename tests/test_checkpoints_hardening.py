@@ -400,3 +400,144 @@ def test_overwrite_replaces_only_a_previous_output(tmp_path, seed, monkeypatch):
     again = autofp4.from_pretrained(out)
     a, b = (m.model.layers[1].mlp.down_proj.fp4_weight() for m in (loaded, again))
     assert torch.equal(a.data, b.data) and torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+
+
+# -- adversarial run 4: HF17/IX08/QZ31, HF03/HF19, ST19, QC27, QC26, QC22, QC09 ----------------------
+def _dense_src(root: Path, seed: int, shard: str = "model.safetensors") -> Path:
+    model = _model("llama", seed)
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps(model.config.to_dict()))
+    safetensors_torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(root / shard))
+    return root
+
+
+def test_a_single_file_next_to_an_index_of_other_shards_is_refused_everywhere(tmp_path, seed):  # HF17/IX08/QZ31
+    """transformers reads model.safetensors when it exists, autofp4's readers read the index: a folder
+    holding both (the index listing other shards) would load as a silent mix, so every reader refuses it."""
+    sh = tmp_path / "sh"
+    model = _model("llama", seed)
+    autofp4.quantize_model(model, "nvfp4", skip=["lm_head"])
+    autofp4.save_pretrained(model, sh, layout="modelopt", max_shard_size="20KB")
+    assert (sh / "model.safetensors.index.json").is_file()
+    other = _checkpoint(tmp_path / "other", "llama", "modelopt", seed + 1)
+    (sh / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    calls = [lambda: autofp4.from_pretrained(sh),
+             lambda: transformers.AutoModelForCausalLM.from_pretrained(str(sh), dtype=torch.bfloat16)]
+    for call in calls:
+        with pytest.raises(ValueError) as info:
+            call()
+        msg = _one_line(info.value)
+        assert "ambiguous checkpoint" in msg and "model.safetensors and model.safetensors.index.json" in msg, msg
+        assert "remove one" in msg
+    src = _dense_src(tmp_path / "src", seed)
+    _dense_src(tmp_path / "src2", seed + 2, shard="model-00001-of-00001.safetensors")
+    (src / "model-00001-of-00001.safetensors").write_bytes(
+        (tmp_path / "src2" / "model-00001-of-00001.safetensors").read_bytes())
+    from safetensors import safe_open
+
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in keys}}))
+    with pytest.raises(ValueError) as info:
+        autofp4.quantize_checkpoint(src, tmp_path / "out", "nvfp4", progress=False)
+    msg = _one_line(info.value)
+    assert "ambiguous checkpoint" in msg and "model.safetensors.index.json" in msg and str(src) in msg
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    # an index that lists model.safetensors itself is not ambiguous
+    (src / "model-00001-of-00001.safetensors").unlink()
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: "model.safetensors" for k in keys}}))
+    autofp4.quantize_checkpoint(src, tmp_path / "out", "nvfp4", progress=False)
+
+
+def test_a_missing_weight_scale_is_refused_by_the_transformers_path_too(tmp_path, seed):  # HF03/HF19
+    path = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
+    f = path / "model.safetensors"
+    sd = safetensors_torch.load_file(str(f))
+    del sd["model.layers.0.mlp.up_proj.weight_scale"]
+    safetensors_torch.save_file(sd, str(f))
+    for call in (lambda: autofp4.from_pretrained(path),
+                 lambda: transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)):
+        with pytest.raises(ValueError) as info:
+            call()
+        msg = _one_line(info.value)
+        assert "'model.layers.0.mlp.up_proj.weight' is stored packed" in msg, msg
+        assert "'model.layers.0.mlp.up_proj.weight_scale' is missing" in msg, msg
+
+
+@pytest.mark.parametrize("layout,fmt,stored,expected", [
+    ("modelopt", "nvfp4", torch.uint8, "F8_E4M3"),
+    ("compressed-tensors", "nvfp4", torch.uint8, "F8_E4M3"),
+    ("compressed-tensors", "mxfp4", torch.float8_e4m3fn, "U8"),
+])
+def test_a_weight_scale_stored_in_the_wrong_dtype_is_refused(tmp_path, seed, layout, fmt, stored, expected):  # ST19
+    model = _model("llama", seed)
+    autofp4.quantize_model(model, fmt, skip=["lm_head"])
+    path = autofp4.save_pretrained(model, tmp_path / "ck", layout=layout)
+    f = path / "model.safetensors"
+    key = "model.layers.0.mlp.up_proj.weight_scale"
+    sd = safetensors_torch.load_file(str(f))
+    sd[key] = sd[key].view(stored)
+    safetensors_torch.save_file(sd, str(f))
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    msg = _one_line(info.value)
+    got = {torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}[stored]
+    assert repr(key) in msg and str(f) in msg, msg
+    assert f"stored as {got}" in msg and f"expected {expected}" in msg, msg
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_a_packed_layer_no_ct_target_covers_is_refused(tmp_path, seed, kind):  # QC27 (mirror of QC36)
+    path = _checkpoint(tmp_path / "ct", kind, "compressed-tensors", seed)
+    keep = "re:.*self_attn.*" if kind == "qwen3_moe" else "re:.*mlp.*"
+    _edit(path / "config.json", lambda d: d["quantization_config"]["config_groups"]["group_0"].update(targets=[keep]))
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    msg = _one_line(info.value)
+    assert "stored quantized" in msg and "weight_packed" in msg and keep in msg and "targets" in msg, msg
+    assert ("experts" if kind == "qwen3_moe" else "self_attn") in msg
+
+
+def test_an_empty_ct_targets_list_is_refused_naming_the_group(tmp_path, seed):  # QC26
+    path = _checkpoint(tmp_path / "ct", "llama", "compressed-tensors", seed)
+    _edit(path / "config.json", lambda d: d["quantization_config"]["config_groups"]["group_0"].update(targets=[]))
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    msg = _one_line(info.value)
+    assert "config.json" in msg and "config_groups['group_0'].targets is empty" in msg
+
+
+@pytest.mark.parametrize("fmt,field,value,want", [
+    ("nvfp4", "strategy", "channel", "tensor_group"),
+    ("nvfp4", "strategy", "group", "tensor_group"),
+    ("mxfp4", "strategy", "tensor_group", "group"),
+    ("mxfp4", "group_size", 16, 32),
+])
+def test_a_ct_weights_strategy_the_format_does_not_use_is_refused(tmp_path, seed, fmt, field, value, want):  # QC22
+    model = _model("llama", seed)
+    autofp4.quantize_model(model, fmt, skip=["lm_head"])
+    path = autofp4.save_pretrained(model, tmp_path / "ct", layout="compressed-tensors")
+    _edit(path / "config.json",
+          lambda d: d["quantization_config"]["config_groups"]["group_0"]["weights"].update({field: value}))
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    msg = _one_line(info.value)
+    assert f"config_groups['group_0'].weights.{field} is {value!r}" in msg and f"needs {want!r}" in msg, msg
+
+
+def test_a_kv_cache_quant_algo_is_warned_about_once(tmp_path, seed):  # QC09
+    import warnings
+
+    path = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
+    hf = path / "hf_quant_config.json"
+    for value, n in ((None, 0), ("FP8", 1)):
+        _edit(hf, lambda d: d["quantization"].update(kv_cache_quant_algo=value))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            autofp4.from_pretrained(path)
+        kv = [str(w.message) for w in caught if "kv_cache_quant_algo" in str(w.message)]
+        assert len(kv) == n, kv
+        if n:
+            assert "hf_quant_config.json" in kv[0] and "'FP8'" in kv[0] and "KV cache stays" in kv[0]

@@ -165,6 +165,10 @@ def load_experts(model: nn.Module, t: "_Tensors", scheme: "_Scheme", dtype: torc
             if not excluded:
                 dense.append(name)
             continue
+        if names is not None and not (scheme.targeted(name, type(module).__name__)
+                                      or scheme.targeted(f"{name}.0.{names[0]}", cls)):
+            first = f"{name}.0.{names[0]}"
+            scheme.check_stored_quantized(first, cls, scheme.packed_key(first), what=f"the experts {name!r}")
         _check_no_more_experts(model, t, scheme, name, names, e)
         why = _layout_problem(module)
         if why:

@@ -62,6 +62,8 @@ __all__ = ["from_pretrained", "from_compressed_tensors"]
 
 _WHAT = "autofp4.from_pretrained"
 _CT_FORMATS = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
+#: the weights.strategy compressed-tensors writes for each format (its NVFP4 / MXFP4 presets)
+_CT_STRATEGY = {"nvfp4-pack-quantized": "tensor_group", "mxfp4-pack-quantized": "group"}
 
 
 # -- the stored tensors ------------------------------------------------------------------------
@@ -155,6 +157,18 @@ class _Tensors(Mapping):
             return self._files[fname].get_tensor(self.stored.get(key, key))
         except Exception as e:  # safetensors' errors (data out of the file's range, ...) and OSError
             raise ValueError(f"{_WHAT}: cannot read tensor {key!r} from {fname}: {e}") from None
+
+    def stored_dtype(self, key: str) -> str:
+        """The safetensors dtype of tensor ``key`` as stored (``"F8_E4M3"``, ``"U8"``, ...), read from
+        its file's header (the tensor is not read)."""
+        fname = self._where[key]
+        try:
+            return str(self._files[fname].get_slice(self.stored.get(key, key)).get_dtype())
+        except Exception as e:  # safetensors' errors and OSError
+            raise ValueError(f"{_WHAT}: cannot read the header entry of tensor {key!r} in {fname}: {e}") from None
+
+    def file_of(self, key: str) -> str:
+        return self._where[key]
 
     def __contains__(self, key: object) -> bool:
         return key in self._where
@@ -301,6 +315,22 @@ class _Scheme:
         m = self._matcher("targets")
         return any(m.match(n, cls) for n in self._names(name))
 
+    def check_stored_quantized(self, name: str, cls: str, key: str, what: str = "") -> None:
+        """``name`` (a module of class ``cls``) is stored quantized (``key``): refused where the
+        checkpoint's config excludes it or (compressed-tensors) none of its config groups targets it,
+        as the config and the tensors then disagree on what the module is."""
+        label = what or repr(name)
+        if self.excluded(name, cls):
+            raise ValueError(
+                f"{_WHAT}: {label} is excluded by {self.source} but stored quantized "
+                f"({key!r}); the exclusion list and the tensors disagree"
+            )
+        if self.method == "compressed-tensors" and not self.targeted(name, cls):
+            raise ValueError(
+                f"{_WHAT}: {label} is stored quantized ({key!r}) but no entry of {self.labels[1] or self.source} "
+                f"({(self.targets or [])[:8]}) targets it; the config's targets and the tensors disagree"
+            )
+
     def packed_key(self, name: str) -> str:
         return {"compressed-tensors": f"{name}.weight_packed", "mxfp4": f"{name}_blocks"}.get(
             self.method, f"{name}.weight_scale")
@@ -365,16 +395,32 @@ def _ct_scheme(q: Mapping, source: str) -> _Scheme:
             raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}].weights must be an object (num_bits, "
                              f"type, group_size, ...), got {shown}")
         bs = 16 if _CT_FORMATS[fmt] == "nvfp4" else 32
-        for k, want in (("num_bits", 4), ("type", "float"), ("group_size", bs)):
+        for k, want in (("num_bits", 4), ("type", "float"), ("group_size", bs), ("strategy", _CT_STRATEGY[fmt])):
             if k in w and w[k] != want:
                 raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}].weights.{k} is {w[k]!r}, "
-                                 f"{_CT_FORMATS[fmt]} needs {want!r}")
-        targets += _str_list(g.get("targets"), f"{source} config_groups[{gname!r}].targets")
+                                 f"{_CT_FORMATS[fmt]} ({fmt}) needs {want!r}")
+        group_targets = _str_list(g.get("targets"), f"{source} config_groups[{gname!r}].targets")
+        if "targets" in g and not group_targets:
+            raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}].targets is empty: the group quantizes no "
+                             "module, yet it is the checkpoint's quantization scheme; list the modules it targets "
+                             "(compressed-tensors writes [\"Linear\"])")
+        targets += group_targets
     if len(fmts) > 1:
         raise ValueError(f"{_WHAT}: {source}: config groups in both NVFP4 and MXFP4; autofp4 reads one format a checkpoint")
     scheme = _Scheme("compressed-tensors", _str_list(q.get("ignore"), f"{source} ignore"), targets, source,
                      fmt=fmts.pop(), labels=(f"{source} ignore", f"{source} config_groups targets"))
     return scheme
+
+
+def _warn_kv_cache(q: Mapping, source: str) -> None:
+    """A ModelOpt config asking for a quantized KV cache (``kv_cache_quant_algo``, e.g. ``"FP8"``):
+    autofp4's models keep the KV cache in the model's dtype (vLLM's plugin applies it); said once."""
+    algo = q.get("kv_cache_quant_algo")
+    if algo is None or (isinstance(algo, str) and algo.strip().upper() in ("", "NONE")):
+        return
+    warnings.warn(f"autofp4: {source}: kv_cache_quant_algo is {algo!r}, which autofp4 does not apply: the model's KV "
+                  "cache stays in the model's dtype (the checkpoint's KV cache scales are not used; autofp4's vLLM "
+                  "plugin applies it)", UserWarning, stacklevel=5)
 
 
 def _scheme(root: Path, config: Mapping) -> _Scheme:
@@ -390,6 +436,7 @@ def _scheme(root: Path, config: Mapping) -> _Scheme:
                 f"{_WHAT}: {root} has a ModelOpt {hf.name} but config.json says quant_method {qc.get('quant_method')!r}"
             )
         scheme = _modelopt_scheme(q, str(hf))
+        _warn_kv_cache(q, str(hf))
         if isinstance(qc, dict) and "quant_algo" in qc:
             try:
                 theirs = _modelopt_scheme(qc, "config.json quantization_config")
@@ -409,6 +456,7 @@ def _scheme(root: Path, config: Mapping) -> _Scheme:
         raise ValueError(f"{_WHAT}: config.json quantization_config must be an object, got {qc!r}")
     method = qc.get("quant_method")
     if method == "modelopt":
+        _warn_kv_cache(qc, "config.json quantization_config")
         return _modelopt_scheme(qc, "config.json quantization_config")
     if method == "compressed-tensors":
         return _ct_scheme(qc, "config.json quantization_config")
@@ -465,7 +513,26 @@ def from_compressed_tensors(
     return FP4Weight._build("nvfp4", weight_packed, weight_scale, gs, ins, what=what, labels=labels)
 
 
+#: the safetensors dtype a stored ``weight_scale`` must have, per FP4 format
+_SCALE_DTYPES = {"nvfp4": ("F8_E4M3", "float8_e4m3fn block scales"), "mxfp4": ("U8", "uint8 E8M0 exponents")}
+
+
+def _check_scale_dtype(t: _Tensors, scheme: _Scheme, name: str) -> None:
+    """The stored ``<name>.weight_scale`` has the dtype of ``scheme``'s format: NVFP4's E4M3 bytes
+    and MXFP4's E8M0 exponents are both one byte, so one read as the other would load silently."""
+    key = f"{name}.weight_scale"
+    if key not in t:
+        return  # named by the reader of the weight
+    got = t.stored_dtype(key)
+    want, what = _SCALE_DTYPES[scheme.fmt]
+    if got != want:
+        raise ValueError(f"{_WHAT}: tensor {key!r} in {t.root / t.file_of(key)} is stored as {got}, but "
+                         f"{scheme.source} ({scheme.fmt}) stores {what}: expected {want}")
+
+
 def _fp4_weight(t: _Tensors, scheme: _Scheme, name: str) -> FP4Weight:
+    if scheme.method != "mxfp4":
+        _check_scale_dtype(t, scheme, name)
     if scheme.method == "modelopt":
         w = load_state_dict_weight(t, name)
         if w.fmt != "nvfp4" or w.experts:
@@ -579,12 +646,9 @@ def _replace_linears(model: nn.Module, t: _Tensors, scheme: _Scheme, dtype: torc
         if not isinstance(mod, nn.Linear):
             continue
         stored_fp4 = scheme.packed_key(name) in t
-        if scheme.excluded(name, "Linear"):
-            if stored_fp4:
-                raise ValueError(
-                    f"{_WHAT}: {name!r} is excluded by {scheme.source} but stored quantized "
-                    f"({scheme.packed_key(name)!r}); the exclusion list and the tensors disagree"
-                )
+        if stored_fp4:
+            scheme.check_stored_quantized(name, "Linear", scheme.packed_key(name))
+        elif scheme.excluded(name, "Linear"):
             continue
         if not stored_fp4:
             if scheme.targeted(name, "Linear"):
@@ -675,6 +739,25 @@ def load_quantized_modules(model: nn.Module, t: _Tensors, scheme: _Scheme, dtype
     """The routed experts and linears of ``model`` that ``t`` stores in FP4 -> FP4Experts and
     FP4Linear in place; returns the names of those not excluded but stored dense."""
     return load_experts(model, t, scheme, dtype, Readers(_fp4_weight, _dense)) + _replace_linears(model, t, scheme, dtype)
+
+
+def check_dense_linears(model: nn.Module, t: _Tensors, scheme: _Scheme) -> None:
+    """For the transformers path (which loads the dense tensors itself): no linear left dense in
+    ``model`` has its ``weight`` stored as uint8 (packed FP4 bytes whose scales are missing, or
+    a module the config excludes though stored quantized), which transformers would load as the
+    layer's weight."""
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        key = f"{name}.weight"
+        if key not in t or t.stored_dtype(key) != "U8":
+            continue
+        stored = t[key]
+        t.used.discard(key)
+        shape = (mod.out_features, mod.in_features)
+        _dense(t, key, shape, torch.bfloat16)  # raises, naming the missing scale (or the uint8 weight)
+        raise ValueError(f"{_WHAT}: {key!r} is stored as uint8 {tuple(stored.shape)} (quantized?) but "
+                         f"{scheme.source} leaves its module dense")
 
 
 def _warn_dense(dense_stored: list[str], scheme: _Scheme, dtype: torch.dtype) -> None:

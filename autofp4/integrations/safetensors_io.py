@@ -38,6 +38,7 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit on a header's size
 INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -173,6 +174,13 @@ def shard_files(root: Path, what: str) -> tuple[list[Path], Optional[dict[str, s
             if not v or Path(v).name != v or v in (".", "..") or len(v.encode()) > 255:
                 raise ValueError(f"{what}: {index} lists the shard {v[:80]!r}{'...' if len(v) > 80 else ''}: a shard "
                                  f"must be a file name in {root} (no directories, no absolute paths, at most 255 bytes)")
+        single = root / SINGLE
+        if SINGLE not in names and (single.exists() or single.is_symlink()):
+            # transformers loads model.safetensors when it exists and ignores the index: the
+            # loaders would read different weights from the same folder
+            raise ValueError(f"{what}: {root} is an ambiguous checkpoint: it holds both {SINGLE} and {INDEX} "
+                             f"(which lists other shards: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); "
+                             f"transformers reads {SINGLE}, autofp4 would read the index: remove one of them")
         files = [root / v for v in names]
         for f in files:
             if not f.exists():
