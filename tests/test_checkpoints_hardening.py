@@ -27,18 +27,7 @@ from autofp4.cli import main as cli_main  # noqa: E402
 from autofp4.integrations import checkpoints as ck  # noqa: E402
 from autofp4.integrations.safetensors_io import read_header  # noqa: E402
 
-ATTN = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=64, tie_word_embeddings=False)
-
-
-def _config(kind: str):
-    if kind == "llama":
-        return transformers.LlamaConfig(**ATTN, intermediate_size=128)
-    if kind == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**ATTN, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
-                                           num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
-    return transformers.GptOssConfig(**ATTN, head_dim=16, intermediate_size=64, num_local_experts=4,
-                                     num_experts_per_tok=2, sliding_window=16)
+from tiny_models import tiny_config as _config  # noqa: E402
 
 
 def _model(kind: str, seed: int):

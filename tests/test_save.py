@@ -27,29 +27,9 @@ from autofp4.cli import main as cli_main  # noqa: E402
 from autofp4.integrations import quantize_checkpoint as qc_mod  # noqa: E402
 from autofp4.integrations.transformers import FP4Experts  # noqa: E402
 
+from tiny_models import ATTN, tiny_config as _config  # noqa: E402
+
 BF16 = torch.bfloat16
-ATTN = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=64, tie_word_embeddings=False)
-
-
-def _config(kind: str):
-    if kind == "llama":
-        return transformers.LlamaConfig(**ATTN, intermediate_size=128)
-    if kind == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**ATTN, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
-                                           num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
-    if kind == "mixtral":
-        return transformers.MixtralConfig(**ATTN, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
-    if kind == "deepseek_v3":
-        return transformers.DeepseekV3Config(**{**ATTN, "num_key_value_heads": 4}, intermediate_size=128,
-                                             moe_intermediate_size=32, first_k_dense_replace=1, n_routed_experts=8,
-                                             n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-                                             q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
-                                             qk_nope_head_dim=16, v_head_dim=16)
-    return transformers.GptOssConfig(**ATTN, head_dim=16, intermediate_size=64, num_local_experts=4,
-                                     num_experts_per_tok=2, sliding_window=16)
-
-
 KINDS = ("llama", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 #: (kind, fmt, layout): every layout each model kind supports
 CASES = [(k, f, lay) for k in KINDS if k != "gpt_oss"
