@@ -25,10 +25,15 @@ __all__ = ["explain", "free_loaded", "linear", "moe", "route"]
 _WEIGHTS: "weakref.WeakValueDictionary[tuple, FP4Weight]" = weakref.WeakValueDictionary()
 
 
+def _registry_key(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple:
+    return (data.data_ptr(), scale.data_ptr(), fmt, data.shape)
+
+
 def _register(w: FP4Weight) -> FP4Weight:
-    # An FP4Weight's tensors never change, so one registration lasts its lifetime.
+    # An FP4Weight's tensors never change (but for free_loaded, which registers it again), so one
+    # registration lasts its lifetime.
     if w.__dict__.get("_registered") is not True:
-        _WEIGHTS[(w.data.data_ptr(), w.scale.data_ptr(), w.fmt, w.data.shape)] = w
+        _WEIGHTS[_registry_key(w.data, w.scale, w.fmt)] = w
         w.__dict__["_registered"] = True
     return w
 
@@ -53,7 +58,7 @@ def free_loaded(w: FP4Weight, dtype: torch.dtype, gate_up: Optional[bool] = None
     for name, prepared in list(w._packed.items()):
         if name not in backend_names() or not get_backend(name).pack_all(prepared, dtype_name(dtype), gate_up):
             return 0
-    key = (w.data.data_ptr(), w.scale.data_ptr(), w.fmt, w.data.shape)
+    key = _registry_key(w.data, w.scale, w.fmt)
     if _WEIGHTS.get(key) is w:
         del _WEIGHTS[key]
     freed = w._free_loaded(why)
@@ -65,7 +70,7 @@ def free_loaded(w: FP4Weight, dtype: torch.dtype, gate_up: Optional[bool] = None
 def _weight_from_tensors(
     data: torch.Tensor, scale: torch.Tensor, global_scale: Optional[torch.Tensor], fmt: str
 ) -> FP4Weight:
-    w = _WEIGHTS.get((data.data_ptr(), scale.data_ptr(), fmt, data.shape))
+    w = _WEIGHTS.get(_registry_key(data, scale, fmt))
     if w is not None:
         return w
     return _register(FP4Weight(fmt, data, scale, global_scale, check_values=False))
