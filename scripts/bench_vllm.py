@@ -10,14 +10,16 @@ For each model (a config of ``examples/``: Llama-3.1-8B, Qwen3-30B-A3B), on one 
 2. **Variants**, each in a fresh process with vLLM's ``LLM`` (CUDA graphs and torch.compile on,
    vLLM's defaults; prefix caching off so that repeated prompts are computed again):
    ``bf16`` (unquantized), ``vllm-nvfp4`` (the ModelOpt checkpoint on vLLM's own NVFP4 path for
-   this GPU), ``autofp4-nvfp4`` (the same checkpoint with ``quantization="autofp4"``),
+   this GPU), ``autofp4-nvfp4`` (the same checkpoint with ``quantization="autofp4"``;
+   ``autofp4-nvfp4+lm_head``: its bf16 ``lm_head`` quantized at load too, ``AUTOFP4_VLLM_LM_HEAD=1``),
    ``autofp4-mxfp4`` / ``autofp4-online-nvfp4`` (the bf16 weights quantized at load).
 3. **Measured in each**: decode tokens/s at batch 1, 8 and 64 (128-token prompts; the time of
    136 generated tokens minus that of 8, so prefill cancels), prefill tokens/s (one 2048-token
    prompt, and eight), and the greedy outputs of 16 prompts (32 tokens, as a batch and one
    prompt at a time) with the log-probabilities of the prompt tokens.
 4. ``--serve``: ``vllm serve`` with ``--quantization autofp4`` of the ModelOpt checkpoint and of
-   the bf16 one (MXFP4 at load), each answering one OpenAI-style ``/v1/completions`` request.
+   the bf16 one (MXFP4 and NVFP4 at load; ``--serve online-nvfp4`` names which), each answering
+   one OpenAI-style ``/v1/completions`` request.
 
 Prints a table last; writes ``vllm.json`` and ``vllm.md`` to ``--out`` (default
 ``docs/results/<gpu>/``) and each variant's raw results to ``--work`` (reused by a later call unless ``--rerun``).
@@ -43,7 +45,8 @@ try:
 except ImportError:  # imported as scripts.bench_vllm
     from scripts._common import ROOT, provenance, provenance_line, require_gpu, results_dir
 
-VARIANTS = ("bf16", "vllm-nvfp4", "autofp4-nvfp4", "autofp4-mxfp4", "autofp4-online-nvfp4")
+VARIANTS = ("bf16", "vllm-nvfp4", "autofp4-nvfp4", "autofp4-mxfp4", "autofp4-online-nvfp4", "autofp4-nvfp4+lm_head")
+SERVES = ("modelopt-nvfp4", "online-mxfp4", "online-nvfp4")
 DECODE_BATCHES = (1, 8, 64)
 PROMPT_LEN, SHORT, LONG = 128, 8, 136
 PREFILL_LEN, PREFILL_BATCHES = 2048, (1, 8)
@@ -358,7 +361,8 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS[:4]), help=f"comma-separated of {', '.join(VARIANTS)}")
     ap.add_argument("--bf16-checkpoint", action="store_true",
                     help="write the bf16 checkpoint too (else the bf16 and online variants load dummy weights)")
-    ap.add_argument("--serve", action="store_true", help="also vllm serve the ModelOpt checkpoint and send a request")
+    ap.add_argument("--serve", nargs="?", const=",".join(SERVES), default="",
+                    help=f"also vllm serve and send a request: comma-separated of {', '.join(SERVES)} (default all)")
     ap.add_argument("--work", default="/tmp/bench_vllm", help="checkpoints and raw results (default /tmp/bench_vllm)")
     ap.add_argument("--out", help="folder for vllm.json / vllm.md (default docs/results/<gpu>/)")
     ap.add_argument("--rerun", action="store_true", help="measure variants whose results are in --work again")
@@ -376,6 +380,9 @@ def main() -> int:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if bad := [v for v in variants if v not in VARIANTS]:
         raise SystemExit(f"unknown variant(s) {', '.join(bad)}; known: {', '.join(VARIANTS)}")
+    serves = [s.strip() for s in args.serve.split(",") if s.strip()]
+    if bad := [s for s in serves if s not in SERVES]:
+        raise SystemExit(f"unknown --serve name(s) {', '.join(bad)}; known: {', '.join(SERVES)}")
     work = Path(args.work)
     rows, serve = [], {}
     doc = provenance()
@@ -392,8 +399,8 @@ def main() -> int:
             if (out / f"{name}.json").exists() and not args.rerun:  # measured by an earlier call
                 runs[v] = json.loads((out / f"{name}.json").read_text())
                 continue
-            d = dirs["nvfp4"] if v in ("vllm-nvfp4", "autofp4-nvfp4") else dirs["bf16"]
-            env = dict(os.environ)
+            d = dirs["nvfp4"] if v in ("vllm-nvfp4", "autofp4-nvfp4", "autofp4-nvfp4+lm_head") else dirs["bf16"]
+            env = dict(os.environ, AUTOFP4_VLLM_LM_HEAD="1" if v.endswith("+lm_head") else "0")
             if v == "autofp4-online-nvfp4":
                 env["AUTOFP4_VLLM_FORMAT"] = "nvfp4"
             elif v == "autofp4-mxfp4":
@@ -414,10 +421,12 @@ def main() -> int:
         if args.profile:
             rows.append({"model": model, "profiles": {v: r["profile"] for v, r in runs.items()}})
             continue
-        if args.serve:  # the ModelOpt checkpoint, and the bf16 one quantized to MXFP4 at load
+        if serves:  # the ModelOpt checkpoint, and the bf16 one quantized at load
             online = ("--load-format", "dummy") if not args.bf16_checkpoint else ()
-            for name, d, env, extra in (("modelopt-nvfp4", dirs["nvfp4"], None, ()),
-                                        ("online-mxfp4", dirs["bf16"], dict(os.environ, AUTOFP4_VLLM_FORMAT="mxfp4"), online)):
+            for name in serves:
+                fmt = name.rpartition("-")[2]
+                d, env, extra = ((dirs["nvfp4"], None, ()) if name == "modelopt-nvfp4"
+                                 else (dirs["bf16"], dict(os.environ, AUTOFP4_VLLM_FORMAT=fmt), online))
                 try:
                     res = serve_check(d, out, name, env, extra)
                 except Exception as e:  # reported, the measurements stand

@@ -535,6 +535,64 @@ def test_online_quantization_of_a_bf16_checkpoint(tmp_path, monkeypatch, how):
     assert torch.equal(ex.quant_method.apply(ex, x, tw, ti, None, None), reference_moe(x, w13, w2, tw, ti, "silu"))
 
 
+@pytest.mark.parametrize("how", ["env", "hf-overrides", "modelopt", "tied"])
+def test_lm_head_is_quantized_only_when_asked(tmp_path, monkeypatch, how):
+    """AUTOFP4_VLLM_LM_HEAD=1 (or "lm_head": true) quantizes the lm_head stored in the model's dtype
+    at load: online in the online format, NVFP4 beside a ModelOpt checkpoint; a tied head from the
+    embedding's weight, which the embedding keeps. vLLM's logits processor then runs it."""
+    from safetensors.torch import load_file
+
+    monkeypatch.delenv("AUTOFP4_VLLM_FORMAT", raising=False)
+    monkeypatch.setenv("AUTOFP4_VLLM_LM_HEAD", "0" if how == "hf-overrides" else "1")
+    kw, fmt = {}, "mxfp4"
+    if how == "modelopt":
+        path, _ = _modelopt_dir(tmp_path)
+        fmt = "nvfp4"
+    else:
+        path, _ = _bf16_dir(tmp_path)
+    if how == "hf-overrides":
+        kw["hf_overrides"] = {"quantization_config": {"quant_method": "autofp4", "format": "nvfp4", "lm_head": True}}
+        fmt = "nvfp4"
+    sd = load_file(str(path / "model.safetensors"))
+    if how == "tied":  # a tied checkpoint stores no lm_head
+        from safetensors.torch import save_file
+
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+        del sd["lm_head.weight"]
+        save_file(sd, str(path / "model.safetensors"))
+    vc, model = _load(path, "autofp4", monkeypatch, **kw)
+    assert vc.additional_config["autofp4"]["lm_head"] is True  # in the hash of the compiled graphs
+    head = model.lm_head
+    assert type(head.quant_method).__name__ == "AutoFP4LMHeadMethod"
+    want = autofp4.quantize(sd["model.embed_tokens.weight" if how == "tied" else "lm_head.weight"], fmt)
+    assert torch.equal(head.autofp4_packed, want.data)
+    assert torch.equal(head.autofp4_scale.view(torch.uint8), want.scale.view(torch.uint8))
+    assert [n for n, _ in head.named_parameters()] == [] and head.weight.numel() == 0
+    embed = model.model.embed_tokens.weight
+    assert embed.dtype == BF16 and torch.equal(embed, sd["model.embed_tokens.weight"])  # the embedding untouched
+    x = torch.randn(3, H, dtype=BF16)
+    logits = model.logits_processor(head, x)
+    assert torch.equal(logits, autofp4.linear(x, want))
+    ref = (x.double() @ want.dequantize().double().T).float()
+    assert (logits.float() - ref).norm() / ref.norm() < 1e-2
+
+
+def test_lm_head_stays_as_vllm_has_it_when_ignored_and_bad_values_are_refused(tmp_path, monkeypatch):
+    path, _ = _bf16_dir(tmp_path)
+    monkeypatch.setenv("AUTOFP4_VLLM_LM_HEAD", "1")
+    ov = {"quantization_config": {"quant_method": "autofp4", "ignore": ["lm_head"]}}
+    _, model = _load(path, "autofp4", monkeypatch, hf_overrides=ov)
+    assert type(model.lm_head.quant_method).__name__ == "UnquantizedLinearMethod"
+    with pytest.raises(TypeError, match="lm_head must be true or false, got 'yes'"):
+        vl.AutoFP4Config.from_config({"quant_method": "autofp4", "lm_head": "yes"})
+    monkeypatch.setenv("AUTOFP4_VLLM_LM_HEAD", "maybe")
+    with pytest.raises(ValueError, match="AUTOFP4_VLLM_LM_HEAD must be 1 or 0, got 'maybe'"):
+        vl.AutoFP4Config()
+    monkeypatch.delenv("AUTOFP4_VLLM_LM_HEAD")
+    assert vl.AutoFP4Config().lm_head is False and vl.AutoFP4Config(lm_head=True).hash_factors()["lm_head"] is True
+
+
 def test_online_quantization_checks_the_sizes_and_the_activation():
     mx = vl.AutoFP4Config(fmt="mxfp4")
     with pytest.raises(ValueError, match=r"MXFP4 requires the input size per partition \(48\) to be divisible by 32"):

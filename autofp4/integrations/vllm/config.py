@@ -14,7 +14,15 @@ Two modes, told apart by what vLLM hands :meth:`AutoFP4Config.from_config`:
   to :attr:`AutoFP4Config.fmt` after loading. The MoE router (``GateLinear``, or a layer named
   ``gate``, ``router`` or ``shared_expert_gate``), ``lm_head``, embeddings and attention stay
   as vLLM has them. ``--hf-overrides '{"quantization_config": {"quant_method": "autofp4",
-  "format": "nvfp4", "ignore": ["*.o_proj"]}}'`` also picks the format and skips layers by glob.
+  "format": "nvfp4", "ignore": ["*.o_proj"], "lm_head": true}}'`` also picks the format, skips
+  layers by glob and quantizes ``lm_head``.
+
+In both modes ``lm_head`` stays in the model's dtype unless asked (``AUTOFP4_VLLM_LM_HEAD=1`` or
+``"lm_head": true``): then it is loaded in that dtype and quantized after loading, to NVFP4 for a
+ModelOpt checkpoint and to :attr:`AutoFP4Config.fmt` online
+(:class:`~autofp4.integrations.vllm.linear.AutoFP4LMHeadMethod`). It changes the logits, so it
+is never on by default. A head tied to the embeddings is quantized as a copy (the embedding
+keeps its weight).
 
 vLLM imports are function-local where they are heavy (the linear, MoE and ModelOpt modules are
 imported by the first :meth:`get_quant_method` or ModelOpt :meth:`from_config`).
@@ -30,7 +38,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from ...problem import FORMATS
 
-__all__ = ["AutoFP4Config", "CLAIM_ENV", "FORMAT_ENV", "KEEP_ENV", "is_modelopt_nvfp4"]
+__all__ = ["AutoFP4Config", "CLAIM_ENV", "FORMAT_ENV", "KEEP_ENV", "LM_HEAD_ENV", "is_modelopt_nvfp4"]
 
 #: ``AUTOFP4_VLLM_CLAIM=1``: run every ModelOpt NVFP4 checkpoint with autofp4 unless the user
 #: names another ``--quantization``
@@ -39,6 +47,8 @@ CLAIM_ENV = "AUTOFP4_VLLM_CLAIM"
 FORMAT_ENV = "AUTOFP4_VLLM_FORMAT"
 #: 1: keep each FP4 weight's loaded tensors after its kernels' layouts are built (default 0: freed)
 KEEP_ENV = "AUTOFP4_VLLM_KEEP_LOADED"
+#: 1: quantize ``lm_head`` too (default 0: it stays in the model's dtype)
+LM_HEAD_ENV = "AUTOFP4_VLLM_LM_HEAD"
 
 _MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4")
 _ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
@@ -90,12 +100,14 @@ class AutoFP4Config(QuantizationConfig):
     ``fmt``: the format of online quantization (None: ``$AUTOFP4_VLLM_FORMAT``, default
     ``"mxfp4"``); a checkpoint is always NVFP4. ``checkpoint``: vLLM's ``ModelOptNvFp4Config``
     of a ModelOpt checkpoint, or None for online quantization. ``ignore``: glob patterns of
-    layer names that online quantization leaves in high precision.
+    layer names that online quantization leaves in high precision. ``lm_head``: quantize an
+    ``lm_head`` stored in the model's dtype at load too (None: ``$AUTOFP4_VLLM_LM_HEAD``, default off).
     """
 
     NAME = "autofp4"
 
-    def __init__(self, fmt: Optional[str] = None, checkpoint: Any = None, ignore: Any = ()) -> None:
+    def __init__(self, fmt: Optional[str] = None, checkpoint: Any = None, ignore: Any = (),
+                 lm_head: Optional[bool] = None) -> None:
         super().__init__()
         self.checkpoint = checkpoint
         if checkpoint is not None:
@@ -108,6 +120,9 @@ class AutoFP4Config(QuantizationConfig):
             raise TypeError(f"autofp4: ignore must be a list of glob patterns (str), got {ignore!r}")
         self.ignore = list(ignore)
         self.keep_loaded = _flag(KEEP_ENV)
+        if lm_head is not None and not isinstance(lm_head, bool):
+            raise TypeError(f"autofp4: lm_head must be true or false, got {lm_head!r}")
+        self.lm_head = _flag(LM_HEAD_ENV) if lm_head is None else lm_head
 
     def __repr__(self) -> str:
         mode = f"ModelOpt {self.checkpoint.quant_method}" if self.checkpoint is not None else "online"
@@ -133,14 +148,14 @@ class AutoFP4Config(QuantizationConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "AutoFP4Config":
         """A ModelOpt NVFP4 checkpoint's config, or ``{"quant_method": "autofp4", "format":
-        ..., "ignore": [...]}`` for online quantization."""
+        ..., "ignore": [...], "lm_head": bool}`` for online quantization."""
         if str(config.get("quant_method", "")).lower() == cls.NAME:
-            unknown = sorted(set(config) - {"quant_method", "format", "ignore"})
+            unknown = sorted(set(config) - {"quant_method", "format", "ignore", "lm_head"})
             if unknown:
-                raise ValueError(f"autofp4: unknown quantization_config keys {unknown} (known: format, ignore)")
+                raise ValueError(f"autofp4: unknown quantization_config keys {unknown} (known: format, ignore, lm_head)")
             fmt = config.get("format")
             return cls(fmt=None if fmt is None else _format(fmt, "quantization_config format"),
-                       ignore=config.get("ignore", ()))
+                       ignore=config.get("ignore", ()), lm_head=config.get("lm_head"))
         algo = _modelopt_algo(config)
         if algo not in _MODELOPT_ALGOS:
             raise ValueError(
@@ -184,9 +199,9 @@ class AutoFP4Config(QuantizationConfig):
 
     def hash_factors(self) -> dict:
         """What the layers this config builds depend on, beyond the checkpoint: the format, the
-        checkpoint kind, the layers left unquantized, whether loaded bytes are kept."""
+        checkpoint kind, the layers left unquantized, whether loaded bytes are kept, ``lm_head``."""
         return {"fmt": self.fmt, "checkpoint": None if self.checkpoint is None else self.checkpoint.quant_method,
-                "ignore": self.ignore, "keep_loaded": self.keep_loaded}
+                "ignore": self.ignore, "keep_loaded": self.keep_loaded, "lm_head": self.lm_head}
 
     def _key_compiled_graphs(self) -> None:
         """Put :meth:`hash_factors` in the current vLLM config's ``additional_config``.
@@ -221,15 +236,20 @@ class AutoFP4Config(QuantizationConfig):
             return ModelOptKVCacheMethod(self.checkpoint)
         if not isinstance(layer, (LinearBase, RoutedExperts, ParallelLMHead)):
             return None
-        if self._skipped(layer, prefix):
-            return None if isinstance(layer, RoutedExperts) else UnquantizedLinearMethod()
+        skipped = self._skipped(layer, prefix)
         if isinstance(layer, ParallelLMHead):
-            if self.checkpoint is None:
-                return None  # lm_head stays in the model's dtype
-            raise NotImplementedError(
-                f"autofp4: the checkpoint quantizes {prefix!r} (an lm_head), which autofp4 does not run; "
-                "serve it with --quantization modelopt_fp4"
-            )
+            if self.checkpoint is not None and not skipped:
+                raise NotImplementedError(
+                    f"autofp4: the checkpoint quantizes {prefix!r} (an lm_head), which autofp4 does not run; "
+                    "serve it with --quantization modelopt_fp4"
+                )
+            if self.lm_head and (self.checkpoint is not None or not skipped):  # stored in the model's dtype
+                from .linear import AutoFP4LMHeadMethod
+
+                return AutoFP4LMHeadMethod(self)
+            return UnquantizedLinearMethod() if skipped else None  # None: vLLM's embedding method
+        if skipped:
+            return None if isinstance(layer, RoutedExperts) else UnquantizedLinearMethod()
         if isinstance(layer, LinearBase):
             from .linear import AutoFP4ModelOptLinearMethod, AutoFP4OnlineLinearMethod
 

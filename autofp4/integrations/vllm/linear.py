@@ -9,7 +9,8 @@ checkpoints run W4A16: the activations stay bf16/fp16 and ``input_scale`` (the l
 parts') is kept on the weight as ``FP4Weight.input_scale``.
 
 :class:`AutoFP4OnlineLinearMethod` loads the weight in the model's dtype and quantizes it with
-:func:`autofp4.quantize` after loading.
+:func:`autofp4.quantize` after loading; :class:`AutoFP4LMHeadMethod` does the same for an
+``lm_head`` when asked (``AUTOFP4_VLLM_LM_HEAD=1``), and vLLM's logits processor calls it.
 
 Both keep per-rank shapes: under tensor parallelism each rank's FP4Weight is its own shard
 ``[N/tp, K]`` or ``[N, K/tp]``, and the dispatcher picks kernels for those shapes.
@@ -27,7 +28,7 @@ from ...ops import linear
 from ...weights import quantize
 from ._layer import add_param, check_divisible, check_loaded, fp4_weight, free_loaded, install, tensors, warm_up
 
-__all__ = ["AutoFP4ModelOptLinearMethod", "AutoFP4OnlineLinearMethod", "run_linear"]
+__all__ = ["AutoFP4LMHeadMethod", "AutoFP4ModelOptLinearMethod", "AutoFP4OnlineLinearMethod", "run_linear"]
 
 
 def run_linear(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -116,3 +117,15 @@ class AutoFP4OnlineLinearMethod(_FP4LinearMethod):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self._install(layer, quantize(layer.weight.data, self.quant_config.fmt), ["weight"])
+
+
+class AutoFP4LMHeadMethod(AutoFP4OnlineLinearMethod):
+    """An ``lm_head`` (vLLM's ``ParallelLMHead``, each rank's vocabulary shard, padded rows
+    zero) loaded in the model's dtype and quantized after loading to the config's format; vLLM's
+    logits processor calls :meth:`apply`. Opt-in (``AUTOFP4_VLLM_LM_HEAD=1``), since it changes
+    the logits. A head the model ties to its embeddings (:meth:`tie_weights`) is quantized from
+    the embedding's weight, which the embedding keeps in the model's dtype."""
+
+    def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module) -> torch.nn.Module:
+        layer.weight = embed_tokens.weight
+        return layer
