@@ -132,6 +132,8 @@ _ARCHS = ("sm_90a", "sm_100a")
 #: backends that run torch ops: nothing of theirs is compiled into the kernel cache
 _NOT_COMPILED = ("reference",)
 
+_LM_HEAD_HELP = ("also the lm_head (vocab_size x hidden_size; for a model that runs it in FP4: "
+                 "AUTOFP4_VLLM_LM_HEAD=1, quantize_model(..., skip=[]))")
 _LAYOUT_HELP = ("whose modules: vllm (fused qkv_proj, gate_up_proj; the default), transformers "
                 "(Hugging Face q_proj, k_proj, v_proj, gate_proj, up_proj), or both")
 
@@ -157,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
     t.add_argument("--layout", choices=LAYOUTS, default="vllm", help=_LAYOUT_HELP)
     t.add_argument("--ops", type=_ops_list, metavar="OP,...", help="only these ops' shapes: linear, moe (default: both)")
+    t.add_argument("--lm-head", action="store_true", help=_LM_HEAD_HELP)
     t.add_argument("--budget", type=_positive_int, metavar="N", help="trials per (shape, M)")
     t.add_argument("--time-budget", type=_time_budget, metavar="SECONDS",
                    help="wall-clock budget of the run, shared fairly by its jobs (default 900 on the GPU; 'none': no limit)")
@@ -232,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
     c.add_argument("--layout", choices=LAYOUTS, default="vllm", help=_LAYOUT_HELP)
     c.add_argument("--ops", type=_ops_list, metavar="OP,...", help="only these ops' shapes: linear, moe (default: both)")
+    c.add_argument("--lm-head", action="store_true", help=_LM_HEAD_HELP)
     c.add_argument("--seeds", type=_nonneg_int, default=0, metavar="N",
                    help="also each job's first N tuner seeds (what a tuning run tries first)")
     c.add_argument("--db", metavar="PATH", dest="warm_db",
@@ -416,8 +420,8 @@ def _ops_list(text: str) -> tuple[str, ...]:
 
 
 def _model_shapes(path: str, args: argparse.Namespace) -> list[Any]:
-    """The shapes of the model config at ``path`` for ``args.tp``, ``args.ep``, ``args.fmt`` and
-    ``args.layout``;
+    """The shapes of the model config at ``path`` for ``args.tp``, ``args.ep``, ``args.fmt``,
+    ``args.layout`` and ``args.lm_head``;
     any problem with the file or a field of it is a usage error (exit 2) of one line."""
     from .models import load_config, model_shapes
 
@@ -430,7 +434,7 @@ def _model_shapes(path: str, args: argparse.Namespace) -> list[Any]:
         raise _UsageError(_one_line(msg)) from None
     try:
         shapes = model_shapes(config, tp=args.tp, ep=args.ep, fmt=args.fmt,
-                              layout=getattr(args, "layout", "vllm"))
+                              layout=getattr(args, "layout", "vllm"), include_lm_head=getattr(args, "lm_head", False))
     except (ValueError, TypeError) as e:
         raise _UsageError(f"{_one_line(str(path), 300)}: {_one_line(str(e))}") from None
     ops = getattr(args, "ops", None)

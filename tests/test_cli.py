@@ -74,6 +74,16 @@ def test_dry_run(tiny, tmp_path):
     assert not db.exists()
 
 
+def test_lm_head_is_tuned_when_asked(tiny):
+    """--lm-head adds the output projection (vocab x hidden, split by --tp) to tune's shapes."""
+    rc, out, err = run(["tune", "--model", tiny, "--dry-run", "--lm-head", "--tp", "2", "--device", "cpu"])
+    assert rc == 0, err
+    rows = {line.split()[1]: line.split()[2:4] for line in out.splitlines() if line.startswith("linear")}
+    assert rows["lm_head"] == ["500", "256"] and len(rows) == 4  # qkv and down merge at tp 2
+    rc, out, err = run(["tune", "--model", tiny, "--dry-run", "--device", "cpu"])
+    assert rc == 0 and "lm_head" not in out
+
+
 def test_m_values_round_up_to_the_buckets_their_calls_use(tiny, tmp_path):
     """``--m 3`` tunes bucket 4, the bucket the dispatcher files a call at M = 3 or 4 under:
     the row then serves both (no misses); beyond 8192, the 8192 bucket (it serves every larger M)."""
