@@ -246,6 +246,27 @@ def test_a_forced_retune_starts_from_the_stored_winner(monkeypatch, tmp_path):
     assert res.backend_source == registry.get_backend("test_seeded").source_hash(res.config)
 
 
+def test_a_just_in_time_job_tries_its_ranked_first_candidates_and_nothing_beyond(monkeypatch, tmp_path):
+    """The offline tuner goes on past the default and the seeds (budget 8: eight trials); a
+    just-in-time job stops once those are tried, with its time not spent: its caller waits."""
+    from autofp4.tuning.online import OnlineTuner
+
+    _register(monkeypatch, SeededBackend)
+    rep = tune([KEY], m_buckets=[2], backends=["test_seeded"], db=tmp_path / "off.db", device="cpu",
+               progress=False, budget_per_shape=8)
+    assert rep.results[0].trials_run == 8
+    tuner = OnlineTuner("cpu", tmp_path / "jit.db", backends=["test_seeded"], workers=0)
+    try:
+        tuner.ctx.budget = 8  # as offline: the default and at most half the budget of seeds go first
+        res = tuner.tune(Job(KEY, 2))
+    finally:
+        tuner.close()
+    assert res.status == "tuned" and res.trials_run == 3
+    assert "tried its 3 ranked first candidates" in res.note
+    with TuningDB(tmp_path / "jit.db") as db:
+        assert [t.config["chunk_n"] for t in db.trials(_env_key())] == [0, 240, 208]
+
+
 class VariedBackend(SeededBackend):
     """The seeded backend whose stored winners have one variant: the next config of the grid."""
 

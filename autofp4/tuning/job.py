@@ -105,6 +105,7 @@ class JobTuner:
         self.run_s: list[float] = []  # per trial measured here: the time spent measuring it
         self.wait_s: list[float] = []  # and the time spent waiting for its compile worker
         self.stop_why = ""  # what ended the job at its share of the time (empty: it was not): said in its note
+        self.firsts_done = False  # ended having tried its ranked first candidates (ctx.firsts_only)
         self.priors = [c.ident for c in cands if c.prior]
         # the winners stored for this environment and kernel source (only a forced re-tune gets here
         # with some): a pick that was not measured against them in this run does not replace them
@@ -178,6 +179,9 @@ class JobTuner:
         while len(self.inflight) < ctx.window and not self.exhausted() and not self.late():
             if self.share_used():
                 self.stop_why = self.stop_why or self.why_share(False)
+                break
+            if ctx.firsts_only and not self.grid and not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+                self.firsts_done = True
                 break
             trial = _ask(ctx, study)
             self.asked += 1
@@ -423,6 +427,8 @@ class JobTuner:
         notes = []
         if self.stop_why:
             notes.append(f"stopped at its share of the time budget after {self.result.trials_run} trials: {self.stop_why}")
+        elif self.firsts_done:
+            notes.append(f"tried its {self.result.trials_run} ranked first candidates (just in time: no search beyond them)")
         if d_stats is None:
             winner = best
             notes.append("default config failed or was not measured")

@@ -200,3 +200,4 @@ class _Ctx:
     origin: str = "offline"  # what the rows stored say about how they were tuned (schema.Origin)
     measure_first: bool = False  # the hard stop waits for the job's first measured config (just in time)
     compile_grace_s: float | None = None  # with a result in hand, wait at most this for a compile (None: the share)
+    firsts_only: bool = False  # ask for no trial beyond the ranked first candidates (just in time: try the right few)

@@ -65,7 +65,7 @@ class OnlineTuner:
             warmup=defaults.warmup, reps=defaults.reps, deadline=None, force=False, storage=None, ask_lock=None,
             window=max(1, workers), pool=None, compile_timeout_s=defaults.trial_timeout_s, stop=threading.Event(),
             pbar=None, lock=threading.Lock(), seed=int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF,
-            reference_as_fallback=auto, claims=claims, origin="jit", measure_first=True,
+            reference_as_fallback=auto, claims=claims, origin="jit", measure_first=True, firsts_only=True,
         )
 
     def tune(self, job: Job, then: Job | Sequence[Job] | None = None) -> JobResult:
