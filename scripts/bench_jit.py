@@ -340,6 +340,9 @@ def blocking(stack: Stack, args, work: Path, offline_src) -> dict:
     return out
 
 
+TIME_PARTS = ("prepare", "setup", "compile_wait", "measure", "choose", "total")
+
+
 def jobs_summary(jobs: list[dict]) -> dict:
     """Where the just-in-time jobs' time went: their wall times in the worker (the first job of
     each shape apart: it builds the problem's weights), and how many picked other than the default."""
@@ -358,7 +361,9 @@ def jobs_summary(jobs: list[dict]) -> dict:
             "first_of_shape_s_median": statistics.median(first), "later_s_median": statistics.median(later) if later else None,
             "trials_median": statistics.median(j.get("trials_run", 0) for j in jobs), "not_default": not_default,
             "speedup_geomean": statistics.geometric_mean([j["default_us"] / j["median_us"] for j in jobs
-                                                          if j.get("median_us") and j.get("default_us")] or [1.0])}
+                                                          if j.get("median_us") and j.get("default_us")] or [1.0]),
+            # summed over the jobs (autofp4's JobResult.time_s): where a job's share went
+            "time_s": {part: sum((j.get("time_s") or {}).get(part, 0.0) for j in jobs) for part in TIME_PARTS}}
 
 
 def _moe_jobs_expected(args, shapes) -> int:
@@ -671,7 +676,9 @@ def jobs_line(js: dict) -> str:
     return (f"jobs: {js['jobs']} {js['statuses']}, wall in the worker {js['wall_s_sum']:.1f} s (median {js['wall_s_median']:.2f},"
             f" max {js['wall_s_max']:.2f}; first of a shape {js['first_of_shape_s_median']:.2f}, later {later}),"
             f" median {js['trials_median']:g} trials, {js['not_default']} picks other than the default"
-            f" (geomean {js['speedup_geomean']:.3f}x)")
+            f" (geomean {js['speedup_geomean']:.3f}x)"
+            + ("\n  the jobs' time, s: " + ", ".join(f"{k} {v:.1f}" for k, v in js["time_s"].items())
+               if js.get("time_s", {}).get("total") else ""))
 
 
 def cache_line(c: dict | None) -> str:
@@ -889,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
            "kernel_cache": str(args.kernel_cache) if args.kernel_cache else ("kept" if args.keep_kernel_cache else "cold")}
     saved = {k: os.environ.get(k) for k in _PHASE_ENV}
     try:
-        with tempfile.TemporaryDirectory(prefix="bench-jit-") as work:
+        with tempfile.TemporaryDirectory(prefix="bench-jit-", ignore_cleanup_errors=True) as work:  # compile workers may still write
             work = Path(work)
             # the rows the JIT rows are compared with: the offline phase's, else --offline-db's
             offline_src = args.offline_db.resolve() if args.offline_db else None

@@ -267,6 +267,43 @@ def test_a_just_in_time_job_tries_its_ranked_first_candidates_and_nothing_beyond
         assert [t.config["chunk_n"] for t in db.trials(_env_key())] == [0, 240, 208]
 
 
+def test_the_timing_process_keeps_the_data_of_the_problems_it_switches_between(monkeypatch):
+    """A just-in-time worker meets a model's shapes one after the other at each M: each problem's
+    random weights are built once and kept (least recently used dropped past KEEP_BYTES)."""
+    from autofp4.tuning import trial
+    from autofp4.tuning.candidates import _cfg_json
+    from autofp4.tuning.compile_pool import _spec
+
+    b = get_backend("reference")
+    monkeypatch.setattr(trial, "_DATA", trial._TrialData())
+    monkeypatch.setattr(trial, "_KEPT", trial.OrderedDict())
+
+    def run(key, m):
+        req = {"backend": b.name, "spec": _spec(b), "config": _cfg_json(b, b.default(key, m)), "key": asdict(key),
+               "m": m, "seed": 11, "device": "cpu", "warmup": 0, "reps": 1, "graph": False}
+        assert trial.run_trial(req)["outcome"] == "ok"
+        return trial._DATA.weights[0]
+
+    wa, wb = run(KEY, 1), run(KEY_B, 1)
+    assert run(KEY, 4) is wa and run(KEY_B, 2) is wb  # kept, not built again
+    assert list(trial._KEPT) == [(KEY, 11, "cpu", 0)]
+    monkeypatch.setattr(trial, "KEEP_BYTES", wa.nbytes)  # room for about one problem
+    run(dataclasses.replace(KEY, n=512), 1)  # a new problem: the kept ones dropped to make room for it
+    assert not trial._KEPT
+    rebuilt = run(KEY, 1)
+    assert rebuilt is not wa and torch.equal(rebuilt.data, wa.data)  # the same seed: the same weights
+
+
+def test_each_job_says_where_its_time_went(monkeypatch, tmp_path):
+    _register(monkeypatch, SeededBackend)
+    rep = tune([KEY], m_buckets=[2], backends=["test_seeded"], db=tmp_path / "t.db", device="cpu",
+               progress=False, budget_per_shape=4)
+    t = rep.results[0].time_s
+    assert set(t) == {"prepare", "setup", "compile_wait", "measure", "choose", "total"}
+    assert all(v >= 0 for v in t.values()) and t["measure"] > 0
+    assert t["prepare"] + t["setup"] + t["compile_wait"] + t["measure"] + t["choose"] <= t["total"] * 1.01 + 1e-3
+
+
 class VariedBackend(SeededBackend):
     """The seeded backend whose stored winners have one variant: the next config of the grid."""
 

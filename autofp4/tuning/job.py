@@ -64,6 +64,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer,
     """Tune one (key, M bucket). ``then``: the job (or jobs) expected after it on this stream; their default
     config is sent to the compile workers right after this job's first candidates."""
     key = job.key
+    started = budget._now()
     backends = _applicable(key, ctx.backends, ctx.reference_as_fallback)
     if not backends:
         why = "; ".join(f"{b.name}: {b.supports(key)}" for b in ctx.backends)
@@ -77,7 +78,7 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer,
                         _parsed(_sibling_records(problem, key, job.m), backends))
     if not cands:
         return JobResult(job, "no_valid_config", note="no valid candidate config")
-    return JobTuner(job, ctx, db, meas, backends, current, cands).run(then)
+    return JobTuner(job, ctx, db, meas, backends, current, cands, started).run(then)
 
 
 class JobTuner:
@@ -85,8 +86,9 @@ class JobTuner:
     the study, the trials in flight, what was measured here and how long measuring took."""
 
     def __init__(self, job: Job, ctx: _Ctx, db: Any, meas: _Measurer, backends: Sequence[Backend],
-                 current: Sequence[TuningRecord], cands: Sequence[_Cand]) -> None:
+                 current: Sequence[TuningRecord], cands: Sequence[_Cand], started: float | None = None) -> None:
         self.job, self.ctx, self.db, self.meas = job, ctx, db, meas
+        self.started = budget._now() if started is None else started  # when the job began (its time_s)
         self.cands = cands
         self.default = cands[0]
         self.failed = self._failed_configs(backends)
@@ -104,6 +106,7 @@ class JobTuner:
         self.measured_here: dict[str, dict[str, Any]] = {}
         self.run_s: list[float] = []  # per trial measured here: the time spent measuring it
         self.wait_s: list[float] = []  # and the time spent waiting for its compile worker
+        self.setup_s: list[float] = []  # and its one-off setup (a trial's res["setup_s"])
         self.stop_why = ""  # what ended the job at its share of the time (empty: it was not): said in its note
         self.firsts_done = False  # ended having tried its ranked first candidates (ctx.firsts_only)
         self.priors = [c.ident for c in cands if c.prior]
@@ -246,6 +249,7 @@ class JobTuner:
     def run(self, then: Job | Sequence[Job] | None = None) -> JobResult:
         """Measure the job's trials, then choose and store its winner (``then``: see
         :func:`_tune_job`). Ctrl-C gives up the trials in flight and raises :class:`_Interrupted`."""
+        t_run = budget._now()
         try:
             self.refill()
             for nxt in (then,) if isinstance(then, Job) else (then or ()):
@@ -256,7 +260,13 @@ class JobTuner:
             self._abandon()
             self.result.status = "interrupted"
             raise _Interrupted(self.result) from None
-        return self._choose()
+        t_choose = budget._now()
+        result = self._choose()
+        if self.run_s:
+            result.time_s = {"prepare": t_run - self.started, "setup": sum(self.setup_s), "compile_wait": sum(self.wait_s),
+                             "measure": sum(self.run_s), "choose": budget._now() - t_choose,
+                             "total": budget._now() - self.started}
+        return result
 
     def _step(self) -> None:
         """Measure the oldest trial in flight (or give it up: out of time, past the job's share),
@@ -324,6 +334,7 @@ class JobTuner:
         """Count the trial's time (its one-off setup aside) and stretch the share by that setup."""
         ctx = self.ctx
         setup = res.get("setup_s", 0.0)
+        self.setup_s.append(setup)
         self.run_s.append(max(0.0, budget._now() - t_ready - setup))
         ctx.trial_s.append(max(0.0, budget._now() - t_trial - setup))
         if ctx.job_deadline is not None and setup > 0:

@@ -72,6 +72,12 @@ class JobResult:
     trials_run: int = 0
     trials_failed: int = 0
     note: str = ""
+    #: where the job's time went, seconds: ``prepare`` (its stored rows, candidates and study,
+    #: before the first trial), ``setup`` (the trials' one-off data: random weights, packed
+    #: layouts, reference outputs), ``compile_wait``, ``measure`` (checking and timing, setup
+    #: aside), ``choose`` (the pick, its skewed-routing check, the row stored); empty for a job
+    #: that measured nothing
+    time_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def speedup(self) -> float | None:

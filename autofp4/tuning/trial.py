@@ -6,6 +6,7 @@ import json
 import math
 import time
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -47,7 +48,7 @@ SKEWED_TRIAL = "skewed routing"
 # one trial: data, check, time (runs in the timing process: in-process or a worker)
 # -----------------------------------------------------------------------------------------
 class _TrialData:
-    """Random weights / activations / reference outputs of the job being tuned (one at a time)."""
+    """Random weights / activations / reference outputs of one problem (its M buckets share them)."""
 
     def __init__(self) -> None:
         self.ident: tuple | None = None
@@ -57,7 +58,41 @@ class _TrialData:
         self.refs: dict[tuple[int, str, str], torch.Tensor] = {}  # (m, routing, numerics) -> reference output
 
 
-_DATA = _TrialData()
+_DATA = _TrialData()  # the problem of the latest trial
+#: the data of earlier problems, least recently used first: a just-in-time worker meets a model's
+#: shapes one after the other at each M, and rebuilding a problem's weight copies (and their packed
+#: layouts) at every switch cost a job its share of the time
+_KEPT: "OrderedDict[tuple, _TrialData]" = OrderedDict()
+#: the weight bytes the kept problems and the latest may hold on a device (their packed layouts
+#: come on top); the latest is held whatever its size
+KEEP_BYTES = 2 * 2**30
+
+
+def _data_bytes(d: _TrialData) -> int:
+    return sum(_weight_bytes(w) for w in d.weights)
+
+
+def _make_room(new_bytes: int) -> None:
+    """Drop the least recently used kept problems while they and ``new_bytes`` would exceed
+    :data:`KEEP_BYTES`."""
+    dropped = False
+    while _KEPT and sum(map(_data_bytes, _KEPT.values())) + new_bytes > KEEP_BYTES:
+        _KEPT.popitem(last=False)
+        dropped = True
+    if dropped and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _switch_data(ident: tuple) -> _TrialData:
+    """The data of ``ident`` as ``_DATA``: the kept one, else a fresh empty one; the problem
+    before it kept."""
+    global _DATA
+    if _DATA.ident == ident:
+        return _DATA
+    if _DATA.ident is not None:
+        _KEPT[_DATA.ident] = _DATA
+    _DATA = _KEPT.pop(ident, None) or _TrialData()
+    return _DATA
 
 
 def _randn(shape: tuple[int, ...], device: torch.device, gen: torch.Generator) -> torch.Tensor:
@@ -176,18 +211,17 @@ def _copies(key: ProblemKey, m: int, weight_bytes: int, device: torch.device, ex
 
 def _setup_data(key: ProblemKey, m: int, seed: int, device: torch.device, copies_hint: bool,
                 numerics: str = "w4a16", routing: str = "uniform", experts_global: int = 0) -> _TrialData:
-    d = _DATA
     ident = (key, seed, str(device), experts_global)
+    d = _switch_data(ident)
     if d.ident != ident:
-        d.ident = None
         d.weights, d.prepared, d.acts, d.refs = [], {}, {}, {}
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
         gen = torch.Generator().manual_seed(seed)
         d.weights.append(_weights_for(key, device, gen))
-        if device.type == "cuda" and copies_hint:
-            for _ in range(_copies(key, m, _weight_bytes(d.weights[0]), device, experts_global) - 1):
-                d.weights.append(_weights_for(key, device, gen))
+        one = _weight_bytes(d.weights[0])
+        n = _copies(key, m, one, device, experts_global) if device.type == "cuda" and copies_hint else 1
+        _make_room(n * one)
+        for _ in range(n - 1):
+            d.weights.append(_weights_for(key, device, gen))
         d.ident = ident
     if (m, routing) not in d.acts:
         gen = torch.Generator().manual_seed(seed * 7919 + m)
