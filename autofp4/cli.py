@@ -150,14 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tune", help="tune the GEMM / MoE shapes of a model on this GPU")
     t.add_argument("--model", metavar="CONFIG", help="Hugging Face config.json (or its folder)")
-    t.add_argument("--fmt", choices=FORMATS, default="nvfp4")
-    t.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    t.add_argument("--fmt", choices=FORMATS, help="default nvfp4")
+    t.add_argument("--dtype", choices=DTYPES, help="default bfloat16")
     t.add_argument("--m", type=_m_list, metavar="M1,M2,...",
                    help="M buckets (token counts, each rounded up to its power-of-two bucket, at most 8192); "
                         "default 1..8192 on the GPU, 1,16,128 on the CPU")
-    t.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
-    t.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
-    t.add_argument("--layout", choices=LAYOUTS, default="vllm", help=_LAYOUT_HELP)
+    t.add_argument("--tp", type=_positive_int, help="tensor-parallel size (default 1)")
+    t.add_argument("--ep", type=_positive_int, help="expert-parallel size (default 1)")
+    t.add_argument("--layout", choices=LAYOUTS, help=_LAYOUT_HELP)
     t.add_argument("--ops", type=_ops_list, metavar="OP,...", help="only these ops' shapes: linear, moe (default: both)")
     t.add_argument("--lm-head", action="store_true", help=_LM_HEAD_HELP)
     t.add_argument("--budget", type=_positive_int, metavar="N", help="trials per (shape, M)")
@@ -275,6 +275,7 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise _UsageError("tune needs --model CONFIG (a config.json) or --from-misses [FILE]")
     if args.model is not None and args.from_misses is not None:
         raise _UsageError("give either --model or --from-misses, not both")
+    _model_options(args)
     backends = _backend_names(args)
     if args.storage:
         from .tuning.claims import claim_ttl_s
@@ -296,13 +297,49 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return _tune_model(args, on_cpu, cpu_note, common, db_path, out)
 
 
+#: the options of ``tune --model`` (and their defaults), which ``--from-misses`` does not take
+_MODEL_OPTIONS = {"fmt": "nvfp4", "dtype": "bfloat16", "m": None, "tp": 1, "ep": 1, "layout": "vllm", "ops": None,
+                  "lm_head": False}
+
+
+def _model_options(args: argparse.Namespace) -> None:
+    """With ``--from-misses``, a usage error naming any option of ``--model`` given (each miss is
+    tuned as it was called: its format, dtype, M and slice); with ``--model``, their defaults."""
+    if args.from_misses is not None:
+        given = [f"--{k.replace('_', '-')}" for k in _MODEL_OPTIONS if getattr(args, k) not in (None, False)]
+        if given:
+            raise _UsageError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --model; --from-misses "
+                              "tunes each missed call as it was made (its format, dtype, M and expert slice)")
+        return
+    for k, default in _MODEL_OPTIONS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, default)
+
+
+def _device_arg(text: str | None) -> torch.device:
+    """``--device``: the device it names (default: the GPU if there is one, else the CPU); a usage
+    error for a name torch does not know or a device this machine does not have."""
+    try:
+        dev = torch.device(text) if text else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    except RuntimeError as e:
+        raise _UsageError(f"--device {text}: {_one_line(str(e))}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise _UsageError(f"--device {text}: no CUDA GPU is available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise _UsageError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    elif dev.type != "cpu":
+        raise _UsageError(f"--device {text}: autofp4 runs on cuda or cpu")
+    return dev
+
+
 def _set_db(args: argparse.Namespace) -> None:
     """``--db PATH``: the user DB of this command (a ``~user`` that cannot be expanded: exit 2)."""
     if args.db is not None:
         from . import dispatch
         from .db import expand_path
 
-        dispatch.set_db(expand_path(args.db, "--db"))
+        dispatch.set_db(expand_path(args.db, "--db", file=True))
 
 
 def _tune_device(args: argparse.Namespace) -> tuple[bool, str]:
@@ -473,7 +510,7 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
     """``autofp4 explain``: what a call of each shape (a model's, or the one given) at each M
     runs on the device, and why (the tuned row and its DB layer, or the default)."""
     from . import dispatch
-    from .problem import ProblemKey
+    from .problem import ProblemKey, shape_errors
 
     _set_db(args)
     if args.model is not None:
@@ -488,8 +525,12 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
             keys = [(ProblemKey(args.op, args.fmt, args.dtype, args.n, args.k, args.experts, args.topk), "")]
         except ValueError as e:
             raise _UsageError(str(e)) from None
+        bad = shape_errors(args.op, args.fmt, args.n, args.k)
+        if bad:
+            raise _UsageError("; ".join(f"--{f}: {why}" for f, why in bad.items()))
+    dev = _device_arg(args.device)
     try:
-        d = dispatch.get_dispatcher(args.device)
+        d = dispatch.get_dispatcher(dev)
     except (RuntimeError, ValueError) as e:
         raise _UsageError(f"--device {args.device}: {e}") from None
     for key, name in dict.fromkeys(keys):
@@ -508,9 +549,7 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .env import current_environment
 
     _set_db(args)
-    dev = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise _UsageError(f"--device {args.device}: no CUDA GPU is available")
+    dev = _device_arg(args.device)
     env = current_environment(dev)
     key = env.key()
     print(f"device:        {dev}", file=out)
@@ -659,7 +698,7 @@ def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         from .db import TuningDBError, TuningFileError, expand_path, read_records
 
         try:
-            stored = read_records(expand_path(args.warm_db, "--db"))[1]
+            stored = read_records(expand_path(args.warm_db, "--db", file=True))[1]
         except (TuningDBError, TuningFileError, OSError) as e:
             raise _UsageError(f"cannot read the tuning DB {args.warm_db}: {e}") from None
     backends = _backend_names(args) or ["sm90_w4a16"]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from .db import (
+    DANGLING_LINK,
     Difference,
     MergeReport,
     TuningDB,
@@ -130,13 +131,15 @@ def add_db_parser(subparsers: Any) -> argparse.ArgumentParser:
 # helpers
 # --------------------------------------------------------------------------------------
 def _db_path(args: argparse.Namespace) -> Path:
-    return expand_path(args.db, "--db") if getattr(args, "db", None) is not None else default_db_path()
+    return expand_path(args.db, "--db", file=True) if getattr(args, "db", None) is not None else default_db_path()
 
 
 def _not_a_file(path: Path) -> str | None:
     """Why the existing ``path`` cannot be a tuning database file (None: it is a regular file)."""
     if path.is_dir():
         return f"{path} is a directory, not a tuning database file"
+    if path.is_symlink() and not path.exists():
+        return f"{path} is {DANGLING_LINK}"
     if path.exists() and not path.is_file():
         return f"{path} is not a regular file (a device, FIFO or socket), not a tuning database"
     return None

@@ -135,13 +135,21 @@ def unusable_path(path: str | os.PathLike) -> str | None:
     return None
 
 
-def expand_path(path: str | os.PathLike, what: str) -> Path:
+#: why a symbolic link named as a tuning DB cannot be one
+DANGLING_LINK = "a symbolic link to nothing reachable (its target is missing, or the links loop)"
+
+
+def expand_path(path: str | os.PathLike, what: str, file: bool = False) -> Path:
     """``path`` with a leading ``~`` or ``~user`` expanded; :class:`TuningDBError` naming ``what``
     (the variable or option it came from) where that cannot be done (no such user, no home), or
-    where ``path`` is empty, only whitespace or holds a NUL byte (no file can have such a name)."""
+    where ``path`` is empty, only whitespace or holds a NUL byte (no file can have such a name),
+    or, for a ``file``, ends in a path separator (it names a folder)."""
     why = unusable_path(path)
+    text = os.fsdecode(os.fspath(path))
+    if why is None and file and text.endswith(("/", os.sep)):
+        why = f"it ends in {text[-1]!r}, so it names a folder; name the DB file (such as {text}tuning.db)"
     if why is not None:
-        raise TuningDBError(f"{what}={os.fsdecode(os.fspath(path))!r:.80}: {why}")
+        raise TuningDBError(f"{what}={text!r:.80}: {why}")
     try:
         return Path(path).expanduser()
     except RuntimeError:  # Path.expanduser: "Could not determine home directory."
@@ -155,7 +163,7 @@ def default_db_path() -> Path:
     (:class:`TuningDBError` naming it)."""
     env = os.environ.get("AUTOFP4_DB")
     if env:
-        return expand_path(env, "AUTOFP4_DB")
+        return expand_path(env, "AUTOFP4_DB", file=True)
     cache = os.environ.get("XDG_CACHE_HOME")
     if cache:
         return expand_path(cache, "XDG_CACHE_HOME") / "autofp4" / "tuning.db"
@@ -371,9 +379,21 @@ def unused_bucket(rec: TuningRecord) -> str | None:
     return None
 
 
+#: how far ahead of this machine's clock a record's created_at may be (another machine's clock)
+FUTURE_SLACK_S = 86400.0
+
+
 def _check_m_buckets(source: str, recs: list[TuningRecord]) -> None:
-    """:class:`TuningFileError` for the first record of ``recs`` that the dispatcher would never run."""
+    """:class:`TuningFileError` for the first record of ``recs`` that the dispatcher would never
+    run, or that claims to be made in the future (``db prune --older-than-days`` could never
+    remove it, and it would win every tie on age)."""
+    from .schema import parse_timestamp
+
+    now = time.time()
     for i, rec in enumerate(recs):
+        if parse_timestamp(rec.created_at).timestamp() > now + FUTURE_SLACK_S:
+            raise TuningFileError(f"{source}: record #{i} ({rec.describe()}) field created_at: {rec.created_at} is "
+                                  "in the future (more than a day past this machine's clock)")
         why = unused_bucket(rec)
         if why is not None:
             n = sum(unused_bucket(r) is not None for r in recs)
@@ -894,7 +914,7 @@ class TuningDB:
         this process cannot write; without a write-ahead log to fold in, the file alone is the
         whole database and can be read as an immutable file."""
         code = (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF
-        if code not in (sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY):
+        if code not in (sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY) or self._hot_journal():
             return False
         wal = self.path.with_name(self.path.name + "-wal")
         try:
@@ -902,7 +922,19 @@ class TuningDB:
         except OSError:
             return False
 
+    def _hot_journal(self) -> bool:
+        """Is a rollback journal of an unfinished transaction next to the file? Read as it is,
+        the file would show that transaction's half-written state."""
+        try:
+            return self.path.with_name(self.path.name + "-journal").stat().st_size > 0
+        except OSError:
+            return False
+
     def _open_error(self, e: sqlite3.Error) -> str:
+        if self.readonly and self._hot_journal():
+            return (f"{self.path} has an unfinished transaction (its rollback journal {self.path.name}-journal, left "
+                    "by a writer that stopped mid-write): open it once with write access (autofp4 db import or "
+                    f"merge into it, or a tuning run) to roll it back, then read it ({e})")
         if _is_readonly_error(e):
             return _readonly_message(self.path, e)
         code = (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF
@@ -1542,6 +1574,8 @@ def layer_results(env: Environment, user_path: str | Path | None = None,
                 layers.append((str(user), db.results(key, **filters)))
         except (TuningDBError, sqlite3.Error, OSError) as e:
             _warn_skip(user, e)
+    elif user.is_symlink():  # exists() is False for a link to nothing: say so, not "not created yet"
+        _warn_skip(user, OSError(DANGLING_LINK))
     try:
         files = shipped_db_files()
     except (OSError, TuningDBError) as e:

@@ -728,7 +728,7 @@ def set_db(path: str | os.PathLike | None) -> None:
                             f"got {type(path).__name__}") from None
         if why is not None:
             raise ValueError(f"set_db({path!r:.80}): {why}")
-    _DB_PATH = expand_path(path, "the tuning DB path") if path is not None else None
+    _DB_PATH = expand_path(path, "the tuning DB path", file=True) if path is not None else None
     reload()
 
 

@@ -49,14 +49,21 @@ _OFF = ("off", "0", "false", "no")
 
 def cache_dir() -> Path | None:
     """The cache directory, or ``None`` when the cache is disabled (``$AUTOFP4_KERNEL_CACHE`` is
-    ``off``, ``0``, ...). An empty ``$AUTOFP4_KERNEL_CACHE`` counts as unset (the default folder)."""
+    ``off``, ``0``, ...), a leading ``~`` expanded. An empty ``$AUTOFP4_KERNEL_CACHE`` counts as
+    unset (the default folder)."""
     env = os.environ.get("AUTOFP4_KERNEL_CACHE")
     if env:
         if not env.strip() or "\0" in env:
             why = "holds a NUL byte" if "\0" in env else "is only whitespace"
             raise ValueError(f"AUTOFP4_KERNEL_CACHE={env!r:.80}: the path {why}; name a folder, "
                              "or set it to 'off' to disable the kernel cache")
-        return None if env.strip().lower() in _OFF else Path(env)
+        if env.strip().lower() in _OFF:
+            return None
+        try:
+            return Path(env).expanduser()  # '~/kc' as AUTOFP4_DB takes it, not a folder named '~'
+        except RuntimeError:  # Path.expanduser: no such user, or no home directory
+            raise ValueError(f"AUTOFP4_KERNEL_CACHE={env!r:.80}: cannot expand its leading '~' (no such user, "
+                             "or no home directory); give the path without it") from None
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "autofp4" / "kernels"
 

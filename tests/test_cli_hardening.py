@@ -1,0 +1,142 @@
+"""Hostile arguments and files for the CLI's tune / explain / db commands and the path variables:
+each ends in one clear line naming the option, variable or file (exit 2), or is handled."""
+from __future__ import annotations
+
+import io
+import json
+import sqlite3
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from autofp4 import dispatch, kernel_cache
+from autofp4.cli import main
+from autofp4.db import TuningDB, TuningDBError, TuningDBWarning, default_db_path, load_layers
+from autofp4.env import current_environment
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "tuning_db" / "nvidia-h200.json"
+MISS = {"version": 1, "misses": [{"op": "linear", "fmt": "nvfp4", "dtype": "bfloat16", "n": 64, "k": 64, "m": 1,
+                                  "count": 1}]}
+
+
+@pytest.fixture(autouse=True)
+def _reset_db():
+    dispatch.set_db(None)
+    yield
+    dispatch.set_db(None)
+
+
+def run(argv):
+    out, err = io.StringIO(), io.StringIO()
+    rc = main([str(a) for a in argv], out=out, err=err)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _export(path: Path, n: int = 3, **change) -> Path:
+    """The first ``n`` records of the shipped export (one of them changed by ``change``)."""
+    doc = json.loads(SHIPPED.read_text())
+    doc["records"] = doc["records"][:n]
+    doc["records"][1].update(change)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize("option", [["--m", "1024"], ["--ops", "moe"], ["--fmt", "mxfp4"], ["--dtype", "float16"],
+                                    ["--tp", "2"], ["--layout", "transformers"], ["--lm-head"]])
+def test_tune_from_misses_refuses_the_options_of_a_model(tmp_path, option):
+    """A miss is tuned as it was called: an option that would change what is tuned is named, not ignored."""
+    misses = tmp_path / "m.json"
+    misses.write_text(json.dumps(MISS))
+    rc, out, err = run(["tune", "--from-misses", misses, "--db", tmp_path / "t.db", "--device", "cpu", "--dry-run",
+                        *option])
+    assert rc == 2 and f"{option[0]} goes with --model" in err and out == ""
+    rc, out, err = run(["tune", "--from-misses", misses, "--db", tmp_path / "t.db", "--device", "cpu", "--dry-run"])
+    assert rc == 0 and "linear nvfp4 bfloat16 N=64 K=64 M=1: 1 calls" in out, err
+
+
+def test_explain_refuses_a_shape_no_fp4_weight_has_and_a_device_not_here(tmp_path):
+    rc, out, err = run(["explain", "--op", "linear", "--n", "64", "--k", "63", "--db", tmp_path / "t.db"])
+    assert rc == 2 and "--k: 63 is not a multiple of nvfp4's block of 16" in err and out == ""
+    rc, _, err = run(["explain", "--op", "linear", "--n", "64", "--k", "64", "--device", "cuda:99", "--db",
+                      tmp_path / "t.db"])
+    assert rc == 2 and err.startswith("error: --device cuda:99: ") and "Traceback" not in err
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU is available" in err
+    rc, _, err = run(["explain", "--op", "linear", "--n", "64", "--k", "64", "--device", "meta", "--db", tmp_path / "t.db"])
+    assert rc == 2 and "--device meta: autofp4 runs on cuda or cpu" in err
+    rc, out, _ = run(["explain", "--op", "linear", "--n", "64", "--k", "64", "--device", "cpu", "--db", tmp_path / "t.db"])
+    assert rc == 0 and "N=64 K=64 M=1" in out
+
+
+def test_a_db_path_ending_in_a_separator_names_a_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AUTOFP4_DB", "nodir/")
+    rc, _, err = run(["db", "import", _export(tmp_path / "e.json")])
+    assert rc == 2 and "AUTOFP4_DB='nodir/': it ends in '/', so it names a folder" in err
+    assert not (tmp_path / "nodir").exists()
+    monkeypatch.delenv("AUTOFP4_DB")
+    rc, _, err = run(["db", "list", "--db", "nodir/"])
+    assert rc == 2 and "--db='nodir/'" in err and not (tmp_path / "nodir").exists()
+    with pytest.raises(TuningDBError, match="the tuning DB path='nodir/': it ends in '/', so it names a folder"):
+        dispatch.set_db("nodir/")
+    monkeypatch.setenv("AUTOFP4_DB", str(tmp_path / "ok" / "t.db"))
+    assert default_db_path() == tmp_path / "ok" / "t.db"
+
+
+def test_the_kernel_cache_variable_expands_a_leading_tilde(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", "~/kc")
+    assert kernel_cache.cache_dir() == tmp_path / "kc"
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", "~no_such_user_autofp4/kc")
+    with pytest.raises(ValueError, match="AUTOFP4_KERNEL_CACHE='~no_such_user_autofp4/kc': cannot expand"):
+        kernel_cache.cache_dir()
+
+
+def test_a_db_that_is_a_symlink_loop_is_named(tmp_path, monkeypatch):
+    loop = tmp_path / "loop.db"
+    loop.symlink_to(loop)
+    rc, _, err = run(["db", "list", "--db", loop])
+    assert rc == 2 and "loop.db is a symbolic link to nothing reachable" in err
+    rc, _, err = run(["db", "import", _export(tmp_path / "e.json"), "--db", loop])
+    assert rc == 2 and "symbolic link to nothing reachable" in err
+    env = current_environment(torch.device("cpu"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_layers(env, loop)  # what the dispatcher reads: the layer skipped, and said why
+    assert any(issubclass(w.category, TuningDBWarning) and "symbolic link to nothing reachable" in str(w.message)
+               for w in caught)
+
+
+def test_an_import_dated_in_the_future_is_refused(tmp_path):
+    db = tmp_path / "t.db"
+    rc, _, err = run(["db", "import", _export(tmp_path / "e.json", created_at="2099-01-01T00:00:00.000000Z"), "--db", db])
+    assert rc == 2 and "record #1" in err and "created_at: 2099-01-01T00:00:00.000000Z is in the future" in err
+    with TuningDB(db, readonly=True) as t:
+        assert t.results() == []  # nothing of the file written
+    rc, out, err = run(["db", "import", _export(tmp_path / "ok.json"), "--db", db])
+    assert rc == 0 and "3 added" in out, err
+
+
+def test_a_db_left_mid_transaction_is_not_read_half_written(tmp_path):
+    """A writer that died mid-transaction leaves a rollback journal; a read-only open must not show
+    its half-written state as the database: it says so, and a write open rolls it back."""
+    db = tmp_path / "j.db"
+    rc, _, err = run(["db", "import", _export(tmp_path / "e.json"), "--db", db])
+    assert rc == 0, err
+    crash = ("import sqlite3, os, sys\n"
+             "c = sqlite3.connect(sys.argv[1]); c.execute('pragma journal_mode=delete'); c.execute('pragma cache_size=1')\n"
+             "c.execute('begin'); c.execute('delete from results'); c.execute('create table junk(x)')\n"
+             "c.executemany('insert into junk values (?)', [(b'x' * 4000,) for _ in range(50)]); os._exit(0)\n")
+    subprocess.run([sys.executable, "-c", crash, str(db)], check=True)
+    assert (tmp_path / "j.db-journal").stat().st_size > 0
+    rc, out, err = run(["db", "list", "--db", db])
+    assert rc == 2 and "unfinished transaction" in err and "j.db-journal" in err and "0 results" not in out
+    with sqlite3.connect(db) as conn:  # a write open: SQLite rolls the transaction back
+        assert conn.execute("select count(*) from results").fetchone()[0] == 3
+    rc, out, err = run(["db", "list", "--db", db])
+    assert rc == 0 and "3 results" in out, err
