@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ops", type=_ops_list, metavar="OP,...", help="only these ops' shapes: linear, moe (default: both)")
     c.add_argument("--lm-head", action="store_true", help=_LM_HEAD_HELP)
     c.add_argument("--seeds", type=_nonneg_int, default=0, metavar="N",
-                   help="also each job's first N tuner seeds (what a tuning run tries first)")
+                   help="also each job's first N tuner seeds and the winners other shapes keep at its M (what a tuning run tries first)")
     c.add_argument("--db", metavar="PATH", dest="warm_db",
                    help="also the winners stored in this tuning DB or export (e.g. tuning_db/nvidia-h200.json) "
                         "for the model's jobs: what the dispatcher runs, and what a re-tune tries first")

@@ -793,6 +793,26 @@ def _export_index(path: Path) -> _ExportIndex:
     return index
 
 
+def shipped_raw_winners(op: str, dtype: str, m_bucket: int) -> list[dict]:
+    """The raw records of every shipped export (every environment's: other GPUs' winners too) of
+    ``op``, ``dtype`` and ``m_bucket``, as stored (not validated: a caller parses what it uses);
+    an export that cannot be read is left out (the dispatcher's layers warn about it)."""
+    out: list[dict] = []
+    try:
+        files = shipped_db_files()
+    except (OSError, TuningDBError):
+        return out
+    for f in files:
+        try:
+            index = _export_index(f)
+        except (TuningFileError, OSError):
+            continue
+        for items in index.by_env.values():
+            out += [rec for _, rec in items
+                    if rec.get("op") == op and rec.get("dtype") == dtype and rec.get("m_bucket") == m_bucket]
+    return out
+
+
 def _read_export_for_env(path: Path, env_key: str, problem: Any = None) -> list[TuningRecord]:
     """The records of ``env_key`` in an export (of one ``problem`` only: a
     :class:`~autofp4.problem.ProblemKey`; None: all); records of other environments and

@@ -46,18 +46,19 @@ CPU machine, for the GPU run::
     AUTOFP4_KERNEL_CACHE=out/jitcache-llama autofp4 cache --warm examples/llama-3.1-8b.json \\
         --fmt nvfp4 --ops linear --m 1,2,4,8,16,32,64,128,256,512 --seeds 15 --arch sm_90a --workers 2
 
-What ``--seeds`` covers: with an empty DB and no shipped rows a just-in-time job's first
-candidates (``tuning.candidates._first_candidates``, enqueued ahead of optuna's sampling, at most
-16: half the 32-trial budget) are the backend's default, the rows this run stored for the same
-problem at the nearest M buckets below and above (configs an earlier job of the run compiled
-already), then every seed of ``sm90_w4a16.seeds(key, M)``: 10 to 15 of them for Llama-3.1-8B's
-jobs at M = 1..512, 6 to 14 for Qwen3-30B-A3B's MoE at T = 1..256. So ``--seeds 15`` covers all
-a job tries before the sampling (261 kernel configs for Llama-3.1-8B at M = 1..512, 296 kernels,
-14 MiB, 6 minutes on 2 CPU cores; 35 configs for Qwen3's MoE at T = 1..256, 129 kernels, 8 MiB;
-the configs sampled after them cannot be warmed); ``--seeds N`` covers the default and the first
-N seeds. A blocking job that has measured a config waits at most 0.25 s for another compile, so
-with a cold cache it measures mostly what the compile workers finished meanwhile, and with a
-warmed one it stops at the first sampled config not in the cache.
+**Shipped rows**: every phase sees the repository's exports without the rows of the model's own
+problems (``--shipped others``; ``none``: no shipped rows): what a user of a model the DB does
+not cover has, the winners of other shapes, which its jobs try first.
+
+What ``--seeds`` covers: a just-in-time job tries its first candidates
+(``tuning.candidates._first_candidates``, at most 16: half the 32-trial budget) and searches no
+further: the backend's default, the rows this run stored for the same problem at the nearest M
+buckets, up to four winners of other problems at its M (this run's rows, the shipped rows of
+other shapes, nearest first), then the seeds of ``sm90_w4a16.seeds(key, M)`` (10 to 15 for
+Llama-3.1-8B's jobs at M = 1..512, 6 to 14 for Qwen3-30B-A3B's MoE at T = 1..256). ``cache --warm
+--seeds 15`` compiles the default, the shipped winners of other shapes and every seed (without
+the rows a run stores as it goes); ``--seeds N`` the first N seeds. A blocking job that has
+measured a config waits at most 0.25 s for another compile.
 
 A forward pass runs every layer of the model once, eagerly: ``autofp4.linear`` on an [M, K]
 input for each linear layer, and for a MoE model ``autofp4.moe`` on an [M, hidden] input with
@@ -263,7 +264,7 @@ def _usable_kernels(d: Path, device: torch.device) -> dict:
 def fresh(work: Path, name: str, args) -> dict:
     """A fresh tuning DB (and kernel cache, where the tuning processes started from now on
     compile) in ``work`` for the phase ``name``; what the kernel cache holds, as reported."""
-    os.environ["AUTOFP4_SHIPPED_DB"] = str(work / "no-shipped")  # the shipped rows would be hits
+    os.environ["AUTOFP4_SHIPPED_DB"] = str(_shipped_others(work, args))
     dispatch.set_db(work / f"{name}.db")
     if args.keep_kernel_cache:
         return {"state": "kept", "dir": os.environ.get("AUTOFP4_KERNEL_CACHE")}
@@ -277,6 +278,27 @@ def fresh(work: Path, name: str, args) -> dict:
     kernels, size = _cache_files(d)
     return {"state": "warmed", "from": str(args.kernel_cache), "kernels": kernels, "mib": round(size / 2**20, 2),
             **_usable_kernels(d, torch.device(args.device))}
+
+
+def _shipped_others(work: Path, args) -> Path:
+    """The shipped rows a phase's dispatcher and tuner see: with ``--shipped others`` (the
+    default) the repository's exports without the rows of the model's own problems (those would
+    be hits), as a user of a model the DB does not cover has them: the winners of other shapes,
+    which a just-in-time job tries first; with ``--shipped none``, none."""
+    which = getattr(args, "shipped", "others")
+    d = work / f"shipped-{which}"
+    if d.is_dir():
+        return d
+    d.mkdir(parents=True)
+    if which == "none":
+        return d
+    for f in sorted((ROOT / "tuning_db").glob("*.json")):
+        doc = json.loads(f.read_text())
+        own = getattr(args, "own_problems", set())
+        doc["records"] = [r for r in doc["records"]
+                          if (r["op"], r["n"], r["k"], r.get("experts", 0), r.get("topk", 0)) not in own]
+        (d / f.name).write_text(json.dumps(doc))
+    return d
 
 
 def _compiled_since(cache: dict) -> None:
@@ -835,6 +857,9 @@ def parse(argv: list[str] | None):
                         " decodes with them instead of tuning, and the JIT rows are compared with them")
     p.add_argument("--phases", default=",".join(PHASES),
                    help="the phases to run, comma-separated (each fits a shorter run; default: all)")
+    p.add_argument("--shipped", choices=("others", "none"), default="others",
+                   help="shipped rows the phases see: the repository's without the model's own problems "
+                        "(default), or none")
     p.add_argument("--kernel-cache", type=Path, metavar="DIR",
                    help="the blocking and background phases start from a copy of this kernel cache (warmed ahead"
                         " by `autofp4 cache --warm`; default: an empty one)")
@@ -887,6 +912,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{model_name} has no {' or '.join(args.ops)} layers")
     copies = args.layers or (1 if dev.type == "cpu" else config["num_hidden_layers"])
     has_moe = any(s.op == "moe" for s in shapes)
+    args.own_problems = {(k.op, k.n, k.k, k.experts, k.topk) for k in (s.problem_key(f, d) for s in shapes
+                                                                     for f in ("nvfp4", "mxfp4")
+                                                                     for d in ("bfloat16", "float16"))}
     stack = Stack(shapes, copies, args.fmt, dev, args.moe_layers)
     out = results_dir(args.out, dev)
     doc = {**provenance(dev), "model": model_name, "ops": list(args.ops),

@@ -308,3 +308,16 @@ def test_a_warmed_kernel_cache_is_copied_for_the_jit_phases(tmp_path, monkeypatc
     with pytest.raises(SystemExit):
         B.parse(["--device", "cpu", "--ops", "attention"])
     assert B.parse(["--device", "cpu", "--ops", "moe,linear"]).ops == ("linear", "moe")
+
+
+def test_the_phases_see_the_shipped_rows_of_other_shapes_only(tmp_path):
+    """A user of a model the DB does not cover has the winners of other shapes (which its jobs try
+    first), not rows of its own shapes (hits: nothing to tune)."""
+    own = {("linear", 6144, 4096, 0, 0)}
+    d = B._shipped_others(tmp_path, _args(shipped="others", own_problems=own))
+    shipped = json.loads((B.ROOT / "tuning_db" / "nvidia-h200.json").read_text())["records"]
+    kept = json.loads((d / "nvidia-h200.json").read_text())["records"]
+    mine = [r for r in shipped if (r["op"], r["n"], r["k"], r["experts"], r["topk"]) in own]
+    assert mine and len(kept) == len(shipped) - len(mine)
+    assert not any((r["op"], r["n"], r["k"], r["experts"], r["topk"]) in own for r in kept)
+    assert not list(B._shipped_others(tmp_path, _args(shipped="none")).iterdir())

@@ -304,6 +304,42 @@ def test_each_job_says_where_its_time_went(monkeypatch, tmp_path):
     assert t["prepare"] + t["setup"] + t["compile_wait"] + t["measure"] + t["choose"] <= t["total"] * 1.01 + 1e-3
 
 
+def test_a_new_shape_first_tries_what_won_other_shapes_at_its_m(monkeypatch, tmp_path):
+    """A shape nobody tuned tries, right after its default, the winners of other problems at its M
+    bucket: the DB's (the nearest shape first) and the shipped exports' of any GPU; so does the
+    kernel-cache warm-up."""
+    from autofp4.tuning import warm_kernel_cache
+
+    _register(monkeypatch, SeededBackend)
+    kw = dict(backends=["test_seeded"], device="cpu", progress=False, budget_per_shape=6)
+    near, far = dataclasses.replace(KEY, n=512), dataclasses.replace(KEY, n=4096, k=2048)
+    shipped = tmp_path / "shipped.db"
+    assert tune([far], m_buckets=[2], db=shipped, **kw).results[0].status == "tuned"
+    with sqlite3.connect(shipped) as conn:  # a winner no seed and no default would find first
+        conn.execute("""UPDATE results SET config = '{"chunk_n": 112}'""")
+    export = tmp_path / "other-gpu.json"
+    with TuningDB(shipped) as db:
+        db.export(export)
+    monkeypatch.setenv("AUTOFP4_SHIPPED_DB", str(export))
+    path = tmp_path / "t.db"
+    assert tune([near], m_buckets=[2, 16], db=path, **kw).results[0].status == "tuned"
+    with sqlite3.connect(path) as conn:
+        conn.execute("""UPDATE results SET config = '{"chunk_n": 176}' WHERE m_bucket = 2""")
+        conn.execute("""UPDATE results SET config = '{"chunk_n": 144}' WHERE m_bucket = 16""")
+    assert tune([KEY], m_buckets=[2], db=path, **kw).results[0].status == "tuned"
+    with TuningDB(path) as db:
+        first = [t.config["chunk_n"] for t in db.trials(_env_key(), m=2) if t.n == KEY.n]  # oldest first
+    assert first[:3] == [0, 176, 112]  # default, the nearest shape's winner at M = 2, then the other GPU's
+    assert 144 not in first[:3]  # another M bucket's winner of another shape is no first guess
+
+    compiled = []
+    monkeypatch.setattr(warm, "_compile_only", lambda req: compiled.append(json.loads(req["config"])) or None)
+    with TuningDB(path) as db:
+        stored = db.results(_env_key())
+    warm_kernel_cache([Job(dataclasses.replace(KEY, n=1024), 2)], ["test_seeded"], seeds=1, progress=False, stored=stored)
+    assert {"chunk_n": 176} in compiled and {"chunk_n": 112} in compiled
+
+
 class VariedBackend(SeededBackend):
     """The seeded backend whose stored winners have one variant: the next config of the grid."""
 

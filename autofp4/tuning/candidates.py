@@ -58,6 +58,58 @@ def _sibling_records(recs: Iterable[TuningRecord], key: ProblemKey, m: int) -> l
     return out
 
 
+#: winners of other problems a job tries first (after its own and its neighbours')
+OTHER_PROBLEM_WINNERS = 4
+
+
+def _other_problem_winners(recs: Iterable[TuningRecord], key: ProblemKey, m: int, backends: Sequence[Backend],
+                           limit: int = OTHER_PROBLEM_WINNERS) -> list[tuple[Backend, BackendConfig]]:
+    """Up to ``limit`` distinct configs, valid for ``key``, that won other problems of the same op
+    and dtype at the same M bucket: among ``recs`` (rows of any environment) and the shipped
+    exports' rows (other GPUs' too), the same format first, then the shapes nearest to ``key`` (N,
+    K and experts on a log scale). A shape nobody tuned starts from what won its neighbours, not
+    only from the seeds."""
+    import math
+
+    from ..db import shipped_raw_winners
+
+    by_name = {b.name: b for b in backends}
+    rows = [(r.backend, r.config, r.fmt, r.n, r.k, r.experts, r.topk) for r in recs
+            if (r.op, r.dtype, r.m_bucket) == (key.op, key.dtype, m)]
+    for r in shipped_raw_winners(key.op, key.dtype, m):
+        try:
+            rows.append((r["backend"], dict(r["config"]), r["fmt"], int(r["n"]), int(r["k"]), int(r.get("experts", 0)),
+                         int(r.get("topk", 0))))
+        except (KeyError, TypeError, ValueError):
+            continue
+
+    def far(a: int, b: int) -> float:
+        return abs(math.log2(max(a, 1) / max(b, 1)))
+
+    scored = []
+    for backend, config, fmt, n, k, experts, topk in rows:
+        if backend not in by_name or (n, k, experts, topk) == (key.n, key.k, key.experts, key.topk):
+            continue  # the same problem's rows are its own or its siblings
+        scored.append(((fmt != key.fmt, far(n, key.n) + far(k, key.k) + far(experts, key.experts)), backend, config))
+    scored.sort(key=lambda t: t[0])
+    out: list[tuple[Backend, BackendConfig]] = []
+    seen: set[str] = set()
+    for _, backend, config in scored:
+        b = by_name[backend]
+        try:
+            cfg = b.parse_config(config)
+        except (TypeError, ValueError):
+            continue
+        ident = _cfg_json(b, cfg)
+        if ident in seen or b.is_valid(cfg, key) is not None:
+            continue
+        seen.add(ident)
+        out.append((b, cfg))
+        if len(out) == limit:
+            break
+    return out
+
+
 def _first_candidates(
     key: ProblemKey, m: int, backends: Sequence[Backend], stored: Sequence[tuple[Backend, BackendConfig]] = (),
     seeds: int | None = None, siblings: Sequence[tuple[Backend, BackendConfig]] = (),
@@ -65,8 +117,8 @@ def _first_candidates(
     """The configs a job tries before any search, in order, valid ones only (repeats possible):
     the first backend's default, the ``stored`` winners of an earlier run (a re-tune starts from
     them), each followed by its backend's ``variants`` of it, the winners of neighbouring jobs
-    (``siblings``: :func:`_sibling_records`), the other backends' defaults, then each backend's
-    seeds (its first ``seeds``)."""
+    (``siblings``: :func:`_sibling_records`, then :func:`_other_problem_winners`), the other
+    backends' defaults, then each backend's seeds (its first ``seeds``)."""
     defaults = list(_valid_defaults(key, m, backends))
     yield from defaults[:1]
     for b, cfg in stored:

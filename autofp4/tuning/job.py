@@ -15,7 +15,8 @@ from ..schema import TuningRecord
 from ..timing import TimingStats, faster_beyond_noise
 from . import budget
 from .budget import _out_of_time, setup_cap, trial_estimate
-from .candidates import _Cand, _applicable, _candidates, _cfg_json, _parsed, _sibling_records, _stored_results
+from .candidates import (_Cand, _applicable, _candidates, _cfg_json, _other_problem_winners, _parsed, _sibling_records,
+                         _stored_results)
 from .compile_pool import _compile_only, _prefetch_default, _request, _short_error
 from .jobs import Job, JobResult, _Ctx
 from .measurer import _Measurer
@@ -74,8 +75,9 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer,
         return JobResult(job, "skipped", note="already tuned for this environment")
     if current and ctx.started_at and any(r.created_at >= ctx.started_at for r in current):
         return JobResult(job, "skipped", note="tuned by another run since this one started")
-    cands = _candidates(key, job.m, backends, _parsed(current + stale, backends),
-                        _parsed(_sibling_records(problem, key, job.m), backends))
+    others = db.results(None, op=key.op, dtype=key.dtype, m_bucket=job.m, backend=[b.name for b in backends])
+    siblings = _parsed(_sibling_records(problem, key, job.m), backends) + _other_problem_winners(others, key, job.m, backends)
+    cands = _candidates(key, job.m, backends, _parsed(current + stale, backends), siblings)
     if not cands:
         return JobResult(job, "no_valid_config", note="no valid candidate config")
     return JobTuner(job, ctx, db, meas, backends, current, cands, started).run(then)

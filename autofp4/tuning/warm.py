@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 from ..backends import get_backend
 from ..schema import TuningRecord
 from . import budget
-from .candidates import _first_candidates, _parsed, _sibling_records
+from .candidates import _first_candidates, _other_problem_winners, _parsed, _sibling_records
 from .compile_pool import _compile_only, _pool_init, _spec
 from .jobs import Job
 
@@ -32,8 +32,9 @@ def warm_kernel_cache(
     progress: bool = True, stored: Iterable[TuningRecord] = (),
 ) -> WarmReport:
     """Compile each job's default config, the winners ``stored`` for it (rows of a tuning DB,
-    from any machine; also those of an older kernel source, which a re-tune tries again) and its
-    first ``seeds`` seeds of the named backends into the disk kernel cache, in ``workers``
+    from any machine; also those of an older kernel source, which a re-tune tries again) and, with
+    ``seeds``, the winners of other shapes at its M (``stored`` and shipped) and its first ``seeds``
+    seeds of the named backends into the disk kernel cache, in ``workers``
     processes, without a GPU when ``arch`` names the target (``sm_90a``): what a re-tune tries
     first, and with the shipped DB, what the dispatcher runs. An inference server or a tuning run on that GPU then
     loads the kernels instead of compiling them. Configs shared by several jobs compile once."""
@@ -56,8 +57,10 @@ def warm_kernel_cache(
         k = job.key
         usable = [b for b in chosen if b.supports(k) is None]
         recs = by_job.get((k.op, k.fmt, k.dtype, k.n, k.k, k.experts, k.topk, job.m), [])
-        near = [r for rs in by_env.values() for r in _sibling_records(rs, k, job.m)]
-        for c in _first_candidates(k, job.m, usable, _parsed(recs, usable), seeds, _parsed(near, usable)):
+        near = _parsed([r for rs in by_env.values() for r in _sibling_records(rs, k, job.m)], usable)
+        if seeds:  # what a job tries before its seeds, beside its own rows: other shapes' winners
+            near += _other_problem_winners([r for rs in by_env.values() for r in rs], k, job.m, usable)
+        for c in _first_candidates(k, job.m, usable, _parsed(recs, usable), seeds, near):
             ident = f"{c.ident}:{sorted(asdict(k).items())}"
             reqs.setdefault(ident, {"backend": c.backend.name, "spec": _spec(c.backend), "config": c.config_json,
                                     "key": asdict(k)})
