@@ -372,17 +372,37 @@ def _check_topk(topk_key: str, topk: int, experts_key: str, experts: int) -> Non
         )
 
 
+#: the fields of the dtype a config was saved in (transformers reads them as ``getattr(torch, value)``)
+_DTYPE_KEYS = ("torch_dtype", "dtype")
+
+
+def _check_dtype_field(key: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, str) and not value.startswith("_"):
+        import torch
+
+        if isinstance(getattr(torch, value, None), torch.dtype):
+            return
+    raise ValueError(
+        f"config field {key!r} must name a torch dtype (such as 'bfloat16' or 'float16'), got {_show(value)}"
+    )
+
+
 def check_buildable(config: Mapping[str, Any]) -> None:
     """What a loader checks beyond :func:`check_limits` before transformers builds a model from
-    ``config`` (or its ``text_config``): ``head_dim``, where set, is positive, and no MoE routes a
+    ``config`` (or its ``text_config``): ``head_dim``, where set, is positive, no MoE routes a
     token to more experts than it has (``num_experts_per_tok`` <= ``num_local_experts`` /
-    ``num_experts`` / ``n_routed_experts``); ``ValueError`` naming the fields otherwise."""
+    ``num_experts`` / ``n_routed_experts``), and ``torch_dtype`` / ``dtype``, where set, name a
+    torch dtype; ``ValueError`` naming the fields otherwise."""
     def ints(part: Mapping[str, Any], keys: Sequence[str]) -> list[tuple[str, int]]:
         return [(k, part[k]) for k in keys if isinstance(part.get(k), int) and not isinstance(part[k], bool)]
 
     for part in (config, config.get("text_config")):
         if not isinstance(part, Mapping):
             continue
+        for key in _DTYPE_KEYS:
+            _check_dtype_field(key, part.get(key))
         for key, value in ints(part, _POSITIVE_TO_BUILD):
             if value <= 0:
                 raise ValueError(

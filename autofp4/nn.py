@@ -32,6 +32,27 @@ class FP4Buffers(nn.Module):
                 self._buffers[name] = old.to(new.device)
         return out
 
+    # torch's plain pickle cannot load an FP8 tensor back (its torch.save can): the E4M3 block
+    # scales are pickled as their uint8 bytes and viewed back when loaded (see FP4Weight.__getstate__)
+    def __getstate__(self):
+        state = super().__getstate__()
+        fp8 = [n for n, t in self._buffers.items() if t is not None and t.dtype == torch.float8_e4m3fn]
+        if fp8:
+            buffers = state["_buffers"] = type(self._buffers)(self._buffers)
+            for name in fp8:
+                buffers[name] = buffers[name].view(torch.uint8)
+            state["_autofp4_fp8_buffers"] = fp8
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        fp8 = state.pop("_autofp4_fp8_buffers", ())
+        if fp8:
+            buffers = state["_buffers"] = type(state["_buffers"])(state["_buffers"])
+            for name in fp8:
+                buffers[name] = buffers[name].view(torch.float8_e4m3fn)
+        super().__setstate__(state)
+
 
 class FP4Linear(FP4Buffers):
     """A linear layer whose weight is stored in NVFP4 or MXFP4.

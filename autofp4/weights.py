@@ -334,11 +334,21 @@ class FP4Weight:
     def __getstate__(self) -> dict[str, Any]:
         """What a copy or a pickle keeps: the format and the tensors. The prepacked forms and the
         runners ``autofp4.linear`` cached on this instance (which hold locks and device state)
-        are built again on the copy's first use."""
+        are built again on the copy's first use. An FP8 (NVFP4) scale is kept as its uint8 bytes,
+        viewed back when loaded: torch's plain pickle cannot load an FP8 tensor back (its
+        torch.save can; both work with this)."""
         self._require_loaded("a copy or pickle")
-        return {k: self.__dict__[k] for k in ("fmt", "data", "scale", "global_scale", "input_scale")}
+        state = {k: self.__dict__[k] for k in ("fmt", "data", "scale", "global_scale", "input_scale")}
+        scale = state["scale"]
+        if isinstance(scale, torch.Tensor) and scale.dtype == torch.float8_e4m3fn:
+            state["scale"] = scale.view(torch.uint8)
+            state["scale_dtype"] = "float8_e4m3fn"
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        if state.pop("scale_dtype", None) == "float8_e4m3fn":
+            state["scale"] = state["scale"].view(torch.float8_e4m3fn)
         self.__dict__.update(state)
         self._packed = {}
 

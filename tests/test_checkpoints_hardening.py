@@ -366,8 +366,11 @@ def test_overwrite_replaces_only_a_previous_output(tmp_path, seed, monkeypatch):
         autofp4.save_pretrained(model, out, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "notes.txt", "sub"]
     (out / "sub").rmdir()
+    with pytest.raises(FileExistsError, match=r"not part of a checkpoint \('notes.txt'\)"):  # never deleted (NS02)
+        autofp4.save_pretrained(model, out, overwrite=True)
+    (out / "notes.txt").unlink()
     autofp4.save_pretrained(model, out, overwrite=True)  # a quantized checkpoint: replaced
-    assert (out / "model.safetensors").is_file() and not (out / "notes.txt").exists()
+    assert (out / "model.safetensors").is_file()
     autofp4.save_pretrained(model, out, overwrite=True)  # autofp4's own output: replaced again
     # never the working directory (or one holding it), nor the home directory
     monkeypatch.chdir(out)

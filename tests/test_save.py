@@ -302,9 +302,13 @@ def test_bad_input_is_refused_clearly(tmp_path):
     assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["keep.txt"]
     (tmp_path / "full" / "keep.txt").unlink()
     autofp4.save_pretrained(model, tmp_path / "full")
-    (tmp_path / "full" / "notes.txt").write_text("mine")
+    (tmp_path / "full" / "notes.txt").write_text("mine")  # a previous output holding a file of the user's: kept
+    with pytest.raises(FileExistsError, match=r"holds 1 file that is not part of a checkpoint \('notes.txt'\)"):
+        autofp4.save_pretrained(model, tmp_path / "full", overwrite=True)
+    assert (tmp_path / "full" / "notes.txt").read_text() == "mine"
+    (tmp_path / "full" / "notes.txt").unlink()
     autofp4.save_pretrained(model, tmp_path / "full", overwrite=True)
-    assert not (tmp_path / "full" / "notes.txt").exists() and (tmp_path / "full" / "model.safetensors").is_file()
+    assert (tmp_path / "full" / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]  # no temporary directory left
 
 

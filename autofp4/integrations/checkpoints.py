@@ -388,17 +388,22 @@ def _ct_scheme(q: Mapping, source: str) -> _Scheme:
             )
         fmts.add(_CT_FORMATS[fmt])
         w = g.get("weights")
-        if w is None:
-            w = {}
+        if w is None:  # compressed-tensors reads a missing or null weights as no weight quantization
+            raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}].weights is "
+                             f"{'null' if 'weights' in g else 'missing'}: the group quantizes no weights, yet its "
+                             f"format {fmt!r} stores them packed in FP4; give it the weights' scheme (num_bits 4, "
+                             "type float, ...) or leave its layers out of the checkpoint's quantized ones")
         if not isinstance(w, dict):
             shown = repr(w) if len(repr(w)) <= 80 else f"a {type(w).__name__}"
             raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}].weights must be an object (num_bits, "
                              f"type, group_size, ...), got {shown}")
         bs = 16 if _CT_FORMATS[fmt] == "nvfp4" else 32
-        for k, want in (("num_bits", 4), ("type", "float"), ("group_size", bs), ("strategy", _CT_STRATEGY[fmt])):
+        for k, want in (("num_bits", 4), ("type", "float"), ("group_size", bs), ("strategy", _CT_STRATEGY[fmt]),
+                        ("symmetric", True)):  # FP4 weights are symmetric: no zero points
             if k in w and w[k] != want:
+                why = " (an asymmetric scheme has zero points, which FP4 weights have not)" if k == "symmetric" else ""
                 raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}].weights.{k} is {w[k]!r}, "
-                                 f"{_CT_FORMATS[fmt]} ({fmt}) needs {want!r}")
+                                 f"{_CT_FORMATS[fmt]} ({fmt}) needs {want!r}{why}")
         group_targets = _str_list(g.get("targets"), f"{source} config_groups[{gname!r}].targets")
         if "targets" in g and not group_targets:
             raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}].targets is empty: the group quantizes no "

@@ -29,7 +29,9 @@ or ``{"": device}``).
 """
 from __future__ import annotations
 
+import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -80,6 +82,17 @@ class AutoFP4Quantizer(HfQuantizer):
 
     def validate_environment(self, device_map: Any = None, **kwargs: Any) -> None:
         _ckpt._device(device_map)  # one device only
+
+    def update_dtype(self, dtype: Any) -> torch.dtype:
+        """The model's dtype, checked before anything is built: the FP4 kernels' activation dtypes
+        only (what :func:`autofp4.from_pretrained` accepts); transformers' default (None) is bf16."""
+        if dtype is None:
+            return torch.bfloat16
+        if dtype not in _ckpt._DTYPES:
+            raise ValueError(f"{METHOD}: dtype must be torch.bfloat16 or torch.float16 (the activation dtypes of the "
+                             f"FP4 kernels), got {dtype} (from_pretrained's dtype, or config.json's for dtype='auto'); "
+                             "pass dtype=torch.bfloat16 to from_pretrained")
+        return dtype
 
     def param_needs_quantization(self, model, param_name: str, **kwargs: Any) -> bool:
         return False
@@ -134,18 +147,60 @@ class AutoFP4Quantizer(HfQuantizer):
         return True
 
 
+def _hub_id(text: str) -> bool:
+    """Whether ``text`` can be a Hugging Face Hub model id (``name`` or ``org/name``)."""
+    try:
+        from huggingface_hub.utils import validate_repo_id
+
+        validate_repo_id(text)
+    except ImportError:  # no validator: the shape transformers accepts
+        return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", text) is not None and ".." not in text
+    except ValueError:  # HFValidationError
+        return False
+    return True
+
+
 def transformers_config(path: Union[str, Path], **kwargs: Any):
     """``AutoConfig.from_pretrained(path)`` with its quantization_config handed to autofp4
-    (pass it as ``from_pretrained(path, config=...)``)."""
+    (pass it as ``from_pretrained(path, config=...)``). ``path``: a checkpoint folder (or its
+    config.json), or a Hugging Face Hub model id (``org/name``). A path that can only be local (a
+    Path, one starting with / . ~, with more than one /, or whose first folder exists here) and
+    does not exist is refused at once; a bare ``name`` that is no folder here is looked up on
+    the Hub with a warning saying so."""
+    what = "transformers_config"
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what}: path must be a checkpoint folder or a Hub model id (a str or a Path), got "
+                        f"{type(path).__name__}")
+    text = os.fsdecode(os.fspath(path))
+    local = Path(text)
     conf = None
-    if Path(path).is_dir() or Path(path).suffix == ".json":  # a local checkpoint: its config checked first
+    if local.is_dir() or local.suffix == ".json":  # a local checkpoint: its config checked first
         from ..models import load_checked_config
 
         try:
             conf = load_checked_config(path)
         except (ValueError, OSError) as e:
-            raise ValueError(f"transformers_config: {e}") from None
-    config = _ckpt.auto_config(path, "transformers_config", conf, **kwargs)
+            raise ValueError(f"{what}: {e}") from None
+    elif local.exists():
+        raise NotADirectoryError(f"{what}: {text} is a file, not a checkpoint folder (a directory with config.json)")
+    else:
+        first = Path(text.split("/", 1)[0]) if "/" in text else None
+        if isinstance(path, os.PathLike) or not _hub_id(text) or (first is not None and first.is_dir()):
+            where = "" if local.is_absolute() else f" in {os.getcwd()}"
+            hint = "; a leading ~ is not expanded" if text.startswith("~") else ""
+            raise FileNotFoundError(f"{what}: no such folder: {text}{where} (a checkpoint folder with config.json"
+                                    f"{hint}); it is a local path, not a Hugging Face Hub model id")
+        if "/" not in text:
+            warnings.warn(f"{what}: no folder {text!r} in {os.getcwd()}; looking {text!r} up as a Hugging Face Hub "
+                          "model id", UserWarning, stacklevel=2)
+    try:
+        config = _ckpt.auto_config(path, what, conf, **kwargs)
+    except OSError as e:
+        if conf is not None:
+            raise
+        reason = " ".join(str(e).split("\n", 1)[0].split())[:300]
+        raise OSError(f"{what}: {text!r} is neither a checkpoint folder here ({os.getcwd()}) nor a Hugging Face Hub "
+                      f"model id that could be read: {reason}") from None
     own = getattr(config, "quantization_config", None)
     if isinstance(own, QuantizationConfigMixin):
         own = own.to_dict()

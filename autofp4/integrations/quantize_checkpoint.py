@@ -506,7 +506,7 @@ def quantize_checkpoint(src: Union[str, Path], out: Union[str, Path], fmt: str, 
     src = Path(src)
     if not src.is_dir() or not (src / "config.json").is_file():
         raise FileNotFoundError(f"{_WHAT}: {src} is not a checkpoint directory (a directory with config.json)")
-    check_output(out, overwrite, _WHAT, "out (--out)", src)  # before the work: again when it is written
+    check_output(out, overwrite, _WHAT, "out (--out)", src, side_files=src)  # before the work: again when written
     from ..models import load_checked_config, load_config
 
     load_checked_config(src / "config.json")  # bounded read of config.json before transformers uses it
@@ -532,7 +532,7 @@ def quantize_checkpoint(src: Union[str, Path], out: Union[str, Path], fmt: str, 
         declared = _declare(units, reader, fmt, layout, model_type)
         bar = None
         cfg = load_config(src / "config.json")  # the source's own config.json, with a quantization_config added
-        with staging_dir(out, overwrite, _WHAT, source=src, arg="out (--out)") as tmp:
+        with staging_dir(out, overwrite, _WHAT, source=src, arg="out (--out)", side_files=src) as tmp:
             if progress:
                 from tqdm import tqdm
 

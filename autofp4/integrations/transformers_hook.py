@@ -3,13 +3,13 @@ transformers loads its quantizer tables, without importing transformers before t
 
 ``install()`` (run by ``import autofp4``) registers at once if ``transformers.quantizers.auto``
 is already imported, and otherwise puts a finder on ``sys.meta_path`` that registers right after
-that module runs. ``AUTOFP4_NO_TRANSFORMERS_HOOK=1`` skips both; :func:`register_transformers`
-registers explicitly.
+that module runs. ``AUTOFP4_NO_TRANSFORMERS_HOOK=1`` (or true, yes, on) skips both; 0, false,
+no, off or empty leave the hook on, another value warns naming it and leaves the hook on;
+:func:`register_transformers` registers explicitly.
 """
 from __future__ import annotations
 
 import importlib.abc
-import os
 import sys
 import warnings
 
@@ -72,8 +72,21 @@ def _mark_converted(model) -> None:
     mark_quantized(model)
 
 
+#: AUTOFP4_NO_TRANSFORMERS_HOOK's spellings, as autofp4's other on/off variables read them
+_FLAG = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def hook_disabled() -> bool:
+    """Whether ``AUTOFP4_NO_TRANSFORMERS_HOOK`` turns the hook off (1, true, yes, on); unset, empty,
+    0, false, no and off leave it on, any other value warns naming it and leaves it on."""
+    from ..env import env_choice
+
+    return env_choice("AUTOFP4_NO_TRANSFORMERS_HOOK", _FLAG, False,
+                      "autofp4's transformers hook stays on (1 turns it off)")
+
+
 def install() -> None:
-    if os.environ.get("AUTOFP4_NO_TRANSFORMERS_HOOK"):
+    if hook_disabled():
         return
     from ..nn import register_converted_hook
 

@@ -8,18 +8,21 @@ streaming converter (:mod:`autofp4.integrations.quantize_checkpoint`) shares wit
 The output directory is written in a hidden temporary directory beside it and moved into place
 when complete: an error (or a crash) leaves nothing half-written under the name, and an existing
 non-empty directory is replaced only with ``overwrite=True`` and only when it is a quantized
-checkpoint (a previous output; see :func:`check_output`). The layouts are described in
+checkpoint (a previous output) holding nothing but a checkpoint's files: a file of anyone else's
+in it (notes, a model card) is never deleted, the directory is refused naming it (see
+:func:`check_output`). The layouts are described in
 :mod:`autofp4.integrations.layouts` and docs/checkpoints.md.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Collection, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -36,16 +39,54 @@ _WHAT = "autofp4.save_pretrained"
 _NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 _WRITTEN = ("config.json", "hf_quant_config.json", "quantization_report.json", "model.safetensors.index.json",
             "pytorch_model.bin.index.json")
+#: the files a checkpoint directory consists of: what autofp4's writers write (weights, configs,
+#: the quality report) and what a tokenizer's or processor's save_pretrained writes beside them.
+#: overwrite replaces a directory holding only these and the files the write itself writes (those
+#: copied from the source among them); anything else in it is someone's, and refused, never deleted
+_CHECKPOINT_FILES = frozenset({
+    "config.json", "generation_config.json", "hf_quant_config.json", "quantization_report.json",
+    "model.safetensors", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja",
+    "chat_template.json", "preprocessor_config.json", "processor_config.json"})
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
-def _not_replaceable(out: Path) -> Optional[str]:
-    """Why ``overwrite`` may not replace the existing non-empty directory ``out`` (None: it may)."""
+def _is_side_file(f: Path) -> bool:
+    """Whether :func:`copy_side_files` copies the entry ``f`` of a source checkpoint."""
+    return not (f.name.startswith(".") or not f.is_file() or f.name in _WRITTEN
+                or f.name.endswith(_NOT_COPIED_SUFFIXES))
+
+
+def _side_file_names(source: Optional[Path]) -> set[str]:
+    """The names of the files :func:`copy_side_files` copies from ``source``."""
+    if source is None:
+        return set()
+    try:
+        return {f.name for f in Path(source).iterdir() if _is_side_file(f)} if Path(source).is_dir() else set()
+    except OSError:
+        return set()
+
+
+def _foreign_files(out: Path, written: Collection[str]) -> list[str]:
+    """The names in the directory ``out`` that are neither a checkpoint's files nor in ``written``
+    (the files this write writes): files of someone else's that replacing ``out`` would delete."""
+    return sorted(p.name for p in out.iterdir()
+                  if p.name not in written and p.name not in _CHECKPOINT_FILES and not _SHARD.fullmatch(p.name))
+
+
+def _not_replaceable(out: Path, written: Collection[str], arg: str) -> Optional[str]:
+    """Why ``overwrite`` may not replace the existing non-empty directory ``out`` and what to do
+    (None: it may); ``written``: the names of the files the write puts in it besides a
+    checkpoint's own; ``arg``: the argument that names ``out``."""
+    only_outputs = ("overwrite replaces only a previous output (a directory of files with a config.json holding a "
+                    f"quantization_config) or an empty directory: remove it yourself or choose another {arg}")
     real = out.resolve()
     if real == Path(real.anchor):
-        return "is the root directory"
+        return "is the root directory; " + only_outputs
     try:
         if real == Path.home().resolve():
-            return "is the home directory"
+            return "is the home directory; " + only_outputs
     except (RuntimeError, OSError):  # no home directory to compare with
         pass
     try:
@@ -53,10 +94,10 @@ def _not_replaceable(out: Path) -> Optional[str]:
     except OSError:
         cwd = None
     if cwd is not None and (cwd == real or cwd.is_relative_to(real)):
-        return "is the current working directory" + ("" if cwd == real else " (or holds it)")
+        return "is the current working directory" + ("" if cwd == real else " (or holds it)") + "; " + only_outputs
     subdirs = sorted(p.name for p in out.iterdir() if p.is_dir() and not p.is_symlink())
     if subdirs:
-        return f"holds the directory {subdirs[0]!r} (a checkpoint directory holds only files)"
+        return f"holds the directory {subdirs[0]!r} (a checkpoint directory holds only files); " + only_outputs
     from ..models import load_config
 
     try:
@@ -64,19 +105,28 @@ def _not_replaceable(out: Path) -> Optional[str]:
     except (OSError, ValueError, TypeError):
         conf = None
     if not isinstance(conf, dict) or not isinstance(conf.get("quantization_config"), dict):
-        return "is not a quantized checkpoint (it has no config.json with a quantization_config)"
+        return "is not a quantized checkpoint (it has no config.json with a quantization_config); " + only_outputs
+    foreign = _foreign_files(out, written)
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:6]) + (f" and {len(foreign) - 6} more" if len(foreign) > 6 else "")
+        return (f"holds {len(foreign)} file{'s' if len(foreign) > 1 else ''} that {'are' if len(foreign) > 1 else 'is'} "
+                f"not part of a checkpoint ({shown}), which replacing it would delete; overwrite replaces only a "
+                "previous output's own files (weights, configs, tokenizer files, the quality report, the files "
+                f"copied from the source): move those out of it or choose another {arg}")
     return None
 
 
 def check_output(out: Any, overwrite: Any, what: str, arg: str = "path",
-                 source: Optional[Path] = None) -> Path:
+                 source: Optional[Path] = None, *, side_files: Optional[Path] = None) -> Path:
     """The output directory ``out`` (the argument ``arg``) as an absolute path, checked before
     anything is written: a str or path, not empty (an unset variable is not the current
     directory); an existing ``out`` must be a directory, empty, or with ``overwrite`` (a bool) a
     quantized checkpoint to replace: a directory of files only with a config.json holding a
-    quantization_config (what autofp4 and other FP4 tools write), and neither the root, the home
-    or the current working directory (nor one holding it); ``out`` may not be (or hold) the
-    ``source`` checkpoint."""
+    quantization_config (what autofp4 and other FP4 tools write), holding no file but a
+    checkpoint's (weights, configs, tokenizer files, the quality report, and the files
+    :func:`copy_side_files` copies from ``side_files``, the directory the write copies them from),
+    and neither the root, the home or the current working directory (nor one holding it); ``out``
+    may not be (or hold) the ``source`` checkpoint."""
     if not isinstance(out, (str, os.PathLike)):
         raise TypeError(f"{what}: {arg} must be a directory path (a str or a Path), got {_describe(out)}")
     text = os.fsdecode(os.fspath(out))
@@ -91,30 +141,38 @@ def check_output(out: Any, overwrite: Any, what: str, arg: str = "path",
         src, dst = Path(source).resolve(), path.resolve()
         if src == dst or src.is_relative_to(dst):
             raise ValueError(f"{what}: the output {path} would replace the source checkpoint {source}")
-    if path.exists():
-        if not path.is_dir():
-            raise FileExistsError(f"{what}: {path} exists and is not a directory")
-        if any(path.iterdir()):
-            if not overwrite:
-                raise FileExistsError(f"{what}: {path} exists and is not empty; pass overwrite=True (--overwrite) "
-                                      "to replace it")
-            why = _not_replaceable(path)
-            if why:
-                raise FileExistsError(
-                    f"{what}: {path} {why}; overwrite replaces only a previous output (a directory of files with a "
-                    f"config.json holding a quantization_config) or an empty directory: remove it yourself or "
-                    f"choose another {arg}")
+    _check_existing(path, overwrite, what, arg, _side_file_names(side_files))
     return path
+
+
+def _check_existing(path: Path, overwrite: bool, what: str, arg: str, written: Collection[str]) -> None:
+    """An existing ``path`` may be written: an empty directory, or with ``overwrite`` one that
+    :func:`_not_replaceable` allows (``written``: what the write puts in it)."""
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise FileExistsError(f"{what}: {path} exists and is not a directory")
+    if not any(path.iterdir()):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{what}: {path} exists and is not empty; pass overwrite=True (--overwrite) "
+                              "to replace it")
+    why = _not_replaceable(path, written, arg)
+    if why:
+        raise FileExistsError(f"{what}: {path} {why}")
 
 
 @contextmanager
 def staging_dir(out: Union[str, Path], overwrite: bool, what: str,
-                source: Optional[Path] = None, arg: str = "path") -> Iterator[Path]:
+                source: Optional[Path] = None, arg: str = "path", *,
+                side_files: Optional[Path] = None) -> Iterator[Path]:
     """A temporary directory beside ``out``, moved to ``out`` when the block ends without an
     error and removed when it raises. ``out`` is checked by :func:`check_output`: a non-empty
-    ``out`` is refused unless ``overwrite``, and replaced only when it is a quantized checkpoint;
-    ``out`` may not be (or hold) the ``source`` checkpoint."""
-    out = check_output(out, overwrite, what, arg, source)
+    ``out`` is refused unless ``overwrite``, and replaced only when it is a quantized checkpoint
+    holding nothing but a checkpoint's files; ``out`` may not be (or hold) the ``source``
+    checkpoint. Checked again before it is replaced, against the files written: a file put in
+    ``out`` meanwhile is refused too, never deleted."""
+    out = check_output(out, overwrite, what, arg, source, side_files=side_files)
     parent = out.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -126,6 +184,7 @@ def staging_dir(out: Union[str, Path], overwrite: bool, what: str,
     try:
         yield tmp
         os.chmod(tmp, 0o755)
+        _check_existing(out, overwrite, what, arg, {p.name for p in tmp.iterdir()})  # what appeared meanwhile
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))
             os.rename(out, old / "d")
@@ -161,8 +220,7 @@ def copy_side_files(source: Optional[Path], root: Path) -> list[str]:
         return []
     copied = []
     for f in sorted(source.iterdir()):
-        if (f.name.startswith(".") or not f.is_file() or f.name in _WRITTEN
-                or f.name.endswith(_NOT_COPIED_SUFFIXES) or (root / f.name).exists()):
+        if not _is_side_file(f) or (root / f.name).exists():
             continue
         shutil.copy2(f, root / f.name)
         copied.append(f.name)
@@ -273,7 +331,8 @@ def save_pretrained(model: nn.Module, path: Union[str, Path], layout: Optional[s
     config = getattr(model, "config", None)
     if not isinstance(model, nn.Module) or config is None or not hasattr(config, "to_json_string"):
         raise TypeError(f"{_WHAT}: model must be a transformers model (with a .config), got {_describe(model)}")
-    check_output(path, overwrite, _WHAT, "path")
+    source = Path(copy_files_from) if copy_files_from is not None else _loaded_from(config)
+    check_output(path, overwrite, _WHAT, "path", side_files=source)
     model_type = getattr(config, "model_type", None)
     fmt = _model_fmt(model)
     if fmt is None:
@@ -323,8 +382,7 @@ def save_pretrained(model: nn.Module, path: Union[str, Path], layout: Optional[s
     if meta:
         raise ValueError(f"{_WHAT}: {len(meta)} tensors of the model are on the meta device (no values to write): "
                          f"{meta[:5]}")
-    source = Path(copy_files_from) if copy_files_from is not None else _loaded_from(config)
-    with staging_dir(path, overwrite, _WHAT) as tmp:
+    with staging_dir(path, overwrite, _WHAT, side_files=source) as tmp:
         write_tensors(tmp, tensors, max_shard_size)  # each copied to the host only as it is written
         write_configs(tmp, cfg, layout, fmt, excluded)
         gen = getattr(model, "generation_config", None)

@@ -1,0 +1,319 @@
+"""Adversarial run 5: NS02, QC23, QC31, CF06, NC08, NA14, NA18, NE20.
+
+Each hostile input is refused with one clear error (or warning) naming the file, field, value or
+argument at fault, or handled correctly. Checkpoints are tiny models with fresh random weights,
+quantized and written by autofp4 itself, then edited."""
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import autofp4  # noqa: E402
+from autofp4.cli import main as cli_main  # noqa: E402
+
+from tiny_models import tiny_config  # noqa: E402
+
+BF16 = torch.bfloat16
+IDS = torch.tensor([[1, 5, 9, 2, 7]])
+
+
+def _model(kind: str = "llama", seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), dtype=BF16)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.05)
+            if n.endswith("norm.weight"):
+                p.add_(1)
+    return model
+
+
+def _checkpoint(root: Path, layout: str = "modelopt", seed: int = 0, **kw) -> Path:
+    model = _model("llama", seed)
+    autofp4.quantize_model(model, "nvfp4", skip=["lm_head"])
+    return autofp4.save_pretrained(model, root, layout=layout, **kw)
+
+
+def _edit(path: Path, fn) -> None:
+    doc = json.loads(path.read_text())
+    fn(doc)
+    path.write_text(json.dumps(doc))
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+# -- NS02: overwrite never deletes a file that is not part of a checkpoint ------------------------
+def test_overwrite_refuses_a_previous_output_holding_a_users_file(tmp_path):  # NS02
+    ck = _checkpoint(tmp_path / "ck")
+    out = _checkpoint(tmp_path / "out", seed=1)
+    (out / "notes.txt").write_text("my notes")
+    before = _snapshot(out)
+    model = autofp4.from_pretrained(ck)
+    with pytest.raises(FileExistsError) as info:
+        autofp4.save_pretrained(model, out, overwrite=True)
+    msg = _one_line(info.value)
+    assert str(out) in msg and "holds 1 file that is not part of a checkpoint ('notes.txt')" in msg, msg
+    assert "choose another path" in msg
+    assert _snapshot(out) == before  # nothing deleted, nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "out"]  # no temporary directory left
+    # the user's file moved out: replaced, and a previous sharded output leaves no stale shard
+    (out / "notes.txt").unlink()
+    _checkpoint(tmp_path / "sh", seed=2, max_shard_size="20KB")
+    assert (tmp_path / "sh" / "model.safetensors.index.json").is_file()
+    autofp4.save_pretrained(model, tmp_path / "sh", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "sh").iterdir()) == sorted(p.name for p in ck.iterdir())
+    # a model loaded from the directory it is written to: its side files are copied, so kept
+    (out / "notes.txt").write_text("my notes")
+    autofp4.save_pretrained(autofp4.from_pretrained(ck), out, copy_files_from=out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "my notes"
+    assert torch.equal(_logits(autofp4.from_pretrained(out)), _logits(model))
+
+
+def test_a_file_put_in_the_output_while_writing_is_never_deleted(tmp_path):  # NS02
+    out = _checkpoint(tmp_path / "out", seed=1)
+    model = autofp4.from_pretrained(_checkpoint(tmp_path / "ck"))
+
+    class Tokenizer:  # a tokenizer whose saving is slow enough for someone to drop a file into out
+        def save_pretrained(self, where):
+            Path(where, "tokenizer_config.json").write_text("{}")
+            (out / "late.txt").write_text("written meanwhile")
+
+    with pytest.raises(FileExistsError) as info:
+        autofp4.save_pretrained(model, out, overwrite=True, tokenizer=Tokenizer())
+    assert "not part of a checkpoint ('late.txt')" in _one_line(info.value)
+    assert (out / "late.txt").read_text() == "written meanwhile" and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "out"]
+
+
+def test_quantize_overwrite_refuses_a_previous_output_holding_a_users_file(tmp_path, capsys):  # NS02
+    src = tmp_path / "src"
+    _model("llama", 3).save_pretrained(src)
+    (src / "README.md").write_text("model card")
+    out = tmp_path / "out"
+    assert cli_main(["quantize", str(src), "--fmt", "nvfp4", "--out", str(out), "--no-progress"]) == 0
+    assert (out / "README.md").read_text() == "model card"  # copied from the source
+    (out / "notes.txt").write_text("my notes")
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert cli_main(["quantize", str(src), "--fmt", "nvfp4", "--out", str(out), "--overwrite", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and str(out) in err, err
+    assert "holds 1 file that is not part of a checkpoint ('notes.txt')" in err and "another out (--out)" in err, err
+    assert _snapshot(out) == before
+    with pytest.raises(FileExistsError, match=r"\('notes.txt'\)"):
+        autofp4.quantize_checkpoint(src, out, "nvfp4", overwrite=True, progress=False)
+    assert _snapshot(out) == before
+    (out / "notes.txt").unlink()  # README.md is one of the source's files: the output is replaced
+    assert cli_main(["quantize", str(src), "--fmt", "nvfp4", "--out", str(out), "--overwrite", "--no-progress"]) == 0
+    assert (out / "README.md").is_file() and (out / "quantization_report.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+# -- QC23, QC31: compressed-tensors weights fields autofp4 cannot read as FP4 --------------------
+def test_an_asymmetric_ct_weights_scheme_is_refused(tmp_path):  # QC23
+    path = _checkpoint(tmp_path / "ct", "compressed-tensors")
+    _edit(path / "config.json",
+          lambda d: d["quantization_config"]["config_groups"]["group_0"]["weights"].update(symmetric=False))
+    calls = [lambda: autofp4.from_pretrained(path),
+             lambda: transformers.AutoModelForCausalLM.from_pretrained(
+                 str(path), config=autofp4.transformers_config(path), dtype=BF16)]
+    for call in calls:
+        with pytest.raises(ValueError) as info:
+            call()
+        msg = _one_line(info.value)
+        assert "config.json" in msg and "config_groups['group_0'].weights.symmetric is False" in msg, msg
+        assert "needs True" in msg and "zero points" in msg, msg
+    _edit(path / "config.json",
+          lambda d: d["quantization_config"]["config_groups"]["group_0"]["weights"].update(symmetric=True))
+    assert isinstance(autofp4.from_pretrained(path).model.layers[0].mlp.down_proj, autofp4.FP4Linear)
+
+
+@pytest.mark.parametrize("how", ["null", "missing"])
+def test_a_ct_group_without_weights_is_refused_naming_it(tmp_path, how):  # QC31
+    path = _checkpoint(tmp_path / "ct", "compressed-tensors")
+
+    def edit(d):
+        group = d["quantization_config"]["config_groups"]["group_0"]
+        if how == "null":
+            group["weights"] = None
+        else:
+            del group["weights"]
+
+    _edit(path / "config.json", edit)
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    msg = _one_line(info.value)
+    assert f"config_groups['group_0'].weights is {how}" in msg and "quantizes no weights" in msg, msg
+    assert "'nvfp4-pack-quantized'" in msg and "config.json" in msg, msg
+
+
+# -- CF06: a torch_dtype no torch dtype has ---------------------------------------------------------
+@pytest.mark.parametrize("field,value,shown", [("torch_dtype", "float4", "'float4' (a string)"),
+                                               ("dtype", "float4", "'float4' (a string)"),
+                                               ("torch_dtype", 16, "16")])
+def test_a_config_dtype_torch_has_not_is_named(tmp_path, capsys, field, value, shown):  # CF06
+    path = _checkpoint(tmp_path / "ck")
+    _edit(path / "config.json", lambda d: d.update({field: value}))
+    for call in (lambda: autofp4.from_pretrained(path), lambda: autofp4.transformers_config(path)):
+        with pytest.raises(ValueError) as info:
+            call()
+        msg = _one_line(info.value)
+        assert str(path / "config.json") in msg, msg
+        assert f"config field {field!r} must name a torch dtype" in msg and f"got {shown}" in msg, msg
+    src = tmp_path / "src"
+    _model().save_pretrained(src)
+    _edit(src / "config.json", lambda d: d.update({field: value}))
+    capsys.readouterr()
+    assert cli_main(["quantize", str(src), "--fmt", "nvfp4", "--out", str(tmp_path / "q"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert str(src / "config.json") in err and f"{field!r}" in err and shown in err, err
+    _edit(path / "config.json", lambda d: d.update({field: "float16"}))  # any torch dtype: autofp4 picks its own
+    assert autofp4.from_pretrained(path).model.embed_tokens.weight.dtype == BF16
+
+
+# -- NC08: transformers' from_pretrained with a dtype the FP4 kernels do not compute in ------------
+def test_the_transformers_path_refuses_float32_at_load(tmp_path):  # NC08
+    path = _checkpoint(tmp_path / "ck")
+    for dtype in (torch.float32, torch.float64):
+        with pytest.raises(ValueError) as info:
+            transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        msg = _one_line(info.value)
+        assert "dtype must be torch.bfloat16 or torch.float16" in msg and f"got {dtype}" in msg, msg
+    _edit(path / "config.json", lambda d: d.update(dtype="float32", torch_dtype="float32"))
+    with pytest.raises(ValueError, match=r"got torch.float32 .*config.json's for dtype='auto'"):
+        transformers.AutoModelForCausalLM.from_pretrained(str(path))
+    for dtype in (torch.float16, BF16):  # the kernels' dtypes load and compute what autofp4's loader does
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        assert model.model.embed_tokens.weight.dtype == dtype
+        ours = autofp4.from_pretrained(path, dtype=dtype)
+        assert torch.equal(_logits(model), _logits(ours))
+
+
+# -- NA14: pickle round trip --------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("shape", [(64, 128), (3, 32, 64)])
+def test_an_fp4_weight_pickles_and_loads_back(fmt, shape):  # NA14
+    torch.manual_seed(0)
+    w = autofp4.quantize(torch.randn(shape), fmt)
+    for blob in (pickle.dumps(w), pickle.dumps(w, protocol=2)):
+        r = pickle.loads(blob)
+        assert isinstance(r, autofp4.FP4Weight) and r.fmt == fmt
+        for field in ("data", "scale", "global_scale", "input_scale"):
+            a, b = getattr(w, field), getattr(r, field)
+            assert (a is None) == (b is None), field
+            if a is not None:
+                assert a.dtype == b.dtype and a.shape == b.shape, field
+                assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                                   b.view(torch.uint8) if b.element_size() == 1 else b), field
+        assert torch.equal(autofp4.dequantize(r), autofp4.dequantize(w))
+    # copies and torch.save, which go through the same state, still give the same weight
+    buf = io.BytesIO()
+    torch.save(w, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(w), torch.load(buf, weights_only=False)):
+        assert other.scale.dtype == w.scale.dtype and torch.equal(autofp4.dequantize(other), autofp4.dequantize(w))
+    if len(shape) == 2:
+        x = torch.randn(5, shape[1], dtype=BF16)
+        assert torch.equal(autofp4.linear(x, pickle.loads(pickle.dumps(w))), autofp4.linear(x, w))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_an_fp4_model_pickles_and_loads_back(kind):  # NA14 (the modules holding FP4 buffers)
+    model = _model(kind, 4)
+    autofp4.quantize_model(model, "nvfp4")
+    ref = _logits(model)
+    back = pickle.loads(pickle.dumps(model))
+    scales = {n: b.dtype for n, b in back.named_buffers() if n.endswith("scale") and "global" not in n}
+    assert scales and set(scales.values()) == {torch.float8_e4m3fn}, scales
+    assert torch.equal(_logits(back), ref)
+    assert torch.equal(_logits(copy.deepcopy(model)), ref)
+
+
+# -- NA18: transformers_config on a folder that does not exist ------------------------------------
+def test_transformers_config_names_a_missing_local_folder_at_once(tmp_path, monkeypatch):  # NA18
+    monkeypatch.chdir(tmp_path)
+    _checkpoint(tmp_path / "ck")
+    name = f"nonexistent-{uuid.uuid4().hex[:8]}"
+    for path in (f"./{name}", f"{tmp_path}/{name}", f"a/b/{name}", f"ck/{name}", f"~/{name}", Path(name)):
+        t0 = time.monotonic()
+        with pytest.raises(FileNotFoundError) as info:
+            autofp4.transformers_config(path)
+        assert time.monotonic() - t0 < 5, path
+        msg = _one_line(info.value)
+        assert f"no such folder: {path}" in msg and "not a Hugging Face Hub model id" in msg, msg
+    with pytest.raises(NotADirectoryError, match="ck/model.safetensors is a file, not a checkpoint folder"):
+        autofp4.transformers_config("ck/model.safetensors")
+    # a bare name may be a Hub id: said before it is looked up, and the error names both readings
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(OSError) as info:
+        warnings.simplefilter("always")
+        autofp4.transformers_config(name, local_files_only=True)
+    said = [str(w.message) for w in caught if "transformers_config" in str(w.message)]
+    assert said and f"no folder {name!r} in {tmp_path}" in said[0] and "Hugging Face Hub model id" in said[0], said
+    msg = _one_line(info.value)
+    assert f"{name!r} is neither a checkpoint folder here ({tmp_path})" in msg and "Hub model id" in msg, msg
+    assert type(autofp4.transformers_config("ck")).__name__ == "LlamaConfig"
+
+
+# -- NE20: AUTOFP4_NO_TRANSFORMERS_HOOK read as an on/off flag ------------------------------------
+def _hook_run(value: str, code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "AUTOFP4_NO_TRANSFORMERS_HOOK": value}
+    return subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_the_no_hook_variable_reads_as_a_flag(tmp_path, monkeypatch):  # NE20
+    path = _checkpoint(tmp_path / "ck")
+    load = ("import torch, autofp4; from transformers import AutoModelForCausalLM; "
+            f"m = AutoModelForCausalLM.from_pretrained({str(path)!r}, dtype=torch.bfloat16); "
+            "print(type(m.model.layers[0].mlp.down_proj).__name__)")
+    res = _hook_run("0", load)  # 0 asks for no "no hook": the hook stays on and the checkpoint loads
+    assert res.returncode == 0 and res.stdout.split()[-1] == "FP4Linear", res.stderr[-2000:]
+    assert "AUTOFP4_NO_TRANSFORMERS_HOOK" not in res.stderr
+    registered = ("import autofp4; from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as m; "
+                  "print('autofp4' in m)")
+    res = _hook_run("1", registered)
+    assert res.returncode == 0 and res.stdout.split()[-1] == "False", res.stderr[-2000:]
+    # what install() reads at import, for the other spellings
+    from autofp4.integrations.transformers_hook import hook_disabled
+
+    odd = f"maybe-{uuid.uuid4().hex[:6]}"
+    for value, off in (("", False), ("false", False), (" Off ", False), ("no", False), ("0", False),
+                       ("1", True), ("yes", True), ("TRUE", True), ("on", True), (odd, False)):
+        monkeypatch.setenv("AUTOFP4_NO_TRANSFORMERS_HOOK", value)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert hook_disabled() is off, value
+        said = [str(w.message) for w in caught]
+        if value == odd:
+            assert len(said) == 1 and f"AUTOFP4_NO_TRANSFORMERS_HOOK={odd!r} ignored" in said[0], said
+            assert "hook stays on" in said[0] and "\n" not in said[0]
+        else:
+            assert not said, (value, said)
