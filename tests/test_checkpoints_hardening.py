@@ -27,18 +27,7 @@ from autofp4.cli import main as cli_main  # noqa: E402
 from autofp4.integrations import checkpoints as ck  # noqa: E402
 from autofp4.integrations.safetensors_io import read_header  # noqa: E402
 
-from tiny_models import tiny_config as _config  # noqa: E402
-
-
-def _model(kind: str, seed: int):
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(_config(kind), dtype=torch.bfloat16)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.05)
-            if n.endswith("norm.weight"):
-                p.add_(1)
-    return model
+from tiny_models import tiny_model as _model  # noqa: E402
 
 
 @pytest.fixture

@@ -26,21 +26,10 @@ pytest.importorskip("safetensors")
 import autofp4  # noqa: E402
 from autofp4.cli import main as cli_main  # noqa: E402
 
-from tiny_models import tiny_config  # noqa: E402
+from tiny_models import tiny_model as _model  # noqa: E402
 
 BF16 = torch.bfloat16
 IDS = torch.tensor([[1, 5, 9, 2, 7]])
-
-
-def _model(kind: str = "llama", seed: int = 0):
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), dtype=BF16)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.05)
-            if n.endswith("norm.weight"):
-                p.add_(1)
-    return model
 
 
 def _checkpoint(root: Path, layout: str = "modelopt", seed: int = 0, **kw) -> Path:

@@ -1,6 +1,7 @@
-"""Tiny transformers configs of the model kinds the checkpoint tests write and read."""
+"""Tiny transformers configs (and random bf16 models) of the model kinds the checkpoint tests write and read."""
 from __future__ import annotations
 
+import torch
 import transformers
 
 ATTN = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -24,3 +25,15 @@ def tiny_config(kind: str):
                                              qk_nope_head_dim=16, v_head_dim=16)
     return transformers.GptOssConfig(**ATTN, head_dim=16, intermediate_size=64, num_local_experts=4,
                                      num_experts_per_tok=2, sliding_window=16)
+
+
+def tiny_model(kind: str = "llama", seed: int = 0):
+    """A bf16 model of :func:`tiny_config` with random weights of ``seed`` (norms near 1)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.bfloat16)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.05)
+            if n.endswith("norm.weight"):
+                p.add_(1)
+    return model
