@@ -129,6 +129,8 @@ def _time_budget(text: str) -> float:
 
 #: the GPU architectures the kernels are compiled for (Hopper, Blackwell)
 _ARCHS = ("sm_90a", "sm_100a")
+#: the GPU each compiled backend's kernels are built for
+_BACKEND_ARCH = {"sm90_w4a16": "sm_90a", "sm100_blockscaled": "sm_100a"}
 #: backends that run torch ops: nothing of theirs is compiled into the kernel cache
 _NOT_COMPILED = ("reference",)
 
@@ -203,18 +205,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("explain", help="what the calls of a model's shapes (or of one shape) run here, and why")
     e.add_argument("--model", metavar="CONFIG", help="Hugging Face config.json (or its folder): every shape")
-    e.add_argument("--op", choices=OPS, default="linear", help="one shape's op (without --model)")
+    e.add_argument("--op", choices=OPS, help="one shape's op (without --model; default linear)")
     e.add_argument("--n", type=_positive_int, help="one shape: N (a MoE layer: 2 x intermediate)")
     e.add_argument("--k", type=_positive_int, help="one shape: K (a MoE layer: hidden)")
-    e.add_argument("--experts", type=_positive_int, default=0, help="one MoE shape: experts")
-    e.add_argument("--topk", type=_positive_int, default=0, help="one MoE shape: experts per token")
+    e.add_argument("--experts", type=_positive_int, help="one MoE shape: experts")
+    e.add_argument("--topk", type=_positive_int, help="one MoE shape: experts per token")
     e.add_argument("--fmt", choices=FORMATS, default="nvfp4")
     e.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     e.add_argument("--m", type=_int_list_of("--m", 1), default=[1, 16, 2048], metavar="M1,M2,...",
                    help="token counts (default 1,16,2048)")
-    e.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
-    e.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
-    e.add_argument("--layout", choices=LAYOUTS, default="vllm", help=_LAYOUT_HELP)
+    e.add_argument("--tp", type=_positive_int, help="tensor-parallel size (with --model; default 1)")
+    e.add_argument("--ep", type=_positive_int, help="expert-parallel size (with --model; default 1)")
+    e.add_argument("--layout", choices=LAYOUTS, help=_LAYOUT_HELP)
     e.add_argument("--ops", type=_ops_list, metavar="OP,...", help="only these ops' shapes: linear, moe (default: both)")
     e.add_argument("--db", metavar="PATH", help="tuning DB file (default: $AUTOFP4_DB or ~/.cache/autofp4/tuning.db)")
     e.add_argument("--device", help="the device the calls run on (default: cuda if available, else cpu)")
@@ -228,15 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "would build the same; the others are listed and left out)")
     c.add_argument("--warm", metavar="CONFIG",
                    help="compile the default kernels of a model (a Hugging Face config.json) into the cache")
-    c.add_argument("--fmt", choices=FORMATS, default="nvfp4")
-    c.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    c.add_argument("--fmt", choices=FORMATS, help="default nvfp4")
+    c.add_argument("--dtype", choices=DTYPES, help="default bfloat16")
     c.add_argument("--m", type=_m_list, metavar="M1,M2,...", help="M buckets (default: the tuner's)")
-    c.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
-    c.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
-    c.add_argument("--layout", choices=LAYOUTS, default="vllm", help=_LAYOUT_HELP)
+    c.add_argument("--tp", type=_positive_int, help="tensor-parallel size (default 1)")
+    c.add_argument("--ep", type=_positive_int, help="expert-parallel size (default 1)")
+    c.add_argument("--layout", choices=LAYOUTS, help=_LAYOUT_HELP)
     c.add_argument("--ops", type=_ops_list, metavar="OP,...", help="only these ops' shapes: linear, moe (default: both)")
     c.add_argument("--lm-head", action="store_true", help=_LM_HEAD_HELP)
-    c.add_argument("--seeds", type=_nonneg_int, default=0, metavar="N",
+    c.add_argument("--seeds", type=_nonneg_int, metavar="N",
                    help="also each job's first N tuner seeds and the winners other shapes keep at its M (what a tuning run tries first)")
     c.add_argument("--db", metavar="PATH", dest="warm_db",
                    help="also the winners stored in this tuning DB or export (e.g. tuning_db/nvidia-h200.json) "
@@ -300,20 +302,33 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 #: the options of ``tune --model`` (and their defaults), which ``--from-misses`` does not take
 _MODEL_OPTIONS = {"fmt": "nvfp4", "dtype": "bfloat16", "m": None, "tp": 1, "ep": 1, "layout": "vllm", "ops": None,
                   "lm_head": False}
+#: the options of ``cache --warm`` (and their defaults)
+_WARM_OPTIONS = {**_MODEL_OPTIONS, "seeds": 0, "warm_db": None, "arch": None, "backend": None, "workers": None}
+_OPTION_NAMES = {"warm_db": "--db"}
+#: ``explain``'s options of a model, and of one shape
+_EXPLAIN_MODEL = {"tp": 1, "ep": 1, "layout": "vllm", "ops": None}
+_EXPLAIN_SHAPE = {"op": "linear", "experts": 0, "topk": 0}
+
+
+def _options_for(args: argparse.Namespace, options: dict, used: bool, goes_with: str, why: str = "") -> None:
+    """Where ``used`` (the mode these ``options`` belong to was chosen), their defaults for those
+    not given; else a usage error naming those given (an option that would change nothing is not
+    ignored silently)."""
+    if used:
+        for k, default in options.items():
+            if getattr(args, k) is None:
+                setattr(args, k, default)
+        return
+    given = [_OPTION_NAMES.get(k, f"--{k.replace('_', '-')}") for k in options if getattr(args, k) not in (None, False)]
+    if given:
+        raise _UsageError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with {goes_with}{why}")
 
 
 def _model_options(args: argparse.Namespace) -> None:
     """With ``--from-misses``, a usage error naming any option of ``--model`` given (each miss is
     tuned as it was called: its format, dtype, M and slice); with ``--model``, their defaults."""
-    if args.from_misses is not None:
-        given = [f"--{k.replace('_', '-')}" for k in _MODEL_OPTIONS if getattr(args, k) not in (None, False)]
-        if given:
-            raise _UsageError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --model; --from-misses "
-                              "tunes each missed call as it was made (its format, dtype, M and expert slice)")
-        return
-    for k, default in _MODEL_OPTIONS.items():
-        if getattr(args, k) is None:
-            setattr(args, k, default)
+    _options_for(args, _MODEL_OPTIONS, args.from_misses is None, "--model",
+                 "; --from-misses tunes each missed call as it was made (its format, dtype, M and expert slice)")
 
 
 def _device_arg(text: str | None) -> torch.device:
@@ -513,9 +528,11 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
     from .problem import ProblemKey, shape_errors
 
     _set_db(args)
+    if args.model is not None and (args.n is not None or args.k is not None):
+        raise _UsageError("give --model or one shape (--n, --k), not both")
+    _options_for(args, _EXPLAIN_MODEL, args.model is not None, "--model", " (one shape is explained as given)")
+    _options_for(args, _EXPLAIN_SHAPE, args.model is None, "one shape (--n, --k)", "; --model takes each shape's own")
     if args.model is not None:
-        if args.n is not None or args.k is not None:
-            raise _UsageError("give --model or one shape (--n, --k), not both")
         keys = [(s.problem_key(args.fmt, args.dtype), s.name) for s in _model_shapes(args.model, args)]
     else:
         if args.n is None or args.k is None:
@@ -629,6 +646,8 @@ def _cache_line() -> str:
 def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .kernel_cache import cache_dir, cache_dir_problem, clear, others
 
+    _options_for(args, _WARM_OPTIONS, args.warm is not None, "--warm CONFIG")
+
     try:
         d = cache_dir()
     except ValueError as e:
@@ -702,6 +721,9 @@ def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         except (TuningDBError, TuningFileError, OSError) as e:
             raise _UsageError(f"cannot read the tuning DB {args.warm_db}: {e}") from None
     backends = _backend_names(args) or ["sm90_w4a16"]
+    other = [n for n in backends if _BACKEND_ARCH.get(n, arch) != arch]
+    if other:
+        raise _UsageError(f"--backend {other[0]} builds kernels for {_BACKEND_ARCH[other[0]]}, not for --arch {arch}")
     torch_only = [n for n in backends if n in _NOT_COMPILED]
     if torch_only:
         raise _UsageError(f"--backend {torch_only[0]}: the {torch_only[0]} backend runs torch ops and compiles no "

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autofp4 import dispatch
+from autofp4 import cli, dispatch
 from autofp4.backends import get_backend
 from autofp4.cli import build_parser, main
 from autofp4.db import TuningDB, load_layers
@@ -387,7 +387,9 @@ def test_dry_run_layouts(tiny, capsys):
 def test_cache_warm_takes_layout():
     args = build_parser().parse_args(["cache", "--warm", "x.json", "--layout", "transformers"])
     assert args.layout == "transformers"
-    assert build_parser().parse_args(["cache", "--warm", "x.json"]).layout == "vllm"
+    args = build_parser().parse_args(["cache", "--warm", "x.json"])
+    cli._options_for(args, cli._WARM_OPTIONS, True, "--warm CONFIG")  # what the cache command does first
+    assert args.layout == "vllm" and args.seeds == 0 and args.fmt == "nvfp4"
 
 
 def test_ops_limits_the_shapes_tuned(capsys):

@@ -82,6 +82,9 @@ def test_a_db_path_ending_in_a_separator_names_a_folder(tmp_path, monkeypatch):
     monkeypatch.delenv("AUTOFP4_DB")
     rc, _, err = run(["db", "list", "--db", "nodir/"])
     assert rc == 2 and "--db='nodir/'" in err and not (tmp_path / "nodir").exists()
+    for folder in ("x.db/.", "x.db/.."):
+        rc, _, err = run(["db", "import", _export(tmp_path / "e.json"), "--db", folder])
+        assert rc == 2 and f"--db={folder!r}: it ends in" in err and not (tmp_path / "x.db").exists()
     with pytest.raises(TuningDBError, match="the tuning DB path='nodir/': it ends in '/', so it names a folder"):
         dispatch.set_db("nodir/")
     monkeypatch.setenv("AUTOFP4_DB", str(tmp_path / "ok" / "t.db"))
@@ -140,3 +143,34 @@ def test_a_db_left_mid_transaction_is_not_read_half_written(tmp_path):
         assert conn.execute("select count(*) from results").fetchone()[0] == 3
     rc, out, err = run(["db", "list", "--db", db])
     assert rc == 0 and "3 results" in out, err
+
+
+@pytest.mark.parametrize("option", [["--seeds", "3"], ["--lm-head"], ["--arch", "sm_90a"], ["--db", "t.db"],
+                                    ["--fmt", "mxfp4"], ["--backend", "sm90_w4a16"], ["--workers", "2"]])
+def test_cache_refuses_the_options_of_warm_without_it(option):
+    rc, out, err = run(["cache", *option])
+    assert rc == 2 and f"{option[0]} goes with --warm CONFIG" in err and out == ""
+
+
+def test_cache_warm_refuses_a_backend_of_another_gpu_than_arch(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(tmp_path / "kc"))
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    rc, out, err = run(["cache", "--warm", cfg, "--arch", "sm_90a", "--backend", "sm100_blockscaled"])
+    assert rc == 2 and "--backend sm100_blockscaled builds kernels for sm_100a, not for --arch sm_90a" in err
+    assert not (tmp_path / "kc").exists() or not list((tmp_path / "kc").glob("*.o"))
+
+
+def test_explain_refuses_options_of_the_other_mode(tmp_path):
+    db = tmp_path / "t.db"
+    for option in (["--ops", "moe"], ["--tp", "2"], ["--layout", "transformers"]):
+        rc, _, err = run(["explain", "--n", "64", "--k", "64", "--db", db, *option])
+        assert rc == 2 and f"{option[0]} goes with --model (one shape is explained as given)" in err
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    rc, _, err = run(["explain", "--model", cfg, "--experts", "4", "--db", db])
+    assert rc == 2 and "--experts goes with one shape (--n, --k)" in err
+    rc, out, err = run(["explain", "--model", cfg, "--tp", "2", "--m", "1", "--device", "cpu", "--db", db])
+    assert rc == 0 and "N=64" in out, err

@@ -397,6 +397,28 @@ def test_the_compiled_graph_cache_is_keyed_on_the_online_format(tmp_path, monkey
     assert len(hashes["mxfp4"]) == 1 and hashes["mxfp4"] != hashes["nvfp4"]
 
 
+def test_bad_quantization_configs_are_named():
+    """The plugin's config reads what vLLM hands it: anything it cannot use is named, never
+    dropped or read as something else (a generator read once, a dict not taken for its keys)."""
+    assert vl.AutoFP4Config(ignore=(p for p in ["*.o_proj"])).ignore == ["*.o_proj"]
+    ct = {"quant_method": "autofp4"}
+    with pytest.raises(TypeError, match="a quantization config must be a dict, got NoneType"):
+        vl.AutoFP4Config.from_config(None)
+    with pytest.raises(TypeError, match=r"ignore must be a list of glob patterns \(str\), got \{"):
+        vl.AutoFP4Config.from_config({**ct, "ignore": {"*.o_proj": True}})
+    with pytest.raises(TypeError, match="ignore must be a list of glob patterns .str., got None"):
+        vl.AutoFP4Config.from_config({**ct, "ignore": None})
+    with pytest.raises(ValueError, match=r"ignore\[1\] is an empty pattern"):
+        vl.AutoFP4Config.from_config({**ct, "ignore": ["*.o_proj", " "]})
+    with pytest.raises(TypeError, match="checkpoint must be vLLM's ModelOptNvFp4Config, got object"):
+        vl.AutoFP4Config(checkpoint=object())
+    bad = {**MODELOPT_JSON, "quantization": {**MODELOPT_JSON["quantization"], "exclude_modules": ["lm_head", 7]}}
+    with pytest.raises(TypeError, match=r"the checkpoint's exclude_modules\[1\] must be a glob pattern .str., got 7"):
+        vl.AutoFP4Config.from_config({**bad, "quant_method": "modelopt"})
+    ok = vl.AutoFP4Config.from_config({**MODELOPT_JSON, "quant_method": "modelopt"})
+    assert ok.checkpoint.exclude_modules == ["lm_head", "*.mlp.gate"]
+
+
 def test_keep_loaded_is_read_when_the_config_is_made(monkeypatch):
     monkeypatch.setenv("AUTOFP4_VLLM_KEEP_LOADED", "1")
     assert vl.AutoFP4Config.from_config(MODELOPT_IN_CONFIG).keep_loaded is True

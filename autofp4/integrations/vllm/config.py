@@ -88,6 +88,23 @@ def _claim_enabled() -> bool:
     return _flag(CLAIM_ENV)
 
 
+def _patterns(value: Any, what: str) -> list[str]:
+    """``value`` as a list of glob patterns of layer names: a list (or other iterable) of non-empty
+    str, not one str or a mapping; TypeError / ValueError naming ``what`` otherwise."""
+    if value is None or isinstance(value, (str, bytes, dict)):
+        raise TypeError(f"autofp4: {what} must be a list of glob patterns (str), got {value!r:.80}")
+    try:
+        patterns = list(value)  # once: a generator is read here, not checked empty first
+    except TypeError:
+        raise TypeError(f"autofp4: {what} must be a list of glob patterns (str), got {value!r:.80}") from None
+    for i, p in enumerate(patterns):
+        if not isinstance(p, str):
+            raise TypeError(f"autofp4: {what}[{i}] must be a glob pattern (str), got {p!r:.80}")
+        if not p.strip():
+            raise ValueError(f"autofp4: {what}[{i}] is an empty pattern, which matches no layer")
+    return patterns
+
+
 def _format(fmt: Any, source: str) -> str:
     if not isinstance(fmt, str) or fmt.strip().lower() not in FORMATS:
         raise ValueError(f"autofp4: {source} must be one of {FORMATS}, got {fmt!r}")
@@ -116,9 +133,9 @@ class AutoFP4Config(QuantizationConfig):
             self.fmt = _format(os.environ.get(FORMAT_ENV) or "mxfp4", FORMAT_ENV)
         else:
             self.fmt = _format(fmt, "fmt")
-        if isinstance(ignore, str) or not all(isinstance(p, str) for p in ignore):
-            raise TypeError(f"autofp4: ignore must be a list of glob patterns (str), got {ignore!r}")
-        self.ignore = list(ignore)
+        if checkpoint is not None and not hasattr(checkpoint, "is_layer_excluded"):
+            raise TypeError(f"autofp4: checkpoint must be vLLM's ModelOptNvFp4Config, got {type(checkpoint).__name__}")
+        self.ignore = _patterns(ignore, "ignore")
         self.keep_loaded = _flag(KEEP_ENV)
         if lm_head is not None and not isinstance(lm_head, bool):
             raise TypeError(f"autofp4: lm_head must be true or false, got {lm_head!r}")
@@ -149,6 +166,8 @@ class AutoFP4Config(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> "AutoFP4Config":
         """A ModelOpt NVFP4 checkpoint's config, or ``{"quant_method": "autofp4", "format":
         ..., "ignore": [...], "lm_head": bool}`` for online quantization."""
+        if not isinstance(config, dict):
+            raise TypeError(f"autofp4: a quantization config must be a dict, got {type(config).__name__}")
         if str(config.get("quant_method", "")).lower() == cls.NAME:
             unknown = sorted(set(config) - {"quant_method", "format", "ignore", "lm_head"})
             if unknown:
@@ -164,6 +183,10 @@ class AutoFP4Config(QuantizationConfig):
             )
         from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
+        section = config.get("quantization", config)
+        for field in ("exclude_modules", "ignore"):  # layer names or globs, as autofp4's own loader requires
+            if section.get(field) is not None:
+                _patterns(section[field], f"the checkpoint's {field}")
         checkpoint = ModelOptNvFp4Config.from_config(config)
         if checkpoint.group_size != 16:
             raise ValueError(f"autofp4: NVFP4 needs a group_size of 16, the checkpoint has {checkpoint.group_size}")
