@@ -346,11 +346,28 @@ class FP4Weight:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        """What unpickling (or a copy) calls: the restored tensors are checked as the constructor
+        checks them (fmt, the shapes and dtypes of data, scale, global_scale, input_scale)."""
+        what = "FP4Weight (unpickled)"
+        if not isinstance(state, dict):
+            raise TypeError(f"{what}: the pickled state must be a dict, got {type(state).__name__}")
         state = dict(state)
-        if state.pop("scale_dtype", None) == "float8_e4m3fn":
-            state["scale"] = state["scale"].view(torch.float8_e4m3fn)
+        missing = [k for k in ("fmt", "data", "scale") if k not in state]
+        if missing:
+            raise ValueError(f"{what}: the pickled state has no {', '.join(missing)}")
+        scale_dtype = state.pop("scale_dtype", None)
+        if scale_dtype is not None:
+            if scale_dtype != "float8_e4m3fn":
+                raise ValueError(f"{what}: scale_dtype must be 'float8_e4m3fn', got {scale_dtype!r}")
+            sc = state["scale"]
+            if not isinstance(sc, torch.Tensor) or sc.dtype != torch.uint8:
+                raise TypeError(f"{what}: a float8_e4m3fn scale is pickled as uint8 bytes, got {_describe(sc)}")
+            state["scale"] = sc.view(torch.float8_e4m3fn)
         self.__dict__.update(state)
+        self.__dict__.setdefault("global_scale", None)
+        self.__dict__.setdefault("input_scale", None)
         self._packed = {}
+        self._check_structure(what, {})
 
     # -- per-backend prepacked forms ------------------------------------------------------
     def packed(self, name: str, factory: Callable[["FP4Weight"], Any]) -> Any:

@@ -689,6 +689,15 @@ def _fill_dense(model: nn.Module, t: _Tensors, dtype: torch.dtype) -> None:
             and out.weight.is_meta and not inp.weight.is_meta):
         out.weight = inp.weight
         missing = [k for k in missing if model.get_parameter(k) is not inp.weight]
+    elif getattr(model.config, "tie_word_embeddings", False) and isinstance(out, nn.Module):
+        ow, iw = getattr(out, "weight", None), getattr(inp, "weight", None)
+        if (isinstance(ow, torch.Tensor) and isinstance(iw, torch.Tensor) and not ow.is_meta and not iw.is_meta
+                and ow is not iw and (ow.shape != iw.shape or not torch.equal(ow, iw))):
+            out_name = next((n for n, m in model.named_modules() if m is out), "lm_head")
+            in_name = next((n for n, m in model.named_modules() if m is inp), "embed_tokens")
+            warnings.warn(f"{_WHAT}: {t.root}: config.json sets tie_word_embeddings: true, but the checkpoint "
+                          f"stores a {out_name}.weight that differs from {in_name}.weight; the stored "
+                          f"{out_name}.weight is used (the model is loaded untied)", stacklevel=3)
     if missing:
         raise KeyError(f"{_WHAT}: the checkpoint lacks {len(missing)} tensors the model needs: {missing[:8]}")
 

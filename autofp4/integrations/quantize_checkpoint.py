@@ -503,6 +503,12 @@ def quantize_checkpoint(src: Union[str, Path], out: Union[str, Path], fmt: str, 
     if isinstance(skip, str):
         raise TypeError(f"{_WHAT}: skip must be a list of glob patterns such as ['lm_head'], got the str {skip!r}")
     skip = list(skip)
+    for p in skip:
+        if not isinstance(p, str):
+            raise TypeError(f"{_WHAT}: skip (--skip) patterns must be str globs, got {type(p).__name__} {p!r}")
+        if not p.strip():
+            raise ValueError(f"{_WHAT}: skip (--skip) has an empty pattern {p!r}, which matches no layer; "
+                             "give a glob such as 'lm_head' or '*.mlp.*' (or leave --skip out)")
     src = Path(src)
     if not src.is_dir() or not (src / "config.json").is_file():
         raise FileNotFoundError(f"{_WHAT}: {src} is not a checkpoint directory (a directory with config.json)")

@@ -45,9 +45,13 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def parse_size(size: Union[int, str]) -> int:
-    """``5000000``, ``"5GB"``, ``"500MiB"`` -> bytes (decimal for KB/MB/GB, binary for KiB/MiB/GiB)."""
-    if isinstance(size, int) and not isinstance(size, bool):
+def parse_size(size: Union[int, str], name: str = "max_shard_size") -> int:
+    """``5000000``, ``"5GB"``, ``"500MiB"`` -> bytes (decimal for KB/MB/GB, binary for KiB/MiB/GiB).
+    Anything else (a float such as 1.5, a bool) is refused: ``name`` is the argument named in the error."""
+    if not isinstance(size, (int, str)) or isinstance(size, bool):
+        raise TypeError(f"{name} must be an int (bytes) or a size string like '5GB', "
+                        f"got {type(size).__name__} {size!r}")
+    if isinstance(size, int):
         if size <= 0:
             raise ValueError(f"a size must be positive, got {size}")
         return size
@@ -288,7 +292,7 @@ class ShardedWriter:
     def __init__(self, root: Union[str, Path], declared: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
                  max_shard_size: Union[int, str] = "5GB", metadata: Optional[dict[str, str]] = None) -> None:
         self.root = Path(root)
-        limit = parse_size(max_shard_size)
+        limit = parse_size(max_shard_size, "max_shard_size")
         self._tensors: dict[str, _Planned] = {}
         shards: list[list[_Planned]] = [[]]
         size = 0

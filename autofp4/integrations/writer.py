@@ -30,7 +30,7 @@ from torch import nn
 from ..nn import FP4FusedLinear, FP4Linear
 from ..weights import FP4Weight, _describe
 from . import layouts as L
-from .safetensors_io import ShardedWriter
+from .safetensors_io import ShardedWriter, parse_size
 
 __all__ = ["save_pretrained", "check_output", "staging_dir", "write_configs", "copy_side_files"]
 
@@ -331,6 +331,13 @@ def save_pretrained(model: nn.Module, path: Union[str, Path], layout: Optional[s
     config = getattr(model, "config", None)
     if not isinstance(model, nn.Module) or config is None or not hasattr(config, "to_json_string"):
         raise TypeError(f"{_WHAT}: model must be a transformers model (with a .config), got {_describe(model)}")
+    try:
+        parse_size(max_shard_size)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{_WHAT}: {e}") from None
+    if copy_files_from is not None and not isinstance(copy_files_from, (str, os.PathLike)):
+        raise TypeError(f"{_WHAT}: copy_files_from must be a folder path (str or Path), "
+                        f"got {type(copy_files_from).__name__} {copy_files_from!r}")
     source = Path(copy_files_from) if copy_files_from is not None else _loaded_from(config)
     check_output(path, overwrite, _WHAT, "path", side_files=source)
     model_type = getattr(config, "model_type", None)
