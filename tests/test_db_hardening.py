@@ -1208,7 +1208,7 @@ def test_chunked_reading_matches_json_loads(chunk, tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------
-# a fresh adversarial round: what it found, each class with a test
+# hostile inputs of further kinds, each class with a test
 # --------------------------------------------------------------------------------------
 def test_a_record_with_a_key_given_twice_is_refused(tmp_path):
     """JSON keeps the last of a repeated key, where a reader of the file sees the first."""

@@ -1,4 +1,5 @@
-"""Adversarial run 6: RS25, RP08, RF05, RQ03, RC22.
+"""Hostile arguments of the checkpoint writers and readers: shard sizes, unpickled weights, copied
+files, skip patterns, a tied lm_head stored apart.
 
 Each hostile input is refused with one clear error (or warning) naming the argument, field or
 file at fault. Models are tiny ones with fresh random weights (tests/tiny_models.py)."""
@@ -29,7 +30,7 @@ def _quantized(seed: int = 0):
     return model
 
 
-# -- RS25: max_shard_size=1.5 (a float) -------------------------------------------------------
+# -- max_shard_size=1.5 (a float) -------------------------------------------------------
 @pytest.mark.parametrize("bad", [1.5, True, 2e9])
 def test_save_pretrained_refuses_a_non_int_max_shard_size(tmp_path, bad):
     model = _quantized()
@@ -47,7 +48,7 @@ def test_save_pretrained_still_takes_int_and_size_string_shard_sizes(tmp_path):
         assert [p.name for p in (tmp_path / d).glob("*.safetensors")] == ["model.safetensors"]
 
 
-# -- RP08: an unpickled FP4Weight state is checked ------------------------------------------
+# -- an unpickled FP4Weight state is checked ------------------------------------------
 def test_unpickling_a_weight_with_a_mis_sized_scale_is_refused_naming_scale():
     w = autofp4.quantize(torch.randn(64, 64), "nvfp4")
     st = w.__getstate__()
@@ -79,7 +80,7 @@ def test_pickle_round_trip_still_works(fmt):
     assert torch.equal(back.scale.view(torch.uint8), w.scale.view(torch.uint8))
 
 
-# -- RF05: copy_files_from=123 ----------------------------------------------------------------
+# -- copy_files_from=123 ----------------------------------------------------------------
 def test_save_pretrained_refuses_a_non_path_copy_files_from(tmp_path):
     model = _quantized()
     with pytest.raises(TypeError, match=r"copy_files_from must be a folder path \(str or Path\), got int 123"):
@@ -87,7 +88,7 @@ def test_save_pretrained_refuses_a_non_path_copy_files_from(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-# -- RQ03: quantize --skip '' ---------------------------------------------------------------
+# -- quantize --skip '' ---------------------------------------------------------------
 @pytest.mark.parametrize("pattern", ["", "   "])
 def test_quantize_cli_refuses_an_empty_skip_pattern(tmp_path, pattern):
     src = tmp_path / "src"
@@ -103,7 +104,7 @@ def test_quantize_cli_refuses_an_empty_skip_pattern(tmp_path, pattern):
         quantize_checkpoint(src, tmp_path / "q", "nvfp4", skip=["lm_head", pattern], progress=False)
 
 
-# -- RC22: tie_word_embeddings true with a different stored lm_head --------------------------
+# -- tie_word_embeddings true with a different stored lm_head --------------------------
 def test_from_pretrained_warns_when_config_ties_but_a_different_lm_head_is_stored(tmp_path):
     model = _quantized()
     ck = tmp_path / "tied"

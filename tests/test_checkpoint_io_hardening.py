@@ -1,4 +1,5 @@
-"""Adversarial run 5: NS02, QC23, QC31, CF06, NC08, NA14, NA18, NE20.
+"""Hostile checkpoints, outputs and arguments: overwriting a previous output, compressed-tensors
+schemes, config dtypes, float32 through transformers, pickling, missing folders, the hook variable.
 
 Each hostile input is refused with one clear error (or warning) naming the file, field, value or
 argument at fault, or handled correctly. Checkpoints are tiny models with fresh random weights,
@@ -59,8 +60,8 @@ def _logits(model) -> torch.Tensor:
         return model(IDS).logits
 
 
-# -- NS02: overwrite never deletes a file that is not part of a checkpoint ------------------------
-def test_overwrite_refuses_a_previous_output_holding_a_users_file(tmp_path):  # NS02
+# -- overwrite never deletes a file that is not part of a checkpoint ------------------------
+def test_overwrite_refuses_a_previous_output_holding_a_users_file(tmp_path):
     ck = _checkpoint(tmp_path / "ck")
     out = _checkpoint(tmp_path / "out", seed=1)
     (out / "notes.txt").write_text("my notes")
@@ -86,7 +87,7 @@ def test_overwrite_refuses_a_previous_output_holding_a_users_file(tmp_path):  # 
     assert torch.equal(_logits(autofp4.from_pretrained(out)), _logits(model))
 
 
-def test_a_file_put_in_the_output_while_writing_is_never_deleted(tmp_path):  # NS02
+def test_a_file_put_in_the_output_while_writing_is_never_deleted(tmp_path):
     out = _checkpoint(tmp_path / "out", seed=1)
     model = autofp4.from_pretrained(_checkpoint(tmp_path / "ck"))
 
@@ -102,7 +103,7 @@ def test_a_file_put_in_the_output_while_writing_is_never_deleted(tmp_path):  # N
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "out"]
 
 
-def test_quantize_overwrite_refuses_a_previous_output_holding_a_users_file(tmp_path, capsys):  # NS02
+def test_quantize_overwrite_refuses_a_previous_output_holding_a_users_file(tmp_path, capsys):
     src = tmp_path / "src"
     _model("llama", 3).save_pretrained(src)
     (src / "README.md").write_text("model card")
@@ -126,8 +127,8 @@ def test_quantize_overwrite_refuses_a_previous_output_holding_a_users_file(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
 
 
-# -- QC23, QC31: compressed-tensors weights fields autofp4 cannot read as FP4 --------------------
-def test_an_asymmetric_ct_weights_scheme_is_refused(tmp_path):  # QC23
+# -- compressed-tensors weights fields autofp4 cannot read as FP4 --------------------
+def test_an_asymmetric_ct_weights_scheme_is_refused(tmp_path):
     path = _checkpoint(tmp_path / "ct", "compressed-tensors")
     _edit(path / "config.json",
           lambda d: d["quantization_config"]["config_groups"]["group_0"]["weights"].update(symmetric=False))
@@ -146,7 +147,7 @@ def test_an_asymmetric_ct_weights_scheme_is_refused(tmp_path):  # QC23
 
 
 @pytest.mark.parametrize("how", ["null", "missing"])
-def test_a_ct_group_without_weights_is_refused_naming_it(tmp_path, how):  # QC31
+def test_a_ct_group_without_weights_is_refused_naming_it(tmp_path, how):
     path = _checkpoint(tmp_path / "ct", "compressed-tensors")
 
     def edit(d):
@@ -164,11 +165,11 @@ def test_a_ct_group_without_weights_is_refused_naming_it(tmp_path, how):  # QC31
     assert "'nvfp4-pack-quantized'" in msg and "config.json" in msg, msg
 
 
-# -- CF06: a torch_dtype no torch dtype has ---------------------------------------------------------
+# -- a torch_dtype no torch dtype has ---------------------------------------------------------
 @pytest.mark.parametrize("field,value,shown", [("torch_dtype", "float4", "'float4' (a string)"),
                                                ("dtype", "float4", "'float4' (a string)"),
                                                ("torch_dtype", 16, "16")])
-def test_a_config_dtype_torch_has_not_is_named(tmp_path, capsys, field, value, shown):  # CF06
+def test_a_config_dtype_torch_has_not_is_named(tmp_path, capsys, field, value, shown):
     path = _checkpoint(tmp_path / "ck")
     _edit(path / "config.json", lambda d: d.update({field: value}))
     for call in (lambda: autofp4.from_pretrained(path), lambda: autofp4.transformers_config(path)):
@@ -188,8 +189,8 @@ def test_a_config_dtype_torch_has_not_is_named(tmp_path, capsys, field, value, s
     assert autofp4.from_pretrained(path).model.embed_tokens.weight.dtype == BF16
 
 
-# -- NC08: transformers' from_pretrained with a dtype the FP4 kernels do not compute in ------------
-def test_the_transformers_path_refuses_float32_at_load(tmp_path):  # NC08
+# -- transformers' from_pretrained with a dtype the FP4 kernels do not compute in ------------
+def test_the_transformers_path_refuses_float32_at_load(tmp_path):
     path = _checkpoint(tmp_path / "ck")
     for dtype in (torch.float32, torch.float64):
         with pytest.raises(ValueError) as info:
@@ -206,10 +207,10 @@ def test_the_transformers_path_refuses_float32_at_load(tmp_path):  # NC08
         assert torch.equal(_logits(model), _logits(ours))
 
 
-# -- NA14: pickle round trip --------------------------------------------------------------------------
+# -- pickle round trip --------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("shape", [(64, 128), (3, 32, 64)])
-def test_an_fp4_weight_pickles_and_loads_back(fmt, shape):  # NA14
+def test_an_fp4_weight_pickles_and_loads_back(fmt, shape):
     torch.manual_seed(0)
     w = autofp4.quantize(torch.randn(shape), fmt)
     for blob in (pickle.dumps(w), pickle.dumps(w, protocol=2)):
@@ -235,7 +236,7 @@ def test_an_fp4_weight_pickles_and_loads_back(fmt, shape):  # NA14
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
-def test_an_fp4_model_pickles_and_loads_back(kind):  # NA14 (the modules holding FP4 buffers)
+def test_an_fp4_model_pickles_and_loads_back(kind):
     model = _model(kind, 4)
     autofp4.quantize_model(model, "nvfp4")
     ref = _logits(model)
@@ -246,8 +247,8 @@ def test_an_fp4_model_pickles_and_loads_back(kind):  # NA14 (the modules holding
     assert torch.equal(_logits(copy.deepcopy(model)), ref)
 
 
-# -- NA18: transformers_config on a folder that does not exist ------------------------------------
-def test_transformers_config_names_a_missing_local_folder_at_once(tmp_path, monkeypatch):  # NA18
+# -- transformers_config on a folder that does not exist ------------------------------------
+def test_transformers_config_names_a_missing_local_folder_at_once(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _checkpoint(tmp_path / "ck")
     name = f"nonexistent-{uuid.uuid4().hex[:8]}"
@@ -271,14 +272,14 @@ def test_transformers_config_names_a_missing_local_folder_at_once(tmp_path, monk
     assert type(autofp4.transformers_config("ck")).__name__ == "LlamaConfig"
 
 
-# -- NE20: AUTOFP4_NO_TRANSFORMERS_HOOK read as an on/off flag ------------------------------------
+# -- AUTOFP4_NO_TRANSFORMERS_HOOK read as an on/off flag ------------------------------------
 def _hook_run(value: str, code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "AUTOFP4_NO_TRANSFORMERS_HOOK": value}
     return subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, env=env,
                           timeout=120)
 
 
-def test_the_no_hook_variable_reads_as_a_flag(tmp_path, monkeypatch):  # NE20
+def test_the_no_hook_variable_reads_as_a_flag(tmp_path, monkeypatch):
     path = _checkpoint(tmp_path / "ck")
     load = ("import torch, autofp4; from transformers import AutoModelForCausalLM; "
             f"m = AutoModelForCausalLM.from_pretrained({str(path)!r}, dtype=torch.bfloat16); "
