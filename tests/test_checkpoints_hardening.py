@@ -354,7 +354,7 @@ def test_overwrite_replaces_only_a_previous_output(tmp_path, seed, monkeypatch):
         autofp4.save_pretrained(model, out, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "notes.txt", "sub"]
     (out / "sub").rmdir()
-    with pytest.raises(FileExistsError, match=r"not part of a checkpoint \('notes.txt'\)"):  # never deleted (NS02)
+    with pytest.raises(FileExistsError, match=r"not part of a checkpoint \('notes.txt'\)"):  # never deleted
         autofp4.save_pretrained(model, out, overwrite=True)
     (out / "notes.txt").unlink()
     autofp4.save_pretrained(model, out, overwrite=True)  # a quantized checkpoint: replaced
