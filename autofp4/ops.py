@@ -149,23 +149,9 @@ def _linear_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) ->
                 return ent[1](x, ent[2], bias)
             out = ent[1](x.view(m, shape[-1]), ent[2], bias)
             return out.view(shape[0], shape[1], ent[5]) if nd == 3 else out.view(*shape[:-1], ent[5])
-    _check_act(x, w, "linear")
-    if w.experts:
-        raise ValueError(f"linear: w must be a 2-D weight [N, K], got a stacked MoE weight {tuple(w.shape)}")
-    n, k = w.n, w.k
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"linear: bias must be a torch.Tensor [{n}] or None, got {_describe(bias)}")
-        if bias.shape != (n,) or bias.dtype != x.dtype or bias.device != x.device:
-            raise ValueError(
-                f"linear: bias must be [{n}] {x.dtype} on {x.device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}"
-            )
-        if not bias.is_contiguous():
-            bias = bias.contiguous()
-    flat = x.dim() == 2  # the common case skips the reshape/view round trip (host time)
-    x2 = x if flat else x.reshape(-1, k)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
+    x2, bias = _check_linear(x, w, bias)
+    n = w.n
+    flat = x2 is x
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*x.shape[:-1], n)
@@ -179,6 +165,53 @@ def _linear_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) ->
         fast[(x.dtype, x.device, m)] = (disp, runner, packed, torch.Size((n,)), miss, n)
     out = runner(x2, packed, bias)
     return out if flat else out.view(*x.shape[:-1], n)
+
+
+def _check_linear(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A linear call's arguments checked: x as a contiguous [M, K] (x itself when it is one),
+    and the bias (contiguous)."""
+    _check_act(x, w, "linear")
+    if w.experts:
+        raise ValueError(f"linear: w must be a 2-D weight [N, K], got a stacked MoE weight {tuple(w.shape)}")
+    n, k = w.n, w.k
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"linear: bias must be a torch.Tensor [{n}] or None, got {_describe(bias)}")
+        if bias.shape != (n,) or bias.dtype != x.dtype or bias.device != x.device:
+            raise ValueError(
+                f"linear: bias must be [{n}] {x.dtype} on {x.device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}"
+            )
+        if not bias.is_contiguous():
+            bias = bias.contiguous()
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)  # the common case skips the reshape (host time)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    return x2, bias
+
+
+def _linear_fp8_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    from . import w4a8
+
+    x2, bias = _check_linear(x, w, bias)
+    out = w4a8.linear(x2, w, bias)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], w.n)
+
+
+@torch.library.custom_op("autofp4::linear_fp8", mutates_args=())
+def _linear_fp8_op(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    fmt: str,
+) -> torch.Tensor:
+    return _linear_fp8_impl(x, _weight_from_tensors(data, scale, global_scale, fmt), bias)
+
+
+@_linear_fp8_op.register_fake
+def _linear_fp8_fake(x, data, scale, global_scale, bias, fmt):
+    return x.new_empty(*x.shape[:-1], data.shape[-2])
 
 
 @torch.library.custom_op("autofp4::linear", mutates_args=())
@@ -198,16 +231,30 @@ def _linear_fake(x, data, scale, global_scale, bias, fmt):
     return x.new_empty(*x.shape[:-1], data.shape[-2])
 
 
-def linear(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor] = None, *,
+           act_dtype: Optional[str] = None) -> torch.Tensor:
     """``x @ W^T + bias`` with an FP4 weight ``W`` [N, K]; x [..., K] bf16/fp16 -> [..., N].
 
     ``bias`` is None or [N] in x's dtype on x's device. Any strides work (non-contiguous
     inputs are copied). The values of ``x`` are not inspected: NaN or inf in a row of x gives
     NaN/inf in that row of the output, as a dense matmul would. Wrong types, shapes, dtypes
     and devices raise TypeError/ValueError naming the argument; these checks are attribute
-    reads only (no device sync), so the call stays capturable in a CUDA graph."""
+    reads only (no device sync), so the call stays capturable in a CUDA graph.
+
+    ``act_dtype="fp8"`` (opt-in, it changes the numerics) quantizes x to FP8 E4M3 per token and
+    runs the product on FP8 tensor cores (W4A8, :mod:`autofp4.w4a8`); None (the default) keeps
+    x's dtype."""
     if not isinstance(w, FP4Weight):
         raise TypeError(f"linear: w must be an FP4Weight (see autofp4.quantize), got {_describe(w)}")
+    if act_dtype is not None:
+        from .w4a8 import check_act_dtype
+
+        check_act_dtype(act_dtype, "linear")
+        if torch.compiler.is_compiling():
+            _check_tensor_args("linear", x=x, bias=bias)
+            return torch.ops.autofp4.linear_fp8(x, w.data, w.scale, w.global_scale, bias, w.fmt)
+        _register(w)
+        return _linear_fp8_impl(x, w, bias)
     if torch.compiler.is_compiling():
         # traced once: the Python types here, the shapes in the op when it runs
         _check_tensor_args("linear", x=x, bias=bias)

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("autofp4.backends",),
     ("autofp4.schema",),
     ("autofp4.db",),
-    ("autofp4.dispatch", "autofp4.models"),
+    ("autofp4.dispatch", "autofp4.models", "autofp4.w4a8"),
     ("autofp4.ops",),
     ("autofp4.nn", "autofp4.tuning"),
     ("autofp4.integrations", "autofp4.integrations.vllm"),

@@ -1,0 +1,155 @@
+"""GPU tests of the Hopper W4A8 path: the FP8 activation quantizer bit for bit against its torch
+reference, the W4A8 GEMM against float64 math on the same E4M3 operands, and the
+``autofp4.linear(..., act_dtype="fp8")`` path (CUDA graph capture included)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autofp4.kernels import fp8_act_quant as aq
+from autofp4.kernels import sm90_w4a16_gemm as g16
+from autofp4.kernels import sm90_w4a8_gemm as g8
+from autofp4.weights import quantize
+
+pytestmark = pytest.mark.gpu
+
+
+def _is_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs a Hopper (sm_90) GPU")
+
+
+def _nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte tensors equal, every E4M3 NaN pattern (0x7F, 0xFF) counted as one."""
+    na, nb = (a & 0x7F) == 0x7F, (b & 0x7F) == 0x7F
+    return bool(torch.equal(na, nb) and torch.equal(torch.where(na, 0, a), torch.where(nb, 0, b)))
+
+
+@needs_sm90
+@pytest.mark.parametrize("m,k,dtype", [(1, 4096, torch.bfloat16), (37, 200, torch.float16),
+                                       (1000, 14336, torch.bfloat16), (5, 8, torch.bfloat16)])
+def test_quantizer_matches_reference_bits(m, k, dtype):
+    torch.manual_seed(m + k)
+    x = (torch.randn(m, k, device="cuda") * torch.logspace(-4, 4, m, device="cuda").unsqueeze(1)).to(dtype)
+    quant = aq.compile_quantizer(k, "bfloat16" if dtype == torch.bfloat16 else "float16")
+    xq, sx = quant(x)
+    rq, rsx = aq.reference_quantize(x)
+    assert xq.shape == rq.shape
+    assert _nan_equal(xq, rq)
+    torch.testing.assert_close(sx, rsx, rtol=0, atol=0)
+
+
+@needs_sm90
+def test_quantizer_zero_nan_inf_rows():
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    x[0] = 0
+    x[1, 17] = float("nan")
+    x[2, 100] = float("-inf")
+    xq, sx = aq.compile_quantizer(256, "bfloat16")(x)
+    rq, rsx = aq.reference_quantize(x)
+    assert _nan_equal(xq, rq)
+    assert sx[0] == 0 and (xq[0] == 0).all()
+    assert torch.isinf(sx[2]) and torch.isfinite(sx[1])
+    torch.testing.assert_close(sx, rsx, rtol=0, atol=0, equal_nan=True)
+
+
+def _exact(x, w, bias):
+    """float64 result on the operands the kernel multiplies (before rounding to x's dtype), and
+    the sum of the magnitudes of its terms (for the fp32 accumulation bound)."""
+    xq, sx = aq.reference_quantize(x, permute=False)
+    k = x.shape[1]
+    xv = xq[:, :k].view(torch.float8_e4m3fn).double() * sx.double()[:, None]
+    q, f = g8.reference_weight(w)
+    ref = xv @ q.double().T * f
+    mag = xv.abs() @ q.double().abs().T * f
+    if bias is not None:
+        ref = ref + bias.double()
+        mag = mag + bias.double().abs()
+    return ref, mag
+
+
+def _check(out, ref, mag, dtype):
+    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-10
+    tol = ulp * ref.abs() + 2e-6 * mag + 1e-30
+    err = (out.double() - ref).abs()
+    bad = err > tol
+    if bad.any():
+        idx = int((err / tol).argmax())
+        row, col = divmod(idx, err.shape[1])
+        raise AssertionError(f"{int(bad.sum())} of {bad.numel()} elements off; worst err/tol "
+                             f"{float((err / tol).max()):.3g} at [{row}, {col}]: {float(out[row, col])} vs "
+                             f"{float(ref[row, col])}")
+
+
+CASES = [
+    (g8.Sm90W4A8Config(), 513, 4096, 4096, "nvfp4", torch.bfloat16),
+    (g8.Sm90W4A8Config(), 300, 1000, 320, "mxfp4", torch.float16),
+    (g8.Sm90W4A8Config(tile_n=256, tile_m=128, stages=3, raster="m", swizzle=4), 700, 1536, 2048, "mxfp4",
+     torch.bfloat16),
+    (g8.Sm90W4A8Config(tile_n=64, tile_m=64, tile_k=256, producer=True, pdl=True), 3, 96, 96, "nvfp4",
+     torch.bfloat16),
+    (g8.Sm90W4A8Config(tile_m=192, stages=4), 4096, 512, 14336, "nvfp4", torch.float16),
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("cfg,m,n,k,fmt,dtype", CASES)
+def test_w4a8_gemm_against_float64(cfg, m, n, k, fmt, dtype):
+    torch.manual_seed(n + k + m)
+    w = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), fmt)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    run = g8.compile_kernel(cfg, n, k, fmt, "bfloat16" if dtype == torch.bfloat16 else "float16")
+    packed = g16.pack_weight(w)
+    for b in (bias, None):
+        out = run(x, packed, b)
+        ref, mag = _exact(x, w, b)
+        _check(out, ref, mag, dtype)
+
+
+@needs_sm90
+def test_w4a8_gemm_refuses_wide_mxfp4_and_other_weights():
+    w = quantize((torch.randn(64, 256) * torch.exp(torch.randn(64, 1) * 4)).to(torch.bfloat16).cuda(), "mxfp4")
+    packed = g16.pack_weight(w)
+    assert not packed.fp16_ok
+    run = g8.compile_kernel(g8.Sm90W4A8Config(tile_m=64), 64, 256, "mxfp4", "bfloat16")
+    with pytest.raises(ValueError, match="14 binades"):
+        run(torch.randn(4, 256, device="cuda", dtype=torch.bfloat16), packed)
+    other = g16.pack_weight(quantize(torch.randn(128, 256, device="cuda", dtype=torch.bfloat16), "mxfp4"))
+    with pytest.raises(ValueError, match="compiled for n=64"):
+        run(torch.randn(4, 256, device="cuda", dtype=torch.bfloat16), other)
+
+
+@needs_sm90
+def test_linear_act_fp8_runs_the_kernel_and_replays_in_a_graph():
+    import autofp4
+
+    torch.manual_seed(5)
+    w = quantize(torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16), "nvfp4")
+    x = torch.randn(2, 300, 2048, device="cuda", dtype=torch.bfloat16)
+    out = autofp4.linear(x, w, act_dtype="fp8")
+    ref, mag = _exact(x.reshape(-1, 2048), w, None)
+    _check(out.reshape(-1, 1024), ref, mag, torch.bfloat16)
+    # the bf16-activation result differs by about the FP8 rounding of x
+    plain = autofp4.linear(x, w)
+    rel = float((out.double() - plain.double()).norm() / plain.double().norm())
+    assert 1e-3 < rel < 0.05
+    # a wide-spread MXFP4 weight: the torch path, warned about
+    wide = quantize((torch.randn(64, 256) * torch.exp(torch.randn(64, 1) * 4)).to(torch.bfloat16).cuda(), "mxfp4")
+    xs = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="14 binades"):
+        got = autofp4.linear(xs, wide, act_dtype="fp8")
+    torch.testing.assert_close(got, g8.reference(xs, wide), rtol=0, atol=0)
+    # CUDA graph: replays with new inputs
+    xg = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
+    autofp4.linear(xg, w, act_dtype="fp8")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        og = autofp4.linear(xg, w, act_dtype="fp8")
+    xg.copy_(torch.randn_like(xg))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, mag = _exact(xg, w, None)
+    _check(og, ref, mag, torch.bfloat16)
