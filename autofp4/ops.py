@@ -381,6 +381,34 @@ def _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, check_ids=True, ex
         return runner(*args, **opt)
 
 
+def _moe_fp8_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=None, w13_bias=None, w2_bias=None):
+    """The MoE layer with FP8 activations (:func:`autofp4.w4a8.moe`), from given routing."""
+    from . import w4a8
+
+    _check_moe(x, w13, w2, topk_weights, topk_ids, activation, True, expert_map, w13_bias, w2_bias)
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    xc = x if x.is_contiguous() else x.contiguous()
+    return w4a8.moe(xc, w13, w2, topk_weights.float(), topk_ids, activation, expert_map, w13_bias, w2_bias)
+
+
+@torch.library.custom_op("autofp4::moe_fp8", mutates_args=())
+def _moe_fp8_op(
+    x: torch.Tensor, w13_data: torch.Tensor, w13_scale: torch.Tensor, w13_gs: Optional[torch.Tensor],
+    w2_data: torch.Tensor, w2_scale: torch.Tensor, w2_gs: Optional[torch.Tensor], topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, fmt: str, activation: str, expert_map: Optional[torch.Tensor],
+    w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    w13 = _weight_from_tensors(w13_data, w13_scale, w13_gs, fmt)
+    w2 = _weight_from_tensors(w2_data, w2_scale, w2_gs, fmt)
+    return _moe_fp8_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias)
+
+
+@_moe_fp8_op.register_fake
+def _moe_fp8_fake(x, *args):
+    return torch.empty_like(x)
+
+
 def _check_moe_router(x, w13, router_logits, topk_weights, topk_ids, expert_map, correction_bias) -> None:
     """A MoE call that routes from ``router_logits``: the weights and the logits' shape."""
     if topk_weights is not None or topk_ids is not None:
@@ -477,6 +505,7 @@ def moe(
     n_group: int = 1,
     topk_group: int = 1,
     routed_scaling_factor: float = 1.0,
+    act_dtype: Optional[str] = None,
 ) -> torch.Tensor:
     """The fused MoE layer: for each token, ``sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])``
     with ``FFN_e(x) = W2_e @ act(gate, up) + b2_e``, ``[gate; up] = W13_e x + b13_e``; ``w13`` is
@@ -499,7 +528,11 @@ def moe(
     Expert parallelism: with ``expert_map`` (int32/int64 [E_global], the index into this rank's
     ``E`` experts of each global expert, -1 where another rank holds it) ``topk_ids`` holds global
     ids in [0, E_global), pairs routed to other ranks are skipped, and the result is this rank's
-    share of the sum (the ranks' results add up to the whole layer)."""
+    share of the sum (the ranks' results add up to the whole layer).
+
+    ``act_dtype="fp8"`` (opt-in, it changes the numerics) quantizes x, and the activations
+    between the two GEMMs, to FP8 E4M3 per row and runs both GEMMs on FP8 tensor cores (W4A8,
+    :mod:`autofp4.w4a8`); None (the default) keeps x's dtype."""
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, FP4Weight):
             raise TypeError(f"moe: {name} must be an FP4Weight, got {_describe(w)}")
@@ -507,6 +540,24 @@ def moe(
         raise TypeError("moe: needs topk_weights and topk_ids, or router_logits and top_k")
     if router_logits is not None and top_k is None:
         raise TypeError("moe: router_logits needs top_k (the experts per token)")
+    if act_dtype is not None:
+        from .w4a8 import check_act_dtype
+
+        check_act_dtype(act_dtype, "moe")
+        if router_logits is not None:
+            _check_moe_router(x, w13, router_logits, topk_weights, topk_ids, expert_map, correction_bias)
+            topk_weights, topk_ids = route(router_logits, top_k, renormalize, scoring=scoring,
+                                           correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
+                                           routed_scaling_factor=routed_scaling_factor)
+        if torch.compiler.is_compiling():
+            _check_tensor_args("moe", x=x, w13_bias=w13_bias, w2_bias=w2_bias, topk_weights=topk_weights,
+                               topk_ids=topk_ids)
+            return torch.ops.autofp4.moe_fp8(
+                x, w13.data, w13.scale, w13.global_scale, w2.data, w2.scale, w2.global_scale, topk_weights,
+                topk_ids, w13.fmt, activation, expert_map, w13_bias, w2_bias)
+        _register(w13)
+        _register(w2)
+        return _moe_fp8_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias)
     if torch.compiler.is_compiling():
         _check_tensor_args("moe", x=x, w13_bias=w13_bias, w2_bias=w2_bias, correction_bias=correction_bias,
                            **({"router_logits": router_logits} if router_logits is not None

@@ -106,3 +106,88 @@ def linear(x2: torch.Tensor, w: Any, bias: Optional[torch.Tensor]) -> torch.Tens
     for r0 in range(0, m, step):
         out[r0:r0 + step] = run(x2[r0:r0 + step], packed, bias)
     return out
+
+
+def moe_config(experts: int, t: int, top_k: int):
+    """The grouped W4A8 GEMMs' config for T tokens: the token block (``tile_m``) near the mean
+    rows per expert (each expert's run is padded to it), two warpgroups of 64 weight rows."""
+    from .kernels import sm90_w4a8_gemm as g8
+
+    mean = t * top_k / max(experts, 1)
+    tile_m = 64 if mean <= 96 else (128 if mean <= 384 else 256)
+    return g8.Sm90W4A8Config(tile_n=128, tile_m=tile_m, tile_k=128, stages={64: 8, 128: 6, 256: 5}[tile_m])
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_compiled(cfg: Any, n: int, k: int, fmt: str, dtype: str):
+    from .kernels import sm90_w4a8_gemm as g8
+
+    return g8.compile_moe(cfg, n, k, fmt, dtype)
+
+
+def moe(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+        expert_map: Optional[torch.Tensor] = None, w13_bias: Optional[torch.Tensor] = None,
+        w2_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The MoE layer with FP8 activations; arguments checked by the caller (``x`` contiguous)."""
+    t, top_k = topk_ids.shape
+    if t == 0:
+        return torch.empty_like(x)
+    ref = functools.partial(reference_moe, x, w13, w2, topk_weights, topk_ids, activation, expert_map,
+                            w13_bias, w2_bias)
+    if _hopper_reason(x.device) is not None:
+        return ref()
+    from .backends import get_backend
+
+    backend = get_backend("sm90_w4a16")
+    if max(w13.n, w13.k) * w13.k // 2 * w13.experts > MAX_ARG_BYTES or t * top_k * max(w13.n, w13.k) > MAX_ARG_BYTES:
+        _warn_once(w13, "the layer or the call is beyond the kernels' 32-bit offsets")
+        return ref()
+    p13 = w13.packed(backend.name, backend.prepare).moe("moe_gemm", True)
+    p2 = w2.packed(backend.name, backend.prepare).moe("moe_gemm", False)
+    if w13.fmt == "mxfp4" and (p13.unsupported[1] or p2.unsupported[1]):
+        _warn_once(w13, "its block exponents span more than 14 binades, beyond what E4M3 holds exactly")
+        return ref()
+    dtype = "bfloat16" if x.dtype == torch.bfloat16 else "float16"
+    cfg = moe_config(w13.experts, _bucket(t), top_k)
+    run = _moe_compiled(cfg, w13.n, w13.k, w13.fmt, dtype)
+    return run(x, p13, p2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias)
+
+
+def reference_moe(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  activation: str = "silu", expert_map: Optional[torch.Tensor] = None,
+                  w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The W4A8 MoE layer in float math on what the kernels multiply: x quantized per token,
+    each expert's up product (fp32) through the activation, rounded to x's dtype (as the kernel
+    stores h), quantized per row, times the expert's down weight, times the router weight, summed
+    over the top-k in fp32 and rounded once. ``w13``/``w2``: stacked FP4Weight experts;
+    ``expert_map``: global ids to this slice's experts (-1: another rank's, skipped)."""
+    from .backends.reference import _act
+    from .kernels import fp8_act_quant
+    from .kernels.sm90_w4a8_gemm import reference_weight
+
+    t, top_k = topk_ids.shape
+    k = x.shape[1]
+    xq, sx = fp8_act_quant.reference_quantize(x, permute=False)
+    xv = xq[:, :k].view(torch.float8_e4m3fn).double() * sx.double()[:, None]
+    out = torch.zeros(t, w2.n, dtype=torch.float64, device=x.device)
+    if expert_map is not None:
+        topk_ids = expert_map.long()[topk_ids.long()]
+    for e in topk_ids.unique().tolist():
+        if e < 0:
+            continue
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        q13, f13 = reference_weight(w13.expert(e))
+        g = xv[tok] @ q13.double().T * f13
+        if w13_bias is not None:
+            g = g + w13_bias[e].double()
+        inter = w13.n // 2
+        hv = _act(g.float(), activation).to(x.dtype)
+        hq, sh = fp8_act_quant.reference_quantize(hv, permute=False)
+        hd = hq[:, :inter].view(torch.float8_e4m3fn).double() * sh.double()[:, None]
+        q2, f2 = reference_weight(w2.expert(e))
+        y = hd @ q2.double().T * f2
+        if w2_bias is not None:
+            y = y + w2_bias[e].double()
+        y = (y * topk_weights[tok, slot].double()[:, None]).to(x.dtype)
+        out.index_add_(0, tok, y.double())
+    return out.to(x.dtype)

@@ -329,3 +329,77 @@ def test_linear_act_fp8_under_torch_compile():
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     f = torch.compile(lambda t: autofp4.linear(t, w, act_dtype="fp8"), fullgraph=True, backend="eager")
     torch.testing.assert_close(f(x), g8.reference(x, w), rtol=0, atol=0)
+
+
+def _experts(fmt, e, inter, h, seed):
+    torch.manual_seed(seed)
+    w13 = quantize((torch.randn(e, 2 * inter, h) * 0.5).to(torch.bfloat16), fmt)
+    w2 = quantize((torch.randn(e, h, inter) * 0.5).to(torch.bfloat16), fmt)
+    return w13, w2
+
+
+def test_moe_act_fp8_on_cpu_is_the_reference_and_close_to_bf16():
+    import autofp4
+    from autofp4.w4a8 import reference_moe
+
+    w13, w2 = _experts("mxfp4", 4, 32, 64, 31)
+    x = torch.randn(9, 64, dtype=torch.bfloat16)
+    logits = torch.randn(9, 4)
+    tw, ids = autofp4.route(logits, 2)
+    out = autofp4.moe(x, w13, w2, tw, ids, act_dtype="fp8")
+    torch.testing.assert_close(out, reference_moe(x, w13, w2, tw, ids), rtol=0, atol=0)
+    plain = autofp4.moe(x, w13, w2, tw, ids)
+    rel = float((out.double() - plain.double()).norm() / plain.double().norm())
+    assert 1e-3 < rel < 0.06, rel
+    # from the router's logits: the same routing
+    torch.testing.assert_close(autofp4.moe(x, w13, w2, router_logits=logits, top_k=2, act_dtype="fp8"), out,
+                               rtol=0, atol=0)
+    # an expert-parallel slice: this rank's share only
+    emap = torch.tensor([0, 1, -1, -1])
+    part = autofp4.moe(x, w13, w2, tw, ids, expert_map=emap, act_dtype="fp8")
+    keep = (ids < 2)
+    torch.testing.assert_close(part, reference_moe(x, w13, w2, tw * keep, torch.where(keep, ids, 0)), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="act_dtype"):
+        autofp4.moe(x, w13, w2, tw, ids, act_dtype="e4m3")
+
+
+def test_moe_reference_against_float64_layer():
+    from autofp4.w4a8 import reference_moe
+
+    w13, w2 = _experts("nvfp4", 3, 48, 64, 32)
+    x = torch.randn(7, 64, dtype=torch.bfloat16)
+    tw = torch.rand(7, 2)
+    ids = torch.stack([torch.randperm(3)[:2] for _ in range(7)])
+    out = reference_moe(x, w13, w2, tw, ids, "gelu").double()
+    exact = torch.zeros(7, 64, dtype=torch.float64)
+    for t in range(7):
+        for j in range(2):
+            e = int(ids[t, j])
+            g = w13.expert(e).dequantize(torch.float32).double() @ x[t].double()
+            hv = torch.nn.functional.gelu(g[:48], approximate="tanh") * g[48:]
+            exact[t] += tw[t, j] * (w2.expert(e).dequantize(torch.float32).double() @ hv)
+    rel = float((out - exact).norm() / exact.norm())
+    assert 1e-3 < rel < 0.1, rel  # two FP8 quantizations and two NVFP4 weight roundings, over few terms
+
+
+def test_moe_act_fp8_under_torch_compile():
+    import autofp4
+    from autofp4.w4a8 import reference_moe
+
+    w13, w2 = _experts("nvfp4", 4, 16, 32, 33)
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    tw, ids = autofp4.route(torch.randn(5, 4), 2)
+    f = torch.compile(lambda a, b, c: autofp4.moe(a, w13, w2, b, c, act_dtype="fp8"), fullgraph=True, backend="eager")
+    torch.testing.assert_close(f(x, tw, ids), reference_moe(x, w13, w2, tw, ids), rtol=0, atol=0)
+
+
+@needs_cute
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg,n,k,fmt,act", [
+    (g8.Sm90W4A8Config(tile_m=128), 1536, 2048, "nvfp4", "silu"),
+    (g8.Sm90W4A8Config(tile_m=64, raster="m", stages=6), 5760, 2880, "mxfp4", "swigluoai"),
+])
+def test_w4a8_grouped_gemms_compile(cfg, n, k, fmt, act, tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(tmp_path))
+    g8.compile_moe_only(cfg, n, k, fmt, "bfloat16", act)
+    assert sum(p.name.startswith("sm90_w4a8_moe-") and p.suffix == ".o" for p in tmp_path.iterdir()) == 2

@@ -199,10 +199,13 @@ def reference(x: torch.Tensor, w: Any, bias: torch.Tensor | None = None) -> torc
 # The kernel
 # --------------------------------------------------------------------------------------------
 class _Sm90W4A8Kernel:
-    """One compiled kernel per (config, N, K, fmt, dtype); M is symbolic."""
+    """One compiled kernel per (config, N, K, fmt, dtype); M is symbolic. ``grouped`` (None: the
+    dense GEMM) makes it a grouped GEMM of a MoE layer, as for the W4A16 kernel
+    (:mod:`.sm90_moe_gemm`: ``kind``, ``bias``, ``act``), on the sorted rows' E4M3 bytes and scales."""
 
-    def __init__(self, cfg: Sm90W4A8Config, n: int, k: int, fmt: str, dtype: str):
+    def __init__(self, cfg: Sm90W4A8Config, n: int, k: int, fmt: str, dtype: str, grouped: Any = None):
         self.cfg = cfg
+        self.grouped = grouped
         self.n, self.k, self.fmt, self.dtype = n, k, fmt, dtype
         self.np_, self.kp = _pad(n), _pad(k)
         self.k32 = fp8_act_quant.padded_k(k)
@@ -288,6 +291,28 @@ class _Sm90W4A8Kernel:
                     cute.copy(bulk_atom, src, dst, mbar_ptr=bar)
             pipe.producer_commit(state)
 
+        grp_kind = self.grouped.kind if self.grouped is not None else None
+        grp_act = self.grouped.act if grp_kind == "up" else None
+        grp_bias = self.grouped is not None and self.grouped.bias
+        inter = n_real // 2
+
+        def gate_row(p):
+            """The output of the up GEMM's interleaved weight row ``p = 16 q + s`` (s < 8): 8 q + s."""
+            return p // 16 * 8 + p % 16
+
+        @cute.jit
+        def grouped_store(mOut, grp, nn, mm, lo, hi):
+            """"up": the activation at h[mm, j] (gate row nn = 16 q + s -> j = 8 q + s); "down":
+            the weighted expert output at the pair's row of ``y [pairs, N]`` (none for padding)."""
+            if cutlass.const_expr(grp_kind == "up"):
+                j = gate_row(nn)
+                if j < inter:
+                    st_x2(mOut.iterator.toint() + cutlass.Int64(mm * inter + j) * 2, lo, hi)
+            else:
+                pair = grp[1][mm]
+                if nn < n_real and pair >= 0:
+                    st_x2(mOut.iterator.toint() + cutlass.Int64(pair * n_real + nn) * 2, lo, hi)
+
         def banded(lin, walked, across):
             per_band = swz * walked
             band = lin // per_band
@@ -323,6 +348,40 @@ class _Sm90W4A8Kernel:
             else:
                 pid_n = bidy
                 pid_m = bidx
+            cta(tma_atom_x, mX, mW, mAlpha, mSX, mBias, mOut, m_size, tiled_mma, x_smem_layout_staged,
+                tidx, warp_idx, pid_n, pid_m, None)
+
+        @cute.kernel
+        def grouped_kernel(
+            tma_atom_x: cute.CopyAtom,
+            mX: cute.Tensor,
+            mW: cute.Tensor,
+            mAlpha: cute.Tensor,
+            mSX: cute.Tensor,
+            mBias: cute.Tensor,
+            mOut: cute.Tensor,
+            m_size: cutlass.Int32,
+            tiled_mma: cute.TiledMma,
+            x_smem_layout_staged: cute.ComposedLayout,
+            mBlockExpert: cute.Tensor,
+            mRows: cute.Tensor,
+            mTopkW: cute.Tensor,
+        ):
+            tidx, _, _ = cute.arch.thread_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            bidx, bidy, _ = cute.arch.block_idx()
+            pid_n, pid_m = (bidx, bidy) if raster_n else (bidy, bidx)
+            griddep_wait()  # the routing metadata comes from the previous kernels of the stream
+            expert = mBlockExpert[pid_m]
+            if expert >= 0:
+                cta(tma_atom_x, mX, mW, mAlpha, mSX, mBias, mOut, m_size, tiled_mma, x_smem_layout_staged,
+                    tidx, warp_idx, pid_n, pid_m, (expert, mRows, mTopkW))
+
+        @cute.jit
+        def cta(tma_atom_x, mX, mW, mAlpha, mSX, mBias, mOut, m_size, tiled_mma, x_smem_layout_staged,
+                tidx, warp_idx, pid_n, pid_m, grp):
+            """The tile (pid_n, pid_m) of one CTA; ``grp``: None (dense) or the grouped GEMM's
+            (expert, sorted rows, router weights)."""
             if warp_idx == load_warp:
                 cpasync.prefetch_descriptor(tma_atom_x)
 
@@ -377,6 +436,8 @@ class _Sm90W4A8Kernel:
             cons_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
             rel_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
             n_row0 = pid_n * nb_per_cta
+            if cutlass.const_expr(grp is not None):
+                n_row0 = n_row0 + grp[0] * (self.np_ // CHUNK_N)  # in the expert's packed weight
             lane_q = wtid // 4
 
             n_pre = cutlass.min(stages, k_tiles)
@@ -433,44 +494,68 @@ class _Sm90W4A8Kernel:
                 cute.nvgpu.warpgroup.wait_group(0)
             griddep_launch_dependents()
 
-            # ---- epilogue: out[m, n] = acc[n, m] * alpha * 2**-C * sx[m] + bias[n]
-            alpha = mAlpha[0] * cutlass.Float32(out_scale)
+            # ---- epilogue: out[m, n] = acc[n, m] * alpha * 2**-C * sx[m] + bias[n] (grouped: see
+            # the module docstring of .sm90_moe_gemm; "up" applies the activation to the gate and
+            # up rows r, r + 8, "down" multiplies by the pair's router weight)
+            alpha = (mAlpha[0] if grp is None else mAlpha[grp[0]]) * cutlass.Float32(out_scale)
             row0 = pid_n * tile_n + wg * (reps * CHUNK_N)
             col0 = pid_m * tile_m
             tcid = thr_mma.partition_C(cute.make_identity_tensor((CHUNK_N * reps, tile_m)))
             n_acc = cute.size(acc)
             r0, c0 = tcid[0]
             lane_odd = (tidx // 4) % 2
-            bias_rows = [mBias[cutlass.min(row0 + r0 + 8 * h + CHUNK_N * rep, n_real - 1)].to(cutlass.Float32)
-                         for rep in range(reps) for h in range(2)]
+            if cutlass.const_expr(grp is None):
+                bias_rows = [mBias[cutlass.min(row0 + r0 + 8 * h + CHUNK_N * rep, n_real - 1)].to(cutlass.Float32)
+                             for rep in range(reps) for h in range(2)]
             if warp_idx < cons_warps:
                 for i in cutlass.range_constexpr(0, n_acc, 2):
                     h = i // 2 % 2
                     rep = i // (tile_m // 2)
-                    col = col0 + c0 + i // 4 % (tile_m // 8) * 8
-                    s0 = mSX[cutlass.min(col, m_size - 1)] * alpha
-                    s1 = mSX[cutlass.min(col + 1, m_size - 1)] * alpha
-                    v0 = acc[i] * s0 + bias_rows[rep * 2 + h]
-                    v1 = acc[i + 1] * s1 + bias_rows[rep * 2 + h]
-                    # lanes 4 apart hold rows r, r + 1: trade so each stores two n of one m
-                    send = v1
-                    if lane_odd == 1:
-                        send = v0
-                    got = cute.arch.shuffle_sync_bfly(send, offset=4)
-                    lo = v0
-                    hi = got
-                    if lane_odd == 1:
-                        lo = got
-                        hi = v1
-                    nn = row0 + r0 + 8 * h + CHUNK_N * rep - lane_odd
-                    mm = col + lane_odd
-                    if nn < n_real and mm < m_size:
-                        if cutlass.const_expr(n_real % 2 == 0):
-                            st_x2(mOut.iterator.toint() + cutlass.Int64(mm * n_real + nn) * 2, lo, hi)
-                        else:
-                            mOut[mm, nn] = lo.to(dt)
-                            if nn + 1 < n_real:
-                                mOut[mm, nn + 1] = hi.to(dt)
+                    if cutlass.const_expr(grp_kind != "up" or h == 0):
+                        col = col0 + c0 + i // 4 % (tile_m // 8) * 8
+                        s0 = mSX[cutlass.min(col, m_size - 1)] * alpha
+                        s1 = mSX[cutlass.min(col + 1, m_size - 1)] * alpha
+                        if cutlass.const_expr(grp is None):
+                            v0 = acc[i] * s0 + bias_rows[rep * 2 + h]
+                            v1 = acc[i + 1] * s1 + bias_rows[rep * 2 + h]
+                        elif cutlass.const_expr(grp_kind == "up"):
+                            g0, g1 = acc[i] * s0, acc[i + 1] * s1
+                            u0, u1 = acc[i + 2] * s0, acc[i + 3] * s1
+                            if cutlass.const_expr(grp_bias):  # bias [E, 2I]: gate j, up I + j
+                                jb = grp[0] * n_real + cutlass.min(gate_row(row0 + r0 + CHUNK_N * rep), inter - 1)
+                                bg, bu = mBias[jb], mBias[jb + inter]
+                                g0, g1, u0, u1 = g0 + bg, g1 + bg, u0 + bu, u1 + bu
+                            v0 = grp_act(g0, u0)
+                            v1 = grp_act(g1, u1)
+                        else:  # "down": (+ bias [E, H]) times the router weight of the column's pair
+                            d0, d1 = acc[i] * s0, acc[i + 1] * s1
+                            if cutlass.const_expr(grp_bias):
+                                bn = mBias[grp[0] * n_real + cutlass.min(row0 + r0 + 8 * h + CHUNK_N * rep,
+                                                                         n_real - 1)]
+                                d0, d1 = d0 + bn, d1 + bn
+                            v0 = d0 * grp[2][cutlass.max(grp[1][col], 0)]
+                            v1 = d1 * grp[2][cutlass.max(grp[1][col + 1], 0)]
+                        # lanes 4 apart hold rows r, r + 1: trade so each stores two n of one m
+                        send = v1
+                        if lane_odd == 1:
+                            send = v0
+                        got = cute.arch.shuffle_sync_bfly(send, offset=4)
+                        lo = v0
+                        hi = got
+                        if lane_odd == 1:
+                            lo = got
+                            hi = v1
+                        nn = row0 + r0 + 8 * h + CHUNK_N * rep - lane_odd
+                        mm = col + lane_odd
+                        if cutlass.const_expr(grp is not None):
+                            grouped_store(mOut, grp, nn, mm, lo, hi)
+                        elif nn < n_real and mm < m_size:
+                            if cutlass.const_expr(n_real % 2 == 0):
+                                st_x2(mOut.iterator.toint() + cutlass.Int64(mm * n_real + nn) * 2, lo, hi)
+                            else:
+                                mOut[mm, nn] = lo.to(dt)
+                                if nn + 1 < n_real:
+                                    mOut[mm, nn + 1] = hi.to(dt)
 
         def operands(mX: cute.Tensor):
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -494,7 +579,40 @@ class _Sm90W4A8Kernel:
             kernel(tma_atom_x, tma_x, mW, mAlpha, mSX, mBias, mOut, m_size, tiled_mma, x_smem_layout_staged,
                    ).launch(grid=grid, block=[threads, 1, 1], stream=stream, use_pdl=use_pdl)
 
-        return host
+        @cute.jit
+        def host_grouped(mXq: cute.Tensor, mW: cute.Tensor, mAlpha: cute.Tensor, mSX: cute.Tensor,
+                         mBias: cute.Tensor, mOut: cute.Tensor, mBlockExpert: cute.Tensor, mRows: cute.Tensor,
+                         mTopkW: cute.Tensor, use_pdl: cutlass.Int32, stream: cuda.CUstream):
+            mX = cute.make_tensor(cute.recast_ptr(mXq.iterator, dtype=f8), mXq.layout)
+            tiled_mma, x_smem_layout_staged, tma_atom_x, tma_x = operands(mX)
+            blocks = mBlockExpert.shape[0]
+            grid = (n_tiles, blocks, 1) if raster_n else (blocks, n_tiles, 1)
+            grouped_kernel(tma_atom_x, tma_x, mW, mAlpha, mSX, mBias, mOut, mX.shape[0], tiled_mma,
+                           x_smem_layout_staged, mBlockExpert, mRows, mTopkW,
+                           ).launch(grid=grid, block=[threads, 1, 1], stream=stream, use_pdl=use_pdl)
+
+        return host if self.grouped is None else host_grouped
+
+    def fake_args_grouped(self):
+        """x [rows, K32] E4M3 bytes of the sorted rows, every expert's packed weight, alpha [E],
+        sx [rows], bias [E * N] (fp32; read only by a kernel built with it), out ("up": h [rows, N / 2];
+        "down": y [pairs, N]), block_expert [blocks], sorted_rows [rows], topk_weights [pairs] (fp32)."""
+        from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+        dt = cutlass.BFloat16 if self.dtype == "bfloat16" else cutlass.Float16
+        e, rows, blocks, pairs = (cute.sym_int32() for _ in range(4))
+        xq = make_fake_compact_tensor(cutlass.Uint8, (rows, self.k32), stride_order=(1, 0), assumed_align=16)
+        w = make_fake_compact_tensor(
+            cutlass.Uint8, (e * (self.np_ // CHUNK_N * (self.kp // CHUNK_K) * self.chunk),), assumed_align=16)
+        alpha = make_fake_compact_tensor(cutlass.Float32, (e,), assumed_align=4)
+        sx = make_fake_compact_tensor(cutlass.Float32, (rows,), assumed_align=4)
+        bias = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),), assumed_align=4)
+        out_shape = (rows, self.n // 2) if self.grouped.kind == "up" else (pairs, self.n)
+        out = make_fake_compact_tensor(dt, out_shape, stride_order=(1, 0), assumed_align=4)
+        bexp = make_fake_compact_tensor(cutlass.Int32, (blocks,), assumed_align=4)
+        srows = make_fake_compact_tensor(cutlass.Int32, (rows,), assumed_align=4)
+        tw = make_fake_compact_tensor(cutlass.Float32, (pairs,), assumed_align=4)
+        return xq, w, alpha, sx, bias, out, bexp, srows, tw, 1, make_fake_stream(use_tvm_ffi_env_stream=True)
 
     def fake_args(self):
         from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -573,3 +691,95 @@ def compile_kernel(cfg: Sm90W4A8Config, n: int, k: int, fmt: str, dtype: str) ->
 
 __all__ = ["Sm90W4A8Config", "validate", "compile_kernel", "compile_only", "reference", "reference_weight",
            "weight_exact", "EXP_SHIFT", "PAD"]
+
+
+# --------------------------------------------------------------------------------------------
+# The MoE layer (grouped GEMMs)
+# --------------------------------------------------------------------------------------------
+def _compile_grouped(cfg: Sm90W4A8Config, n: int, k: int, fmt: str, dtype: str, part: str, bias: bool) -> Callable:
+    """The grouped W4A8 GEMM ``part`` of a layer ``2I = n``, ``H = k``: ``"down"`` or an
+    activation (the up GEMM with it), with or without the per-expert ``bias``."""
+    from ..kernel_cache import compile_cached
+    from ._moe_act import ACTIVATIONS
+    from .sm90_moe_gemm import _gemms, _Grouped
+
+    if part != "down" and part not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {part!r}")
+    grouped = _Grouped("down", bias=bias) if part == "down" else _Grouped("up", part, bias)
+    gn, gk = _gemms(n, k)[grouped.kind]
+    _check(cfg, gn, gk, fmt, dtype)
+    if grouped.kind == "up" and (gn // 2) % 8:
+        raise ValueError(f"the up GEMM's intermediate size {gn // 2} must be a multiple of 8")
+    cfg = pdl.binary_config(cfg)
+
+    def build():
+        kern = _Sm90W4A8Kernel(cfg, gn, gk, fmt, dtype, grouped=grouped)
+        return cute.compile(kern.build(), *kern.fake_args_grouped(), options="--enable-tvm-ffi --gpu-arch sm_90a")
+
+    return compile_cached("sm90_w4a8_moe", __name__, (cfg, n, k, fmt, dtype, part, bias), build)
+
+
+def compile_moe_only(cfg: Sm90W4A8Config, n: int, k: int, fmt: str, dtype: str, activation: str = "silu") -> None:
+    """Compile a layer's two grouped GEMMs without a GPU (``CUTE_DSL_ARCH=sm_90a``)."""
+    _compile_grouped(cfg, n, k, fmt, dtype, activation, False)
+    _compile_grouped(cfg, n, k, fmt, dtype, "down", False)
+
+
+def compile_moe(cfg: Sm90W4A8Config, n: int, k: int, fmt: str, dtype: str) -> Callable:
+    """``run(x, packed13, packed2, topk_weights, topk_ids, activation, expert_map=None, w13_bias=None,
+    w2_bias=None) -> [T, H]`` with FP8 activations, for any T. The W4A16 grouped path
+    (:mod:`.sm90_moe_gemm`) with a quantizer in front of each GEMM: x per token before the
+    gather (a token's rows share its scale), h per sorted row after the up GEMM; ``tile_m`` is the
+    routing's token block. The experts are those packed for the W4A16 grouped GEMM
+    (:func:`.sm90_moe_gemm.pack_experts`)."""
+    from ..routing import moe_routing
+
+    tdt = getattr(torch, dtype)
+    quant_x = fp8_act_quant.compile_quantizer(k, dtype)
+    quant_h = fp8_act_quant.compile_quantizer(n // 2, dtype)
+    fns: dict[tuple[str, bool], Callable] = {}
+    no_bias: dict[torch.device, torch.Tensor] = {}
+    use_pdl = pdl.launch_flag(cfg.pdl)
+
+    def fn(part: str, bias: torch.Tensor | None, dev: torch.device) -> tuple[Callable, torch.Tensor]:
+        f = fns.get((part, bias is not None))
+        if f is None:
+            f = fns[part, bias is not None] = _compile_grouped(cfg, n, k, fmt, dtype, part, bias is not None)
+        if bias is None:
+            b = no_bias.get(dev)
+            if b is None:
+                b = no_bias[dev] = torch.zeros(1, dtype=torch.float32, device=dev)
+            return f, b
+        return f, bias.reshape(-1).float().contiguous()
+
+    def run(x: torch.Tensor, p13: Any, p2: Any, topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+            expert_map: torch.Tensor | None = None, w13_bias: torch.Tensor | None = None,
+            w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+        if (p13.n, p13.k, p2.n, p2.k) != (n, k, k, n // 2) or p13.fmt != fmt or p2.fmt != fmt:
+            raise ValueError(f"kernels compiled for 2I={n}, H={k}, {fmt}; got w13 [{p13.n}, {p13.k}] and "
+                             f"w2 [{p2.n}, {p2.k}] in {p13.fmt}")
+        if fmt == "mxfp4" and (p13.unsupported[1] or p2.unsupported[1]):
+            raise ValueError("these mxfp4 experts' scale exponents span more than 14 binades: their E4M3 "
+                             "conversion would round the smallest blocks; run them with bf16 activations")
+        if x.dtype != tdt or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"expected x [T, {k}] {tdt}, got {tuple(x.shape)} {x.dtype}")
+        t, top_k = topk_ids.shape
+        if t == 0:
+            return torch.empty(0, k, dtype=tdt, device=x.device)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        r = moe_routing(topk_ids, p13.experts, cfg.tile_m, expert_map=expert_map)
+        tok = r.sorted_rows.clamp(min=0) // top_k
+        xq, sx = quant_x(x)
+        xs, sxs = xq.index_select(0, tok), sx.index_select(0, tok)
+        h = torch.empty(r.sorted_rows.numel(), n // 2, dtype=tdt, device=x.device)
+        tw = topk_weights.reshape(-1).float().contiguous()
+        (up, b13), (down, b2) = fn(activation, w13_bias, x.device), fn("down", w2_bias, x.device)
+        up(xs, p13.data, p13.alpha, sxs, b13, h, r.block_expert, r.sorted_rows, tw, use_pdl)
+        hq, sh = quant_h(h)
+        y = (torch.zeros if expert_map is not None else torch.empty)(t * top_k, k, dtype=tdt, device=x.device)
+        down(hq, p2.data, p2.alpha, sh, b2, y, r.block_expert, r.sorted_rows, tw, use_pdl)
+        return y.view(t, top_k, k).sum(1)
+
+    return run
+
