@@ -202,6 +202,10 @@ def bench_model(model: str, ep: int, fmts: list[str], ts: list[int], args, bw: f
                                                      router_logits=lg, top_k=k, **rkw)
                 row["autofp4_logits_us"] = _time(fl, ql_args, args.rounds, reps, graph=graph)
                 row["autofp4_timing"] = "graph" if graph else "eager"
+                if args.fp8 and graph:  # FP8 activations (W4A8, opt-in numerics)
+                    f8 = lambda x, a, b, tw, ti: autofp4.moe(x, a, b, tw, ti, activation="silu",  # noqa: E731
+                                                             expert_map=expert_map, act_dtype="fp8")
+                    row["w4a8_us"] = _time(f8, q_args, args.rounds, reps, graph=True)
                 row["autofp4_backend"] = picked
                 row["autofp4_config"] = repr(get_dispatcher(dev).pick(ProblemKey("moe", fmt, "bfloat16", 2 * i, h, e, k), t)[1])
                 if t in args.profile_t:
@@ -322,6 +326,18 @@ def render(doc: dict) -> str:
                 lines.append(f"| {r['model']} | {r['ep']} | {r['fmt']} | {r['T']} | {r['bf16_logits_us']:.1f} | "
                              f"{r['autofp4_logits_us']:.1f} | {r['logits_speedup']:.2f}x | "
                              + (f"{r['route_us']:.1f} | {r['torch_route_us']:.1f} |" if r.get("route_us") else "- | - |"))
+    if any(r.get("w4a8_us") for r in rows):
+        lines += ["", "FP8 activations (`act_dtype=\"fp8\"`, W4A8: other numerics, opt-in) against the bf16 MoE and "
+                  "the bf16-activation layer (W4A16), from given routing, CUDA graphs, us:", "",
+                  "| model | EP | fmt | T | bf16 | W4A16 | W4A8 | W4A8 x bf16 | W4A8 x W4A16 | W4A8 TFLOP/s |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            w8 = r.get("w4a8_us")
+            if w8 and r["autofp4_us"]:
+                tf = useful_flops(r["pairs"], r["H"], r["I"]) / (w8 * 1e-6) / 1e12
+                lines.append(f"| {r['model']} | {r['ep']} | {r['fmt']} | {r['T']} | {r['bf16_us']:.1f} | "
+                             f"{r['autofp4_us']:.1f} | {w8:.1f} | {r['bf16_us'] / w8:.2f}x | "
+                             f"{r['autofp4_us'] / w8:.2f}x | {tf:.0f} |")
     timed = [r for r in rows if r["speedup"]]
     if timed:
         lines += ["", "Geomean speedup of autofp4 over bf16, per format (timed rows):", ""]
@@ -392,6 +408,8 @@ def main() -> int:
                     help="also time the default config of each Hopper MoE kernel, forced (where the two cross)")
     ap.add_argument("--profile-t", default="", help="token counts whose tuned layer call is also profiled "
                     "(its GPU kernels: count, time; in the JSON)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also time the layer with FP8 activations (act_dtype='fp8', W4A8)")
     ap.add_argument("--out", help="results directory (default: docs/results/<gpu>/)")
     ap.add_argument("--plot", metavar="JSON", help="only re-render the tables and plot of a saved run, next to it")
     args = ap.parse_args()

@@ -139,3 +139,15 @@ def test_the_baselines_routing_is_the_models(model):
         assert abs(float(tw.sum(-1).mean()) - 2.5) < 1e-4  # routed scaling
         plain = torch.topk(torch.softmax(logits, -1), k, -1).indices
         assert not torch.equal(plain.sort(-1).values, ti.long().sort(-1).values)
+
+
+def test_the_fp8_table_ratios():
+    row = {"model": "Qwen3-30B-A3B", "ep": 1, "fmt": "nvfp4", "T": 4096, "E": 128, "top_k": 8, "H": 2048, "I": 768,
+           "hit_experts": 128.0, "pairs": 32768, "floor_us": 100.0, "bf16_us": 2000.0, "bf16_logits_us": 2100.0,
+           "autofp4_us": 1000.0, "autofp4_timing": "graph", "w4a8_us": 800.0}
+    doc = {"gpu": "GPU", "date": "d", "torch": "t", "copy_bandwidth_tbs": 4.0, "rows": [row]}
+    text = B.render(doc)
+    tf = B.useful_flops(32768, 2048, 768) / 800e-6 / 1e12
+    assert f"| Qwen3-30B-A3B | 1 | nvfp4 | 4096 | 2000.0 | 1000.0 | 800.0 | 2.50x | 1.25x | {tf:.0f} |" in text
+    row.pop("w4a8_us")
+    assert "W4A8 x bf16" not in B.render(doc)
