@@ -189,10 +189,13 @@ def _check_linear(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) -
     return x2, bias
 
 
-def _linear_fp8_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _linear_fp8_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor], min_m: int = 0) -> torch.Tensor:
+    """The linear call with FP8 activations; with fewer than ``min_m`` rows, with x's dtype."""
     from . import w4a8
 
     x2, bias = _check_linear(x, w, bias)
+    if x2.shape[0] < min_m:
+        return _linear_impl(x, w, bias)
     out = w4a8.linear(x2, w, bias)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], w.n)
 
@@ -205,12 +208,13 @@ def _linear_fp8_op(
     global_scale: Optional[torch.Tensor],
     bias: Optional[torch.Tensor],
     fmt: str,
+    min_m: int,
 ) -> torch.Tensor:
-    return _linear_fp8_impl(x, _weight_from_tensors(data, scale, global_scale, fmt), bias)
+    return _linear_fp8_impl(x, _weight_from_tensors(data, scale, global_scale, fmt), bias, min_m)
 
 
 @_linear_fp8_op.register_fake
-def _linear_fp8_fake(x, data, scale, global_scale, bias, fmt):
+def _linear_fp8_fake(x, data, scale, global_scale, bias, fmt, min_m):
     return x.new_empty(*x.shape[:-1], data.shape[-2])
 
 
@@ -242,19 +246,20 @@ def linear(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor] = None, *
     reads only (no device sync), so the call stays capturable in a CUDA graph.
 
     ``act_dtype="fp8"`` (opt-in, it changes the numerics) quantizes x to FP8 E4M3 per token and
-    runs the product on FP8 tensor cores (W4A8, :mod:`autofp4.w4a8`); None (the default) keeps
-    x's dtype."""
+    runs the product on FP8 tensor cores (W4A8, :mod:`autofp4.w4a8`); ``"fp8-prefill"`` does so
+    from :data:`autofp4.w4a8.PREFILL_MIN_ROWS` rows of x and keeps x's dtype below; None (the
+    default) keeps x's dtype."""
     if not isinstance(w, FP4Weight):
         raise TypeError(f"linear: w must be an FP4Weight (see autofp4.quantize), got {_describe(w)}")
     if act_dtype is not None:
         from .w4a8 import check_act_dtype
 
-        check_act_dtype(act_dtype, "linear")
+        min_m = check_act_dtype(act_dtype, "linear")
         if torch.compiler.is_compiling():
             _check_tensor_args("linear", x=x, bias=bias)
-            return torch.ops.autofp4.linear_fp8(x, w.data, w.scale, w.global_scale, bias, w.fmt)
+            return torch.ops.autofp4.linear_fp8(x, w.data, w.scale, w.global_scale, bias, w.fmt, min_m)
         _register(w)
-        return _linear_fp8_impl(x, w, bias)
+        return _linear_fp8_impl(x, w, bias, min_m)
     if torch.compiler.is_compiling():
         # traced once: the Python types here, the shapes in the op when it runs
         _check_tensor_args("linear", x=x, bias=bias)
@@ -381,13 +386,17 @@ def _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, check_ids=True, ex
         return runner(*args, **opt)
 
 
-def _moe_fp8_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=None, w13_bias=None, w2_bias=None):
-    """The MoE layer with FP8 activations (:func:`autofp4.w4a8.moe`), from given routing."""
+def _moe_fp8_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=None, w13_bias=None, w2_bias=None,
+                  min_rows=0):
+    """The MoE layer with FP8 activations (:func:`autofp4.w4a8.moe`), from given routing; with
+    fewer than ``min_rows`` rows per expert on average, with x's dtype."""
     from . import w4a8
 
     _check_moe(x, w13, w2, topk_weights, topk_ids, activation, True, expert_map, w13_bias, w2_bias)
     if x.shape[0] == 0:
         return torch.empty_like(x)
+    if topk_ids.numel() < min_rows * w13.experts:
+        return _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, False, expert_map, w13_bias, w2_bias)
     xc = x if x.is_contiguous() else x.contiguous()
     return w4a8.moe(xc, w13, w2, topk_weights.float(), topk_ids, activation, expert_map, w13_bias, w2_bias)
 
@@ -397,11 +406,11 @@ def _moe_fp8_op(
     x: torch.Tensor, w13_data: torch.Tensor, w13_scale: torch.Tensor, w13_gs: Optional[torch.Tensor],
     w2_data: torch.Tensor, w2_scale: torch.Tensor, w2_gs: Optional[torch.Tensor], topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, fmt: str, activation: str, expert_map: Optional[torch.Tensor],
-    w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
+    w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor], min_rows: int,
 ) -> torch.Tensor:
     w13 = _weight_from_tensors(w13_data, w13_scale, w13_gs, fmt)
     w2 = _weight_from_tensors(w2_data, w2_scale, w2_gs, fmt)
-    return _moe_fp8_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias)
+    return _moe_fp8_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias, min_rows)
 
 
 @_moe_fp8_op.register_fake
@@ -532,7 +541,9 @@ def moe(
 
     ``act_dtype="fp8"`` (opt-in, it changes the numerics) quantizes x, and the activations
     between the two GEMMs, to FP8 E4M3 per row and runs both GEMMs on FP8 tensor cores (W4A8,
-    :mod:`autofp4.w4a8`); None (the default) keeps x's dtype."""
+    :mod:`autofp4.w4a8`); ``"fp8-prefill"`` does so where the experts get
+    :data:`autofp4.w4a8.PREFILL_MIN_ROWS` rows each on average and keeps x's dtype below; None
+    (the default) keeps x's dtype."""
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, FP4Weight):
             raise TypeError(f"moe: {name} must be an FP4Weight, got {_describe(w)}")
@@ -543,7 +554,7 @@ def moe(
     if act_dtype is not None:
         from .w4a8 import check_act_dtype
 
-        check_act_dtype(act_dtype, "moe")
+        min_rows = check_act_dtype(act_dtype, "moe")
         if router_logits is not None:
             _check_moe_router(x, w13, router_logits, topk_weights, topk_ids, expert_map, correction_bias)
             topk_weights, topk_ids = route(router_logits, top_k, renormalize, scoring=scoring,
@@ -554,10 +565,11 @@ def moe(
                                topk_ids=topk_ids)
             return torch.ops.autofp4.moe_fp8(
                 x, w13.data, w13.scale, w13.global_scale, w2.data, w2.scale, w2.global_scale, topk_weights,
-                topk_ids, w13.fmt, activation, expert_map, w13_bias, w2_bias)
+                topk_ids, w13.fmt, activation, expert_map, w13_bias, w2_bias, min_rows)
         _register(w13)
         _register(w2)
-        return _moe_fp8_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias)
+        return _moe_fp8_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias,
+                             min_rows)
     if torch.compiler.is_compiling():
         _check_tensor_args("moe", x=x, w13_bias=w13_bias, w2_bias=w2_bias, correction_bias=correction_bias,
                            **({"router_logits": router_logits} if router_logits is not None

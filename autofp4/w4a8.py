@@ -22,19 +22,26 @@ from typing import Any, Optional
 
 import torch
 
-ACT_DTYPES = (None, "fp8")
+ACT_DTYPES = (None, "fp8", "fp8-prefill")
+#: ``act_dtype="fp8-prefill"``: FP8 activations for a linear call of at least this many rows, and
+#: a MoE call whose experts get at least this many rows each on average (fewer: x's dtype). A
+#: heuristic until W4A8 is tuned: below it the weight bytes, not the math, bound the time, and the
+#: bf16-activation kernels read the same bytes at full precision
+PREFILL_MIN_ROWS = 512
 #: the largest tensor (bytes, or elements of an output) the kernels' 32-bit offsets address
 MAX_ARG_BYTES = 2**31 - 1
 _WARNED: set = set()
 
 
-def check_act_dtype(act_dtype: Any, what: str) -> Optional[str]:
-    """``act_dtype`` validated: None (activations as given) or ``"fp8"``."""
+def check_act_dtype(act_dtype: Any, what: str) -> int:
+    """``act_dtype`` validated (None: activations as given; ``"fp8"``; ``"fp8-prefill"``): the
+    fewest rows (per expert, for MoE) that run with FP8 activations."""
     if act_dtype is not None and not isinstance(act_dtype, str):
-        raise TypeError(f"{what}: act_dtype must be None or 'fp8', got {type(act_dtype).__name__} {act_dtype!r}")
+        raise TypeError(f"{what}: act_dtype must be None, 'fp8' or 'fp8-prefill', got "
+                        f"{type(act_dtype).__name__} {act_dtype!r}")
     if act_dtype not in ACT_DTYPES:
-        raise ValueError(f"{what}: act_dtype must be None or 'fp8', got {act_dtype!r}")
-    return act_dtype
+        raise ValueError(f"{what}: act_dtype must be None, 'fp8' or 'fp8-prefill', got {act_dtype!r}")
+    return PREFILL_MIN_ROWS if act_dtype == "fp8-prefill" else 0
 
 
 def default_config(n: int, k: int, fmt: str, dtype: str, m: int):

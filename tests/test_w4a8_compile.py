@@ -314,7 +314,7 @@ def test_linear_act_dtype_is_checked():
 
     w = _weight("mxfp4", 32, 64, 22)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="act_dtype must be None or 'fp8'"):
+    with pytest.raises(ValueError, match="act_dtype must be None, 'fp8' or 'fp8-prefill'"):
         autofp4.linear(x, w, act_dtype="int8")
     with pytest.raises(TypeError, match="act_dtype"):
         autofp4.linear(x, w, act_dtype=torch.float8_e4m3fn)
@@ -403,3 +403,21 @@ def test_w4a8_grouped_gemms_compile(cfg, n, k, fmt, act, tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(tmp_path))
     g8.compile_moe_only(cfg, n, k, fmt, "bfloat16", act)
     assert sum(p.name.startswith("sm90_w4a8_moe-") and p.suffix == ".o" for p in tmp_path.iterdir()) == 2
+
+
+def test_fp8_prefill_switches_on_rows():
+    import autofp4
+    from autofp4.w4a8 import PREFILL_MIN_ROWS, reference_moe
+
+    w = _weight("nvfp4", 32, 64, 41)
+    few = torch.randn(PREFILL_MIN_ROWS - 1, 64, dtype=torch.bfloat16)
+    many = torch.randn(PREFILL_MIN_ROWS, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(autofp4.linear(few, w, act_dtype="fp8-prefill"), autofp4.linear(few, w), rtol=0, atol=0)
+    torch.testing.assert_close(autofp4.linear(many, w, act_dtype="fp8-prefill"), g8.reference(many, w), rtol=0, atol=0)
+    w13, w2 = _experts("mxfp4", 4, 32, 32, 42)
+    for t, fp8 in ((PREFILL_MIN_ROWS * 2 - 1, False), (PREFILL_MIN_ROWS * 2, True)):
+        x = torch.randn(t, 32, dtype=torch.bfloat16)
+        tw, ids = autofp4.route(torch.randn(t, 4), 2)
+        got = autofp4.moe(x, w13, w2, tw, ids, act_dtype="fp8-prefill")
+        want = reference_moe(x, w13, w2, tw, ids) if fp8 else autofp4.moe(x, w13, w2, tw, ids)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
