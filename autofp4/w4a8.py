@@ -145,19 +145,20 @@ def moe(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor, topk_ids
         return ref()
     from .backends import get_backend
 
+    from .backends.sm90_w4a16 import _moe_runner
+
     backend = get_backend("sm90_w4a16")
-    if max(w13.n, w13.k) * w13.k // 2 * w13.experts > MAX_ARG_BYTES or t * top_k * max(w13.n, w13.k) > MAX_ARG_BYTES:
-        _warn_once(w13, "the layer or the call is beyond the kernels' 32-bit offsets")
-        return ref()
-    p13 = w13.packed(backend.name, backend.prepare).moe("moe_gemm", True)
-    p2 = w2.packed(backend.name, backend.prepare).moe("moe_gemm", False)
-    if w13.fmt == "mxfp4" and (p13.unsupported[1] or p2.unsupported[1]):
+    prep13, prep2 = w13.packed(backend.name, backend.prepare), w2.packed(backend.name, backend.prepare)
+    if w13.fmt == "mxfp4" and (prep13.moe("moe_gemm", True).unsupported[1] or prep2.moe("moe_gemm", False).unsupported[1]):
         _warn_once(w13, "its block exponents span more than 14 binades, beyond what E4M3 holds exactly")
         return ref()
     dtype = "bfloat16" if x.dtype == torch.bfloat16 else "float16"
     cfg = moe_config(w13.experts, _bucket(t), top_k)
     run = _moe_compiled(cfg, w13.n, w13.k, w13.fmt, dtype)
-    return run(x, p13, p2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias)
+    # runs of experts whose packed weights fit the kernels' 32-bit offsets, and of tokens whose
+    # rows do, as on the bf16-activation path
+    return _moe_runner(run, "moe_gemm", False)(x, prep13, prep2, topk_weights, topk_ids, activation, expert_map,
+                                               w13_bias, w2_bias)
 
 
 def reference_moe(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -215,3 +215,32 @@ def test_moe_act_fp8_api_expert_map_and_graph():
     tw, ids = autofp4.route(logits, 2)
     ref = reference_moe(x, w13, w2, tw, ids, "silu", emap)
     assert float((og.double() - ref.double()).norm() / ref.double().norm()) < 5e-3
+
+
+@needs_sm90
+def test_w4a8_moe_in_runs_of_experts_and_tokens(monkeypatch):
+    """A layer forced into runs of experts (packed weights past a small offset limit) and runs
+    of tokens, with an expert map and biases, is the layer's W4A8 reference."""
+    import autofp4
+    from autofp4.backends import sm90_w4a16 as B
+    from autofp4.w4a8 import reference_moe
+
+    torch.manual_seed(17)
+    e, h, i, t, k = 12, 256, 128, 40, 3
+    w13 = quantize(torch.randn(e, 2 * i, h, device="cuda"), "nvfp4")
+    w2 = quantize(torch.randn(e, h, i, device="cuda"), "nvfp4")
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    emap = torch.tensor([-1] * 4 + list(range(e)) + [-1] * 4, dtype=torch.int32, device="cuda")
+    tw, ti = autofp4.route(torch.randn(t, e + 8, device="cuda"), k)
+    b13 = torch.randn(e, 2 * i, device="cuda")
+    b2 = torch.randn(e, h, device="cuda")
+    ref = reference_moe(x, w13, w2, tw, ti, "silu", emap, b13, b2).double()
+    one = w13.packed("sm90_w4a16", B.SM90W4A16Backend().prepare).moe("moe_gemm", True)
+    monkeypatch.setattr(B, "MAX_ARG_BYTES", one.data.numel() // e * 5)  # runs of 5 experts
+    assert len(B.expert_groups(one)) == 3
+    got = autofp4.moe(x, w13, w2, tw, ti, expert_map=emap, w13_bias=b13, w2_bias=b2, act_dtype="fp8")
+    assert float((got.double() - ref).norm() / ref.norm()) < 5e-3
+    monkeypatch.setattr(B, "MAX_ARG_BYTES", (e * 256 + 7 * k) * h)  # and runs of 7 tokens
+    assert len(B._token_runs(t, k, e, h)) == 6
+    got = autofp4.moe(x, w13, w2, tw, ti, expert_map=emap, w13_bias=b13, w2_bias=b2, act_dtype="fp8")
+    assert float((got.double() - ref).norm() / ref.norm()) < 5e-3
