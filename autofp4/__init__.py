@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 from .weights import FP4Weight, dequantize, quantize  # noqa: E402
 from .ops import explain, linear, moe, route  # noqa: E402
 from .dispatch import get_dispatcher, set_db  # noqa: E402
-from .nn import FP4FusedLinear, FP4Linear, FP4LinearPart, quantize_model  # noqa: E402
+from .nn import FP4FusedLinear, FP4Linear, FP4LinearPart, quantize_model, set_activations  # noqa: E402
 from .pdl import pdl_enabled, set_pdl  # noqa: E402
 from .integrations import transformers as _transformers_experts  # noqa: E402,F401  (registers the experts hook)
 from .integrations.transformers_hook import install as _install_hook, register_transformers  # noqa: E402
@@ -34,6 +34,7 @@ __all__ = [
     "route",
     "explain",
     "quantize_model",
+    "set_activations",
     "set_db",
     "get_dispatcher",
     "set_pdl",
@@ -52,10 +53,20 @@ if _os.environ.get("AUTOFP4_LOG"):  # what each problem's first call runs, on st
 
     _log_from_env()
 
-if _os.environ.get("AUTOFP4_AUTOTUNE"):  # just-in-time tuning for code that cannot be edited
+if _os.environ.get("AUTOFP4_AUTOTUNE", "").strip().lower() not in ("", "0", "off", "none"):
+    # just-in-time tuning for code that cannot be edited
     from .tuning.jit import from_env as _autotune_from_env
 
     _autotune_from_env()
+else:
+    _idle = sorted(v for v in ("AUTOFP4_AUTOTUNE_BUDGET_S", "AUTOFP4_AUTOTUNE_DUTY", "AUTOFP4_AUTOTUNE_OPS",
+                               "AUTOFP4_AUTOTUNE_WORKERS") if _os.environ.get(v) is not None)
+    if _idle:  # set for a tuner that is off: say so rather than ignore them
+        import warnings as _warnings
+
+        _warnings.warn(f"{', '.join(_idle)} set, but AUTOFP4_AUTOTUNE is not on: just-in-time tuning is off and "
+                       f"{'these have' if len(_idle) > 1 else 'it has'} no effect (set AUTOFP4_AUTOTUNE=blocking "
+                       "or background)", stacklevel=2)
 
 
 def __getattr__(name: str):

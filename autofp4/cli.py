@@ -18,7 +18,7 @@ from typing import Any, Sequence, TextIO
 import torch
 
 from .models import LAYOUTS
-from .problem import DTYPES, FORMATS, OPS
+from .problem import DTYPES, FORMATS, OPS, is_moe
 
 __all__ = ["main", "build_parser"]
 
@@ -130,10 +130,15 @@ def _time_budget(text: str) -> float:
 #: the GPU architectures the kernels are compiled for (Hopper, Blackwell)
 _ARCHS = ("sm_90a", "sm_100a")
 #: the GPU each compiled backend's kernels are built for
-_BACKEND_ARCH = {"sm90_w4a16": "sm_90a", "sm100_blockscaled": "sm_100a"}
+_BACKEND_ARCH = {"sm90_w4a16": "sm_90a", "sm90_w4a8": "sm_90a", "sm100_blockscaled": "sm_100a"}
 #: backends that run torch ops: nothing of theirs is compiled into the kernel cache
 _NOT_COMPILED = ("reference",)
 
+#: ``--act``: the activations the tuned calls run with (FP8: the ``*_fp8`` ops, W4A8)
+ACTS = ("fp8",)
+LAYERS = ("linear", "moe")
+_ACT_HELP = ("tune the shapes as run with FP8 activations (act_dtype='fp8', W4A8: their own problems); "
+             "default: the activations as given")
 _LM_HEAD_HELP = ("also the lm_head (vocab_size x hidden_size; for a model that runs it in FP4: "
                  "AUTOFP4_VLLM_LM_HEAD=1, quantize_model(..., skip=[]))")
 _LAYOUT_HELP = ("whose modules: vllm (fused qkv_proj, gate_up_proj; the default), transformers "
@@ -162,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layout", choices=LAYOUTS, help=_LAYOUT_HELP)
     t.add_argument("--ops", type=_ops_list, metavar="OP,...", help="only these ops' shapes: linear, moe (default: both)")
     t.add_argument("--lm-head", action="store_true", help=_LM_HEAD_HELP)
+    t.add_argument("--act", choices=ACTS, help=_ACT_HELP)
     t.add_argument("--budget", type=_positive_int, metavar="N", help="trials per (shape, M)")
     t.add_argument("--time-budget", type=_time_budget, metavar="SECONDS",
                    help="wall-clock budget of the run, shared fairly by its jobs (default 900 on the GPU; 'none': no limit)")
@@ -218,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--ep", type=_positive_int, help="expert-parallel size (with --model; default 1)")
     e.add_argument("--layout", choices=LAYOUTS, help=_LAYOUT_HELP)
     e.add_argument("--ops", type=_ops_list, metavar="OP,...", help="only these ops' shapes: linear, moe (default: both)")
+    e.add_argument("--act", choices=ACTS, help=_ACT_HELP + " (with --model)")
     e.add_argument("--db", metavar="PATH", help="tuning DB file (default: $AUTOFP4_DB or ~/.cache/autofp4/tuning.db)")
     e.add_argument("--device", help="the device the calls run on (default: cuda if available, else cpu)")
 
@@ -238,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--layout", choices=LAYOUTS, help=_LAYOUT_HELP)
     c.add_argument("--ops", type=_ops_list, metavar="OP,...", help="only these ops' shapes: linear, moe (default: both)")
     c.add_argument("--lm-head", action="store_true", help=_LM_HEAD_HELP)
+    c.add_argument("--act", choices=ACTS, help=_ACT_HELP)
     c.add_argument("--seeds", type=_nonneg_int, metavar="N",
                    help="also each job's first N tuner seeds and the winners other shapes keep at its M (what a tuning run tries first)")
     c.add_argument("--db", metavar="PATH", dest="warm_db",
@@ -278,6 +286,8 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.model is not None and args.from_misses is not None:
         raise _UsageError("give either --model or --from-misses, not both")
     _model_options(args)
+    _options_for(args, _RUN_OPTIONS, not args.dry_run, "a tuning run",
+                 "; --dry-run prints the jobs and tunes nothing (leave --dry-run out to tune)")
     backends = _backend_names(args)
     if args.storage:
         from .tuning.claims import claim_ttl_s
@@ -301,12 +311,14 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 #: the options of ``tune --model`` (and their defaults), which ``--from-misses`` does not take
 _MODEL_OPTIONS = {"fmt": "nvfp4", "dtype": "bfloat16", "m": None, "tp": 1, "ep": 1, "layout": "vllm", "ops": None,
-                  "lm_head": False}
+                  "lm_head": False, "act": None}
 #: the options of ``cache --warm`` (and their defaults)
 _WARM_OPTIONS = {**_MODEL_OPTIONS, "seeds": 0, "warm_db": None, "arch": None, "backend": None, "workers": None}
 _OPTION_NAMES = {"warm_db": "--db"}
+#: the options of ``tune`` that only a run uses (``--dry-run`` tunes nothing)
+_RUN_OPTIONS = {"budget": None, "time_budget": None, "force": False, "storage": None, "workers": None, "gpus": None}
 #: ``explain``'s options of a model, and of one shape
-_EXPLAIN_MODEL = {"tp": 1, "ep": 1, "layout": "vllm", "ops": None}
+_EXPLAIN_MODEL = {"tp": 1, "ep": 1, "layout": "vllm", "ops": None, "act": None}
 _EXPLAIN_SHAPE = {"op": "linear", "experts": 0, "topk": 0}
 
 
@@ -319,7 +331,8 @@ def _options_for(args: argparse.Namespace, options: dict, used: bool, goes_with:
             if getattr(args, k) is None:
                 setattr(args, k, default)
         return
-    given = [_OPTION_NAMES.get(k, f"--{k.replace('_', '-')}") for k in options if getattr(args, k) not in (None, False)]
+    given = [_OPTION_NAMES.get(k, f"--{k.replace('_', '-')}") for k in options
+             if getattr(args, k) is not None and getattr(args, k) is not False]  # 0 is given (--workers 0)
     if given:
         raise _UsageError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with {goes_with}{why}")
 
@@ -354,7 +367,7 @@ def _set_db(args: argparse.Namespace) -> None:
         from . import dispatch
         from .db import expand_path
 
-        dispatch.set_db(expand_path(args.db, "--db", file=True))
+        dispatch._use_db_path(expand_path(args.db, "--db", file=True))
 
 
 def _tune_device(args: argparse.Namespace) -> tuple[bool, str]:
@@ -404,7 +417,7 @@ def _tune_misses(args: argparse.Namespace, on_cpu: bool, cpu_note: str, common: 
     if args.dry_run:
         print(f"{len(misses)} missed (problem, M) pairs in {path}:", file=out)
         for key, m, c in misses:
-            extra = f" E={key.experts} topk={key.topk}" if key.op == "moe" else ""
+            extra = f" E={key.experts} topk={key.topk}" if is_moe(key.op) else ""
             print(f"  {key.op} {key.fmt} {key.dtype} N={key.n} K={key.k}{extra} M={m}: {c} calls", file=out)
         return 0
     if on_cpu:
@@ -463,11 +476,13 @@ def _one_line(text: str, limit: int = 1000) -> str:
 
 
 def _ops_list(text: str) -> tuple[str, ...]:
-    """``--ops``: a comma-separated subset of the ops."""
+    """``--ops``: a comma-separated subset of the layer kinds (``--act fp8`` picks their FP8 ops)."""
     ops = tuple(dict.fromkeys(_items(text, "--ops")))
-    bad = [o for o in ops if o not in OPS]
+    bad = [o for o in ops if o not in LAYERS]
     if not ops or bad:
-        raise argparse.ArgumentTypeError(f"ops must be a comma-separated subset of {', '.join(OPS)}, got {text!r}")
+        hint = "; for FP8 activations add --act fp8" if any(o in OPS for o in bad) else ""
+        raise argparse.ArgumentTypeError(f"ops must be a comma-separated subset of {', '.join(LAYERS)}, "
+                                         f"got {text!r}{hint}")
     return ops
 
 
@@ -486,14 +501,21 @@ def _model_shapes(path: str, args: argparse.Namespace) -> list[Any]:
         raise _UsageError(_one_line(msg)) from None
     try:
         shapes = model_shapes(config, tp=args.tp, ep=args.ep, fmt=args.fmt,
-                              layout=getattr(args, "layout", "vllm"), include_lm_head=getattr(args, "lm_head", False))
+                              layout=getattr(args, "layout", "vllm"), include_lm_head=getattr(args, "lm_head", False),
+                              act=getattr(args, "act", None))
     except (ValueError, TypeError) as e:
         raise _UsageError(f"{_one_line(str(path), 300)}: {_one_line(str(e))}") from None
+    has_moe = any(is_moe(s.op) for s in shapes)
     ops = getattr(args, "ops", None)
     if ops:
-        shapes = [s for s in shapes if s.op in ops]
+        shapes = [s for s in shapes if ("moe" if is_moe(s.op) else "linear") in ops]
         if not shapes:
             raise _UsageError(f"{_one_line(str(path), 300)} has no {' or '.join(ops)} shapes")
+        if getattr(args, "lm_head", False) and "linear" not in ops:
+            raise _UsageError(f"--lm-head adds the lm_head's linear shape, which --ops {','.join(ops)} leaves out")
+    if args.ep is not None and args.ep > 1 and not any(is_moe(s.op) for s in shapes):
+        raise _UsageError(f"--ep {args.ep} splits the experts of MoE layers, and " + (
+            f"--ops {','.join(ops)} leaves them out" if has_moe else f"{_one_line(str(path), 300)} has none"))
     return shapes
 
 
@@ -720,7 +742,7 @@ def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             stored = read_records(expand_path(args.warm_db, "--db", file=True))[1]
         except (TuningDBError, TuningFileError, OSError) as e:
             raise _UsageError(f"cannot read the tuning DB {args.warm_db}: {e}") from None
-    backends = _backend_names(args) or ["sm90_w4a16"]
+    backends = _backend_names(args) or ["sm90_w4a8" if args.act else "sm90_w4a16"]
     other = [n for n in backends if _BACKEND_ARCH.get(n, arch) != arch]
     if other:
         raise _UsageError(f"--backend {other[0]} builds kernels for {_BACKEND_ARCH[other[0]]}, not for --arch {arch}")
@@ -752,9 +774,9 @@ def _cmd_quantize(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .integrations.safetensors_io import parse_size
 
     try:
-        parse_size(args.max_shard_size)
+        parse_size(args.max_shard_size, "--max-shard-size")
     except ValueError as e:
-        raise _UsageError(f"--max-shard-size: {e}") from None
+        raise _UsageError(str(e)) from None
     import signal
     import threading
 

@@ -22,7 +22,7 @@ from .db import (
     default_db_path,
     expand_path,
 )
-from .problem import DTYPES, FORMATS
+from .problem import DTYPES, FORMATS, OPS
 from .schema import MAX_DIM, MAX_EXPERTS, TuningRecord, config_json
 
 SUBCOMMANDS = ("list", "show", "export", "import", "merge", "diff", "prune")
@@ -62,7 +62,7 @@ def _int_in(lo: int, hi: int):
 
 
 def _add_key_filters(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--op", choices=("linear", "moe"))
+    p.add_argument("--op", choices=OPS)
     p.add_argument("--fmt", choices=FORMATS)
     p.add_argument("--dtype", choices=DTYPES)
     p.add_argument("--backend")

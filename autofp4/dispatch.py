@@ -52,7 +52,7 @@ import torch
 
 from .backends import available_backends, get_backend
 from .backends.base import Backend, BackendConfig, Runner
-from .problem import DEFAULT_M_BUCKETS, ProblemKey, bucket_for, shape_errors
+from .problem import DEFAULT_M_BUCKETS, ProblemKey, bucket_for, is_moe, shape_errors
 
 __all__ = [
     "DEFAULT_M_BUCKETS",
@@ -168,7 +168,7 @@ class Explanation:
 
     def __str__(self) -> str:
         k = self.key
-        moe = f" E={k.experts} topk={k.topk}" if k.op == "moe" else ""
+        moe = f" E={k.experts} topk={k.topk}" if is_moe(k.op) else ""
         cfg = json.dumps(get_backend(self.backend).config_dict(self.config), sort_keys=True, separators=(",", ":"))
         return (f"{k.op} {k.fmt} {k.dtype} N={k.n} K={k.k}{moe} M={self.m} (bucket {self.bucket}): "
                 f"{self.backend} {cfg}\n  {self.why}" + (f"\n  from {self.layer}" if self.layer else ""))
@@ -544,7 +544,7 @@ def _miss_entry(e: Any) -> tuple[tuple[ProblemKey, int, int, int] | None, list[s
     bad_shape = shape_errors(key.op, key.fmt, key.n, key.k)
     if bad_shape:
         return None, [f"field {f!r}: {why}" for f, why in bad_shape.items()]
-    if g and (key.op != "moe" or g <= key.experts):
+    if g and (not is_moe(key.op) or g <= key.experts):
         return None, [f"experts_global={g} needs a MoE key with fewer experts, got {key}"]
     return (key, m, c, g), []
 
@@ -717,7 +717,6 @@ def set_miss_hook(hook: MissHook | None) -> None:
 
 def set_db(path: str | os.PathLike | None) -> None:
     """Use ``path`` as the user tuning DB (``None``: back to the default) and drop dispatchers."""
-    global _DB_PATH
     from .db import expand_path, unusable_path
 
     if path is not None:
@@ -728,7 +727,19 @@ def set_db(path: str | os.PathLike | None) -> None:
                             f"got {type(path).__name__}") from None
         if why is not None:
             raise ValueError(f"set_db({path!r:.80}): {why}")
-    _DB_PATH = expand_path(path, "the tuning DB path", file=True) if path is not None else None
+    new = expand_path(path, "the tuning DB path", file=True) if path is not None else None
+    if new is not None and new.is_dir():
+        raise ValueError(f"set_db({path!r:.80}): that is a folder (a directory); name the DB file in it "
+                         f"(such as {str(new / 'tuning.db')!r})")
+    _use_db_path(new)
+
+
+def _use_db_path(path: Path | None) -> None:
+    """Make ``path`` (expanded; None: the default) the user DB and drop the dispatchers. The
+    command line's ``--db``, whose commands each report a path they cannot use in their own terms
+    (``info`` lists it), comes here directly."""
+    global _DB_PATH
+    _DB_PATH = path
     reload()
 
 

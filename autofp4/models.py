@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
-from .problem import BLOCK_SIZE, FORMATS, ProblemKey
+from .problem import BLOCK_SIZE, FORMATS, OPS, ProblemKey, is_moe, op_for
 
 __all__ = [
     "ModelShape",
@@ -65,7 +65,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ModelShape:
-    """One GEMM (``op == "linear"``) or MoE block (``op == "moe"``) of a model, per TP rank.
+    """One GEMM (``op == "linear"``) or MoE block (``op == "moe"``) of a model, per TP rank
+    (``linear_fp8`` / ``moe_fp8``: the same, run with FP8 activations).
 
     For ``linear``: the weight is ``[n, k]`` and ``experts == topk == 0``. For ``moe``:
     ``n == 2 * intermediate`` (fused gate/up ``w13 [experts, 2I, H]``), ``k == hidden``;
@@ -87,14 +88,14 @@ class ModelShape:
     experts_global: int = 0
 
     def __post_init__(self) -> None:
-        if self.op not in ("linear", "moe"):
-            raise ValueError(f"op must be 'linear' or 'moe', got {self.op!r}")
+        if self.op not in OPS:
+            raise ValueError(f"op must be one of {', '.join(OPS)}, got {self.op!r}")
         if self.n <= 0 or self.k <= 0 or self.count <= 0:
             raise ValueError(
                 f"{self.name}: n, k and count must be positive, "
                 f"got n={self.n}, k={self.k}, count={self.count}"
             )
-        if self.op == "moe":
+        if is_moe(self.op):
             if not 0 < self.topk <= self.experts:
                 raise ValueError(
                     f"{self.name}: moe needs 0 < topk <= experts, "
@@ -389,12 +390,35 @@ def _check_dtype_field(key: str, value: Any) -> None:
     )
 
 
+#: float fields transformers computes with when it builds or runs a model: where set, a finite
+#: number, positive (or, for the dropout, in [0, 1])
+_POSITIVE_FLOATS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "norm_epsilon", "routed_scaling_factor")
+_UNIT_FLOATS = ("attention_dropout", "hidden_dropout", "partial_rotary_factor")
+
+
+def _check_float_field(key: str, value: Any) -> None:
+    import math
+
+    if value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and key in _POSITIVE_FLOATS:
+        ok = value > 0
+    elif ok:
+        ok = 0 <= value <= 1
+    if not ok:
+        want = "a positive number" if key in _POSITIVE_FLOATS else "a number in [0, 1]"
+        raise ValueError(f"config field {key!r} must be {want}, got {_show(value)}")
+
+
 def check_buildable(config: Mapping[str, Any]) -> None:
     """What a loader checks beyond :func:`check_limits` before transformers builds a model from
     ``config`` (or its ``text_config``): ``head_dim``, where set, is positive, no MoE routes a
     token to more experts than it has (``num_experts_per_tok`` <= ``num_local_experts`` /
-    ``num_experts`` / ``n_routed_experts``), and ``torch_dtype`` / ``dtype``, where set, name a
-    torch dtype; ``ValueError`` naming the fields otherwise."""
+    ``num_experts`` / ``n_routed_experts``), ``torch_dtype`` / ``dtype``, where set, name a
+    torch dtype, and the float fields transformers computes with (``rope_theta``, the norm
+    epsilons, dropouts: :data:`_POSITIVE_FLOATS`, :data:`_UNIT_FLOATS`) are finite numbers in
+    range; ``ValueError`` naming the fields otherwise."""
     def ints(part: Mapping[str, Any], keys: Sequence[str]) -> list[tuple[str, int]]:
         return [(k, part[k]) for k in keys if isinstance(part.get(k), int) and not isinstance(part[k], bool)]
 
@@ -403,6 +427,8 @@ def check_buildable(config: Mapping[str, Any]) -> None:
             continue
         for key in _DTYPE_KEYS:
             _check_dtype_field(key, part.get(key))
+        for key in _POSITIVE_FLOATS + _UNIT_FLOATS:
+            _check_float_field(key, part.get(key))
         for key, value in ints(part, _POSITIVE_TO_BUILD):
             if value <= 0:
                 raise ValueError(
@@ -783,7 +809,7 @@ def _layout_shapes(config: Mapping[str, Any], model_type: str, values: dict[str,
 
 def model_shapes(config: Mapping[str, Any], tp: int = 1, ep: int = 1,
                  include_lm_head: bool = False, fmt: str | None = None,
-                 layout: str = "vllm") -> list[ModelShape]:
+                 layout: str = "vllm", act: str | None = None) -> list[ModelShape]:
     """Every FP4 GEMM / MoE shape one rank of the model runs, deduplicated with counts.
 
     ``config`` is a Hugging Face ``config.json`` dict (see :func:`load_config`); ``tp`` the
@@ -793,15 +819,21 @@ def model_shapes(config: Mapping[str, Any], tp: int = 1, ep: int = 1,
     vocabulary). ``fmt`` (``"nvfp4"`` or ``"mxfp4"``) also checks that every K is a whole
     number of the format's blocks. ``layout`` (one of :data:`LAYOUTS`) picks the modules:
     ``"vllm"`` fused ``qkv_proj`` / ``gate_up_proj``, ``"transformers"`` the unfused Hugging
-    Face projections, ``"both"`` the union of the two. A config that breaks any of this raises ``ValueError``
-    naming the field (``TypeError`` for a ``config`` that is not a mapping).
+    Face projections, ``"both"`` the union of the two. ``act="fp8"``: the shapes of a model run
+    with FP8 activations (ops ``linear_fp8`` / ``moe_fp8``, other problems than the bf16 ones).
+    A config that breaks any of this raises ``ValueError`` naming the field (``TypeError`` for a
+    ``config`` that is not a mapping).
     """
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a dict, got {type(config).__name__}")
     tp = _check_parallel("tp", tp)
     ep = _check_parallel("ep", ep)
+    if not isinstance(include_lm_head, bool):
+        raise TypeError(f"include_lm_head must be True or False, got {_show(include_lm_head)}")
     _check_fmt(fmt)
     layout = _check_layout(layout)
+    if act is not None and act != "fp8":
+        raise ValueError(f"act must be None or 'fp8', got {_show(act)}")
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in _ARCHS:
         raise ValueError(_unsupported(config, model_type))
@@ -811,6 +843,8 @@ def model_shapes(config: Mapping[str, Any], tp: int = 1, ep: int = 1,
     for one in layouts:
         shapes = _union(shapes, _layout_shapes(config, model_type, values, tp, ep,
                                                include_lm_head, fmt, one))
+    if act is not None:
+        shapes = [replace(s, op=op_for(s.op, act)) for s in shapes]
     return shapes
 
 
@@ -821,7 +855,7 @@ def shapes_table(shapes: Sequence[ModelShape]) -> str:
     """A fixed-width text table of ``shapes`` (one row each), for ``tune --dry-run``."""
     rows = [_COLUMNS]
     for s in shapes:
-        moe = s.op == "moe"
+        moe = is_moe(s.op)
         rows.append((
             s.op, s.name, str(s.n), str(s.k),
             (f"{s.experts} of {s.experts_global}" if s.experts_global else str(s.experts)) if moe else "-",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import fnmatch
+import operator
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
@@ -11,6 +12,7 @@ from torch import nn
 from . import ops
 from .problem import BLOCK_SIZE
 from .formats import check_fmt
+from .patterns import pattern_list
 from .weights import FP4Weight, _describe, quantize
 
 __all__ = ["FP4Linear", "FP4FusedLinear", "FP4LinearPart", "ConversionReport", "TensorRecord", "fuse_projections",
@@ -21,7 +23,23 @@ class FP4Buffers(nn.Module):
     """A module whose FP4 tensors are buffers that keep their dtypes: ``model.to(torch.bfloat16)``
     (or ``.half()``, ``.float()``) converts a module's floating-point buffers, which would turn
     the E4M3 block scales and the fp32 global scales into the model's dtype. Device moves apply
-    to them as usual; dtype conversions leave them as they are."""
+    to them as usual; dtype conversions leave them as they are.
+
+    ``act_dtype``: the activations its calls run with (None: as given; ``"fp8"`` /
+    ``"fp8-prefill"``: FP8, see :func:`autofp4.linear`); :func:`set_activations` sets it model-wide."""
+
+    _act_dtype: Optional[str] = None
+
+    @property
+    def act_dtype(self) -> Optional[str]:
+        return self._act_dtype
+
+    @act_dtype.setter
+    def act_dtype(self, value: Optional[str]) -> None:
+        from .w4a8 import check_act_dtype
+
+        check_act_dtype(value, f"{type(self).__name__}.act_dtype")
+        self._act_dtype = value
 
     def _apply(self, fn, recurse=True):
         kept = {name: t for name, t in self._buffers.items() if t is not None}
@@ -124,10 +142,19 @@ class FP4Linear(FP4Buffers):
         return w
 
     def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        act = self._act_dtype
         if torch.compiler.is_compiling():
+            if act is not None:
+                from .w4a8 import check_act_dtype
+
+                return torch.ops.autofp4.linear_fp8(x, self.weight_packed, self.weight_scale,
+                                                    self.weight_global_scale, bias, self.fmt,
+                                                    check_act_dtype(act, "FP4Linear"))
             return torch.ops.autofp4.linear(
                 x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias, self.fmt
             )
+        if act is not None:
+            return ops.linear(x, self.fp4_weight(), bias, act_dtype=act)
         return ops.linear(x, self.fp4_weight(), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,8 +170,9 @@ class FP4Linear(FP4Buffers):
 
     def extra_repr(self) -> str:
         cd = "" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype}"
+        act = "" if self._act_dtype is None else f", act_dtype={self._act_dtype!r}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
-                f"bias={self.bias is not None}{cd}")
+                f"bias={self.bias is not None}{cd}{act}")
 
 
 class FP4FusedLinear(FP4Linear):
@@ -193,8 +221,16 @@ class FP4LinearPart(nn.Module):
 
     def __init__(self, fused: FP4FusedLinear, index: int) -> None:
         super().__init__()
+        if not isinstance(fused, FP4FusedLinear):
+            raise TypeError(f"FP4LinearPart: fused must be an FP4FusedLinear, got {_describe(fused)}")
+        if isinstance(index, bool) or _as_int(index) is None:
+            raise TypeError(f"FP4LinearPart: index must be an int (one of the fused weight's parts), "
+                            f"got {_describe(index)}")
+        if not 0 <= index < len(fused.part_bounds) - 1:
+            raise ValueError(f"FP4LinearPart: index must be an int in [0, {len(fused.part_bounds) - 1}) "
+                             f"(one of the fused weight's parts), got {_describe(index)}")
         self.__dict__["_fused"] = fused  # not a submodule: the parent owns it
-        self.index = index
+        self.index = int(index)
         self.in_features = fused.in_features
         self.out_features = fused.part_bounds[index + 1] - fused.part_bounds[index]
         self.fmt = fused.fmt
@@ -239,6 +275,13 @@ FUSED_PROJECTIONS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_pro
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def _as_int(value) -> Optional[int]:
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _check_compute_dtype(dtype, what: str) -> None:
     if dtype is not None and dtype not in _COMPUTE_DTYPES:
         if not isinstance(dtype, torch.dtype):
@@ -247,22 +290,9 @@ def _check_compute_dtype(dtype, what: str) -> None:
 
 
 def _skip_patterns(skip: Iterable[str]) -> list[str]:
-    """``skip`` as a list of glob patterns (an iterable of str; a lone str is refused: it would
-    iterate as one pattern per character)."""
-    if isinstance(skip, (str, bytes, Mapping)):
-        raise TypeError(
-            f"quantize_model: skip must be an iterable of glob patterns such as ['lm_head'], got {_describe(skip)}"
-        )
-    try:
-        patterns = list(skip)
-    except TypeError:
-        raise TypeError(
-            f"quantize_model: skip must be an iterable of glob patterns such as ['lm_head'], got {_describe(skip)}"
-        ) from None
-    for i, p in enumerate(patterns):
-        if not isinstance(p, str):
-            raise TypeError(f"quantize_model: skip must hold str glob patterns, got {_describe(p)} at position {i}")
-    return patterns
+    """``skip`` as a list of glob patterns (an iterable of non-empty str; a lone str is refused: it
+    would iterate as one pattern per character)."""
+    return pattern_list(skip, "quantize_model: skip")
 
 
 @dataclass
@@ -357,12 +387,31 @@ def _weight_bytes(w: FP4Weight) -> int:
     return sum(t.numel() * t.element_size() for t in (w.data, w.scale) + ((w.global_scale,) if w.global_scale is not None else ()))
 
 
+def set_activations(model: nn.Module, act_dtype: Optional[str]) -> int:
+    """Run every FP4 layer of ``model`` (linear, fused and MoE experts) with activations
+    ``act_dtype``: None (as given, the default), ``"fp8"`` (FP8 E4M3 per token: W4A8, other
+    numerics, faster prefill on Hopper) or ``"fp8-prefill"`` (FP8 from
+    :data:`autofp4.w4a8.PREFILL_MIN_ROWS` rows). Returns the number of layers set."""
+    from .w4a8 import check_act_dtype
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"set_activations: model must be a torch.nn.Module, got {_describe(model)}")
+    check_act_dtype(act_dtype, "set_activations")
+    n = 0
+    for m in model.modules():
+        if isinstance(m, FP4Buffers):
+            m.act_dtype = act_dtype
+            n += 1
+    return n
+
+
 def quantize_model(
     model: nn.Module,
     fmt: str,
     skip: Iterable[str] = ("lm_head", "*.lm_head"),
     dtype: Optional[torch.dtype] = None,
     fuse: bool = True,
+    activations: Optional[str] = None,
 ) -> ConversionReport:
     """Replace the ``torch.nn.Linear`` layers of ``model`` by :class:`FP4Linear` in place.
 
@@ -398,6 +447,11 @@ def quantize_model(
     states) stay correct but compute the whole stacked product for each input: use
     ``fuse=False`` there.
 
+    ``activations`` (opt-in, other numerics): ``"fp8"`` runs every FP4 layer with FP8
+    activations (W4A8, the way past the bf16 rate at prefill on Hopper), ``"fp8-prefill"`` only
+    calls of many tokens; None keeps the activations as given. :func:`set_activations` changes
+    it later (a loaded checkpoint too).
+
     A model that already holds FP4 layers keeps them: in ``fmt`` they are reported as skipped
     (already quantized); in another FP4 format the call is refused (``ValueError``): FP4 weights
     are not re-quantized, convert the original high-precision model instead.
@@ -406,6 +460,9 @@ def quantize_model(
         raise TypeError(f"quantize_model: model must be a torch.nn.Module, got {_describe(model)}")
     check_fmt(fmt, "quantize_model")
     _check_compute_dtype(dtype, "quantize_model: dtype")
+    from .w4a8 import check_act_dtype
+
+    check_act_dtype(activations, "quantize_model: activations")
     if not isinstance(fuse, bool):
         raise TypeError(f"quantize_model: fuse must be True or False, got {_describe(fuse)}")
     patterns = _skip_patterns(skip)
@@ -458,6 +515,8 @@ def quantize_model(
             report.add(TensorRecord(n, "linear", tuple(lin.weight.shape), True,
                                     lin.weight.numel() * lin.weight.element_size(), after))
         report.fused[fused_name] = list(names)
+    if activations is not None:
+        set_activations(model, activations)
     if report.converted:
         notify_converted(model)
     return report

@@ -16,7 +16,7 @@ import torch
 from . import router, routing
 from .dispatch import get_dispatcher
 from .kernels._moe_act import ACTIVATIONS
-from .problem import ProblemKey, dtype_name
+from .problem import ProblemKey, dtype_name, is_moe
 from .weights import FP4Weight, _describe, _values_readable
 
 __all__ = ["explain", "free_loaded", "linear", "moe", "route"]
@@ -94,10 +94,10 @@ def _problem_key(w: FP4Weight, op: str, dtype: torch.dtype, topk: int = 0) -> Pr
         cache = w.__dict__["_problem_keys"] = {}
     key = cache.get((op, dtype, topk))
     if key is None:
-        if op == "linear":
-            key = ProblemKey("linear", w.fmt, dtype_name(dtype), w.n, w.k)
+        if not is_moe(op):
+            key = ProblemKey(op, w.fmt, dtype_name(dtype), w.n, w.k)
         else:
-            key = ProblemKey("moe", w.fmt, dtype_name(dtype), w.n, w.k, w.experts, topk)
+            key = ProblemKey(op, w.fmt, dtype_name(dtype), w.n, w.k, w.experts, topk)
         cache[(op, dtype, topk)] = key
     return key
 
@@ -190,13 +190,17 @@ def _check_linear(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor]) -
 
 
 def _linear_fp8_impl(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor], min_m: int = 0) -> torch.Tensor:
-    """The linear call with FP8 activations; with fewer than ``min_m`` rows, with x's dtype."""
-    from . import w4a8
-
+    """The linear call with FP8 activations (problem ``linear_fp8``); with fewer than ``min_m``
+    rows, with x's dtype."""
     x2, bias = _check_linear(x, w, bias)
-    if x2.shape[0] < min_m:
+    m = x2.shape[0]
+    if m < min_m:
         return _linear_impl(x, w, bias)
-    out = w4a8.linear(x2, w, bias)
+    if m == 0:
+        return x.new_empty(*x.shape[:-1], w.n)
+    disp = get_dispatcher(x.device)
+    backend, _cfg, runner, _ = disp.resolve_entry(_problem_key(w, "linear_fp8", x.dtype), m)
+    out = runner(x2, w.packed(backend.name, backend.prepare), bias)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], w.n)
 
 
@@ -388,17 +392,21 @@ def _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, check_ids=True, ex
 
 def _moe_fp8_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=None, w13_bias=None, w2_bias=None,
                   min_rows=0):
-    """The MoE layer with FP8 activations (:func:`autofp4.w4a8.moe`), from given routing; with
-    fewer than ``min_rows`` rows per expert on average, with x's dtype."""
-    from . import w4a8
-
+    """The MoE layer with FP8 activations (problem ``moe_fp8``), from given routing; with fewer
+    than ``min_rows`` rows per expert on average, with x's dtype."""
     _check_moe(x, w13, w2, topk_weights, topk_ids, activation, True, expert_map, w13_bias, w2_bias)
     if x.shape[0] == 0:
         return torch.empty_like(x)
     if topk_ids.numel() < min_rows * w13.experts:
         return _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, False, expert_map, w13_bias, w2_bias)
+    key = _problem_key(w13, "moe_fp8", x.dtype, topk_ids.shape[1])
+    eg = 0 if expert_map is None else expert_map.shape[0]
+    backend, _cfg, runner, _ = get_dispatcher(x.device).resolve_entry(key, x.shape[0], eg)
     xc = x if x.is_contiguous() else x.contiguous()
-    return w4a8.moe(xc, w13, w2, topk_weights.float(), topk_ids, activation, expert_map, w13_bias, w2_bias)
+    opt = {k: v for k, v in (("expert_map", expert_map), ("w13_bias", w13_bias), ("w2_bias", w2_bias))
+           if v is not None}
+    return runner(xc, w13.packed(backend.name, backend.prepare), w2.packed(backend.name, backend.prepare),
+                  topk_weights.float(), topk_ids, activation, **opt)
 
 
 @torch.library.custom_op("autofp4::moe_fp8", mutates_args=())

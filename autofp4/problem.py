@@ -14,6 +14,10 @@ import torch
 
 __all__ = [
     "OPS",
+    "MOE_OPS",
+    "FP8_OPS",
+    "is_moe",
+    "op_for",
     "FORMATS",
     "DTYPES",
     "BLOCK_SIZE",
@@ -25,7 +29,11 @@ __all__ = [
     "bucket_for",
 ]
 
-OPS = ("linear", "moe")
+#: the ops: a linear layer and a MoE layer, each with the activations as given (bf16/fp16) or
+#: quantized to FP8 (``*_fp8``, W4A8: other numerics, so other problems; never swapped for one another)
+OPS = ("linear", "moe", "linear_fp8", "moe_fp8")
+MOE_OPS = ("moe", "moe_fp8")
+FP8_OPS = ("linear_fp8", "moe_fp8")
 FORMATS = ("nvfp4", "mxfp4")
 #: activation dtypes, by their torch names
 DTYPES = ("bfloat16", "float16")
@@ -34,6 +42,23 @@ BLOCK_SIZE: dict[str, int] = {"nvfp4": 16, "mxfp4": 32}
 #: the M buckets the dispatcher looks tuned rows up by (a call with M tokens uses the smallest
 #: bucket >= M; the largest bucket also serves every larger M)
 DEFAULT_M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def is_moe(op: str) -> bool:
+    """Whether ``op`` is a MoE layer's (experts and top-k in its key)."""
+    return op in MOE_OPS
+
+
+def op_for(layer: str, act: str | None) -> str:
+    """The op of a ``layer`` (``"linear"`` or ``"moe"``) run with activations ``act`` (None: as
+    given; ``"fp8"``: quantized to FP8)."""
+    if layer not in ("linear", "moe"):
+        raise ValueError(f"layer must be 'linear' or 'moe', got {layer!r}")
+    if act is None:
+        return layer
+    if act != "fp8":
+        raise ValueError(f"act must be None or 'fp8', got {act!r}")
+    return f"{layer}_fp8"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -76,7 +101,7 @@ def shape_errors(op: str, fmt: str, n: int, k: int) -> dict[str, str]:
     out = {}
     if k % block:
         out["k"] = f"{k} is not a multiple of {fmt}'s block of {block}: no FP4 weight has K={k}"
-    if op == "moe" and n % (2 * block):
+    if is_moe(op) and n % (2 * block):
         out["n"] = (f"{n} is not twice a multiple of {block}: a MoE layer's N is 2 x its intermediate size, "
                     f"which must be a multiple of {fmt}'s block of {block} (no FP4 weight has this shape)")
     return out
@@ -86,8 +111,10 @@ def shape_errors(op: str, fmt: str, n: int, k: int) -> dict[str, str]:
 class ProblemKey:
     """Everything a compiled kernel depends on, except M (one kernel serves every M).
 
-    For ``op == "moe"``: ``n`` is the gate/up width ``2 * intermediate``, ``k`` the hidden
-    size, ``experts`` the number of experts and ``topk`` the experts per token.
+    For a MoE op (``"moe"``, ``"moe_fp8"``): ``n`` is the gate/up width ``2 * intermediate``,
+    ``k`` the hidden size, ``experts`` the number of experts and ``topk`` the experts per token.
+    ``dtype`` is the dtype of the activations given (and of the output); the ``*_fp8`` ops
+    quantize them to FP8 inside.
     """
 
     op: str
@@ -107,12 +134,12 @@ class ProblemKey:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.n <= 0 or self.k <= 0:
             raise ValueError(f"n and k must be positive, got n={self.n}, k={self.k}")
-        if self.op == "moe" and (self.experts <= 0 or self.topk <= 0 or self.topk > self.experts):
+        if is_moe(self.op) and (self.experts <= 0 or self.topk <= 0 or self.topk > self.experts):
             raise ValueError(
-                f"moe needs 0 < topk <= experts, got experts={self.experts}, topk={self.topk}"
+                f"{self.op} needs 0 < topk <= experts, got experts={self.experts}, topk={self.topk}"
             )
-        if self.op == "linear" and (self.experts or self.topk):
-            raise ValueError("linear problems have no experts/topk")
+        if not is_moe(self.op) and (self.experts or self.topk):
+            raise ValueError(f"{self.op} problems have no experts/topk")
 
     @property
     def torch_dtype(self) -> torch.dtype:

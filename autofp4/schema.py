@@ -26,7 +26,7 @@ from pydantic import (
 
 from .backends import backend_names, get_backend
 from .env import Environment
-from .problem import DTYPES, FORMATS, OPS, ProblemKey, shape_errors
+from .problem import DTYPES, FORMATS, OPS, ProblemKey, is_moe, shape_errors
 
 #: version of the JSON export format (``ExportDoc.schema_version``) this code reads and writes.
 EXPORT_SCHEMA_VERSION = 1
@@ -197,7 +197,7 @@ class _KeyFields(BaseModel):
 
     def describe(self) -> str:
         s = f"{self.op} {self.fmt} {self.dtype} {self.backend} M<={self.m_bucket} N={self.n} K={self.k}"
-        if self.op == "moe":
+        if is_moe(self.op):
             s += f" E={self.experts} topk={self.topk}"
         return s
 

@@ -761,3 +761,47 @@ def test_vllm_reads_the_compressed_tensors_checkpoint_autofp4_writes(tmp_path, f
         assert g.shape == (3,) and torch.equal(g, g[:1].expand(3))
     gate = vl.RowParallelLinear(H, E, bias=False, params_dtype=BF16, quant_config=ct, prefix="model.layers.0.mlp.gate")
     assert type(gate.quant_method).__name__ == "UnquantizedLinearMethod"  # the router is in "ignore"
+
+
+@pytest.mark.parametrize("how", ["env", "hf-overrides"])
+def test_fp8_activations_only_when_asked(tmp_path, monkeypatch, how):
+    """AUTOFP4_VLLM_ACT=fp8 (or "act": "fp8") runs the model's FP4 linears and experts with FP8
+    activations (W4A8), in the hash of the compiled graphs; without it the activations stay bf16."""
+    from autofp4.integrations.vllm._layer import fp4_weight
+    from autofp4.w4a8 import reference_linear, reference_moe
+
+    monkeypatch.delenv("AUTOFP4_VLLM_FORMAT", raising=False)
+    path, _ = _bf16_dir(tmp_path)
+    kw = {}
+    if how == "env":
+        monkeypatch.setenv("AUTOFP4_VLLM_ACT", "fp8")
+    else:
+        monkeypatch.delenv("AUTOFP4_VLLM_ACT", raising=False)
+        kw["hf_overrides"] = {"quantization_config": {"quant_method": "autofp4", "act": "fp8"}}
+    vc, model = _load(path, "autofp4", monkeypatch, **kw)
+    assert vc.additional_config["autofp4"]["act"] == "fp8"
+    layer = model.model.layers[0]
+    qkv = layer.self_attn.qkv_proj
+    assert qkv.autofp4_act == "fp8"
+    w = fp4_weight(qkv, "")
+    x = torch.randn(5, H, dtype=BF16)
+    got = qkv.quant_method.apply(qkv, x)
+    assert torch.equal(got, reference_linear(x, w, None)) and not torch.equal(got, autofp4.linear(x, w))
+    compiled = torch.compile(lambda x: qkv.quant_method.apply(qkv, x), backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), got)
+    ex = layer.mlp.experts.routed_experts
+    w13, w2 = fp4_weight(ex, "w13_"), fp4_weight(ex, "w2_")
+    tw, ti = autofp4.route(torch.randn(5, E), TOP_K)
+    assert torch.equal(ex.quant_method.apply(ex, x, tw, ti, None, None), reference_moe(x, w13, w2, tw, ti, "silu"))
+
+
+def test_fp8_activation_settings_are_checked(monkeypatch):
+    monkeypatch.setenv("AUTOFP4_VLLM_ACT", "int8")
+    with pytest.raises(ValueError, match="AUTOFP4_VLLM_ACT must be fp8, fp8-prefill or unset, got 'int8'"):
+        vl.AutoFP4Config()
+    monkeypatch.delenv("AUTOFP4_VLLM_ACT")
+    assert vl.AutoFP4Config().act is None and vl.AutoFP4Config().hash_factors()["act"] is None
+    assert vl.AutoFP4Config(act="fp8-prefill").hash_factors()["act"] == "fp8-prefill"
+    with pytest.raises(ValueError, match="quantization_config act must be fp8, fp8-prefill or null, got 'e4m3'"):
+        vl.AutoFP4Config.from_config({"quant_method": "autofp4", "act": "e4m3"})
+    assert "act='fp8'" in repr(vl.AutoFP4Config(act="fp8"))

@@ -10,6 +10,7 @@ from .base import Backend
 # name -> "module:Class"; order is preference order when several apply.
 _REGISTRY: dict[str, str] = {
     "sm90_w4a16": "autofp4.backends.sm90_w4a16:SM90W4A16Backend",
+    "sm90_w4a8": "autofp4.backends.sm90_w4a8:SM90W4A8Backend",
     "sm100_blockscaled": "autofp4.backends.sm100_blockscaled:SM100BlockScaledBackend",
     "reference": "autofp4.backends.reference:ReferenceBackend",
 }

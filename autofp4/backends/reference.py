@@ -60,13 +60,19 @@ def reference_linear_w4a4(x: torch.Tensor, w: Any, bias: torch.Tensor | None) ->
 
 def reference_runner(numerics: str, key: ProblemKey) -> Runner:
     """The oracle runner for ``key`` of a backend of ``numerics`` (``"w4a16"``: the reference
-    backend's default; ``"w4a4"``: :func:`reference_linear_w4a4`)."""
+    backend's default; ``"w4a4"``: :func:`reference_linear_w4a4`; ``"w4a8"``: the reference
+    backend's for the ``*_fp8`` ops, whose key says so)."""
+    if numerics == "w4a8":
+        if key.op not in ("linear_fp8", "moe_fp8"):
+            raise ValueError(f"no W4A8 reference for {key.op}")
+        b = ReferenceBackend()
+        return b.compile(b.default(key), key)
     if numerics == "w4a4":
         if key.op != "linear":
             raise ValueError(f"no W4A4 reference for {key.op}")
         return reference_linear_w4a4
     if numerics != "w4a16":
-        raise ValueError(f"numerics must be 'w4a16' or 'w4a4', got {numerics!r}")
+        raise ValueError(f"numerics must be 'w4a16', 'w4a4' or 'w4a8', got {numerics!r}")
     b = ReferenceBackend()
     return b.compile(b.default(key), key)
 
@@ -124,9 +130,55 @@ def reference_moe(
     return out.to(x.dtype)
 
 
+def reference_linear_w4a8(x: torch.Tensor, w: Any, bias: torch.Tensor | None) -> torch.Tensor:
+    """What a W4A8 kernel computes (the ``*_fp8`` ops): x quantized to E4M3 per token, the FP4
+    weight converted to E4M3, float64 math (:func:`autofp4.kernels.sm90_w4a8_gemm.reference`)."""
+    from ..kernels.sm90_w4a8_gemm import reference
+
+    return reference(x, w, bias)
+
+def reference_moe_w4a8(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  activation: str = "silu", expert_map: torch.Tensor | None = None,
+                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The W4A8 MoE layer in float math on what the kernels multiply: x quantized per token,
+    each expert's up product (fp32) through the activation, rounded to x's dtype (as the kernel
+    stores h), quantized per row, times the expert's down weight, times the router weight, summed
+    over the top-k in fp32 and rounded once. ``w13``/``w2``: stacked FP4Weight experts;
+    ``expert_map``: global ids to this slice's experts (-1: another rank's, skipped)."""
+    from ..kernels import fp8_act_quant
+    from ..kernels.sm90_w4a8_gemm import reference_weight
+
+    t, top_k = topk_ids.shape
+    k = x.shape[1]
+    xq, sx = fp8_act_quant.reference_quantize(x, permute=False)
+    xv = xq[:, :k].view(torch.float8_e4m3fn).double() * sx.double()[:, None]
+    out = torch.zeros(t, w2.n, dtype=torch.float64, device=x.device)
+    if expert_map is not None:
+        topk_ids = expert_map.long()[topk_ids.long()]
+    for e in topk_ids.unique().tolist():
+        if e < 0:
+            continue
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        q13, f13 = reference_weight(w13.expert(e))
+        g = xv[tok] @ q13.double().T * f13
+        if w13_bias is not None:
+            g = g + w13_bias[e].double()
+        inter = w13.n // 2
+        hv = _act(g.float(), activation).to(x.dtype)
+        hq, sh = fp8_act_quant.reference_quantize(hv, permute=False)
+        hd = hq[:, :inter].view(torch.float8_e4m3fn).double() * sh.double()[:, None]
+        q2, f2 = reference_weight(w2.expert(e))
+        y = hd @ q2.double().T * f2
+        if w2_bias is not None:
+            y = y + w2_bias[e].double()
+        y = (y * topk_weights[tok, slot].double()[:, None]).to(x.dtype)
+        out.index_add_(0, tok, y.double())
+    return out.to(x.dtype)
+
+
 class ReferenceBackend(Backend):
     name = "reference"
-    ops = frozenset({"linear", "moe"})
+    ops = frozenset({"linear", "moe", "linear_fp8", "moe_fp8"})
     config_types = {None: ReferenceConfig}
 
     def applies_to(self, device: torch.device) -> bool:
@@ -157,6 +209,11 @@ class ReferenceBackend(Backend):
         if reason:
             raise ValueError(f"invalid reference config {config}: {reason}")
         chunk = config.chunk_n  # type: ignore[attr-defined]
+        if key.op == "linear_fp8":
+            return reference_linear_w4a8
+        if key.op == "moe_fp8":
+            return lambda x, w13, w2, tw, ti, act, expert_map=None, w13_bias=None, w2_bias=None: reference_moe_w4a8(
+                x, w13, w2, tw, ti, act, expert_map, w13_bias, w2_bias)
         if key.op == "linear":
             return lambda x, w, bias: reference_linear(x, w, bias, chunk)
         return lambda x, w13, w2, tw, ti, act, expert_map=None, w13_bias=None, w2_bias=None: reference_moe(

@@ -53,10 +53,11 @@ from torch import nn
 
 from ..loaders import MissingKeyError, load_state_dict_weight
 from ..nn import FP4Buffers, FP4Linear, fuse_projections, notify_converted
+from ..patterns import pattern_list
 from ..weights import FP4Weight, _describe
 from .checkpoint_experts import Readers, load_experts
 from .layouts import RENAMES
-from .safetensors_io import INDEX, read_header, shard_files
+from .safetensors_io import INDEX, path_arg, read_header, shard_files
 
 __all__ = ["from_pretrained", "from_compressed_tensors"]
 
@@ -337,19 +338,9 @@ class _Scheme:
 
 
 def _str_list(value: Any, label: str) -> list[str]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        shown = repr(value) if len(repr(value)) <= 120 else f"a {type(value).__name__}"
-        raise ValueError(f"{_WHAT}: {label} must be a list of module names or patterns, got {shown}")
-    for i, v in enumerate(value):
-        if not isinstance(v, str):
-            raise ValueError(f"{_WHAT}: {label} must be a list of module names or patterns, got "
-                             f"{type(v).__name__} {v!r:.80} at position {i}")
-        if v in ("", "re:"):  # a pattern that matches every module
-            raise ValueError(f"{_WHAT}: {label}: entry {i} is the empty pattern {v!r}, which would match every "
-                             "module; remove it")
-    return list(value)
+    """A config field that lists module names or patterns (None: left out, no entry)."""
+    return pattern_list(value, f"{_WHAT}: {label}", from_file=True, regex_prefix="re:",
+                        empty="which would match every module; remove it")
 
 
 #: ModelOpt's quant_algo values of NVFP4 weights (W4A16_NVFP4: activations left unquantized, as
@@ -381,6 +372,9 @@ def _ct_scheme(q: Mapping, source: str) -> _Scheme:
         if not isinstance(g, dict):
             raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}] must be an object, got {g!r}")
         fmt = g.get("format") or q.get("format")
+        if g.get("format") and q.get("format") and g.get("format") != q.get("format"):
+            raise ValueError(f"{_WHAT}: {source}: format {q.get('format')!r} and config_groups[{gname!r}].format "
+                             f"{g.get('format')!r} disagree; the tensors are stored in one format")
         if fmt not in _CT_FORMATS:
             raise ValueError(
                 f"{_WHAT}: {source}: compressed-tensors format {fmt!r} (group {gname!r}) is not supported "
@@ -733,7 +727,7 @@ def _check_dtype(dtype: Any) -> None:
 
 
 def _checkpoint_dir(path: Union[str, Path]) -> Path:
-    root = Path(path)
+    root = path_arg(path, "path", _WHAT)
     if not root.is_dir():
         raise FileNotFoundError(f"{_WHAT}: {root} is not a directory (a checkpoint directory with config.json)")
     if not (root / "config.json").is_file():

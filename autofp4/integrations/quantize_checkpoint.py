@@ -31,9 +31,10 @@ from typing import Any, Callable, Iterable, Optional, TextIO, Union
 import torch
 
 from ..formats import E2M1_MAX, E4M3_MAX, check_fmt, dequantize_blocks, quantize_mxfp4, quantize_nvfp4
+from ..patterns import pattern_list
 from ..problem import BLOCK_SIZE
 from . import layouts as L
-from .safetensors_io import SafetensorsReader, ShardedWriter
+from .safetensors_io import SafetensorsReader, ShardedWriter, parse_size, path_arg
 from .writer import check_output, copy_side_files, fp4_weight_like, staging_dir, write_configs
 
 __all__ = ["quantize_checkpoint", "QuantizeSummary"]
@@ -500,16 +501,22 @@ def quantize_checkpoint(src: Union[str, Path], out: Union[str, Path], fmt: str, 
     ``quantization_report.json`` in ``out``)."""
     t0 = time.perf_counter()
     check_fmt(fmt, _WHAT)
-    if isinstance(skip, str):
-        raise TypeError(f"{_WHAT}: skip must be a list of glob patterns such as ['lm_head'], got the str {skip!r}")
-    skip = list(skip)
-    for p in skip:
-        if not isinstance(p, str):
-            raise TypeError(f"{_WHAT}: skip (--skip) patterns must be str globs, got {type(p).__name__} {p!r}")
-        if not p.strip():
-            raise ValueError(f"{_WHAT}: skip (--skip) has an empty pattern {p!r}, which matches no layer; "
-                             "give a glob such as 'lm_head' or '*.mlp.*' (or leave --skip out)")
-    src = Path(src)
+    skip = pattern_list(skip, f"{_WHAT}: skip", option="--skip",
+                        empty="which matches no layer; give a glob such as 'lm_head' or '*.mlp.*' (or leave --skip out)")
+    src = path_arg(src, "src", _WHAT)
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"{_WHAT}: overwrite must be True or False, got {type(overwrite).__name__} {overwrite!r:.80}")
+    if not isinstance(progress, bool):
+        raise TypeError(f"{_WHAT}: progress must be True or False, got {type(progress).__name__} {progress!r:.80}")
+    if stream is not None and not callable(getattr(stream, "write", None)):
+        raise TypeError(f"{_WHAT}: stream must be a text stream (with write) or None, got {type(stream).__name__}")
+    if not isinstance(device, (str, torch.device)) or isinstance(device, bool):
+        raise TypeError(f"{_WHAT}: device must be a str such as 'cuda' or a torch.device, got "
+                        f"{type(device).__name__} {device!r:.80}")
+    try:
+        parse_size(max_shard_size)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{_WHAT}: {e}") from None
     if not src.is_dir() or not (src / "config.json").is_file():
         raise FileNotFoundError(f"{_WHAT}: {src} is not a checkpoint directory (a directory with config.json)")
     check_output(out, overwrite, _WHAT, "out (--out)", src, side_files=src)  # before the work: again when written

@@ -23,7 +23,7 @@ import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -53,18 +53,30 @@ def parse_size(size: Union[int, str], name: str = "max_shard_size") -> int:
                         f"got {type(size).__name__} {size!r}")
     if isinstance(size, int):
         if size <= 0:
-            raise ValueError(f"a size must be positive, got {size}")
+            raise ValueError(f"{name} must be a positive number of bytes, got {size}")
         return size
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), re.IGNORECASE)
     if not m:
-        raise ValueError(f"a size must be bytes or a number with a unit (500MB, 5GB, 4GiB), got {size!r}")
+        raise ValueError(f"{name} must be bytes or a number with a unit (500MB, 5GB, 4GiB), got {size!r}")
     unit = (m.group(2) or "B").upper()
     mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
     out = int(float(m.group(1)) * mult)
     if out <= 0:
-        raise ValueError(f"a size must be positive, got {size!r}")
+        raise ValueError(f"{name} must be a positive size, got {size!r}")
     return out
+
+
+def path_arg(value: Any, name: str, what: str) -> Path:
+    """``value`` (a str or os.PathLike, not empty) as a Path; TypeError / ValueError naming
+    ``name`` (the argument) after ``what`` (the function) otherwise: an empty str would be the
+    current directory."""
+    if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{what}: {name} must be a folder path (str or Path), got {type(value).__name__} {value!r:.80}")
+    text = os.fspath(value)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{what}: {name} is an empty path {text!r}; name the folder")
+    return Path(text)
 
 
 @dataclass(frozen=True)

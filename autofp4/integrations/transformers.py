@@ -96,14 +96,15 @@ class FP4Experts(FP4Buffers):
         out = moe(
             x, self.fp4_weight("gate_up_proj"), self.fp4_weight("down_proj"),
             top_k_weights, top_k_index, self.activation,
-            w13_bias=self.gate_up_proj_bias, w2_bias=self.down_proj_bias,
+            w13_bias=self.gate_up_proj_bias, w2_bias=self.down_proj_bias, act_dtype=self.act_dtype,
         )
         return out.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
+        act = "" if self.act_dtype is None else f", act_dtype={self.act_dtype!r}"
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
                 f"intermediate_dim={self.intermediate_dim}, fmt={self.fmt}, activation={self.activation}, "
-                f"bias={self.down_proj_bias is not None or self.gate_up_proj_bias is not None}")
+                f"bias={self.down_proj_bias is not None or self.gate_up_proj_bias is not None}{act}")
 
 
 #: transformers router classes whose scoring autofp4.route computes: the class name -> the scoring

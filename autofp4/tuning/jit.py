@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import numbers
 import os
 import threading
 import time
@@ -32,6 +33,7 @@ from .. import dispatch
 from ..backends import get_backend
 from ..db import ChangeMonitor, TuningDBError
 from ..problem import OPS
+from . import args as A
 from .compile_pool import _spec
 from .jobs import STORED, Job
 from .worker import WorkerClient
@@ -58,13 +60,17 @@ def _capturing(device: torch.device) -> bool:
 def _settings(mode: str, budget_s: float | None, ops: Iterable[str], backends: Sequence[str] | None,
               duty: float | None, workers: int | None = None) -> dict[str, Any]:
     """The settings of an activation, checked (ValueError), with the mode's default duty."""
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    ops = frozenset(ops)
+    if ops is None or isinstance(ops, (str, bytes)):
+        raise TypeError(f"ops must be a list of ops such as ['linear'] (an empty one: none), got {ops!r}")
+    ops = frozenset(A.names(ops, "ops", "['linear', 'moe']"))
     if not ops <= set(OPS):
         raise ValueError(f"ops must be among {OPS}, got {sorted(ops)}")
-    if budget_s is not None and not budget_s > 0:
-        raise ValueError(f"budget_s must be > 0, got {budget_s}")
+    budget_s = A.seconds(budget_s, "budget_s")
+    if duty is not None and (isinstance(duty, bool) or not isinstance(duty, numbers.Real)):
+        raise TypeError(f"duty must be a number in (0, 1] or None, got {type(duty).__name__} {duty!r:.80}")
+    backends = A.names(backends, "backends")
     duty = (BACKGROUND_DUTY if mode == "background" else 1.0) if duty is None else float(duty)
     if not 0 < duty <= 1:
         raise ValueError(f"duty must be in (0, 1], got {duty}")

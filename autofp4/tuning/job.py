@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from ..backends.base import Backend
 from ..dispatch import backend_source_hash, backend_source_hashes
+from ..problem import is_moe
 from ..schema import TuningRecord
 from ..timing import TimingStats, faster_beyond_noise
 from . import budget
@@ -403,7 +404,7 @@ class JobTuner:
         oks.sort(key=lambda c: (stats[c.ident].median_us, c.backend.name, c.config_json))
         d_stats = stats.get(self.default.ident)
         winner, result.note = self._winner(oks[0], stats, d_stats)
-        if self.job.key.op == "moe" and winner is not self.default and d_stats is not None:
+        if is_moe(self.job.key.op) and winner is not self.default and d_stats is not None:
             ahead = [c for c in oks if c is not self.default and faster_beyond_noise(stats[c.ident], d_stats, MIN_GAIN)]
             winner = self._skew_checked(ahead[:SKEW_TRIES])
         unmeasured = [i for i in self.current_rows if i not in stats and i not in self.failed]

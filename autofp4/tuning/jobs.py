@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..backends.base import Backend
-from ..problem import ProblemKey, standard_bucket
+from ..problem import ProblemKey, is_moe, standard_bucket
 
 #: M buckets tuned on the CPU (the reference backend; the CPU is a fallback, not a target).
 CPU_M_BUCKETS: tuple[int, ...] = (1, 16, 128)
@@ -122,7 +122,7 @@ class TuneReport:
             winner = f"{r.backend} {cfg}".strip()
             rows.append((
                 r.job.name or "-", k.op, k.fmt, k.dtype, str(k.n), str(k.k),
-                str(k.experts) if k.op == "moe" else "-", str(k.topk) if k.op == "moe" else "-",
+                str(k.experts) if is_moe(k.op) else "-", str(k.topk) if is_moe(k.op) else "-",
                 str(r.job.m), r.status, winner or "-",
                 _fmt_us(r.median_us), _fmt_us(r.default_us),
                 f"{r.speedup:.2f}x" if r.speedup else "-", str(r.trials_run), str(r.trials_failed),
@@ -155,13 +155,13 @@ def jobs_for(
     calls it serves), so ``m_buckets=[3]`` tunes bucket 4, which serves M = 3 and 4."""
     out: list[Job] = []
     seen: set[tuple[ProblemKey, int]] = set()
-    for s in shapes:
+    for i, s in enumerate(shapes):
         if isinstance(s, ProblemKey):
             key, name, eg = s, "", 0
         elif hasattr(s, "problem_key"):
             key, name, eg = s.problem_key(fmt, dtype), getattr(s, "name", ""), getattr(s, "experts_global", 0)
         else:
-            raise TypeError(f"expected a ModelShape or a ProblemKey, got {type(s).__name__}")
+            raise TypeError(f"shapes[{i}]: expected a ModelShape or a ProblemKey, got {type(s).__name__}")
         for m in m_buckets:
             m = standard_bucket(m)
             if (key, m) not in seen:

@@ -10,6 +10,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -27,6 +28,7 @@ from .job import _Interrupted, _tune_job
 from .jobs import (CPU_DEFAULTS, CPU_M_BUCKETS, GPU_DEFAULTS, STORED, Job, JobResult, TuneReport, _Ctx, _Defaults,
                    jobs_for)
 from .measurer import _Measurer
+from . import args as A
 from .search import _ask_lock_path, _open_storage
 
 
@@ -318,6 +320,8 @@ def tune_jobs(
     from ..env import current_environment
     from ..schema import utc_now
 
+    _check_run_args(backends, db, device, budget_per_shape, budget_total_s, force, workers, progress, gpus,
+                    isolate, trial_timeout_s, warmup, reps)
     devices = _resolve_devices(gpus, devices, device)
     on_gpu = devices[0].type == "cuda"
     defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
@@ -370,6 +374,29 @@ def tune_jobs(
     return report
 
 
+def _check_run_args(backends: Any, db: Any, device: Any, budget_per_shape: Any, budget_total_s: Any, force: Any,
+                    workers: Any, progress: Any, gpus: Any, isolate: Any, trial_timeout_s: Any, warmup: Any,
+                    reps: Any) -> None:
+    """The arguments of :func:`tune_jobs`, checked before any work (see :mod:`.args`)."""
+    A.names(backends, "backends")
+    A.db(db)
+    A.device(device)
+    A.count(budget_per_shape, "budget_per_shape", 1)
+    A.seconds(budget_total_s, "budget_total_s")
+    A.flag(force, "force")
+    A.count(workers, "workers", 0)
+    A.progress(progress)
+    if gpus is not None:
+        if isinstance(gpus, (str, bytes, Mapping)) or not hasattr(gpus, "__iter__"):
+            raise TypeError(f"gpus must be a list of CUDA device indices such as [0, 1], got {gpus!r:.80}")
+        for i, g in enumerate(list(gpus)):
+            A.count(g, f"gpus[{i}]", 0)
+    A.flag(isolate, "isolate", none_ok=True)
+    A.seconds(trial_timeout_s, "trial_timeout_s", inf_ok=False)
+    A.count(warmup, "warmup", 0)
+    A.count(reps, "reps", 1)
+
+
 def tune(
     shapes: Sequence[Any],
     m_buckets: Sequence[int] | None = None,
@@ -410,13 +437,18 @@ def tune(
     ``isolate``: run trials in a restartable child process (default: on the GPU).
     ``trial_timeout_s``: per-trial limit in the child.
     """
+    if isinstance(shapes, (str, bytes, Mapping)) or not hasattr(shapes, "__iter__"):
+        raise TypeError(f"shapes must be a list of ModelShapes (autofp4.models.model_shapes) or ProblemKeys, "
+                        f"got {type(shapes).__name__}")
+    shapes = list(shapes)
+    if not shapes:
+        raise ValueError("shapes is empty: nothing to tune (autofp4.models.model_shapes gives a model's shapes)")
+    A.device(device)
     first = devices[0] if devices else (device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = bool(gpus) or torch.device(first).type == "cuda"
     if m_buckets is None:
         m_buckets = DEFAULT_M_BUCKETS if on_gpu else CPU_M_BUCKETS
-    ms = sorted({int(m) for m in m_buckets})
-    if not ms or ms[0] < 1:
-        raise ValueError(f"m_buckets must be positive integers, got {list(m_buckets)}")
+    ms = sorted(set(A.m_values(m_buckets)))
     return tune_jobs(
         jobs_for(shapes, ms, fmt, dtype), backends, db, device, budget_per_shape, budget_total_s, force,
         workers, progress, gpus=gpus, storage=storage, isolate=isolate, trial_timeout_s=trial_timeout_s,

@@ -13,7 +13,7 @@ import torch
 
 from ..backends.base import Backend
 from ..backends.reference import reference_runner
-from ..problem import ProblemKey
+from ..problem import ProblemKey, is_moe
 from ..routing import rank_expert_map
 from ..timing import TimingStats, copies_for_cold_l2, l2_cache_bytes, time_cpu, time_cuda
 from .compile_pool import _backend_from, _key_from, _short_error
@@ -129,7 +129,7 @@ def _random_fp4(shape: tuple[int, ...], fmt: str, device: torch.device, gen: tor
 
 
 def _weights_for(key: ProblemKey, device: torch.device, gen: torch.Generator) -> Any:
-    if key.op == "linear":
+    if not is_moe(key.op):
         return _random_fp4((key.n, key.k), key.fmt, device, gen)
     inter = key.n // 2
     return (
@@ -158,7 +158,7 @@ def _acts_for(key: ProblemKey, m: int, device: torch.device, gen: torch.Generato
     the expert map of the rank that holds experts ``0 .. key.experts - 1``, goes with them."""
     dt = key.torch_dtype
     x = torch.randn((m, key.k), generator=gen).to(device=device, dtype=dt)
-    if key.op == "linear":
+    if not is_moe(key.op):
         bias = torch.randn((key.n,), generator=gen).to(device=device, dtype=dt)
         return (x, bias)
     e = experts_global or key.experts
@@ -175,7 +175,7 @@ def _acts_for(key: ProblemKey, m: int, device: torch.device, gen: torch.Generato
 
 
 def _call(key: ProblemKey, runner: Callable, prepared: Any, act: tuple, with_bias: bool = True) -> torch.Tensor:
-    if key.op == "linear":
+    if not is_moe(key.op):
         x, bias = act
         return runner(x, prepared, bias if with_bias else None)
     x, tw, ti, *emap = act
@@ -201,7 +201,7 @@ def _copies(key: ProblemKey, m: int, weight_bytes: int, device: torch.device, ex
     layer gets ``E / experts_global`` of them).
     """
     touched = weight_bytes
-    if key.op == "moe":
+    if is_moe(key.op):
         pairs = m * key.topk * key.experts // (experts_global or key.experts)
         touched = max(1, weight_bytes * min(key.experts, max(1, pairs)) // key.experts)
     per = touched + 2 * m * key.k
@@ -280,10 +280,10 @@ def run_trial(req: dict[str, Any]) -> dict[str, Any]:
         cfg = b.parse_config(json.loads(req["config"]))
         reason = b.is_valid(cfg, key)
         routing = req.get("routing", "uniform")
-        if routing not in ROUTINGS or (routing != "uniform" and key.op != "moe"):
+        if routing not in ROUTINGS or (routing != "uniform" and not is_moe(key.op)):
             reason = reason or f"no routing {routing!r} for {key.op}"
         eg = req.get("experts_global", 0)
-        if eg and not (key.op == "moe" and isinstance(eg, int) and eg > key.experts):
+        if eg and not (is_moe(key.op) and isinstance(eg, int) and eg > key.experts):
             reason = reason or (f"experts_global={eg!r} needs a MoE job with fewer experts "
                                 f"(this one: {key.op}, {key.experts} experts)")
     except Exception as e:
@@ -325,7 +325,7 @@ def run_trial(req: dict[str, Any]) -> dict[str, Any]:
                 args = args[:2]
             warmup, reps = _timing_plan(est.median_us * len(args), req["warmup"], req["reps"])
             st: TimingStats | None = None
-            if req.get("graph", True) and (est.median_us < GRAPH_BELOW_US or key.op == "moe"):
+            if req.get("graph", True) and (est.median_us < GRAPH_BELOW_US or is_moe(key.op)):
                 try:
                     with warnings.catch_warnings():  # a failed capture warns "graph is empty"
                         warnings.simplefilter("ignore", UserWarning)

@@ -36,9 +36,10 @@ from typing import Any, Optional
 import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
+from ...patterns import pattern_list
 from ...problem import FORMATS
 
-__all__ = ["AutoFP4Config", "CLAIM_ENV", "FORMAT_ENV", "KEEP_ENV", "LM_HEAD_ENV", "is_modelopt_nvfp4"]
+__all__ = ["AutoFP4Config", "ACT_ENV", "CLAIM_ENV", "FORMAT_ENV", "KEEP_ENV", "LM_HEAD_ENV", "is_modelopt_nvfp4"]
 
 #: ``AUTOFP4_VLLM_CLAIM=1``: run every ModelOpt NVFP4 checkpoint with autofp4 unless the user
 #: names another ``--quantization``
@@ -49,6 +50,9 @@ FORMAT_ENV = "AUTOFP4_VLLM_FORMAT"
 KEEP_ENV = "AUTOFP4_VLLM_KEEP_LOADED"
 #: 1: quantize ``lm_head`` too (default 0: it stays in the model's dtype)
 LM_HEAD_ENV = "AUTOFP4_VLLM_LM_HEAD"
+#: ``fp8`` / ``fp8-prefill``: run the FP4 layers with FP8 activations (W4A8: other numerics,
+#: opt-in; default: the model's dtype)
+ACT_ENV = "AUTOFP4_VLLM_ACT"
 
 _MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4")
 _ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
@@ -84,25 +88,33 @@ def _flag(env: str) -> bool:
     raise ValueError(f"{env} must be 1 or 0, got {os.environ[env]!r}")
 
 
+def _act(act: Any) -> Optional[str]:
+    """The activations setting: ``act`` (the config's), else ``$AUTOFP4_VLLM_ACT``; checked."""
+    from ...w4a8 import check_act_dtype
+
+    if act is None:
+        raw = os.environ.get(ACT_ENV, "").strip().lower()
+        if raw in ("", "none", "0", "off"):
+            return None
+        try:
+            check_act_dtype(raw, ACT_ENV)
+        except ValueError:
+            raise ValueError(f"{ACT_ENV} must be fp8, fp8-prefill or unset, got {os.environ[ACT_ENV]!r}") from None
+        return raw
+    try:
+        check_act_dtype(act, "autofp4")
+    except (TypeError, ValueError):
+        raise ValueError(f"autofp4: quantization_config act must be fp8, fp8-prefill or null, got {act!r}") from None
+    return act
+
+
 def _claim_enabled() -> bool:
     return _flag(CLAIM_ENV)
 
 
 def _patterns(value: Any, what: str) -> list[str]:
-    """``value`` as a list of glob patterns of layer names: a list (or other iterable) of non-empty
-    str, not one str or a mapping; TypeError / ValueError naming ``what`` otherwise."""
-    if value is None or isinstance(value, (str, bytes, dict)):
-        raise TypeError(f"autofp4: {what} must be a list of glob patterns (str), got {value!r:.80}")
-    try:
-        patterns = list(value)  # once: a generator is read here, not checked empty first
-    except TypeError:
-        raise TypeError(f"autofp4: {what} must be a list of glob patterns (str), got {value!r:.80}") from None
-    for i, p in enumerate(patterns):
-        if not isinstance(p, str):
-            raise TypeError(f"autofp4: {what}[{i}] must be a glob pattern (str), got {p!r:.80}")
-        if not p.strip():
-            raise ValueError(f"autofp4: {what}[{i}] is an empty pattern, which matches no layer")
-    return patterns
+    """``value`` as a list of glob patterns of layer names (see :func:`autofp4.patterns.pattern_list`)."""
+    return pattern_list(value, f"autofp4: {what}")
 
 
 def _format(fmt: Any, source: str) -> str:
@@ -119,12 +131,14 @@ class AutoFP4Config(QuantizationConfig):
     of a ModelOpt checkpoint, or None for online quantization. ``ignore``: glob patterns of
     layer names that online quantization leaves in high precision. ``lm_head``: quantize an
     ``lm_head`` stored in the model's dtype at load too (None: ``$AUTOFP4_VLLM_LM_HEAD``, default off).
+    ``act``: the FP4 layers' activations, ``"fp8"`` or ``"fp8-prefill"`` (W4A8, see
+    :func:`autofp4.linear`; None: ``$AUTOFP4_VLLM_ACT``, default the model's dtype).
     """
 
     NAME = "autofp4"
 
     def __init__(self, fmt: Optional[str] = None, checkpoint: Any = None, ignore: Any = (),
-                 lm_head: Optional[bool] = None) -> None:
+                 lm_head: Optional[bool] = None, act: Optional[str] = None) -> None:
         super().__init__()
         self.checkpoint = checkpoint
         if checkpoint is not None:
@@ -140,10 +154,12 @@ class AutoFP4Config(QuantizationConfig):
         if lm_head is not None and not isinstance(lm_head, bool):
             raise TypeError(f"autofp4: lm_head must be true or false, got {lm_head!r}")
         self.lm_head = _flag(LM_HEAD_ENV) if lm_head is None else lm_head
+        self.act = _act(act)
 
     def __repr__(self) -> str:
         mode = f"ModelOpt {self.checkpoint.quant_method}" if self.checkpoint is not None else "online"
-        return f"AutoFP4Config({mode}, fmt={self.fmt!r})"
+        act = "" if self.act is None else f", act={self.act!r}"
+        return f"AutoFP4Config({mode}, fmt={self.fmt!r}{act})"
 
     # -- what vLLM asks of a config ---------------------------------------------------------
     def get_name(self) -> str:
@@ -165,16 +181,17 @@ class AutoFP4Config(QuantizationConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "AutoFP4Config":
         """A ModelOpt NVFP4 checkpoint's config, or ``{"quant_method": "autofp4", "format":
-        ..., "ignore": [...], "lm_head": bool}`` for online quantization."""
+        ..., "ignore": [...], "lm_head": bool, "act": "fp8"}`` for online quantization."""
         if not isinstance(config, dict):
             raise TypeError(f"autofp4: a quantization config must be a dict, got {type(config).__name__}")
         if str(config.get("quant_method", "")).lower() == cls.NAME:
-            unknown = sorted(set(config) - {"quant_method", "format", "ignore", "lm_head"})
+            unknown = sorted(set(config) - {"quant_method", "format", "ignore", "lm_head", "act"})
             if unknown:
-                raise ValueError(f"autofp4: unknown quantization_config keys {unknown} (known: format, ignore, lm_head)")
+                raise ValueError(f"autofp4: unknown quantization_config keys {unknown} "
+                                 "(known: format, ignore, lm_head, act)")
             fmt = config.get("format")
             return cls(fmt=None if fmt is None else _format(fmt, "quantization_config format"),
-                       ignore=config.get("ignore", ()), lm_head=config.get("lm_head"))
+                       ignore=config.get("ignore", ()), lm_head=config.get("lm_head"), act=config.get("act"))
         algo = _modelopt_algo(config)
         if algo not in _MODELOPT_ALGOS:
             raise ValueError(
@@ -222,9 +239,10 @@ class AutoFP4Config(QuantizationConfig):
 
     def hash_factors(self) -> dict:
         """What the layers this config builds depend on, beyond the checkpoint: the format, the
-        checkpoint kind, the layers left unquantized, whether loaded bytes are kept, ``lm_head``."""
+        checkpoint kind, the layers left unquantized, whether loaded bytes are kept, ``lm_head``,
+        the activations."""
         return {"fmt": self.fmt, "checkpoint": None if self.checkpoint is None else self.checkpoint.quant_method,
-                "ignore": self.ignore, "keep_loaded": self.keep_loaded, "lm_head": self.lm_head}
+                "ignore": self.ignore, "keep_loaded": self.keep_loaded, "lm_head": self.lm_head, "act": self.act}
 
     def _key_compiled_graphs(self) -> None:
         """Put :meth:`hash_factors` in the current vLLM config's ``additional_config``.

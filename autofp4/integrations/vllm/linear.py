@@ -25,6 +25,7 @@ from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScalePa
 
 from ...loaders import from_modelopt, fuse_modelopt
 from ...ops import linear
+from ...w4a8 import check_act_dtype
 from ...weights import quantize
 from ._layer import add_param, check_divisible, check_loaded, fp4_weight, free_loaded, install, tensors, warm_up
 
@@ -32,12 +33,19 @@ __all__ = ["AutoFP4LMHeadMethod", "AutoFP4ModelOptLinearMethod", "AutoFP4OnlineL
 
 
 def run_linear(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x @ W^T + bias`` with the layer's FP4 weight."""
+    """``x @ W^T + bias`` with the layer's FP4 weight (FP8 activations where the config asks:
+    ``layer.autofp4_act``)."""
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
+    act = getattr(layer, "autofp4_act", None)
     if torch.compiler.is_compiling():
         data, scale, gs = tensors(layer, "")
+        if act is not None:
+            return torch.ops.autofp4.linear_fp8(x, data, scale, gs, bias, layer.autofp4_fmt,
+                                                check_act_dtype(act, "autofp4"))
         return torch.ops.autofp4.linear(x, data, scale, gs, bias, layer.autofp4_fmt)
+    if act is not None:
+        return linear(x, fp4_weight(layer, ""), bias, act_dtype=act)
     return linear(x, fp4_weight(layer, ""), bias)
 
 
@@ -53,6 +61,7 @@ class _FP4LinearMethod(LinearMethodBase):
         """``w`` installed as the layer's weight, run once for each CUDA graph size, and its loaded
         bytes freed once both kernels' layouts are built."""
         install(layer, "", w, release)
+        layer.autofp4_act = self.quant_config.act
         bias = getattr(layer, "bias", None)
         dtype = warm_up(w.device, lambda m, dt: run_linear(layer, torch.randn(m, w.k, dtype=dt, device=w.device), bias))
         free_loaded(layer, {"": None}, dtype, self.quant_config.keep_loaded, getattr(layer, "prefix", ""))

@@ -30,6 +30,7 @@ from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, FusedMoeWei
 from ...kernels._moe_act import SWIGLU_ALPHA, SWIGLU_LIMIT
 from ...loaders import from_modelopt, fuse_modelopt
 from ...ops import moe
+from ...w4a8 import check_act_dtype
 from ...weights import quantize
 from ._layer import add_param, check_divisible, check_loaded, fp4_weight, free_loaded, install, tensors, warm_up
 
@@ -84,6 +85,7 @@ class _FP4MoEMethod(FusedMoEMethodBase):
             layer.w13_bias.data = _deinterleave(layer.w13_bias.data)
         install(layer, "w13_", w13, release)
         install(layer, "w2_", w2, [])
+        layer.autofp4_act = self.quant_config.act
         dtype = warm_up(w13.device, lambda t, dt: self._run_random(layer, t, dt))
         free_loaded(layer, {"w13_": True, "w2_": False}, dtype, self.quant_config.keep_loaded, self.prefix)
 
@@ -113,13 +115,18 @@ class _FP4MoEMethod(FusedMoEMethodBase):
             topk_weights = torch.ones_like(topk_weights)
         b13, b2 = getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None)
         expert_map = layer.expert_map
+        act = getattr(layer, "autofp4_act", None)
         if torch.compiler.is_compiling():
             d13, s13, g13 = tensors(layer, "w13_")
             d2, s2, g2 = tensors(layer, "w2_")
+            if act is not None:
+                return torch.ops.autofp4.moe_fp8(x, d13, s13, g13, d2, s2, g2, topk_weights, topk_ids,
+                                                 layer.autofp4_fmt, self.activation, expert_map, b13, b2,
+                                                 check_act_dtype(act, "autofp4"))
             return torch.ops.autofp4.moe(x, d13, s13, g13, d2, s2, g2, topk_weights, topk_ids, layer.autofp4_fmt,
                                          self.activation, expert_map, b13, b2)
         return moe(x, fp4_weight(layer, "w13_"), fp4_weight(layer, "w2_"), topk_weights, topk_ids,
-                   self.activation, expert_map, w13_bias=b13, w2_bias=b2)
+                   self.activation, expert_map, w13_bias=b13, w2_bias=b2, act_dtype=act)
 
 
 class AutoFP4ModelOptMoEMethod(_FP4MoEMethod):
