@@ -437,6 +437,7 @@ def _tune_model(args: argparse.Namespace, on_cpu: bool, cpu_note: str, common: d
     from .models import shapes_table
 
     shapes = _model_shapes(args.model, args)
+    _check_backends_serve(_backend_names(args), shapes)
     if args.m:
         ms = sorted(set(args.m))
     else:
@@ -484,6 +485,23 @@ def _ops_list(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"ops must be a comma-separated subset of {', '.join(LAYERS)}, "
                                          f"got {text!r}{hint}")
     return ops
+
+
+def _check_backends_serve(backends: list[str] | None, shapes: Sequence[Any]) -> None:
+    """Each ``--backend`` named runs some op of ``shapes`` (``--act fp8``: the ``*_fp8`` ops, which
+    the W4A16 and W4A4 backends do not run; without it the ops that ``sm90_w4a8`` does not run)."""
+    if not backends:
+        return
+    from .backends import get_backend
+
+    ops = sorted({s.op for s in shapes})
+    for name in backends:
+        served = get_backend(name).ops
+        if not served & set(ops):
+            hint = ("; drop --act fp8 for it" if all(o.endswith("_fp8") for o in ops)
+                    else "; add --act fp8 for it" if all(o.endswith("_fp8") for o in served) else "")
+            raise _UsageError(f"--backend {name} runs {', '.join(sorted(served))}, none of these shapes' "
+                              f"ops ({', '.join(ops)}){hint}")
 
 
 def _model_shapes(path: str, args: argparse.Namespace) -> list[Any]:
@@ -743,6 +761,7 @@ def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         except (TuningDBError, TuningFileError, OSError) as e:
             raise _UsageError(f"cannot read the tuning DB {args.warm_db}: {e}") from None
     backends = _backend_names(args) or ["sm90_w4a8" if args.act else "sm90_w4a16"]
+    _check_backends_serve(backends, shapes)
     other = [n for n in backends if _BACKEND_ARCH.get(n, arch) != arch]
     if other:
         raise _UsageError(f"--backend {other[0]} builds kernels for {_BACKEND_ARCH[other[0]]}, not for --arch {arch}")

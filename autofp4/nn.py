@@ -391,18 +391,20 @@ def set_activations(model: nn.Module, act_dtype: Optional[str]) -> int:
     """Run every FP4 layer of ``model`` (linear, fused and MoE experts) with activations
     ``act_dtype``: None (as given, the default), ``"fp8"`` (FP8 E4M3 per token: W4A8, other
     numerics, faster prefill on Hopper) or ``"fp8-prefill"`` (FP8 from
-    :data:`autofp4.w4a8.PREFILL_MIN_ROWS` rows). Returns the number of layers set."""
+    :data:`autofp4.w4a8.PREFILL_MIN_ROWS` rows). Returns the number of layers set; a model
+    without FP4 layers is a ``ValueError``."""
     from .w4a8 import check_act_dtype
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"set_activations: model must be a torch.nn.Module, got {_describe(model)}")
     check_act_dtype(act_dtype, "set_activations")
-    n = 0
-    for m in model.modules():
-        if isinstance(m, FP4Buffers):
-            m.act_dtype = act_dtype
-            n += 1
-    return n
+    layers = [m for m in model.modules() if isinstance(m, FP4Buffers)]
+    if not layers:
+        raise ValueError("set_activations: the model has no FP4 layer (quantize it first: autofp4.quantize_model, "
+                         "or load an FP4 checkpoint with autofp4.from_pretrained)")
+    for m in layers:
+        m.act_dtype = act_dtype
+    return len(layers)
 
 
 def quantize_model(
@@ -515,7 +517,7 @@ def quantize_model(
             report.add(TensorRecord(n, "linear", tuple(lin.weight.shape), True,
                                     lin.weight.numel() * lin.weight.element_size(), after))
         report.fused[fused_name] = list(names)
-    if activations is not None:
+    if activations is not None and any(isinstance(m, FP4Buffers) for m in model.modules()):
         set_activations(model, activations)
     if report.converted:
         notify_converted(model)

@@ -10,9 +10,9 @@ The calls are their own problems (ops ``linear_fp8`` and ``moe_fp8`` in the tuni
 dispatched like the others: on a Hopper GPU with CuTeDSL the ``sm90_w4a8`` backend (the
 activation quantizer and the W4A8 GEMMs, on the packed weights the W4A16 kernels read: no second
 copy), elsewhere the reference backend's W4A8 path (the same numerics in torch). An MXFP4 weight
-whose block exponents span more than 14 binades (its smallest blocks would be rounded in E4M3),
-or a dense weight too large for the kernels' 32-bit offsets, runs that reference path, with a
-warning naming the weight once.
+whose block exponents span more than 14 binades has its smallest blocks rounded in E4M3 (by less
+than 2**-18 of its largest weight), warned once; a dense weight too large for the kernels' 32-bit
+offsets runs the reference path, warned once.
 """
 from __future__ import annotations
 

@@ -307,3 +307,39 @@ def test_the_no_hook_variable_reads_as_a_flag(tmp_path, monkeypatch):
             assert "hook stays on" in said[0] and "\n" not in said[0]
         else:
             assert not said, (value, said)
+
+
+def test_the_checkpoints_generation_config_is_loaded_kept_and_checked(tmp_path):
+    path = _checkpoint(tmp_path / "ck")
+    gen = {"eos_token_id": 77, "do_sample": True, "temperature": 0.3, "top_p": 0.9}
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    model = autofp4.from_pretrained(path)
+    g = model.generation_config
+    assert (g.eos_token_id, g.do_sample, g.temperature, g.top_p) == (77, True, 0.3, 0.9)
+    out = autofp4.save_pretrained(model, tmp_path / "again")
+    back = json.loads((out / "generation_config.json").read_text())
+    assert back["eos_token_id"] == 77 and back["temperature"] == 0.3  # the round trip keeps it
+    (path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    assert "generation_config.json" in _one_line(info.value)
+
+
+def test_a_ct_group_with_quantized_input_activations_is_said(tmp_path):
+    path = _checkpoint(tmp_path / "ct", "compressed-tensors")
+    _edit(path / "config.json", lambda d: d["quantization_config"]["config_groups"]["group_0"].update(
+        input_activations={"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}))
+    with pytest.warns(UserWarning, match=r"input_activations asks for 8-bit float activations.*set_activations"):
+        model = autofp4.from_pretrained(path)
+    assert all(m.act_dtype is None for m in model.modules() if isinstance(m, autofp4.nn.FP4Buffers))
+    _edit(path / "config.json", lambda d: d["quantization_config"]["config_groups"]["group_0"].update(
+        input_activations=[8]))
+    with pytest.raises(ValueError, match=r"input_activations must be an object or null"):
+        autofp4.from_pretrained(path)
+
+
+def test_transformers_config_refuses_unknown_keywords(tmp_path):
+    path = _checkpoint(tmp_path / "ck")
+    with pytest.raises(TypeError, match="unknown keyword argument act: not a field of LlamaConfig"):
+        autofp4.transformers_config(path, act="fp8")
+    assert autofp4.transformers_config(path, max_position_embeddings=96).max_position_embeddings == 96

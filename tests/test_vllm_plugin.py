@@ -805,3 +805,12 @@ def test_fp8_activation_settings_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="quantization_config act must be fp8, fp8-prefill or null, got 'e4m3'"):
         vl.AutoFP4Config.from_config({"quant_method": "autofp4", "act": "e4m3"})
     assert "act='fp8'" in repr(vl.AutoFP4Config(act="fp8"))
+
+
+def test_act_in_a_modelopt_config_is_refused_naming_the_variable():
+    for where in ("top", "section"):
+        cfg = {**json.loads(json.dumps(MODELOPT_JSON)), "quant_method": "modelopt"}  # as vLLM hands it over
+        (cfg if where == "top" else cfg["quantization"])["act"] = "fp8"
+        with pytest.raises(ValueError, match="'act' in a ModelOpt checkpoint's quantization config is not read.*"
+                                             "AUTOFP4_VLLM_ACT=fp8"):
+            vl.AutoFP4Config.from_config(cfg)

@@ -160,12 +160,21 @@ def test_nvfp4_conversion_rounds_within_a_sixteenth():
     assert float(err.norm() / exact.norm()) < 0.25 * fp4_err
 
 
-def test_mxfp4_wide_spread_is_detected():
+def test_mxfp4_wide_spread_is_detected_rounded_within_the_bound_and_warned():
+    import autofp4
+
     w = _weight("mxfp4", 64, 256, 5, spread=4.0)
     packed = g16.pack_weight(w)
     raw = w.scale.view(torch.uint8).to(torch.int32)
     assert int(raw.max() - raw.min()) > 14
     assert not packed.fp16_ok and not g8.weight_exact(packed)
+    q, f = g8.reference_weight(w)
+    exact = w.dequantize(torch.float32).double()
+    err = (q.double() * f - exact).abs()
+    assert (err > 0).any() and float(err.max()) < 2.0**-18 * float(exact.abs().max())
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="spanning more than 14 binades: FP8 \\(E4M3\\) rounds its smallest blocks"):
+        autofp4.linear(x, w, act_dtype="fp8")
 
 
 def _words(b: torch.Tensor) -> torch.Tensor:

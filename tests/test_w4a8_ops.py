@@ -184,3 +184,25 @@ def test_a_model_with_fp8_activations(kind):
         autofp4.set_activations(model, "int8")
     with pytest.raises(ValueError, match="quantize_model: activations"):
         autofp4.quantize_model(tiny_model(kind), "nvfp4", activations="fp4")
+
+
+def test_backends_that_run_none_of_the_shapes_ops_are_refused(tmp_path):
+    model = os.path.join(ROOT, "examples", "llama-3.1-8b.json")
+    code, _, err = _cli("tune", "--model", model, "--act", "fp8", "--backend", "sm90_w4a16", "--dry-run")
+    assert code == 2 and "--backend sm90_w4a16 runs linear, moe, none of these shapes' ops (linear_fp8)" in err
+    assert "drop --act fp8" in err
+    code, _, err = _cli("tune", "--model", model, "--backend", "sm90_w4a8", "--dry-run")
+    assert code == 2 and "add --act fp8 for it" in err
+    for backend, arch in (("sm100_blockscaled", "sm_100a"), ("sm90_w4a16", "sm_90a")):
+        code, out, err = _cli("cache", "--warm", model, "--act", "fp8", "--backend", backend, "--arch", arch,
+                              "--m", "1")
+        assert code == 2 and f"--backend {backend} runs" in err and "compiled" not in out
+    code, out, err = _cli("tune", "--model", model, "--act", "fp8", "--backend", "reference", "--dry-run")
+    assert code == 0, err
+
+
+def test_set_activations_needs_fp4_layers():
+    with pytest.raises(ValueError, match="the model has no FP4 layer"):
+        autofp4.set_activations(torch.nn.Sequential(torch.nn.Linear(4, 4)), "fp8")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        autofp4.set_activations("model", "fp8")

@@ -133,8 +133,9 @@ def reference_moe(
 def reference_linear_w4a8(x: torch.Tensor, w: Any, bias: torch.Tensor | None) -> torch.Tensor:
     """What a W4A8 kernel computes (the ``*_fp8`` ops): x quantized to E4M3 per token, the FP4
     weight converted to E4M3, float64 math (:func:`autofp4.kernels.sm90_w4a8_gemm.reference`)."""
-    from ..kernels.sm90_w4a8_gemm import reference
+    from ..kernels.sm90_w4a8_gemm import reference, warn_if_rounded
 
+    warn_if_rounded(w)
     return reference(x, w, bias)
 
 def reference_moe_w4a8(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -146,8 +147,10 @@ def reference_moe_w4a8(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.T
     over the top-k in fp32 and rounded once. ``w13``/``w2``: stacked FP4Weight experts;
     ``expert_map``: global ids to this slice's experts (-1: another rank's, skipped)."""
     from ..kernels import fp8_act_quant
-    from ..kernels.sm90_w4a8_gemm import reference_weight
+    from ..kernels.sm90_w4a8_gemm import reference_weight, warn_if_rounded
 
+    warn_if_rounded(w13)
+    warn_if_rounded(w2)
     t, top_k = topk_ids.shape
     k = x.shape[1]
     xq, sx = fp8_act_quant.reference_quantize(x, permute=False)

@@ -6,9 +6,10 @@ GEMMs for ``moe_fp8``. It reads the packed weights of the W4A16 backend (:meth:`
 that backend's prepared weight, so one packed copy serves both), and its numerics are W4A8: the
 tuner checks it against the reference backend's W4A8 path.
 
-Weights the kernels cannot convert exactly (MXFP4 whose block exponents span more than 14
-binades) run the reference backend's W4A8 path, warned once; calls and layers past the kernels'
-32-bit offsets run in runs of rows, experts and tokens, as on the W4A16 backend.
+Weights whose E4M3 conversion rounds (MXFP4 whose block exponents span more than 14 binades)
+are warned about once and run as the reference computes them; a dense weight over 2 GiB packed
+runs the reference backend's W4A8 path (warned); calls and layers past the kernels' 32-bit
+offsets run in runs of rows, experts and tokens, as on the W4A16 backend.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 
 from ..problem import ProblemKey
 from .base import Backend, BackendConfig, Runner
-from .reference import reference_linear_w4a8, reference_moe_w4a8
+from .reference import reference_linear_w4a8
 
 #: the largest tensor (bytes, or elements of an output) the kernels' 32-bit offsets address
 MAX_ARG_BYTES = 2**31 - 1
@@ -73,7 +74,6 @@ def _warn_once(w: Any, why: str) -> None:
                       f"not the FP8 kernels: {why}", stacklevel=4)
 
 
-_WIDE = "its block exponents span more than 14 binades, beyond what E4M3 holds exactly"
 _LARGE = "it packs to more than 2 GiB, beyond the kernels' 32-bit offsets"
 
 
@@ -84,9 +84,7 @@ def _linear_runner(run: Runner, n: int) -> Runner:
             _warn_once(w, _LARGE)
             return reference_linear_w4a8(x, w, bias)
         packed = prep.gemm
-        if w.fmt == "mxfp4" and not packed.fp16_ok:
-            _warn_once(w, _WIDE)
-            return reference_linear_w4a8(x, w, bias)
+        _g8().warn_if_rounded(w, packed.fp16_ok)
         m = x.shape[0]
         if m * n <= MAX_ARG_BYTES:
             return run(x, packed, bias)
@@ -105,11 +103,9 @@ def _moe_runner(run: Runner) -> Runner:
     in_runs = runs(run, "moe_gemm", False)
 
     def runner(x, p13, p2, topk_weights, topk_ids, activation, expert_map=None, w13_bias=None, w2_bias=None):
-        w13 = p13.weight
-        if w13.fmt == "mxfp4" and (p13.moe("moe_gemm", True).unsupported[1] or p2.moe("moe_gemm", False).unsupported[1]):
-            _warn_once(w13, _WIDE)
-            return reference_moe_w4a8(x, w13, p2.weight, topk_weights, topk_ids, activation, expert_map, w13_bias,
-                                      w2_bias)
+        g8 = _g8()
+        g8.warn_if_rounded(p13.weight, not p13.moe("moe_gemm", True).unsupported[1])
+        g8.warn_if_rounded(p2.weight, not p2.moe("moe_gemm", False).unsupported[1])
         return in_runs(x, p13, p2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias)
 
     return runner
@@ -181,15 +177,8 @@ class SM90W4A8Backend(Backend):
         return weight.packed(w4a16.name, w4a16.prepare)
 
     def pack_all(self, prepared: Any, dtype: str, gate_up: bool | None) -> bool:
-        """The W4A16 backend's layouts (a superset of these kernels'); False as well where the
-        calls fall back to the reference path, which reads the stored tensors (wide MXFP4)."""
-        if not _w4a16().pack_all(prepared, dtype, gate_up):
-            return False
-        if prepared.weight.fmt != "mxfp4":
-            return True
-        if gate_up is None:
-            return prepared.gemm.fp16_ok
-        return not prepared.moe("moe_gemm", gate_up).unsupported[1]
+        """The W4A16 backend's layouts (a superset of these kernels')."""
+        return _w4a16().pack_all(prepared, dtype, gate_up)
 
     def compile(self, config: BackendConfig, key: ProblemKey) -> Runner:
         reason = self.is_valid(config, key)

@@ -98,9 +98,13 @@ def auto_config(path: Union[str, Path], what: str, conf: Optional[Mapping] = Non
         StrictDataclassError = ()  # type: ignore[assignment,misc]
     where = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
     try:
-        config = AutoConfig.from_pretrained(str(path), **kwargs)
+        config, unused = AutoConfig.from_pretrained(str(path), return_unused_kwargs=True, **kwargs)
     except StrictDataclassError as e:
         raise ValueError(f"{what}: {where}: {' '.join(str(e).split())}") from None
+    if unused:  # transformers would drop them without a word
+        raise TypeError(f"{what}: unknown keyword argument{'s' if len(unused) > 1 else ''} "
+                        f"{', '.join(sorted(map(str, unused)))}: not a field of {type(config).__name__} nor an "
+                        "argument of AutoConfig.from_pretrained")
     aliases = getattr(type(config), "attribute_map", None)
     if isinstance(conf, Mapping) and isinstance(aliases, Mapping):
         for alias, field_name in aliases.items():
@@ -398,6 +402,7 @@ def _ct_scheme(q: Mapping, source: str) -> _Scheme:
                 why = " (an asymmetric scheme has zero points, which FP4 weights have not)" if k == "symmetric" else ""
                 raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}].weights.{k} is {w[k]!r}, "
                                  f"{_CT_FORMATS[fmt]} ({fmt}) needs {want!r}{why}")
+        _warn_input_activations(g.get("input_activations"), f"{source} config_groups[{gname!r}]")
         group_targets = _str_list(g.get("targets"), f"{source} config_groups[{gname!r}].targets")
         if "targets" in g and not group_targets:
             raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}].targets is empty: the group quantizes no "
@@ -409,6 +414,20 @@ def _ct_scheme(q: Mapping, source: str) -> _Scheme:
     scheme = _Scheme("compressed-tensors", _str_list(q.get("ignore"), f"{source} ignore"), targets, source,
                      fmt=fmts.pop(), labels=(f"{source} ignore", f"{source} config_groups targets"))
     return scheme
+
+
+def _warn_input_activations(acts: Any, where: str) -> None:
+    """A compressed-tensors group that quantizes its input activations (a W4A8 or W4A4 scheme):
+    the model loads with the activations in its dtype, said once (FP8 activations are a switch:
+    :func:`autofp4.set_activations`)."""
+    if acts is None:
+        return
+    if not isinstance(acts, Mapping):
+        raise ValueError(f"{_WHAT}: {where}.input_activations must be an object or null, got {acts!r:.80}")
+    warnings.warn(f"autofp4: {where}.input_activations asks for {acts.get('num_bits')}-bit {acts.get('type')} "
+                  "activations, which loading does not apply: the layers run with the model's dtype; "
+                  "autofp4.set_activations(model, 'fp8') runs them with FP8 activations (per token)",
+                  UserWarning, stacklevel=3)
 
 
 def _warn_kv_cache(q: Mapping, source: str) -> None:
@@ -622,6 +641,23 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
+def _generation_config(root: Path) -> Any:
+    """The checkpoint's ``generation_config.json`` as a ``GenerationConfig`` (None without one); a
+    file transformers cannot read is an error naming it."""
+    path = root / "generation_config.json"
+    if not path.exists():
+        return None
+    from transformers import GenerationConfig
+
+    if not path.is_file():
+        raise ValueError(f"{_WHAT}: {path} is not a regular file")
+    try:
+        return GenerationConfig.from_pretrained(str(root), local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{_WHAT}: {path}: cannot read it as a generation config: "
+                         f"{' '.join(str(e).split())[:300]}") from None
+
+
 def _empty_model(config: Any, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
@@ -797,7 +833,10 @@ def from_pretrained(path: Union[str, Path], device_map: Any = None, dtype: torch
     conf = _read_config(root / "config.json")  # checked before transformers builds anything from it
     config = auto_config(root, _WHAT, conf, local_files_only=True)
     scheme, t = _open(root, conf, config.model_type, device)
+    generation = _generation_config(root)  # read (and checked) before the weights are
     model = _empty_model(config, dtype)
+    if generation is not None and getattr(model, "generation_config", None) is not None:
+        model.generation_config = generation  # the checkpoint's (eos ids, sampling), as transformers loads it
     dense_stored = load_quantized_modules(model, t, scheme, dtype)
     _fill_dense(model, t, dtype)
     if fuse:

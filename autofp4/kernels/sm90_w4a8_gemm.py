@@ -31,8 +31,10 @@ Exactness of the weight conversion
 ----------------------------------
 MXFP4: ``v * 2**(e - e_max + 6)`` is an E4M3 value (normal or subnormal) for every block whose
 exponent is within 14 binades of the weight's largest, i.e. exactly when the packed weight's
-``fp16_ok`` holds; blocks further down would be rounded (an error below 2**-10 in units where the
-largest weight is 384), so the W4A8 path refuses such a weight (the caller runs W4A16 instead).
+``fp16_ok`` holds; blocks further down are rounded to nearest (to E4M3 subnormals or zero): an
+error below 2**-10 in units where the largest weight is 384, i.e. below 2**-18 of the weight's
+largest magnitude. Such a weight is detected at packing time and warned about
+(:func:`warn_if_rounded`); the kernel and the reference compute the same rounded values.
 NVFP4: an E2M1 value (2 significant bits) times an E4M3 scale (4) has up to 5 significant bits;
 E4M3 keeps 4, so the weight is rounded once, to nearest even: a relative error of at most
 2**-4 per weight (zero for the 7 of 15 nonzero magnitude/scale mantissa combinations that fit).
@@ -147,6 +149,29 @@ def validate(cfg: Sm90W4A8Config, n: int, k: int, fmt: str, dtype: str) -> str |
 # Reference numerics (pure torch)
 # --------------------------------------------------------------------------------------------
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+_WARNED_ROUNDED: set = set()
+
+
+def warn_if_rounded(w: Any, exact: bool | None = None) -> None:
+    """Warn once per weight when its E4M3 conversion rounds (an MXFP4 weight whose block
+    exponents span more than 14 binades; ``exact``: that fact where the caller knows it)."""
+    if w.fmt != "mxfp4":
+        return
+    if exact is None:
+        raw = w.scale if w.scale.dtype == torch.uint8 else w.scale.view(torch.uint8)
+        exact = int(raw.max()) - int(raw.min()) <= 14
+    if exact:
+        return
+    key = (w.data.data_ptr(), tuple(w.shape))
+    if key not in _WARNED_ROUNDED:
+        _WARNED_ROUNDED.add(key)
+        import warnings
+
+        warnings.warn(f"autofp4 W4A8: an mxfp4 weight {list(w.shape)} has block exponents spanning more than "
+                      "14 binades: FP8 (E4M3) rounds its smallest blocks (by less than 2**-18 of its largest "
+                      "weight)", stacklevel=4)
 
 
 def weight_exact(packed: PackedSm90Weight) -> bool:
@@ -668,9 +693,6 @@ def compile_kernel(cfg: Sm90W4A8Config, n: int, k: int, fmt: str, dtype: str) ->
                              f"k={packed.k}, {packed.fmt}")
         if x.dtype != tdt or x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"expected x [M, {k}] {tdt}, got {tuple(x.shape)} {x.dtype}")
-        if fmt == "mxfp4" and not packed.fp16_ok:
-            raise ValueError("this mxfp4 weight's scale exponents span more than 14 binades: its E4M3 "
-                             "conversion would round the smallest blocks; run it with bf16 activations")
         if not x.is_contiguous() or x.data_ptr() % 16:
             x = x.contiguous() if not x.is_contiguous() else x.clone()
         m = x.shape[0]
@@ -758,9 +780,6 @@ def compile_moe(cfg: Sm90W4A8Config, n: int, k: int, fmt: str, dtype: str) -> Ca
         if (p13.n, p13.k, p2.n, p2.k) != (n, k, k, n // 2) or p13.fmt != fmt or p2.fmt != fmt:
             raise ValueError(f"kernels compiled for 2I={n}, H={k}, {fmt}; got w13 [{p13.n}, {p13.k}] and "
                              f"w2 [{p2.n}, {p2.k}] in {p13.fmt}")
-        if fmt == "mxfp4" and (p13.unsupported[1] or p2.unsupported[1]):
-            raise ValueError("these mxfp4 experts' scale exponents span more than 14 binades: their E4M3 "
-                             "conversion would round the smallest blocks; run them with bf16 activations")
         if x.dtype != tdt or x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"expected x [T, {k}] {tdt}, got {tuple(x.shape)} {x.dtype}")
         t, top_k = topk_ids.shape

@@ -201,6 +201,9 @@ class AutoFP4Config(QuantizationConfig):
         from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
         section = config.get("quantization", config)
+        if "act" in config or (isinstance(section, dict) and "act" in section):
+            raise ValueError(f"autofp4: 'act' in a ModelOpt checkpoint's quantization config is not read (the file is "
+                             f"ModelOpt's); set {ACT_ENV}=fp8 to run the checkpoint with FP8 activations")
         for field in ("exclude_modules", "ignore"):  # layer names or globs, as autofp4's own loader requires
             if section.get(field) is not None:
                 _patterns(section[field], f"the checkpoint's {field}")
