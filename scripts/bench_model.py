@@ -4,7 +4,8 @@ For each example config (``examples/*.json``, or ``--configs``), a transformers 
 bf16 weights (``--layers N`` keeps the first N decoder layers, for MoE models that do not fit whole;
 the default keeps all of them for dense models and 8 for MoE ones), and for each variant (bf16,
 NVFP4, MXFP4; ``--fmts nvfp4+lm_head`` also quantizes ``lm_head``, which ``--skip`` keeps in bf16
-by default) and mode (``eager``; ``compiled``: a static KV cache and ``torch.compile`` with
+by default; ``--fmts nvfp4+fp8`` runs the FP4 layers with FP8 activations, W4A8, its ``cos_deq``
+against the bf16-activation model on the dequantized weights) and mode (``eager``; ``compiled``: a static KV cache and ``torch.compile`` with
 torch's CUDA graphs; ``graph``: the whole decode step, greedy sampling included, in one CUDA graph;
 see :func:`decoder`):
 
@@ -43,6 +44,9 @@ import torch
 from _common import ROOT, kernel_times, provenance, provenance_line, results_dir
 
 FMTS = ("nvfp4", "mxfp4")
+#: a variant's activations (``FORMAT+fp8``: quantize_model(..., activations="fp8"), W4A8)
+ACTS = ("fp8", "fp8-prefill")
+EXTRAS = ("lm_head",) + ACTS
 MODES = ("eager", "compiled", "graph")
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 TINY = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4,
@@ -303,10 +307,12 @@ def bench_config(path: Path, args, device, on_row) -> None:
         ref_logits = None
         if model is None:
             model = copy.deepcopy(base)
-            fmt, _, extra = name.partition("+")
+            fmt, *extras = name.split("+")
             skip = ([s for s in args.skip if not any(fnmatch.fnmatch(n, s) for n in ("lm_head", "model.lm_head"))]
-                    if extra == "lm_head" else args.skip)
-            autofp4.quantize_model(model, fmt, skip=skip, fuse=not args.no_fuse)
+                    if "lm_head" in extras else args.skip)
+            act = [e for e in extras if e in ACTS]
+            autofp4.quantize_model(model, fmt, skip=skip, fuse=not args.no_fuse,
+                                   **({"activations": act[0]} if act else {}))
             ref_logits = prefill(dequantized(model), ids, 1, device)[1]
         warmup_s = autotune_warmup(model, config, args, device) if name != "bf16" and args.autotune else None
         for mode in args.modes:
@@ -383,7 +389,8 @@ def main(argv=None) -> int:
                    help="also profile the batch-1 decode step: GPU time in linear layers, attention and the rest")
     p.add_argument("--db", default=None, help="the user tuning DB (default: autofp4's)")
     p.add_argument("--fmts", default=",".join(FMTS),
-                   help="FP4 variants, comma-separated: a format, or FORMAT+lm_head (lm_head quantized too)")
+                   help="FP4 variants, comma-separated: a format, with +lm_head (lm_head quantized too) and/or "
+                        "+fp8 / +fp8-prefill (FP8 activations, W4A8), e.g. nvfp4+fp8")
     p.add_argument("--modes", default="eager,compiled,graph")
     p.add_argument("--skip", default="lm_head,*.lm_head",
                    help="quantize_model's skip patterns, comma-separated ('': quantize lm_head too)")
@@ -403,9 +410,11 @@ def main(argv=None) -> int:
 
         dispatch.set_db(args.db)
     args.fmts = [f for f in args.fmts.split(",") if f]
-    bad = [f for f in args.fmts if f.partition("+")[0] not in FMTS or f.partition("+")[2] not in ("", "lm_head")]
+    bad = [f for f in args.fmts if f.split("+")[0] not in FMTS or any(e not in EXTRAS for e in f.split("+")[1:])
+           or sum(e in ACTS for e in f.split("+")[1:]) > 1]
     if bad:
-        p.error(f"--fmts: {bad} are not a format of {', '.join(FMTS)}, alone or with '+lm_head'")
+        p.error(f"--fmts: {bad} are not a format of {', '.join(FMTS)}, alone or with +lm_head and one of "
+                f"{', '.join('+' + a for a in ACTS)}")
     args.skip = [x for x in args.skip.split(",") if x]
     for knob in ("recompile_limit", "cache_size_limit"):  # one compile per model, batch and mode
         if hasattr(torch._dynamo.config, knob):

@@ -131,3 +131,26 @@ def test_a_run_stopped_part_way_keeps_the_rows_it_measured(tmp_path, monkeypatch
     assert [r["variant"] for r in rows] == ["bf16"] and rows[0]["decode_b1"] > 0
     assert "| llama-3.1-8b | 2 | bf16 | eager |" in (tmp_path / "model.md").read_text()
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_variant_with_fp8_activations(tmp_path, monkeypatch):
+    """FORMAT+fp8 quantizes with activations="fp8": every FP4 layer runs W4A8, its logits close to the
+    bf16-activation model's on the same weights (cos_deq) but not equal to the plain variant's."""
+    import autofp4
+
+    acts = []
+    real = autofp4.quantize_model
+
+    def spy(m, fmt, **kw):
+        out = real(m, fmt, **kw)
+        acts.append({x.act_dtype for x in m.modules() if isinstance(x, autofp4.nn.FP4Buffers)})
+        return out
+
+    monkeypatch.setattr(autofp4, "quantize_model", spy)
+    rc = B.main([*TINY_LLAMA, "--fmts", "nvfp4,nvfp4+fp8", "--modes", "eager", "--out", str(tmp_path)])
+    assert rc == 0 and acts == [{None}, {"fp8"}]
+    rows = json.loads((tmp_path / "model.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["bf16", "nvfp4", "nvfp4+fp8"]
+    assert rows[1]["cos_deq"] > 0.999 and 0.97 < rows[2]["cos_deq"] < 1.0
+    with pytest.raises(SystemExit):  # two activation settings in one variant
+        B.main([*TINY_LLAMA, "--fmts", "nvfp4+fp8+fp8-prefill", "--out", str(tmp_path)])
