@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..blackwell import SM_COUNT
+from ..kernels._run_args import checked_x
 from ..problem import ProblemKey
 from .base import Backend, BackendConfig, Runner
 from .reference import reference_linear_w4a4
@@ -249,13 +250,7 @@ def _runner(cfg: Any, n: int, k: int, fmt: str, dtype: str) -> Runner:
     use_pdl = cfg.pdl
 
     def runner(x: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torch.Tensor:
-        if packed.n != n or packed.k != k or packed.fmt != fmt:
-            raise ValueError(f"kernel compiled for n={n}, k={k}, {fmt}; got a packed weight n={packed.n}, "
-                             f"k={packed.k}, {packed.fmt}")
-        if x.dtype != tdt or x.dim() != 2 or x.shape[1] != k:
-            raise ValueError(f"expected x [M, {k}] {tdt}, got {tuple(x.shape)} {x.dtype}")
-        if not x.is_contiguous() or x.data_ptr() % 16:
-            x = x.contiguous() if not x.is_contiguous() else x.clone()
+        x = checked_x(x, packed, n, k, fmt, tdt)
         m = x.shape[0]
         out = torch.empty(m, n, dtype=tdt, device=x.device)
         if m == 0:

@@ -52,6 +52,7 @@ from ..hopper import SMEM_PER_CTA
 from ..problem import DTYPES, FORMATS
 from . import fp8_act_quant
 from ._fp4_bits import decode_terms
+from ._run_args import checked_x
 from .sm90_w4a16_gemm import (
     CHUNK_K, CHUNK_N, PAD, SWIZZLES, VALUE_BYTES, PackedSm90Weight, _pad, _scale_words, chunk_bytes,
 )
@@ -688,13 +689,7 @@ def compile_kernel(cfg: Sm90W4A8Config, n: int, k: int, fmt: str, dtype: str) ->
     use_pdl = cfg.pdl
 
     def run(x: torch.Tensor, packed: PackedSm90Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if packed.n != n or packed.k != k or packed.fmt != fmt:
-            raise ValueError(f"kernel compiled for n={n}, k={k}, {fmt}; got a packed weight n={packed.n}, "
-                             f"k={packed.k}, {packed.fmt}")
-        if x.dtype != tdt or x.dim() != 2 or x.shape[1] != k:
-            raise ValueError(f"expected x [M, {k}] {tdt}, got {tuple(x.shape)} {x.dtype}")
-        if not x.is_contiguous() or x.data_ptr() % 16:
-            x = x.contiguous() if not x.is_contiguous() else x.clone()
+        x = checked_x(x, packed, n, k, fmt, tdt)
         m = x.shape[0]
         out = torch.empty(m, n, dtype=tdt, device=x.device)
         if m == 0:
