@@ -343,3 +343,50 @@ def test_transformers_config_refuses_unknown_keywords(tmp_path):
     with pytest.raises(TypeError, match="unknown keyword argument act: not a field of LlamaConfig"):
         autofp4.transformers_config(path, act="fp8")
     assert autofp4.transformers_config(path, max_position_embeddings=96).max_position_embeddings == 96
+
+
+def test_generation_config_files_given_or_broken(tmp_path):
+    """An explicit copy_files_from's generation_config.json is the one written; a broken one (not
+    JSON, or a link to nothing) is refused naming it, by save_pretrained, quantize_checkpoint and
+    from_pretrained, before anything is written."""
+    model = autofp4.from_pretrained(_checkpoint(tmp_path / "ck"))
+    side = tmp_path / "side"
+    side.mkdir()
+    (side / "generation_config.json").write_text(json.dumps({"eos_token_id": 55}))
+    out = autofp4.save_pretrained(model, tmp_path / "out", copy_files_from=side)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 55
+    (side / "generation_config.json").write_text("{broken")
+    with pytest.raises(ValueError, match=r"side/generation_config.json is not a JSON file"):
+        autofp4.save_pretrained(model, tmp_path / "out2", copy_files_from=side)
+    assert not (tmp_path / "out2").exists()
+    src = tmp_path / "src"
+    _model("llama", 3).save_pretrained(src)
+    (src / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"src/generation_config.json must hold a JSON object, got a list"):
+        autofp4.quantize_checkpoint(src, tmp_path / "q", "nvfp4", progress=False)
+    assert not (tmp_path / "q").exists()
+    ck = _checkpoint(tmp_path / "ck2")
+    (ck / "generation_config.json").unlink(missing_ok=True)
+    (ck / "generation_config.json").symlink_to(tmp_path / "nowhere.json")
+    with pytest.raises(ValueError, match="generation_config.json is a symbolic link to nothing"):
+        autofp4.from_pretrained(ck)
+
+
+def test_an_empty_input_activations_entry_is_described_as_given(tmp_path):
+    path = _checkpoint(tmp_path / "ct", "compressed-tensors")
+    _edit(path / "config.json", lambda d: d["quantization_config"]["config_groups"]["group_0"].update(
+        input_activations={}))
+    with pytest.warns(UserWarning, match=r"input_activations asks for quantized activations \(\{\}\)"):
+        autofp4.from_pretrained(path)
+
+
+def test_the_tuning_worker_does_not_inherit_the_parents_tuner_settings(monkeypatch):
+    from autofp4.tuning.worker import _child_env
+
+    monkeypatch.setenv("AUTOFP4_AUTOTUNE", "blocking")
+    monkeypatch.setenv("AUTOFP4_AUTOTUNE_BUDGET_S", "5")
+    monkeypatch.setenv("AUTOFP4_AUTOTUNE_OPS", "linear")
+    monkeypatch.setenv("AUTOFP4_DB", "/tmp/x.db")
+    env = _child_env()
+    assert not [k for k in env if k.startswith("AUTOFP4_AUTOTUNE")]
+    assert env["AUTOFP4_DB"] == "/tmp/x.db"

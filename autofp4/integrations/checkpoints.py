@@ -40,6 +40,7 @@ match either.
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
 import warnings
 from collections.abc import Mapping
@@ -424,8 +425,10 @@ def _warn_input_activations(acts: Any, where: str) -> None:
         return
     if not isinstance(acts, Mapping):
         raise ValueError(f"{_WHAT}: {where}.input_activations must be an object or null, got {acts!r:.80}")
-    warnings.warn(f"autofp4: {where}.input_activations asks for {acts.get('num_bits')}-bit {acts.get('type')} "
-                  "activations, which loading does not apply: the layers run with the model's dtype; "
+    what = (f"{acts['num_bits']}-bit {acts['type']} activations" if "num_bits" in acts and "type" in acts
+            else f"quantized activations ({json.dumps(acts, sort_keys=True, default=str)[:80]})")
+    warnings.warn(f"autofp4: {where}.input_activations asks for {what}, which loading does not apply: the layers "
+                  "run with the model's dtype; "
                   "autofp4.set_activations(model, 'fp8') runs them with FP8 activations (per token)",
                   UserWarning, stacklevel=3)
 
@@ -645,6 +648,8 @@ def _generation_config(root: Path) -> Any:
     """The checkpoint's ``generation_config.json`` as a ``GenerationConfig`` (None without one); a
     file transformers cannot read is an error naming it."""
     path = root / "generation_config.json"
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"{_WHAT}: {path} is a symbolic link to nothing (its target is missing)")
     if not path.exists():
         return None
     from transformers import GenerationConfig

@@ -35,7 +35,7 @@ from ..patterns import pattern_list
 from ..problem import BLOCK_SIZE
 from . import layouts as L
 from .safetensors_io import SafetensorsReader, ShardedWriter, parse_size, path_arg
-from .writer import check_output, copy_side_files, fp4_weight_like, staging_dir, write_configs
+from .writer import check_output, check_side_files, copy_side_files, fp4_weight_like, staging_dir, write_configs
 
 __all__ = ["quantize_checkpoint", "QuantizeSummary"]
 
@@ -146,6 +146,7 @@ def _model_on_meta(src: Path) -> tuple[Any, Any]:
     from .checkpoints import auto_config
 
     conf = load_checked_config(src)  # bounded, depth-checked, sizes within bounds, no NaN: before transformers
+    check_side_files(Path(src) if Path(src).is_dir() else Path(src).parent, _WHAT)  # copied at the end
     config = auto_config(src, _WHAT, conf, local_files_only=True)
     if getattr(config, "quantization_config", None) is not None:
         raise ValueError(f"{_WHAT}: {src} is already quantized (config.json has a quantization_config); "

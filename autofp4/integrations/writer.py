@@ -32,7 +32,7 @@ from ..weights import FP4Weight, _describe
 from . import layouts as L
 from .safetensors_io import ShardedWriter, parse_size
 
-__all__ = ["save_pretrained", "check_output", "staging_dir", "write_configs", "copy_side_files"]
+__all__ = ["save_pretrained", "check_output", "staging_dir", "write_configs", "copy_side_files", "check_side_files"]
 
 _WHAT = "autofp4.save_pretrained"
 #: top-level files of a source checkpoint that are not copied: weights and what the writer writes
@@ -213,6 +213,25 @@ def write_configs(root: Path, config: dict, layout: str, fmt: str, excluded: lis
     return config
 
 
+def check_side_files(source: Optional[Path], what: str) -> None:
+    """The side files of ``source`` that a loader reads back (``generation_config.json``) are
+    readable: JSON objects; ``ValueError`` naming the file otherwise (before anything is written)."""
+    if source is None or not Path(source).is_dir():
+        return
+    path = Path(source) / "generation_config.json"
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"{what}: {path} is a symbolic link to nothing (its target is missing)")
+    if not _is_side_file(path):
+        return
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{what}: {path} is not a JSON file ({' '.join(str(e).split())[:120]}); a checkpoint "
+                         "that holds it could not be loaded") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{what}: {path} must hold a JSON object, got a {type(doc).__name__}")
+
+
 def copy_side_files(source: Optional[Path], root: Path) -> list[str]:
     """The tokenizer, generation config and other small top-level files of ``source`` copied to
     ``root`` (not the weights, nor the files the writer writes); returns their names."""
@@ -326,7 +345,8 @@ def save_pretrained(model: nn.Module, path: Union[str, Path], layout: Optional[s
     parts, sharing the fused weight's global scale (what a serving engine fuses again exactly).
     ``tokenizer`` (anything with ``save_pretrained``) is saved alongside; the tokenizer and
     generation files of ``copy_files_from`` (default: the directory the model was loaded from,
-    if it is a local one) are copied. See :func:`staging_dir` for ``overwrite`` and what an error
+    if it is a local one) are copied; a ``generation_config.json`` there replaces the model's
+    ``generation_config`` when ``copy_files_from`` is given (else the model's is written). See :func:`staging_dir` for ``overwrite`` and what an error
     leaves behind. Returns the directory."""
     config = getattr(model, "config", None)
     if not isinstance(model, nn.Module) or config is None or not hasattr(config, "to_json_string"):
@@ -385,6 +405,7 @@ def save_pretrained(model: nn.Module, path: Union[str, Path], layout: Optional[s
                         f"got {_describe(tokenizer)}")
     if copy_files_from is not None and not Path(copy_files_from).is_dir():
         raise FileNotFoundError(f"{_WHAT}: copy_files_from={str(copy_files_from)!r} is not a directory")
+    check_side_files(source, _WHAT)
     meta = [k for k, v in tensors.items() if v.is_meta]
     if meta:
         raise ValueError(f"{_WHAT}: {len(meta)} tensors of the model are on the meta device (no values to write): "
@@ -393,7 +414,8 @@ def save_pretrained(model: nn.Module, path: Union[str, Path], layout: Optional[s
         write_tensors(tmp, tensors, max_shard_size)  # each copied to the host only as it is written
         write_configs(tmp, cfg, layout, fmt, excluded)
         gen = getattr(model, "generation_config", None)
-        if gen is not None and hasattr(gen, "to_json_file"):
+        given = copy_files_from is not None and (Path(copy_files_from) / "generation_config.json").is_file()
+        if gen is not None and hasattr(gen, "to_json_file") and not given:  # an explicit source's file wins
             gen.to_json_file(str(tmp / "generation_config.json"))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))

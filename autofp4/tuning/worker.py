@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 # -----------------------------------------------------------------------------------------
 def _child_env() -> dict[str, str]:
     """The worker's environment: this one, with this autofp4 importable and no autotuning of its own."""
-    env = dict(os.environ)
-    env.pop("AUTOFP4_AUTOTUNE", None)
+    env = {k: v for k, v in os.environ.items()
+           if k != "AUTOFP4_AUTOTUNE" and not k.startswith("AUTOFP4_AUTOTUNE_")}  # the parent's tuner's settings
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     return env
