@@ -22,6 +22,7 @@ Writes ``w4a8.json`` and ``w4a8.md`` to ``--out`` (default ``docs/results/<gpu>/
     python scripts/bench_w4a8.py --fmt nvfp4,mxfp4
     CUTE_DSL_ARCH=sm_90a python scripts/bench_w4a8.py --compile-only   # no GPU: compile the candidates
     python scripts/bench_w4a8.py --table docs/results/nvidia-h200/w4a8.json   # re-render a saved run
+    python scripts/bench_w4a8.py --errors-only --device cpu --error-m 64     # the numerics' error, no GPU
 """
 from __future__ import annotations
 
@@ -165,27 +166,49 @@ def measure(args) -> dict:
     return {**provenance(), "fmts": fmts, "rows": rows, "errors": errors(fmts)}
 
 
-def errors(fmts: list[str]) -> list[dict]:
-    """Relative error (Frobenius) of each path on the 8B gate_up shape at M = 512."""
+def blocks128(x: torch.Tensor) -> torch.Tensor:
+    """``x`` quantized to E4M3 with one scale per 1 x 128 block along K (DeepGEMM's activation
+    scheme; not what the kernels do), dequantized to float64: the design alternative's error."""
+    xb = x.float().view(x.shape[0], -1, 128)
+    s = xb.abs().amax(2, keepdim=True).clamp_min(1e-30) / 448
+    return ((xb / s).to(torch.float8_e4m3fn).double() * s.double()).view(x.shape)
+
+
+def errors(fmts: list[str], device: str = "cuda", m: int = 512) -> list[dict]:
+    """Relative error (Frobenius) of each path on the 8B gate_up shape at ``m`` rows; on the CPU the
+    reference backend's paths, which are the numerics the kernels are checked against. Also the
+    error of activations in 1 x 128 E4M3 blocks (float64 math, no kernel) for comparison."""
     import autofp4
 
     n, k = SHAPES["8B gate_up"]
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    gen = torch.Generator(device=device).manual_seed(7)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
     out = []
     for kind in ("random", "outliers"):
-        x = torch.randn(512, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
         if kind == "outliers":
-            x[:, torch.randperm(k, device="cuda", generator=gen)[:8]] *= 100
+            x[:, torch.randperm(k, device=device, generator=gen)[:8]] *= 100
         orig = x.double() @ w.double().T
         for fmt in fmts:
             fw = autofp4.quantize(w, fmt)
-            deq = x.double() @ fw.dequantize(torch.float32).double().T
+            wd = fw.dequantize(torch.float32).double()
+            deq = x.double() @ wd.T
             r16 = autofp4.linear(x, fw)
             r8 = autofp4.linear(x, fw, act_dtype="fp8")
-            out.append(dict(x=kind, fmt=fmt, w4a16_vs_dequant=rel_err(r16, deq), w4a8_vs_dequant=rel_err(r8, deq),
+            out.append(dict(x=kind, fmt=fmt, m=m, device=str(device), w4a16_vs_dequant=rel_err(r16, deq),
+                            w4a8_vs_dequant=rel_err(r8, deq), blocks128_vs_dequant=rel_err(blocks128(x) @ wd.T, deq),
                             w4a16_vs_bf16_weight=rel_err(r16, orig), w4a8_vs_bf16_weight=rel_err(r8, orig)))
     return out
+
+
+def error_table(errs: list[dict]) -> list[str]:
+    lines = ["| activations | fmt | W4A16 vs dequantized W | W4A8 vs dequantized W | (E4M3 in 1x128 blocks) | "
+             "W4A16 vs bf16 W | W4A8 vs bf16 W |", "|---|---|---:|---:|---:|---:|---:|"]
+    for e in errs:
+        blk = f"{e['blocks128_vs_dequant']:.2e}" if "blocks128_vs_dequant" in e else "-"
+        lines.append(f"| {e['x']} | {e['fmt']} | {e['w4a16_vs_dequant']:.2e} | {e['w4a8_vs_dequant']:.2e} | {blk} | "
+                     f"{e['w4a16_vs_bf16_weight']:.2e} | {e['w4a8_vs_bf16_weight']:.2e} |")
+    return lines
 
 
 def table(doc: dict) -> str:
@@ -209,12 +232,8 @@ def table(doc: dict) -> str:
                 gf = geomean(r["tflops"][f"{f} {v}"] / r["tflops"]["fp8"] for r in rs)
                 cells.append(f"{gb:.2f}x / {gf:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"{provenance_line(doc)} TFLOP/s (2 M N K per call), CUDA-graph medians.", "",
-              "| activations | fmt | W4A16 vs dequantized W | W4A8 vs dequantized W | W4A16 vs bf16 W | W4A8 vs bf16 W |",
-              "|---|---|---:|---:|---:|---:|"]
-    for e in doc["errors"]:
-        lines.append(f"| {e['x']} | {e['fmt']} | {e['w4a16_vs_dequant']:.2e} | {e['w4a8_vs_dequant']:.2e} | "
-                     f"{e['w4a16_vs_bf16_weight']:.2e} | {e['w4a8_vs_bf16_weight']:.2e} |")
+    lines += ["", f"{provenance_line(doc)} TFLOP/s (2 M N K per call), CUDA-graph medians.", ""]
+    lines += error_table(doc["errors"])
     return "\n".join(lines)
 
 
@@ -229,9 +248,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--compile-only", action="store_true", help="compile every kernel it would time, time nothing")
     ap.add_argument("--table", metavar="JSON", help="only re-render the table of a saved run")
+    ap.add_argument("--errors-only", action="store_true",
+                    help="only the error table, on --device (the CPU computes the reference numerics)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="device of --errors-only (default: cuda if present)")
+    ap.add_argument("--error-m", type=int, default=512, help="rows of the error table's activations")
     args = ap.parse_args(argv)
+    if args.error_m < 1:
+        ap.error(f"--error-m must be positive, got {args.error_m}")
     if args.table:
         print(table(json.loads(Path(args.table).read_text())))
+        return 0
+    if args.errors_only:
+        fmts = [f for f in args.fmt.split(",") if f]
+        doc = {**provenance(args.device), "fmts": fmts, "errors": errors(fmts, args.device, args.error_m)}
+        path = results_dir(args.out, args.device) / "w4a8-errors.json"
+        path.write_text(json.dumps(doc, indent=1))
+        md = "\n".join(error_table(doc["errors"]) + ["", f"{provenance_line(doc)} {args.error_m} rows of the 8B gate_up shape."])
+        path.with_suffix(".md").write_text(md + "\n")
+        print(md)
         return 0
     if not args.compile_only:
         no_gpu = require_gpu("bench_w4a8", "--compile-only, --table")

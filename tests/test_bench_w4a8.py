@@ -1,4 +1,5 @@
-"""CPU checks of ``scripts/bench_w4a8.py``: its config candidates and its table arithmetic."""
+"""CPU checks of ``scripts/bench_w4a8.py``: its config candidates, its table arithmetic and its error
+table on the CPU."""
 import math
 import os
 import sys
@@ -45,7 +46,7 @@ def test_table_ratios_and_geomeans():
     assert first[5] == f"{B.tflops(2048, 4096, 4096, 62.5):.0f} (1.60x)"
     gm = lines[4].split(" | ")
     assert gm[5] == f"{math.sqrt(1.6 * 2.0):.2f}x / {math.sqrt(0.8 * 1.25):.2f}x"
-    assert "| random | nvfp4 | 1.00e-03 | 3.00e-02 | 1.00e-01 | 1.04e-01 |" in text
+    assert "| random | nvfp4 | 1.00e-03 | 3.00e-02 | - | 1.00e-01 | 1.04e-01 |" in text
 
 
 def test_compile_only_needs_no_gpu(tmp_path, monkeypatch, capsys):
@@ -54,3 +55,25 @@ def test_compile_only_needs_no_gpu(tmp_path, monkeypatch, capsys):
     assert B.main(["--compile-only", "--shapes", "8B o", "--m", "512", "--fmt", "mxfp4", "--configs", "2"]) == 0
     assert "compiled" in capsys.readouterr().out
     assert sum(p.name.startswith("sm90_w4a8_gemm-") and p.suffix == ".o" for p in tmp_path.iterdir()) == 2
+
+
+def test_errors_only_on_the_cpu(tmp_path, monkeypatch):
+    """The error table from the reference paths: E4M3 activations cost a few percent against the
+    dequantized weight (3 mantissa bits), little against the bf16 weight (FP4 dominates), and
+    1 x 128 blocks help where a few channels are outliers."""
+    import json
+
+    monkeypatch.setitem(B.SHAPES, "8B gate_up", (256, 1024))
+    assert B.main(["--errors-only", "--device", "cpu", "--error-m", "96", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "w4a8-errors.json").read_text())
+    errs = {(e["x"], e["fmt"]): e for e in doc["errors"]}
+    assert set(errs) == {(x, f) for x in ("random", "outliers") for f in ("nvfp4", "mxfp4")}
+    for (x, fmt), e in errs.items():
+        assert e["m"] == 96 and e["w4a16_vs_dequant"] < 4e-3
+        assert 1e-2 < e["w4a8_vs_dequant"] < 6e-2 and e["w4a8_vs_dequant"] > 5 * e["w4a16_vs_dequant"]
+        assert e["w4a16_vs_bf16_weight"] < e["w4a8_vs_bf16_weight"] < 1.15 * e["w4a16_vs_bf16_weight"]
+        if x == "outliers":
+            assert e["blocks128_vs_dequant"] < 0.6 * e["w4a8_vs_dequant"]
+    assert "(E4M3 in 1x128 blocks)" in (tmp_path / "w4a8-errors.md").read_text()
+    with pytest.raises(SystemExit):
+        B.main(["--errors-only", "--error-m", "0"])
