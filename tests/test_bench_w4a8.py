@@ -35,7 +35,10 @@ def _row(shape, m, n, k, us):
 def test_table_ratios_and_geomeans():
     us1 = {"cublas": 100.0, "fp8": 50.0, "nvfp4 w4a16": 105.0, "nvfp4 w4a8": 62.5, "nvfp4 w4a8 gemm": 60.0}
     us2 = {"cublas": 400.0, "fp8": 250.0, "nvfp4 w4a16": 400.0, "nvfp4 w4a8": 200.0, "nvfp4 w4a8 gemm": 190.0}
-    doc = dict(fmts=["nvfp4"], rows=[_row("8B o", 2048, 4096, 4096, us1), _row("8B qkv", 2048, 6144, 4096, us2)],
+    rows = [_row("8B o", 2048, 4096, 4096, us1), _row("8B qkv", 2048, 6144, 4096, us2)]
+    rows[0]["w4a8"] = {"nvfp4": dict(error_on_operands={"a": 3e-4, "b": 5e-4})}
+    rows[1]["w4a8"] = {"nvfp4": dict(error_on_operands={"a": 2e-4})}
+    doc = dict(fmts=["nvfp4"], rows=rows,
                errors=[dict(x="random", fmt="nvfp4", w4a16_vs_dequant=1e-3, w4a8_vs_dequant=3e-2,
                             w4a16_vs_bf16_weight=0.1, w4a8_vs_bf16_weight=0.104)],
                gpu="GPU", date="d", torch="t")
@@ -47,6 +50,7 @@ def test_table_ratios_and_geomeans():
     gm = lines[4].split(" | ")
     assert gm[5] == f"{math.sqrt(1.6 * 2.0):.2f}x / {math.sqrt(0.8 * 1.25):.2f}x"
     assert "| random | nvfp4 | 1.00e-03 | 3.00e-02 | - | 1.00e-01 | 1.04e-01 |" in text
+    assert "relative error 2.00e-04 to 5.00e-04." in text
 
 
 def test_compile_only_needs_no_gpu(tmp_path, monkeypatch, capsys):
