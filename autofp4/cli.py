@@ -111,6 +111,21 @@ _positive_int = _int_at_least(1, "a positive integer")
 _nonneg_int = _int_at_least(0, "an integer >= 0")
 
 
+def _workers_arg(lo: int):
+    """An argparse type: a count of compile processes >= ``lo``, at most 4 per CPU core."""
+    base = _int_at_least(lo, "a positive integer" if lo else "an integer >= 0")
+
+    def parse(text: str) -> int:
+        from .tuning import args as A
+
+        try:
+            return A.workers(base(text), "--workers", lo)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
 def _positive_float(text: str) -> float:
     try:
         v = float(text)
@@ -180,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one tuning process per device (all: every GPU; cpu,cpu: CPU processes), one job queue")
     t.add_argument("--gpus", type=_gpu_list, metavar="0,1,...", help="CUDA devices, one job stream (thread) each")
     t.add_argument("--storage", metavar="URL", help="optuna storage shared by cooperating processes (sqlite:///study.db)")
-    t.add_argument("--workers", type=_nonneg_int, metavar="N", help="compile worker processes (0: compile in-process)")
+    t.add_argument("--workers", type=_workers_arg(0), metavar="N", help="compile worker processes (0: compile in-process)")
     t.add_argument("--db", metavar="PATH", help="tuning DB file (default: $AUTOFP4_DB or ~/.cache/autofp4/tuning.db)")
     t.add_argument("--backend", action="append", metavar="NAME", help="only this backend (repeatable, or comma-separated)")
     t.add_argument("--device", choices=("cuda", "cpu"), help="where to tune (default: cuda if available, else cpu)")
@@ -254,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--arch", metavar="SM", help="target GPU, e.g. sm_90a (default: this machine's GPU)")
     c.add_argument("--backend", action="append", metavar="NAME",
                    help="backend(s) to compile for (default: sm90_w4a16)")
-    c.add_argument("--workers", type=_positive_int, metavar="N", help="compile processes (default: cores - 1)")
+    c.add_argument("--workers", type=_workers_arg(1), metavar="N", help="compile processes (default: cores - 1)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -278,6 +293,18 @@ def _backend_names(args: argparse.Namespace) -> list[str] | None:
     return names
 
 
+def _backends_run_on(names: list[str] | None, device: torch.device) -> None:
+    """A usage error naming a ``--backend`` that cannot run on the device ``tune`` would use (a
+    dry run says so too, as the run would)."""
+    from .backends import get_backend
+
+    for n in names or ():
+        why = get_backend(n).unavailable_reason(device)
+        if why:
+            where = "the CPU" if device.type == "cpu" else "this machine's GPU"
+            raise _UsageError(f"--backend {n} cannot run on {where}: {why}")
+
+
 def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from . import dispatch
 
@@ -299,6 +326,7 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     _set_db(args)
     db_path = dispatch.user_db_path()
     on_cpu, cpu_note = _tune_device(args)
+    _backends_run_on(backends, torch.device("cpu" if on_cpu else "cuda"))
     common: dict[str, Any] = dict(
         backends=backends, db=db_path, budget_per_shape=args.budget, budget_total_s=args.time_budget,
         force=args.force, workers=args.workers, progress=not args.no_progress and not args.dry_run,

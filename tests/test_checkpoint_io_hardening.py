@@ -356,19 +356,49 @@ def test_generation_config_files_given_or_broken(tmp_path):
     out = autofp4.save_pretrained(model, tmp_path / "out", copy_files_from=side)
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 55
     (side / "generation_config.json").write_text("{broken")
-    with pytest.raises(ValueError, match=r"side/generation_config.json is not a JSON file"):
+    with pytest.raises(ValueError, match=r"side/generation_config.json: cannot read it as a generation config: invalid"):
         autofp4.save_pretrained(model, tmp_path / "out2", copy_files_from=side)
     assert not (tmp_path / "out2").exists()
     src = tmp_path / "src"
     _model("llama", 3).save_pretrained(src)
     (src / "generation_config.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match=r"src/generation_config.json must hold a JSON object, got a list"):
+    with pytest.raises(ValueError, match=r"src/generation_config.json: cannot read it .* expected a JSON object at the "
+                                         r"top level, got list"):
         autofp4.quantize_checkpoint(src, tmp_path / "q", "nvfp4", progress=False)
     assert not (tmp_path / "q").exists()
     ck = _checkpoint(tmp_path / "ck2")
     (ck / "generation_config.json").unlink(missing_ok=True)
     (ck / "generation_config.json").symlink_to(tmp_path / "nowhere.json")
     with pytest.raises(ValueError, match="generation_config.json is a symbolic link to nothing"):
+        autofp4.from_pretrained(ck)
+
+
+def test_generation_config_files_are_read_as_the_loader_reads_them(tmp_path):
+    """What from_pretrained refuses in a generation_config.json (values transformers refuses, deep
+    nesting, a FIFO), quantize_checkpoint and save_pretrained(copy_files_from=) refuse too, naming
+    the file, before anything is written; the loader names it instead of a RecursionError."""
+    import os
+
+    model = autofp4.from_pretrained(_checkpoint(tmp_path / "ck"))
+    side = tmp_path / "side"
+    side.mkdir()
+    (side / "generation_config.json").write_text(json.dumps({"max_new_tokens": "abc"}))
+    with pytest.raises(ValueError, match=r"side/generation_config.json: cannot read it as a generation config: TypeError"):
+        autofp4.save_pretrained(model, tmp_path / "out", copy_files_from=side)
+    assert not (tmp_path / "out").exists()
+    src = tmp_path / "src"
+    _model("llama", 3).save_pretrained(src)
+    (src / "generation_config.json").write_text(json.dumps({"max_new_tokens": "abc"}))
+    with pytest.raises(ValueError, match=r"src/generation_config.json: cannot read it as a generation config"):
+        autofp4.quantize_checkpoint(src, tmp_path / "q", "nvfp4", progress=False)
+    (src / "generation_config.json").unlink()
+    os.mkfifo(src / "generation_config.json")
+    with pytest.raises(ValueError, match=r"src/generation_config.json is not a regular file"):
+        autofp4.quantize_checkpoint(src, tmp_path / "q", "nvfp4", progress=False)
+    assert not (tmp_path / "q").exists()
+    ck = _checkpoint(tmp_path / "ck2")
+    (ck / "generation_config.json").write_text("[" * 50000 + "]" * 50000)
+    with pytest.raises(ValueError, match=r"generation_config.json: cannot read it .* nested deeper than"):
         autofp4.from_pretrained(ck)
 
 

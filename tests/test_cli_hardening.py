@@ -152,6 +152,42 @@ def test_cache_refuses_the_options_of_warm_without_it(option):
     assert rc == 2 and f"{option[0]} goes with --warm CONFIG" in err and out == ""
 
 
+@pytest.mark.parametrize("command", [["tune", "--dry-run", "--device", "cpu"], ["cache", "--arch", "sm_90a"]])
+def test_more_compile_workers_than_the_machine_takes_are_refused_by_the_cli(tmp_path, monkeypatch, capsys, command):
+    """``--workers 100000`` would start a compiler per process: refused naming the limit (4 per
+    CPU core), before any process starts."""
+    from autofp4.tuning.args import max_workers
+
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(tmp_path / "kc"))
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    where = ["--model", cfg, "--db", tmp_path / "t.db"] if command[0] == "tune" else ["--warm", cfg]
+    rc, out, _ = run([command[0], *where, *command[1:], "--workers", "100000"])
+    err = capsys.readouterr().err  # argparse's usage error
+    assert rc == 2 and f"--workers=100000 is more compile processes than this machine takes: at most {max_workers()}" \
+        in err and out == ""
+    rc, out, _ = run([command[0], *where, *command[1:], "--workers", max_workers() + 1])
+    assert rc == 2 and f"--workers={max_workers() + 1} is more" in capsys.readouterr().err
+    assert not (tmp_path / "kc").exists() or not list((tmp_path / "kc").glob("*.o"))
+
+
+@pytest.mark.parametrize("dry", [True, False])
+def test_tune_refuses_a_backend_that_cannot_run_on_its_device(tmp_path, dry):
+    """``--backend sm100_blockscaled --device cpu``: the dry run says what the run would (before
+    any job is listed)."""
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    argv = ["tune", "--model", cfg, "--backend", "sm100_blockscaled", "--db", tmp_path / "t.db", "--device", "cpu"]
+    rc, out, err = run(argv + (["--dry-run"] if dry else ["--no-progress"]))
+    assert rc == 2 and "--backend sm100_blockscaled cannot run on the CPU: needs a CUDA device" in err and out == ""
+    assert not (tmp_path / "t.db").exists()
+    rc, out, err = run(["tune", "--model", cfg, "--backend", "reference", "--db", tmp_path / "t.db", "--device", "cpu",
+                        "--dry-run"])
+    assert rc == 0 and "(shape, M) jobs" in out, err
+
+
 def test_cache_warm_refuses_a_backend_of_another_gpu_than_arch(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(tmp_path / "kc"))
     cfg = tmp_path / "tiny.json"

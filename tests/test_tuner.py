@@ -990,3 +990,66 @@ def test_a_problems_random_weights_are_drawn_on_the_gpu_from_the_seed():
             assert x.data.is_cuda and torch.equal(x.data, y.data) and torch.equal(x.scale, y.scale)
             assert not torch.equal(x.data, z.data)
             assert 0.85 < float(x.dequantize().std()) < 1.15
+
+
+def test_compile_workers_end_with_a_killed_parent(tmp_path):
+    """A tuning run killed (kill -9) leaves no compile worker behind: each ends once its parent has
+    gone, instead of living on with its memory (a run asked for hundreds of them)."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import concurrent.futures as cf, multiprocessing as mp, os, time\n"
+        "from autofp4.tuning.compile_pool import _pool_init\n"
+        "def pid(_):\n"
+        "    time.sleep(0.3)\n"
+        "    return os.getpid()\n"
+        "if __name__ == '__main__':\n"
+        "    pool = cf.ProcessPoolExecutor(2, mp_context=mp.get_context('spawn'), initializer=_pool_init,\n"
+        "                                  initargs=('', True))\n"
+        "    pids = set()\n"
+        "    while len(pids) < 2:\n"
+        "        pids |= set(pool.map(pid, range(4)))\n"
+        "    print(*sorted(pids), flush=True)\n"
+        "    time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2 and parent.pid not in pids
+        assert all(_alive(p) for p in pids)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(30)
+    t0 = time.monotonic()
+    while any(_alive(p) for p in pids) and time.monotonic() - t0 < 15:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "a compile worker outlived its killed parent"
+
+
+def _alive(pid: int) -> bool:
+    """The process runs (a zombie, exited but not yet reaped by its adopter, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_more_compile_workers_than_the_machine_takes_are_refused(monkeypatch):
+    """Compile processes beyond 4 per CPU core (each holds a compiler) are refused by name, in the
+    tuner, the just-in-time settings and the cache warm-up, before any process starts."""
+    from autofp4.tuning import args as A
+    from autofp4.tuning import jit
+    from autofp4.tuning.warm import warm_kernel_cache
+
+    limit = A.max_workers()
+    assert limit == 4 * (os.cpu_count() or 1)
+    assert A.workers(limit, "workers") == limit and A.workers(None, "workers") is None
+    with pytest.raises(ValueError, match=rf"workers=100000 is more compile processes .* at most {limit}"):
+        tune([ProblemKey("linear", "nvfp4", "bfloat16", 64, 64)], m_buckets=[1], workers=100000, device="cpu")
+    with pytest.raises(ValueError, match="workers=100000"):
+        jit._settings("blocking", None, ("linear",), None, None, 100000)
+    with pytest.raises(ValueError, match="workers=100000"):
+        warm_kernel_cache([], ["reference"], workers=100000)

@@ -647,20 +647,9 @@ def _parameters_on_meta() -> Iterator[None]:
 def _generation_config(root: Path) -> Any:
     """The checkpoint's ``generation_config.json`` as a ``GenerationConfig`` (None without one); a
     file transformers cannot read is an error naming it."""
-    path = root / "generation_config.json"
-    if path.is_symlink() and not path.exists():
-        raise ValueError(f"{_WHAT}: {path} is a symbolic link to nothing (its target is missing)")
-    if not path.exists():
-        return None
-    from transformers import GenerationConfig
+    from .writer import read_generation_config
 
-    if not path.is_file():
-        raise ValueError(f"{_WHAT}: {path} is not a regular file")
-    try:
-        return GenerationConfig.from_pretrained(str(root), local_files_only=True)
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"{_WHAT}: {path}: cannot read it as a generation config: "
-                         f"{' '.join(str(e).split())[:300]}") from None
+    return read_generation_config(root, _WHAT)
 
 
 def _empty_model(config: Any, dtype: torch.dtype) -> nn.Module:

@@ -213,23 +213,41 @@ def write_configs(root: Path, config: dict, layout: str, fmt: str, excluded: lis
     return config
 
 
-def check_side_files(source: Optional[Path], what: str) -> None:
-    """The side files of ``source`` that a loader reads back (``generation_config.json``) are
-    readable: JSON objects; ``ValueError`` naming the file otherwise (before anything is written)."""
-    if source is None or not Path(source).is_dir():
-        return
-    path = Path(source) / "generation_config.json"
+def read_generation_config(root: Path, what: str) -> Any:
+    """``root``'s ``generation_config.json`` as a transformers ``GenerationConfig`` (None without
+    one), read as a loader reads it: ``ValueError`` naming the file where it is a link to nothing,
+    not a regular file, not a JSON object (read bounded, its nesting checked first), or values
+    transformers refuses (``"max_new_tokens": "abc"``)."""
+    path = Path(root) / "generation_config.json"
     if path.is_symlink() and not path.exists():
         raise ValueError(f"{what}: {path} is a symbolic link to nothing (its target is missing)")
-    if not _is_side_file(path):
-        return
+    if not path.exists():
+        return None
+    if not path.is_file():
+        raise ValueError(f"{what}: {path} is not a regular file")
+    from ..models import load_config
+
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"{what}: {path} is not a JSON file ({' '.join(str(e).split())[:120]}); a checkpoint "
-                         "that holds it could not be loaded") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"{what}: {path} must hold a JSON object, got a {type(doc).__name__}")
+        load_config(path)  # bounded, depth-checked, a JSON object
+    except (OSError, ValueError) as e:
+        detail = " ".join(str(e).replace(f"{path}: ", "").replace(str(path), "it").split())
+        raise ValueError(f"{what}: {path}: cannot read it as a generation config: {detail[:300]}") from None
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(root), local_files_only=True)
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:
+        raise ValueError(f"{what}: {path}: cannot read it as a generation config: "
+                         f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+
+
+def check_side_files(source: Optional[Path], what: str) -> None:
+    """The side files of ``source`` that a loader reads back (``generation_config.json``) are
+    readable as the loader reads them (:func:`read_generation_config`); ``ValueError`` naming
+    the file otherwise, before anything is written."""
+    if source is None or not Path(source).is_dir():
+        return
+    read_generation_config(Path(source), what)
 
 
 def copy_side_files(source: Optional[Path], root: Path) -> list[str]:

@@ -34,6 +34,26 @@ def count(value: Any, name: str, lo: int) -> Optional[int]:
     return n
 
 
+#: compile processes per CPU core at most: each holds a compiler (about half a GB while it works),
+#: and those beyond the cores only wait for them
+WORKERS_PER_CORE = 4
+
+
+def max_workers() -> int:
+    """The most compile processes this machine takes (4 per CPU core)."""
+    return WORKERS_PER_CORE * (os.cpu_count() or 1)
+
+
+def workers(value: Any, name: str, lo: int = 0) -> Optional[int]:
+    """None, or a count of compile processes: an int >= ``lo`` and at most :func:`max_workers`."""
+    n = count(value, name, lo)
+    if n is not None and n > max_workers():
+        raise ValueError(f"{name}={n} is more compile processes than this machine takes: at most "
+                         f"{max_workers()} ({WORKERS_PER_CORE} per CPU core, {os.cpu_count() or 1} cores); each "
+                         "holds a compiler, and those beyond the cores only wait for them")
+    return n
+
+
 def seconds(value: Any, name: str, *, inf_ok: bool = True) -> Optional[float]:
     """None, or a real number of seconds > 0 (not a bool, not a str; ``math.inf`` where ``inf_ok``)."""
     if value is None:

@@ -7,6 +7,7 @@ import concurrent.futures as cf
 import importlib
 import json
 import os
+import threading
 import time
 import traceback
 from dataclasses import asdict
@@ -71,9 +72,25 @@ def _preload_compiler() -> None:
         pass
 
 
-def _pool_init(arch: str) -> None:
+def _exit_with_parent() -> None:
+    """End this process once its parent has gone (it is then adopted by another): a compile
+    worker whose tuning run was killed would otherwise live on, holding its memory."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="autofp4-parent-watch", daemon=True).start()
+
+
+def _pool_init(arch: str, in_pool: bool = False) -> None:
     """Compile workers target the tuned GPU (``arch`` over any ``$CUTE_DSL_ARCH`` they inherit:
-    the cache keys name ``arch``) without opening a CUDA context of their own."""
+    the cache keys name ``arch``) without opening a CUDA context of their own. ``in_pool``: this
+    is a pool's worker process, which ends with its parent."""
+    if in_pool:
+        _exit_with_parent()
     if arch and arch != "unknown":
         os.environ["CUTE_DSL_ARCH"] = arch
         _preload_compiler()

@@ -74,8 +74,10 @@ def _settings(mode: str, budget_s: float | None, ops: Iterable[str], backends: S
     duty = (BACKGROUND_DUTY if mode == "background" else 1.0) if duty is None else float(duty)
     if not 0 < duty <= 1:
         raise ValueError(f"duty must be in (0, 1], got {duty}")
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
-        raise ValueError(f"workers must be an int >= 0 or None, got {workers!r}")
+    try:
+        A.workers(workers, "workers")
+    except TypeError as e:
+        raise ValueError(str(e)) from None
     # named backends travel to the worker by class, so that plug-ins run there too
     specs = None if backends is None else {n: _spec(get_backend(n)) for n in backends}
     return dict(mode=mode, budget_s=budget_s, ops=ops, backends=specs, duty=duty, workers=workers)
@@ -311,8 +313,9 @@ def from_env() -> None:
         budget_s = _env_number("AUTOFP4_AUTOTUNE_BUDGET_S", float, "a positive number of seconds", lambda v: v > 0)
         duty = _env_number("AUTOFP4_AUTOTUNE_DUTY", float, "a number in (0, 1] (the share of the wall time the "
                            "worker may measure, e.g. 0.5)", lambda v: 0 < v <= 1)
-        workers = _env_number("AUTOFP4_AUTOTUNE_WORKERS", int, "an integer >= 0 (compile processes)",
-                              lambda v: v >= 0)
+        workers = _env_number("AUTOFP4_AUTOTUNE_WORKERS", int, f"an integer from 0 to {A.max_workers()} (compile "
+                              f"processes, at most {A.WORKERS_PER_CORE} per CPU core)",
+                              lambda v: 0 <= v <= A.max_workers())
         s = _Scope(**_settings(mode, budget_s, ops, None, duty, workers))
     except (ValueError, TuningDBError) as e:  # TuningDBError: an AUTOFP4_DB that names no usable path
         warnings.warn(f"autofp4: AUTOFP4_AUTOTUNE={raw_mode!r} ignored (just-in-time tuning stays off): {e}",

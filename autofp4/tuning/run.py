@@ -209,7 +209,7 @@ def _open_pool(workers: int, on_gpu: bool) -> cf.ProcessPoolExecutor | None:
 
     arch = target_arch() if on_gpu else ""
     pool = cf.ProcessPoolExecutor(
-        max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_pool_init, initargs=(arch,)
+        max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_pool_init, initargs=(arch, True)
     )
     _start_pool(pool, workers)
     return pool
@@ -384,7 +384,7 @@ def _check_run_args(backends: Any, db: Any, device: Any, budget_per_shape: Any, 
     A.count(budget_per_shape, "budget_per_shape", 1)
     A.seconds(budget_total_s, "budget_total_s")
     A.flag(force, "force")
-    A.count(workers, "workers", 0)
+    A.workers(workers, "workers")
     A.progress(progress)
     if gpus is not None:
         if isinstance(gpus, (str, bytes, Mapping)) or not hasattr(gpus, "__iter__"):

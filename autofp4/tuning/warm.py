@@ -12,6 +12,7 @@ from typing import Any, Iterable, Sequence
 
 from ..backends import get_backend
 from ..schema import TuningRecord
+from . import args as A
 from . import budget
 from .candidates import _first_candidates, _other_problem_winners, _parsed, _sibling_records
 from .compile_pool import _compile_only, _pool_init, _spec
@@ -38,6 +39,7 @@ def warm_kernel_cache(
     processes, without a GPU when ``arch`` names the target (``sm_90a``): what a re-tune tries
     first, and with the shipped DB, what the dispatcher runs. An inference server or a tuning run on that GPU then
     loads the kernels instead of compiling them. Configs shared by several jobs compile once."""
+    A.workers(workers, "workers")
     here = workers <= 1 and _compiles_here_for(arch)
     if here:  # the target set before anything below imports the compiler
         from ..kernel_cache import target_arch
@@ -87,7 +89,7 @@ def warm_kernel_cache(
         else:
             with _target_for_children(arch), cf.ProcessPoolExecutor(
                     max_workers=max(1, workers), mp_context=mp.get_context("spawn"), initializer=_pool_init,
-                    initargs=(arch,)) as pool:
+                    initargs=(arch, True)) as pool:
                 futs = {pool.submit(_compile_only, req): req for req in reqs.values()}
                 for fut in cf.as_completed(futs):
                     done(futs[fut], fut.result())
