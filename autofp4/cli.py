@@ -415,6 +415,8 @@ def _tune_device(args: argparse.Namespace) -> tuple[bool, str]:
         if args.device == "cpu":
             raise _UsageError("--devices with CUDA GPUs and --device cpu contradict each other")
     elif args.devices:
+        if args.device == "cuda":
+            raise _UsageError(f"--devices {','.join(args.devices)} and --device cuda contradict each other")
         args.device = "cpu"
     if args.gpus and not cuda:
         raise _UsageError(f"--gpus {','.join(map(str, args.gpus))} given, but no CUDA GPU is available")

@@ -720,6 +720,15 @@ def _looks_like_json(path: Path) -> bool:
         return False
 
 
+def _stored_config(text: Any) -> Any:
+    """The JSON of a row's ``config`` column (ValueError for one that is not JSON or nests
+    deeper than Python's parser goes, so that the row is skipped with the others)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("its config is nested too deeply to be a kernel config") from None
+
+
 def read_records(source: "TuningDB | str | Path") -> tuple[str, list[TuningRecord]]:
     """``(name, every result row)`` of a tuning database, its file, or an export (``.json``).
 
@@ -1291,7 +1300,7 @@ class TuningDB:
         try:
             if env is None:
                 raise ValueError(f"its environment {env_key} is missing from the environments table or unreadable")
-            row["config"] = json.loads(row["config"])
+            row["config"] = _stored_config(row["config"])
             return TuningRecord.model_validate({**row, "env": env})
         except (ValueError, ValidationError) as e:
             warnings.warn(
@@ -1342,7 +1351,7 @@ class TuningDB:
         for row in self._rows(f"SELECT * FROM trials{where} ORDER BY id", params):
             row.pop("id", None)
             try:
-                row["config"] = json.loads(row["config"])
+                row["config"] = _stored_config(row["config"])
                 out.append(TrialRecord.model_validate(row))
             except (ValueError, ValidationError) as e:
                 warnings.warn(

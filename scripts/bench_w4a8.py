@@ -105,9 +105,9 @@ def measure(args) -> dict:
     from autofp4.kernels import sm90_w4a8_gemm as g8
 
     _, records = read_records(SHIPPED_DB)
-    fmts = args.fmt.split(",")
+    fmts = args.fmt
     shapes = list(select_shapes(args.shapes))
-    ms = [int(v) for v in args.m.split(",")]
+    ms = args.m
     if args.compile_only:
         for name in shapes:
             n, k = SHAPES[name]
@@ -247,11 +247,34 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def errors_md(doc: dict) -> str:
+    """The table of an ``--errors-only`` run."""
+    rows = doc["errors"][0]["m"] if doc.get("errors") else doc.get("m", "?")
+    return "\n".join(error_table(doc["errors"]) + ["", f"{provenance_line(doc)} {rows} rows of the 8B gate_up shape."])
+
+
+def _fmts(text: str) -> list[str]:
+    fmts = [f.strip() for f in text.split(",")]
+    if not all(f in ("nvfp4", "mxfp4") for f in fmts):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of nvfp4, mxfp4; got {text!r}")
+    return fmts
+
+
+def _ms(text: str) -> list[int]:
+    try:
+        ms = [int(v) for v in text.split(",")]
+    except ValueError:
+        ms = []
+    if not ms or min(ms) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return ms
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="results directory (default: docs/results/<gpu>/)")
-    ap.add_argument("--fmt", default="nvfp4,mxfp4")
-    ap.add_argument("--m", default=",".join(map(str, MS)))
+    ap.add_argument("--fmt", type=_fmts, default="nvfp4,mxfp4", help="comma-separated: nvfp4, mxfp4")
+    ap.add_argument("--m", type=_ms, default=",".join(map(str, MS)), help="comma-separated row counts")
     ap.add_argument("--shapes", default="", help="comma-separated subset of: " + ", ".join(SHAPES))
     ap.add_argument("--configs", type=int, default=4, help="W4A8 config candidates timed per point")
     ap.add_argument("--rounds", type=int, default=3)
@@ -260,21 +283,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table", metavar="JSON", help="only re-render the table of a saved run")
     ap.add_argument("--errors-only", action="store_true",
                     help="only the error table, on --device (the CPU computes the reference numerics)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
                     help="device of --errors-only (default: cuda if present)")
     ap.add_argument("--error-m", type=int, default=512, help="rows of the error table's activations")
     args = ap.parse_args(argv)
     if args.error_m < 1:
         ap.error(f"--error-m must be positive, got {args.error_m}")
     if args.table:
-        print(table(json.loads(Path(args.table).read_text())))
+        doc = json.loads(Path(args.table).read_text())
+        print(table(doc) if "rows" in doc else errors_md(doc))
         return 0
     if args.errors_only:
-        fmts = [f for f in args.fmt.split(",") if f]
-        doc = {**provenance(args.device), "fmts": fmts, "errors": errors(fmts, args.device, args.error_m)}
+        if args.device == "cuda":
+            no_gpu = require_gpu("bench_w4a8 --errors-only --device cuda", "--device cpu")
+            if no_gpu is not None:
+                return no_gpu
+        doc = {**provenance(args.device), "fmts": args.fmt, "m": args.error_m,
+               "errors": errors(args.fmt, args.device, args.error_m)}
         path = results_dir(args.out, args.device) / "w4a8-errors.json"
         path.write_text(json.dumps(doc, indent=1))
-        md = "\n".join(error_table(doc["errors"]) + ["", f"{provenance_line(doc)} {args.error_m} rows of the 8B gate_up shape."])
+        md = errors_md(doc)
         path.with_suffix(".md").write_text(md + "\n")
         print(md)
         return 0

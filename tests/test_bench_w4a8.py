@@ -81,3 +81,24 @@ def test_errors_only_on_the_cpu(tmp_path, monkeypatch):
     assert "(E4M3 in 1x128 blocks)" in (tmp_path / "w4a8-errors.md").read_text()
     with pytest.raises(SystemExit):
         B.main(["--errors-only", "--error-m", "0"])
+
+
+def test_bad_options_are_named(tmp_path, capsys):
+    import json
+
+    for argv, needle in ((["--errors-only", "--fmt", ""], "--fmt"), (["--compile-only", "--m", "abc"], "--m"),
+                         (["--compile-only", "--m", "0,512"], "--m"), (["--errors-only", "--device", "meta"], "--device")):
+        with pytest.raises(SystemExit) as e:
+            B.main(argv + ["--out", str(tmp_path)])
+        assert e.value.code == 2 and needle in capsys.readouterr().err, argv
+    if not B.torch.cuda.is_available():
+        assert B.main(["--errors-only", "--device", "cuda", "--out", str(tmp_path)]) == 2
+        assert "needs a CUDA GPU (or --device cpu)" in capsys.readouterr().err
+    # the table of an --errors-only run re-renders
+    doc = dict(gpu="cpu", date="d", errors=[dict(x="random", fmt="mxfp4", m=8, w4a16_vs_dequant=1e-3,
+                                                  w4a8_vs_dequant=2e-2, blocks128_vs_dequant=2e-2,
+                                                  w4a16_vs_bf16_weight=0.1, w4a8_vs_bf16_weight=0.11)])
+    (tmp_path / "e.json").write_text(json.dumps(doc))
+    assert B.main(["--table", str(tmp_path / "e.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| random | mxfp4 | 1.00e-03 | 2.00e-02 | 2.00e-02 |" in out and "8 rows" in out

@@ -456,6 +456,12 @@ def test_list_options_refuse_empty_items(tiny, capsys, argv, option):
     assert rc == 2 and f"{option} has an empty item" in err and "jobs" not in out, err
 
 
+def test_cpu_devices_and_device_cuda_contradict_each_other(tiny, tmp_path):
+    rc, out, err = run(["tune", "--model", tiny, "--dry-run", "--devices", "cpu,cpu", "--device", "cuda",
+                        "--db", tmp_path / "t.db"])
+    assert rc == 2 and "--devices cpu,cpu and --device cuda contradict each other" in err and "jobs" not in out, err
+
+
 @pytest.mark.parametrize("value", ["", ",", "reference,", " , reference"])
 def test_backend_refuses_an_empty_name(tiny, value):
     rc, out, err = run(["tune", "--model", tiny, "--dry-run", "--device", "cpu", "--backend", value])

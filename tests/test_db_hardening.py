@@ -1248,6 +1248,7 @@ def test_prune_older_than_an_absurd_number_of_days_is_refused(tmp_path):
     ("[1, 2]", "config: Input should be a valid dictionary"),
     ('{"chunk_n": -5}', "chunk_n must be >= 0, got -5"),
     ('{"chunk_n": 1000000000000000000000000000000}', "less than or equal to"),
+    ('{"a": ' * 5000 + "1" + "}" * 5000, "its config is nested too deeply to be a kernel config"),
 ])
 def test_the_dispatcher_names_a_bad_row_in_one_line(tmp_path, config, why):
     """A row the dispatcher skips is named with the field and the reason, without pydantic's
