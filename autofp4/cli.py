@@ -326,7 +326,6 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     _set_db(args)
     db_path = dispatch.user_db_path()
     on_cpu, cpu_note = _tune_device(args)
-    _backends_run_on(backends, torch.device("cpu" if on_cpu else "cuda"))
     common: dict[str, Any] = dict(
         backends=backends, db=db_path, budget_per_shape=args.budget, budget_total_s=args.time_budget,
         force=args.force, workers=args.workers, progress=not args.no_progress and not args.dry_run,
@@ -444,6 +443,7 @@ def _tune_misses(args: argparse.Namespace, on_cpu: bool, cpu_note: str, common: 
         raise _UsageError(f"no misses file at {path} (run a workload with autofp4 first)") from None
     except (ValueError, OSError) as e:
         raise _UsageError(str(e)) from None
+    _backends_run_on(_backend_names(args), torch.device("cpu" if on_cpu else "cuda"))
     if args.dry_run:
         print(f"{len(misses)} missed (problem, M) pairs in {path}:", file=out)
         for key, m, c in misses:
@@ -468,6 +468,7 @@ def _tune_model(args: argparse.Namespace, on_cpu: bool, cpu_note: str, common: d
 
     shapes = _model_shapes(args.model, args)
     _check_backends_serve(_backend_names(args), shapes)
+    _backends_run_on(_backend_names(args), torch.device("cpu" if on_cpu else "cuda"))
     if args.m:
         ms = sorted(set(args.m))
     else:
