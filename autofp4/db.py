@@ -447,6 +447,8 @@ def _open_export(path: Path) -> BinaryIO:
         raise TuningFileError(f"{path}: cannot read: {e.strerror or e}") from None
     if stat.S_ISDIR(st.st_mode):
         raise TuningFileError(f"{path}: is a directory, not a tuning export file")
+    if not stat.S_ISREG(st.st_mode):  # a FIFO or a device: open() or the read could wait forever
+        raise TuningFileError(f"{path}: is not a regular file (a FIFO, socket or device), not a tuning export file")
     if st.st_size > MAX_IMPORT_BYTES:
         raise TuningFileError(f"{path}: {st.st_size} bytes is larger than the {MAX_IMPORT_BYTES} byte limit")
     try:

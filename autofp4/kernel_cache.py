@@ -26,6 +26,7 @@ of only whitespace, or one holding a NUL byte, is refused (``ValueError`` naming
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -40,7 +41,7 @@ import tokenize
 import warnings
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .env import cutlass_dsl_version
 
@@ -401,6 +402,16 @@ def _refusal(entry: dict[str, Any]) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _writing_to(d: Path) -> Iterator[None]:
+    """An OSError inside is the cache folder's, named as such (not the archive's)."""
+    try:
+        yield
+    except OSError as e:
+        raise KernelArchiveError(f"cannot write to the kernel cache {d} ($AUTOFP4_KERNEL_CACHE): "
+                                 f"{e.strerror or e}") from None
+
+
 def import_archive(src: str | Path) -> ArchiveReport:
     """Unpack the kernels of archive ``src`` (from :func:`export_archive`) that this machine's
     modules and CuTeDSL would build the same into the cache; the others are refused and listed.
@@ -469,16 +480,19 @@ def import_archive(src: str | Path) -> ArchiveReport:
                 if path.exists() and path.with_suffix(".json").exists():
                     report.present += 1
                     continue
-                if stage is None:
-                    created = not d.exists()
-                    d.mkdir(parents=True, exist_ok=True)
-                    stage = Path(tempfile.mkdtemp(prefix=".import-", dir=d))
-                (stage / e["file"]).write_bytes(data)
+                with _writing_to(d):
+                    if stage is None:
+                        created = not d.exists()
+                        d.mkdir(parents=True, exist_ok=True)
+                        stage = Path(tempfile.mkdtemp(prefix=".import-", dir=d))
+                    (stage / e["file"]).write_bytes(data)
                 staged.append((e, len(data)))
             for e, size in staged:
                 path = d / e["file"]
-                _write_atomic(path.with_suffix(".json"), json.dumps({k: e[k] for k in _RECORD_KEYS}, sort_keys=True).encode())
-                os.replace(stage / e["file"], path)
+                with _writing_to(d):
+                    _write_atomic(path.with_suffix(".json"),
+                                  json.dumps({k: e[k] for k in _RECORD_KEYS}, sort_keys=True).encode())
+                    os.replace(stage / e["file"], path)
                 report.kernels += 1
                 report.bytes += size
     except (tarfile.TarError, EOFError, OSError, UnicodeDecodeError) as e:

@@ -145,6 +145,23 @@ def test_ct_config_group_weights_of_the_wrong_type_are_named(tmp_path, seed, wei
     assert "config.json" in msg and "config_groups['group_0'].weights must be an object" in msg
 
 
+def test_a_ct_sparsity_compression_is_refused_by_name(tmp_path, seed):
+    """A compressed-tensors sparsity_config with a storage format other than dense names it (the
+    weights would be stored sparse-compressed); 'dense' and an empty one load."""
+    path = _checkpoint(tmp_path / "ct", "llama", "compressed-tensors", seed)
+    _edit(path / "config.json", lambda d: d["quantization_config"].update(
+        sparsity_config={"format": "sparse-24-bitmask", "targets": ["Linear"]}))
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    assert "sparsity_config format 'sparse-24-bitmask'" in _one_line(info.value)
+    _edit(path / "config.json", lambda d: d["quantization_config"].update(sparsity_config=["dense"]))
+    with pytest.raises(ValueError, match="sparsity_config must be an object or null"):
+        autofp4.from_pretrained(path)
+    for ok in ({"format": "dense"}, {}, None):
+        _edit(path / "config.json", lambda d: d["quantization_config"].update(sparsity_config=ok))
+        autofp4.from_pretrained(path)
+
+
 @pytest.mark.parametrize("entry", ["", "re:"])
 def test_an_empty_pattern_is_refused_naming_the_entry(tmp_path, seed, entry):
     path = _checkpoint(tmp_path / "g", "gpt_oss", "gpt-oss", seed)

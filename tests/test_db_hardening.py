@@ -701,6 +701,24 @@ def test_size_bomb_bounded_memory(name, write, expect, bomb_dir, tmp_path):
     assert not isinstance(result, BaseException), result
 
 
+def test_a_fifo_in_the_shipped_db_folder_is_skipped_not_waited_on(tmp_path, monkeypatch):
+    """A FIFO named like an export in $AUTOFP4_SHIPPED_DB: open() would wait for a writer forever;
+    the layer is skipped with a warning naming it."""
+    ship = tmp_path / "ship"
+    ship.mkdir()
+    os.mkfifo(ship / "x.json")
+    monkeypatch.setenv("AUTOFP4_SHIPPED_DB", str(ship))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_layers(Environment(**ENV), tmp_path / "none.db")
+    said = [str(w.message) for w in caught if issubclass(w.category, TuningDBWarning)]
+    assert any("x.json" in m and "not a regular file" in m for m in said), said
+    from autofp4.db import read_export
+
+    with pytest.raises(TuningFileError, match="not a regular file"):
+        read_export(ship / "x.json")
+
+
 def test_endless_device_file_is_bounded():
     """A file whose size is not known up front (a character device that never ends)."""
     from autofp4.db import read_export

@@ -435,6 +435,18 @@ def test_an_exported_cache_imported_elsewhere_loads_without_compiling(cache, tmp
     assert (report.kernels, report.present, report.skipped) == (0, 2, [])
 
 
+def test_an_import_into_a_cache_that_cannot_be_written_names_the_cache(cache, tmp_path, monkeypatch):
+    """A cache folder nothing can be made in (/proc/self): the error names the cache and its
+    variable, not the (valid) archive."""
+    _compile_decode(D.DecodeConfig(warps=4, k_split=2, m_max=8), [])
+    kernel_cache.export_archive(tmp_path / "a.tgz")
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", "/proc/self")
+    with pytest.raises(kernel_cache.KernelArchiveError) as info:
+        kernel_cache.import_archive(tmp_path / "a.tgz")
+    assert "cannot write to the kernel cache /proc/self ($AUTOFP4_KERNEL_CACHE)" in str(info.value)
+    assert "not a readable autofp4 kernel archive" not in str(info.value)
+
+
 def test_an_import_leaves_out_kernels_this_machine_would_build_otherwise(cache, tmp_path, monkeypatch):
     import json
 

@@ -1053,3 +1053,13 @@ def test_more_compile_workers_than_the_machine_takes_are_refused(monkeypatch):
         jit._settings("blocking", None, ("linear",), None, None, 100000)
     with pytest.raises(ValueError, match="workers=100000"):
         warm_kernel_cache([], ["reference"], workers=100000)
+
+
+@pytest.mark.parametrize("device", ["meta", torch.device("meta")])
+def test_a_device_the_tuner_cannot_time_on_is_refused(tmp_path, device):
+    """Only a CUDA GPU or the CPU: 'meta' ran every job to no_valid_config and stored a fault
+    under the CPU's environment."""
+    with pytest.raises(ValueError, match=r"device 'meta': the tuner times kernels on a CUDA GPU or the CPU"):
+        tune([ProblemKey("linear", "nvfp4", "bfloat16", 64, 64)], m_buckets=[1], device=device,
+             db=str(tmp_path / "t.db"), progress=False)
+    assert not (tmp_path / "t.db").exists()

@@ -368,6 +368,13 @@ def _modelopt_scheme(q: Mapping, source: str) -> _Scheme:
 
 
 def _ct_scheme(q: Mapping, source: str) -> _Scheme:
+    sparsity = q.get("sparsity_config")
+    if sparsity is not None and not isinstance(sparsity, dict):
+        raise ValueError(f"{_WHAT}: {source}: sparsity_config must be an object or null, got {sparsity!r:.80}")
+    if sparsity and sparsity.get("format", "dense") not in (None, "dense"):
+        raise ValueError(f"{_WHAT}: {source}: sparsity_config format {sparsity.get('format')!r:.80} stores the weights "
+                         "compressed for sparsity, which autofp4 does not read (only 'dense'); use a checkpoint "
+                         "without sparsity compression")
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ValueError(f"{_WHAT}: {source}: compressed-tensors needs 'config_groups', got {groups!r}")

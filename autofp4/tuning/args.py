@@ -107,15 +107,21 @@ def m_values(value: Any, name: str = "m_buckets") -> list[int]:
 
 
 def device(value: Any, name: str = "device") -> Any:
-    """None, a torch.device, or a str torch can read as one (its error named)."""
-    if value is None or isinstance(value, torch.device):
+    """None, a torch.device, or a str torch can read as one (its error named), of a kind the tuner
+    times on: a CUDA GPU or the CPU."""
+    if value is None:
         return value
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise TypeError(f"{name} must be a torch.device, a str such as 'cuda:0' or None, got {_shown(value)}")
-    try:
-        torch.device(value)
-    except (RuntimeError, ValueError) as e:
-        raise ValueError(f"{name} {value!r} is not a device: {str(e).splitlines()[0][:200]}") from None
+    if not isinstance(value, torch.device):
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise TypeError(f"{name} must be a torch.device, a str such as 'cuda:0' or None, got {_shown(value)}")
+        try:
+            dev = torch.device(value)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"{name} {value!r} is not a device: {str(e).splitlines()[0][:200]}") from None
+    else:
+        dev = value
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"{name} {str(dev)!r}: the tuner times kernels on a CUDA GPU or the CPU, not on {dev.type!r}")
     return value
 
 
