@@ -146,6 +146,9 @@ def expand_path(path: str | os.PathLike, what: str, file: bool = False) -> Path:
     or, for a ``file``, ends in a path separator (it names a folder)."""
     why = unusable_path(path)
     text = os.fsdecode(os.fspath(path))
+    if why is None and text.strip() == ":memory:":
+        why = ("it names SQLite's in-memory database, whose rows are lost when the process ends; "
+               "name a DB file (such as ./tuning.db)")
     if why is None and file and os.path.basename(text) in ("", ".", ".."):  # 'x/', 'x/.', 'x/..'
         tail = os.path.basename(text) or text[-1]
         why = f"it ends in {tail!r}, so it names a folder; name the DB file in it (such as {os.path.join(text, 'tuning.db')})"

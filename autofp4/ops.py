@@ -370,6 +370,9 @@ def _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, check_ids=True, ex
         topk_weights, topk_ids, prebuilt, per_pair, backend, runner = _route_for(
             x, w13, router_logits, spec, correction_bias, expert_map)
         check_ids = False  # valid by construction
+        # as route() does (eager calls only: a graph or torch.compile reads no values)
+        if topk_weights.numel() and _values_readable(topk_weights) and bool(torch.isnan(topk_weights).any()):
+            _raise_bad_logits(router_logits, topk_weights, "moe")
     _check_moe(x, w13, w2, topk_weights, topk_ids, activation, check_ids, expert_map, w13_bias, w2_bias)
     if x.shape[0] == 0:
         return torch.empty_like(x)
@@ -657,12 +660,12 @@ def _check_logits(router_logits, what: str) -> None:
         raise ValueError(f"{what}: router_logits must be a floating-point tensor, got {router_logits.dtype}")
 
 
-def _raise_bad_logits(router_logits: torch.Tensor, w: torch.Tensor) -> None:
+def _raise_bad_logits(router_logits: torch.Tensor, w: torch.Tensor, what: str = "route") -> None:
     rows = torch.isnan(w).any(dim=-1).nonzero().flatten().tolist()
     r = rows[0]
     vals = router_logits[r].float().tolist()
     shown = ", ".join(f"{v:g}" for v in vals[:8]) + (", ..." if len(vals) > 8 else "")
     raise ValueError(
-        f"route: router_logits must be finite (-inf masks an expert, but each row needs a finite logit); "
+        f"{what}: router_logits must be finite (-inf masks an expert, but each row needs a finite logit); "
         f"{len(rows)} of {router_logits.shape[0]} rows are not, the first is row {r} (in float32): [{shown}]"
     )

@@ -929,6 +929,20 @@ def test_route_rejects_non_finite_logits_in_every_row_position(gen):
             autofp4.route(logits, rng.randint(1, e))
 
 
+def test_moe_from_non_finite_logits_is_refused_as_route_does(gen):
+    rng = random.Random(gen.initial_seed())
+    x = torch.randn(6, 64, generator=gen).to(torch.bfloat16)
+    w13 = autofp4.quantize(torch.randn(4, 128, 64, generator=gen), "nvfp4")
+    w2 = autofp4.quantize(torch.randn(4, 64, 64, generator=gen), "nvfp4")
+    for _ in range(5):
+        logits = torch.randn(6, 4, generator=gen)
+        r = rng.randrange(6)
+        logits[r, rng.randrange(4)] = rng.choice([float("nan"), float("inf")])
+        with pytest.raises(ValueError, match=rf"moe: router_logits must be finite .*row {r}\b"):
+            autofp4.moe(x, w13, w2, router_logits=logits, top_k=2)
+    assert torch.isfinite(autofp4.moe(x, w13, w2, router_logits=torch.randn(6, 4, generator=gen), top_k=2)).all()
+
+
 def test_route_under_torch_compile_fullgraph(gen):
     torch._dynamo.reset()
     logits = torch.randn(5, 8, generator=gen)

@@ -420,3 +420,22 @@ def test_the_tuning_worker_does_not_inherit_the_parents_tuner_settings(monkeypat
     env = _child_env()
     assert not [k for k in env if k.startswith("AUTOFP4_AUTOTUNE")]
     assert env["AUTOFP4_DB"] == "/tmp/x.db"
+
+
+@pytest.mark.parametrize("name,kind", [("config.json", "device"), ("hf_quant_config.json", "dir"),
+                                       ("hf_quant_config.json", "fifo"), ("model.safetensors.index.json", "fifo")])
+def test_a_checkpoint_file_that_is_not_a_regular_file_is_named(tmp_path, name, kind):
+    """config.json, hf_quant_config.json and the index read as absent when they were a directory,
+    FIFO or device (a false "has no config.json", or the other config used without a word)."""
+    import os
+
+    path = _checkpoint(tmp_path / "ck")
+    (path / name).unlink(missing_ok=True)
+    if kind == "device":
+        (path / name).symlink_to("/dev/zero")
+    elif kind == "dir":
+        (path / name).mkdir()
+    else:
+        os.mkfifo(path / name)
+    with pytest.raises(ValueError, match=rf"ck/{name} is not a regular file"):
+        autofp4.from_pretrained(path)

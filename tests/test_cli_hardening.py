@@ -73,6 +73,19 @@ def test_explain_refuses_a_shape_no_fp4_weight_has_and_a_device_not_here(tmp_pat
     assert rc == 0 and "N=64 K=64 M=1" in out
 
 
+def test_sqlites_in_memory_name_is_not_a_tuning_db(tmp_path, monkeypatch):
+    """':memory:' would take the rows and lose them at exit ("3 added", exit 0)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AUTOFP4_DB", ":memory:")
+    rc, out, err = run(["db", "import", _export(tmp_path / "e.json")])
+    assert rc == 2 and "AUTOFP4_DB=':memory:': it names SQLite's in-memory database" in err and "added" not in out
+    monkeypatch.delenv("AUTOFP4_DB")
+    rc, _, err = run(["db", "list", "--db", ":memory:"])
+    assert rc == 2 and "--db=':memory:'" in err
+    with pytest.raises(TuningDBError, match="in-memory database"):
+        TuningDB(":memory:")
+
+
 def test_a_db_path_ending_in_a_separator_names_a_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("AUTOFP4_DB", "nodir/")

@@ -58,7 +58,7 @@ from ..patterns import pattern_list
 from ..weights import FP4Weight, _describe
 from .checkpoint_experts import Readers, load_experts
 from .layouts import RENAMES
-from .safetensors_io import INDEX, path_arg, read_header, shard_files
+from .safetensors_io import INDEX, path_arg, present_file, read_header, shard_files
 
 __all__ = ["from_pretrained", "from_compressed_tensors"]
 
@@ -454,7 +454,7 @@ def _warn_kv_cache(q: Mapping, source: str) -> None:
 def _scheme(root: Path, config: Mapping) -> _Scheme:
     qc = config.get("quantization_config")
     hf = root / "hf_quant_config.json"
-    if hf.is_file():
+    if present_file(hf, _WHAT):
         q = _read_config(hf)
         q = q.get("quantization") if isinstance(q, dict) else None
         if not isinstance(q, dict):
@@ -767,7 +767,7 @@ def _checkpoint_dir(path: Union[str, Path]) -> Path:
     root = path_arg(path, "path", _WHAT)
     if not root.is_dir():
         raise FileNotFoundError(f"{_WHAT}: {root} is not a directory (a checkpoint directory with config.json)")
-    if not (root / "config.json").is_file():
+    if not present_file(root / "config.json", _WHAT):
         raise FileNotFoundError(f"{_WHAT}: {root} has no config.json")
     return root
 

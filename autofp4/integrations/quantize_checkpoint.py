@@ -34,7 +34,7 @@ from ..formats import E2M1_MAX, E4M3_MAX, check_fmt, dequantize_blocks, quantize
 from ..patterns import pattern_list
 from ..problem import BLOCK_SIZE
 from . import layouts as L
-from .safetensors_io import SafetensorsReader, ShardedWriter, parse_size, path_arg
+from .safetensors_io import SafetensorsReader, ShardedWriter, parse_size, path_arg, present_file
 from .writer import check_output, check_side_files, copy_side_files, fp4_weight_like, staging_dir, write_configs
 
 __all__ = ["quantize_checkpoint", "QuantizeSummary"]
@@ -518,7 +518,7 @@ def quantize_checkpoint(src: Union[str, Path], out: Union[str, Path], fmt: str, 
         parse_size(max_shard_size)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{_WHAT}: {e}") from None
-    if not src.is_dir() or not (src / "config.json").is_file():
+    if not src.is_dir() or not present_file(src / "config.json", _WHAT):
         raise FileNotFoundError(f"{_WHAT}: {src} is not a checkpoint directory (a directory with config.json)")
     check_output(out, overwrite, _WHAT, "out (--out)", src, side_files=src)  # before the work: again when written
     from ..models import load_checked_config, load_config

@@ -169,6 +169,19 @@ def read_header(path: Path, what: str = "autofp4") -> tuple[dict, int]:
     return header, data_start
 
 
+def present_file(path: Path, what: str) -> bool:
+    """Whether the optional file ``path`` of a checkpoint is there (False: no entry of that name);
+    ``ValueError`` naming it where the entry is a link to nothing, or not a regular file (a
+    directory, FIFO or device, which a reader would misread or block on)."""
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"{what}: {path} is a symbolic link to nothing (its target is missing)")
+    if not path.exists():
+        return False
+    if not path.is_file():
+        raise ValueError(f"{what}: {path} is not a regular file (a directory, FIFO or device)")
+    return True
+
+
 def shard_files(root: Path, what: str) -> tuple[list[Path], Optional[dict[str, str]]]:
     """The safetensors files of a checkpoint directory (the shards its index lists, or every
     ``*.safetensors``) and the index's weight map (None without an index): shard names must be
@@ -176,7 +189,7 @@ def shard_files(root: Path, what: str) -> tuple[list[Path], Optional[dict[str, s
     device a reader would block on)."""
     index = root / INDEX
     weight_map = None
-    if index.is_file():
+    if present_file(index, what):
         try:
             doc = json.loads(index.read_text())
         except (ValueError, OSError, RecursionError) as e:
