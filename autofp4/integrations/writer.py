@@ -30,7 +30,7 @@ from torch import nn
 from ..nn import FP4FusedLinear, FP4Linear
 from ..weights import FP4Weight, _describe
 from . import layouts as L
-from .safetensors_io import ShardedWriter, parse_size
+from .safetensors_io import ShardedWriter, parse_size, present_file
 
 __all__ = ["save_pretrained", "check_output", "staging_dir", "write_configs", "copy_side_files", "check_side_files"]
 
@@ -219,12 +219,8 @@ def read_generation_config(root: Path, what: str) -> Any:
     not a regular file, not a JSON object (read bounded, its nesting checked first), or values
     transformers refuses (``"max_new_tokens": "abc"``)."""
     path = Path(root) / "generation_config.json"
-    if path.is_symlink() and not path.exists():
-        raise ValueError(f"{what}: {path} is a symbolic link to nothing (its target is missing)")
-    if not path.exists():
+    if not present_file(path, what):
         return None
-    if not path.is_file():
-        raise ValueError(f"{what}: {path} is not a regular file")
     from ..models import load_config
 
     try:
