@@ -146,6 +146,9 @@ def expand_path(path: str | os.PathLike, what: str, file: bool = False) -> Path:
     or, for a ``file``, ends in a path separator (it names a folder)."""
     why = unusable_path(path)
     text = os.fsdecode(os.fspath(path))
+    if why is None and re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", text.strip()):
+        why = ("it is a URL, and a tuning DB is a file path (a storage URL such as sqlite:///x.db goes to "
+               "autofp4 tune --storage)")
     if why is None and text.strip() == ":memory:":
         why = ("it names SQLite's in-memory database, whose rows are lost when the process ends; "
                "name a DB file (such as ./tuning.db)")

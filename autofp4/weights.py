@@ -392,6 +392,8 @@ def quantize(w: torch.Tensor, fmt: str) -> FP4Weight:
     to ``fmt`` ("nvfp4" or "mxfp4"). For ``[E, N, K]`` NVFP4 the global scale is per expert, so
     each expert equals quantizing it alone."""
     check_fmt(fmt, "quantize")
+    if isinstance(w, torch.Tensor) and w.layout != torch.strided:
+        raise ValueError(f"quantize: w must be a dense tensor, got layout {w.layout}; convert it first (w.to_dense())")
     if fmt == "nvfp4":
         data, scale, gs = quantize_nvfp4(w)
         return FP4Weight("nvfp4", data, scale, gs, check_values=False)

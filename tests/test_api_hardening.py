@@ -929,6 +929,13 @@ def test_route_rejects_non_finite_logits_in_every_row_position(gen):
             autofp4.route(logits, rng.randint(1, e))
 
 
+def test_quantize_names_a_sparse_tensor(gen):
+    w = torch.randn(64, 64, generator=gen)
+    for sparse in (w.to_sparse(), w.to_sparse_csr()):
+        with pytest.raises(ValueError, match=r"quantize: w must be a dense tensor, got layout torch.sparse"):
+            autofp4.quantize(sparse, "nvfp4")
+
+
 def test_moe_from_non_finite_logits_is_refused_as_route_does(gen):
     rng = random.Random(gen.initial_seed())
     x = torch.randn(6, 64, generator=gen).to(torch.bfloat16)

@@ -84,6 +84,11 @@ def test_sqlites_in_memory_name_is_not_a_tuning_db(tmp_path, monkeypatch):
     assert rc == 2 and "--db=':memory:'" in err
     with pytest.raises(TuningDBError, match="in-memory database"):
         TuningDB(":memory:")
+    # the URL form tune --storage takes: read as a relative path, it made a folder 'sqlite:'
+    monkeypatch.setenv("AUTOFP4_DB", "sqlite:///x.db")
+    rc, out, err = run(["db", "import", _export(tmp_path / "e.json")])
+    assert rc == 2 and "AUTOFP4_DB='sqlite:///x.db': it is a URL, and a tuning DB is a file path" in err
+    assert not (tmp_path / "sqlite:").exists()
 
 
 def test_a_db_path_ending_in_a_separator_names_a_folder(tmp_path, monkeypatch):

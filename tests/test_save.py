@@ -544,3 +544,37 @@ def test_sigterm_while_writing_leaves_nothing(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 130, proc.stderr.read()[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def _round_trip_logits(model, tmp_path, name, wrap=lambda m: m):
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        out = autofp4.save_pretrained(wrap(model), tmp_path / name)
+        back = autofp4.from_pretrained(out)
+        got = back(ids).logits.float()
+    return back, float((got - ref).norm() / ref.norm())
+
+
+def test_a_torch_compiled_model_is_saved_as_the_model(tmp_path):
+    """save_pretrained(torch.compile(model)) wrote every name with compile's '_orig_mod.' prefix,
+    a checkpoint nothing could load; it is the model's checkpoint."""
+    model = _model("llama")
+    autofp4.quantize_model(model, "nvfp4")
+    _, rel = _round_trip_logits(model, tmp_path, "compiled", torch.compile)
+    assert rel < 1e-2, rel
+    with safe_open(str(tmp_path / "compiled" / "model.safetensors"), "pt") as f:
+        assert not [k for k in f.keys() if "_orig_mod" in k]
+
+
+def test_tied_embeddings_with_an_fp4_lm_head_load_back(tmp_path):
+    """A tied model quantized with skip=() has an FP4 lm_head apart from its embeddings: the
+    checkpoint says it is untied (the loader tied them again and failed inside)."""
+    torch.manual_seed(0)
+    config = _config("llama")
+    config.tie_word_embeddings = True
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=BF16)
+    autofp4.quantize_model(model, "nvfp4", skip=())
+    back, rel = _round_trip_logits(model, tmp_path, "tied")
+    assert rel < 1e-2, rel
+    assert isinstance(back.lm_head, autofp4.nn.FP4Linear) and back.config.tie_word_embeddings is False

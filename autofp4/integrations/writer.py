@@ -362,6 +362,9 @@ def save_pretrained(model: nn.Module, path: Union[str, Path], layout: Optional[s
     if it is a local one) are copied; a ``generation_config.json`` there replaces the model's
     ``generation_config`` when ``copy_files_from`` is given (else the model's is written). See :func:`staging_dir` for ``overwrite`` and what an error
     leaves behind. Returns the directory."""
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        model = inner  # torch.compile's wrapper: its state_dict names carry an '_orig_mod.' prefix
     config = getattr(model, "config", None)
     if not isinstance(model, nn.Module) or config is None or not hasattr(config, "to_json_string"):
         raise TypeError(f"{_WHAT}: model must be a transformers model (with a .config), got {_describe(model)}")
@@ -414,6 +417,9 @@ def save_pretrained(model: nn.Module, path: Union[str, Path], layout: Optional[s
     excluded = _excluded_modules(model, model_type, [n for n, m in fp4.items() if isinstance(m, experts_cls)])
     cfg = config_dict(config)
     cfg["architectures"] = [type(model).__name__]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if tied and isinstance(head, FP4Linear):
+        cfg["tie_word_embeddings"] = False  # an FP4 lm_head no longer shares the embeddings' weight
     if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
         raise TypeError(f"{_WHAT}: tokenizer must have a save_pretrained method (a transformers tokenizer), "
                         f"got {_describe(tokenizer)}")
