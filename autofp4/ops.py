@@ -370,9 +370,7 @@ def _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, check_ids=True, ex
         topk_weights, topk_ids, prebuilt, per_pair, backend, runner = _route_for(
             x, w13, router_logits, spec, correction_bias, expert_map)
         check_ids = False  # valid by construction
-        # as route() does (eager calls only: a graph or torch.compile reads no values)
-        if topk_weights.numel() and _values_readable(topk_weights) and bool(torch.isnan(topk_weights).any()):
-            _raise_bad_logits(router_logits, topk_weights, "moe")
+        _refuse_bad_logits(router_logits, topk_weights, "moe")
     _check_moe(x, w13, w2, topk_weights, topk_ids, activation, check_ids, expert_map, w13_bias, w2_bias)
     if x.shape[0] == 0:
         return torch.empty_like(x)
@@ -626,9 +624,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True, *, 
                                      routed_scaling_factor)
     router.check_bias(correction_bias, router_logits.shape[1], router_logits.device)
     w, ids, _ = router.route(router_logits, spec, correction_bias)
-    # a row is NaN in w exactly when it has a NaN (softmax: or +inf) logit or, for softmax, no finite one
-    if w.numel() and not torch.compiler.is_compiling() and _values_readable(w) and bool(torch.isnan(w).any()):
-        _raise_bad_logits(router_logits, w)
+    _refuse_bad_logits(router_logits, w, "route")
     return w, ids
 
 
@@ -660,7 +656,12 @@ def _check_logits(router_logits, what: str) -> None:
         raise ValueError(f"{what}: router_logits must be a floating-point tensor, got {router_logits.dtype}")
 
 
-def _raise_bad_logits(router_logits: torch.Tensor, w: torch.Tensor, what: str = "route") -> None:
+def _refuse_bad_logits(router_logits: torch.Tensor, w: torch.Tensor, what: str) -> None:
+    """ValueError naming the rows of ``router_logits`` that route to NaN weights ``w``: a row is NaN
+    in ``w`` exactly when it has a NaN (softmax: or +inf) logit or, for softmax, no finite one.
+    Eager calls only (a CUDA graph capture, torch.compile or meta tensors read no values)."""
+    if not (w.numel() and _values_readable(w) and bool(torch.isnan(w).any())):
+        return
     rows = torch.isnan(w).any(dim=-1).nonzero().flatten().tolist()
     r = rows[0]
     vals = router_logits[r].float().tolist()

@@ -111,15 +111,12 @@ def device(value: Any, name: str = "device") -> Any:
     times on: a CUDA GPU or the CPU."""
     if value is None:
         return value
-    if not isinstance(value, torch.device):
-        if isinstance(value, bool) or not isinstance(value, (str, int)):
-            raise TypeError(f"{name} must be a torch.device, a str such as 'cuda:0' or None, got {_shown(value)}")
-        try:
-            dev = torch.device(value)
-        except (RuntimeError, ValueError) as e:
-            raise ValueError(f"{name} {value!r} is not a device: {str(e).splitlines()[0][:200]}") from None
-    else:
-        dev = value
+    if isinstance(value, bool) or not isinstance(value, (torch.device, str, int)):
+        raise TypeError(f"{name} must be a torch.device, a str such as 'cuda:0' or None, got {_shown(value)}")
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"{name} {value!r} is not a device: {str(e).splitlines()[0][:200]}") from None
     if dev.type not in ("cuda", "cpu"):
         raise ValueError(f"{name} {str(dev)!r}: the tuner times kernels on a CUDA GPU or the CPU, not on {dev.type!r}")
     return value
