@@ -1,11 +1,12 @@
 """Nsight Compute profiles of the FP4 kernels: speed of light, occupancy, launch statistics,
 memory workload and warp stall reasons of one call.
 
-A case is a kernel and an M, ``decode-m16`` or ``gemm-m128``, on a benchmark shape
+A case is a kernel and an M, ``decode-m16``, ``gemm-m128`` or ``w4a8-m8192`` (FP8 activations: the
+activation quantizer and the W4A8 GEMM, both profiled), on a benchmark shape
 (``scripts/_common.py``) with a fresh random weight, the kernel's default config for that M
 (``--config`` JSON fields over it, e.g. ``'{"smem_stages": 2, "warps": 8}'``) and dependent
 launch off. The output is checked against a bf16 matmul of the dequantized weight first
-(relative error < 2e-2, else nothing is profiled); after three warm-up calls, one call runs inside
+(relative error < 2e-2, 6e-2 with FP8 activations; else nothing is profiled); after three warm-up calls, one call runs inside
 an NVTX range named ``profile``, which is the one Nsight Compute profiles.
 
 ``--ncu`` runs Nsight Compute (``ncu`` on the PATH, or ``--ncu-bin``) on every case of ``--cases``
@@ -40,9 +41,9 @@ KEY_LINES = re.compile(r"^\s+(Memory Throughput|DRAM Throughput|Duration|Achieve
 
 def parse_case(case: str) -> tuple[str, int]:
     """``"gemm-m128"`` -> ``("gemm", 128)``."""
-    m = re.fullmatch(r"(decode|gemm)-m(\d+)", case)
+    m = re.fullmatch(r"(decode|gemm|w4a8)-m(\d+)", case)
     if not m:
-        raise SystemExit(f"a case is decode-m<M> or gemm-m<M>, got {case!r}")
+        raise SystemExit(f"a case is decode-m<M>, gemm-m<M> or w4a8-m<M>, got {case!r}")
     return m.group(1), int(m.group(2))
 
 
@@ -50,22 +51,25 @@ def run_case(case: str, shape: str, fmt: str, config: str) -> int:
     """Check one case, then run it once inside the NVTX range ``profile``."""
     from autofp4 import quantize
     from autofp4.kernels import sm90_w4a16_gemm as G
+    from autofp4.kernels import sm90_w4a8_gemm as G8
     from autofp4.kernels import w4a16_decode as D
     from autofp4.backends import sm90_heuristics as H
+    from autofp4.w4a8 import default_config
 
     kernel, m = parse_case(case)
-    mod = {"decode": D, "gemm": G}[kernel]
+    mod = {"decode": D, "gemm": G, "w4a8": G8}[kernel]
+    defaults = {"decode": H.decode_default, "gemm": H.gemm_default, "w4a8": default_config}
     n, k = SHAPES[shape]
     w = quantize(torch.randn(n, k, device="cuda") * 0.05, fmt)
-    cfg = without_pdl((H.decode_default if mod.__name__.endswith("decode") else H.gemm_default)(n, k, fmt, "bfloat16", m))
+    cfg = without_pdl(defaults[kernel](n, k, fmt, "bfloat16", m))
     if config:
         cfg = dataclasses.replace(cfg, **json.loads(config))
     run = mod.compile_kernel(cfg, n, k, fmt, "bfloat16")
-    packed = mod.pack_weight(w)
+    packed = (G if kernel == "w4a8" else mod).pack_weight(w)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     err = rel_err(run(x, packed, None), F.linear(x.float(), w.dequantize(torch.float32)))
     print(f"{case} {shape} {fmt} M={m} N={n} K={k} {cfg} rel_err={err:.1e}", flush=True)
-    if not err < 2e-2:
+    if not err < (6e-2 if kernel == "w4a8" else 2e-2):  # W4A8: x rounded to E4M3 (about 3e-2)
         print(f"wrong result (relative error {err:.1e}); not profiling", file=sys.stderr)
         return 1
     for _ in range(3):
@@ -121,7 +125,7 @@ def profile(args, case: str, shape: str, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="decode-m1,decode-m16,gemm-m128",
-                    help="comma-separated decode-m<M> / gemm-m<M> (without --ncu: exactly one)")
+                    help="comma-separated decode-m<M> / gemm-m<M> / w4a8-m<M> (without --ncu: exactly one)")
     ap.add_argument("--shapes", default="8B qkv,70B gate_up",
                     help="comma-separated names of: " + ", ".join(SHAPES) + " (without --ncu: exactly one)")
     ap.add_argument("--fmt", default="nvfp4")

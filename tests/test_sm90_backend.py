@@ -2,6 +2,7 @@
 
 Compiles for sm_90a without a GPU (CUTE_DSL_ARCH), as CI does for every change.
 """
+import json
 import os
 import random
 
@@ -308,3 +309,21 @@ def test_heuristics_are_outside_the_source_hash():
     assert b.default(key, 512) == sm90_heuristics.with_pdl(sm90_heuristics.gemm_default(4096, 4096, "nvfp4", "bfloat16", 512))
     assert b.default(key, 1) == sm90_heuristics.with_pdl(sm90_heuristics.decode_default(4096, 4096, "nvfp4", "bfloat16", 1))
     assert b.default(key, 1).kernel == "decode" and b.default(key, 512).kernel == "gemm"
+
+
+def test_the_search_space_of_a_job_is_its_candidates_field_by_field(backend):
+    """TPE's field space: one row per candidate, each field's value as JSON text ("-" where the
+    candidate's kernel lacks the field), built the same on a second job (remembered texts)."""
+    from autofp4.tuning.candidates import _candidates
+    from autofp4.tuning.search import _FieldSpace
+
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 6144, 4096)
+    for m in (64, 128):
+        cands = _candidates(key, m, [backend])
+        space = _FieldSpace(cands)
+        assert space.names[0] == "backend" and len(space.rows) == len(cands) > 1000
+        for i in random.Random(m).sample(range(len(cands)), 300):
+            d = backend.config_dict(cands[i].config)
+            assert space.rows[i] == ('"sm90_w4a16"', *(json.dumps(d[n]) if n in d else "-" for n in space.names[1:]))
+            assert space.index[space.rows[i]] <= i
+        assert {"kernel", "tile_n", "stages"} <= set(space.names)

@@ -73,19 +73,21 @@ def _exact(x, w, bias):
 def _fast_accum_error(x, w):
     """Relative error (Frobenius) of cuBLAS's FP8 GEMM with fast accumulation (no promotion of
     the MMA's partial sums: what vLLM's FP8 GEMMs run on Hopper) on the kernel's own E4M3 operands,
-    against float64; ``None`` where ``torch._scaled_mm`` cannot take the shape."""
+    against float64. ``torch._scaled_mm`` takes only multiples of 16: the operands are padded with
+    zeros (which add nothing to any sum)."""
     n, k = w.shape
-    if k % 16 or n % 16:
-        return None
+    m = x.shape[0]
+    pm, pn, pk = (-m) % 16, (-n) % 16, (-k) % 16
     xq, sx = aq.reference_quantize(x, permute=False)
     q, f = g8.reference_weight(w)
-    a = xq[:, :k].contiguous().view(torch.float8_e4m3fn)
-    b = q.to(torch.float8_e4m3fn).T  # exact: q holds E4M3 values
-    sa = sx.float().reshape(-1, 1)
-    sb = torch.full((1, n), float(f), device=x.device, dtype=torch.float32)
-    got = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True)
+    a = torch.nn.functional.pad(xq[:, :k].view(torch.float8_e4m3fn).float(), (0, pk, 0, pm))
+    b = torch.nn.functional.pad(q.float(), (0, pk, 0, pn))
+    sa = torch.nn.functional.pad(sx.float().reshape(-1, 1), (0, 0, 0, pm), value=1.0)
+    sb = torch.full((1, n + pn), float(f), device=x.device, dtype=torch.float32)
+    got = torch._scaled_mm(a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).T,  # exact: E4M3 values
+                           scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True)
     ref, _ = _exact(x, w, None)
-    return float((got.double() - ref).norm() / ref.norm())
+    return float((got[:m, :n].double() - ref).norm() / ref.norm())
 
 
 def _check(out, ref, mag, dtype, fast=None):
@@ -146,7 +148,7 @@ def test_w4a8_gemm_rounds_a_wide_mxfp4_weight_as_the_reference_and_refuses_other
     run = g8.compile_kernel(g8.Sm90W4A8Config(tile_m=64), 64, 256, "mxfp4", "bfloat16")
     x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
     ref, mag = _exact(x, w, None)
-    _check(run(x, packed), ref, mag, torch.bfloat16)
+    _check(run(x, packed), ref, mag, torch.bfloat16, _fast_accum_error(x, w))
     other = g16.pack_weight(quantize(torch.randn(128, 256, device="cuda", dtype=torch.bfloat16), "mxfp4"))
     with pytest.raises(ValueError, match="compiled for n=64"):
         run(x, other)
@@ -172,7 +174,7 @@ def test_linear_act_fp8_runs_the_kernel_and_replays_in_a_graph():
     with pytest.warns(UserWarning, match="14 binades"):
         got = autofp4.linear(xs, wide, act_dtype="fp8")
     ref, mag = _exact(xs, wide, None)
-    _check(got, ref, mag, torch.bfloat16)
+    _check(got, ref, mag, torch.bfloat16, _fast_accum_error(xs, wide))
     # CUDA graph: replays with new inputs
     xg = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
     autofp4.linear(xg, w, act_dtype="fp8")
@@ -193,6 +195,20 @@ MOE_CASES = [  # (fmt, E, I, H, T, top_k, activation, config)
 ]
 
 
+def _moe_close(out, ref):
+    """The W4A8 layer against its reference on the same E4M3 operands. The kernels' up product
+    accumulates with fewer bits than fp32 and their activation is approximate, so h's bf16 and
+    E4M3 roundings flip on a few elements against the float64 reference (each a whole E4M3 step
+    of that element): about 1% of the layer's norm. A wrong token, expert or scale block is a
+    whole row or block off, so every token's row is checked as well."""
+    d = (out.double() - ref.double())
+    rel = float(d.norm() / ref.double().norm())
+    rows = d.norm(dim=1) / ref.double().norm(dim=1).clamp_min(1e-30)
+    worst = int(rows.argmax())
+    assert rel < 2e-2 and float(rows.max()) < 0.1, (
+        f"relative error {rel:.3g}; worst token {worst}: {float(rows[worst]):.3g}")
+
+
 @needs_sm90
 @pytest.mark.parametrize("fmt,e,inter,h,t,top_k,act,cfg", MOE_CASES)
 def test_w4a8_moe_against_reference(fmt, e, inter, h, t, top_k, act, cfg):
@@ -211,10 +227,7 @@ def test_w4a8_moe_against_reference(fmt, e, inter, h, t, top_k, act, cfg):
     run = g8.compile_moe(cfg, 2 * inter, h, fmt, "bfloat16")
     out = run(x, mg.pack_experts(w13, True), mg.pack_experts(w2, False), tw, ids, act, None, bias13, bias2)
     ref = reference_moe(x, w13, w2, tw, ids, act, None, bias13, bias2)
-    rel = float((out.double() - ref.double()).norm() / ref.double().norm())
-    # same E4M3 operands: differences from fp32 accumulation order, the kernels' approximate
-    # activation and an occasional E4M3 rounding of h flipped by them
-    assert rel < 5e-3, rel
+    _moe_close(out, ref)
     plain = __import__("autofp4").moe(x, w13, w2, tw, ids, act, w13_bias=bias13, w2_bias=bias2)
     assert 1e-3 < float((out.double() - plain.double()).norm() / plain.double().norm()) < 0.08
 
@@ -235,7 +248,7 @@ def test_moe_act_fp8_api_expert_map_and_graph():
     out = autofp4.moe(x, w13, w2, router_logits=logits, top_k=2, expert_map=emap, act_dtype="fp8")
     tw, ids = autofp4.route(logits, 2)
     ref = reference_moe(x, w13, w2, tw, ids, "silu", emap)
-    assert float((out.double() - ref.double()).norm() / ref.double().norm()) < 5e-3
+    _moe_close(out, ref)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         og = autofp4.moe(x, w13, w2, router_logits=logits, top_k=2, expert_map=emap, act_dtype="fp8")
@@ -245,7 +258,7 @@ def test_moe_act_fp8_api_expert_map_and_graph():
     torch.cuda.synchronize()
     tw, ids = autofp4.route(logits, 2)
     ref = reference_moe(x, w13, w2, tw, ids, "silu", emap)
-    assert float((og.double() - ref.double()).norm() / ref.double().norm()) < 5e-3
+    _moe_close(og, ref)
 
 
 @needs_sm90

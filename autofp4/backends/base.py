@@ -141,7 +141,10 @@ class Backend(ABC):
         tag = getattr(type(config), "kernel", None) if None not in self.config_types else None
         if self.config_types.get(tag) is not type(config):
             raise ValueError(f"{self.name} configs are {self._type_names()}, got {type(config).__name__}")
-        return {**({} if tag is None else {"kernel": tag}), **dataclasses.asdict(config)}
+        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        if not all(isinstance(v, (bool, int, float, str, type(None))) for v in fields.values()):
+            fields = dataclasses.asdict(config)  # nested values: asdict's deep copy
+        return {**({} if tag is None else {"kernel": tag}), **fields}
 
     def _type_names(self) -> str:
         return " or ".join(t.__name__ for t in self.config_types.values())

@@ -15,10 +15,11 @@ from ..schema import TuningRecord, config_json
 from .jobs import _Ctx
 
 
-@functools.lru_cache(maxsize=1 << 15)
+@functools.lru_cache(maxsize=1 << 18)
 def _cfg_json(backend: Backend, cfg: BackendConfig) -> str:
     """The canonical JSON of ``backend``'s (frozen, hashable) config as stored, remembered: every
-    M bucket of a shape lists the same 10-18 thousand Hopper configs."""
+    M bucket of a shape lists the same 30-40 thousand Hopper configs, and a just-in-time worker
+    meets a model's shapes in turn (a cache smaller than their union misses on every one)."""
     return config_json(backend.config_dict(cfg))
 
 

@@ -3,6 +3,7 @@ job's study (a grid of enqueued trials, or TPE over a field space), and its fini
 started trials."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -19,6 +20,13 @@ def _study_name(ctx: _Ctx, job: Job, cands: Sequence[_Cand]) -> str:
     return f"autofp4-{ctx.env_key}-{k.op}-{k.fmt}-{k.dtype}-n{k.n}-k{k.k}-e{k.experts}-t{k.topk}-m{job.m}-{h}"
 
 
+@functools.lru_cache(maxsize=1 << 18)
+def _field_texts(config_json: str) -> dict[str, str]:
+    """A stored config's fields, each value as JSON text (remembered: a job's 30-40 thousand
+    candidates are mostly the previous job's)."""
+    return {n: json.dumps(v, sort_keys=True) for n, v in json.loads(config_json).items()}
+
+
 class _FieldSpace:
     """The candidates as one categorical parameter per config field, for TPE.
 
@@ -29,11 +37,11 @@ class _FieldSpace:
     """
 
     def __init__(self, cands: Sequence[_Cand]) -> None:
-        dicts = [{"backend": c.backend.name, **json.loads(c.config_json)} for c in cands]
-        names = sorted({n for d in dicts for n in d} - {"backend"})
+        fields = [_field_texts(c.config_json) for c in cands]
+        names = sorted({n for f in {tuple(f) for f in fields} for n in f} - {"backend"})
         self.names = ["backend", *names]
         self.rows = [
-            tuple(json.dumps(d[n], sort_keys=True) if n in d else "-" for n in self.names) for d in dicts
+            (json.dumps(c.backend.name), *(f.get(n, "-") for n in names)) for c, f in zip(cands, fields)
         ]
         self.choices = {n: sorted({r[i] for r in self.rows}) for i, n in enumerate(self.names)}
         self.index: dict[tuple, int] = {}
