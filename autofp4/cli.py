@@ -7,6 +7,7 @@ interrupted (everything measured so far is kept).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
@@ -305,6 +306,32 @@ def _backends_run_on(names: list[str] | None, device: torch.device) -> None:
             raise _UsageError(f"--backend {n} cannot run on {where}: {why}")
 
 
+def _refuse_storage_on_db(url: str, db_path: Path) -> None:
+    """``--storage sqlite:///FILE`` where FILE is the tuning DB (or another autofp4 tuning DB):
+    optuna would add its tables to it, and both schemas have a ``trials`` table."""
+    if not url.startswith("sqlite:///"):
+        return
+    path = Path(url[len("sqlite:///"):].split("?", 1)[0]).expanduser()
+    if not str(path) or str(path) == ":memory:":
+        return
+    try:
+        same = path.resolve() == Path(db_path).resolve() or (path.exists() and Path(db_path).exists()
+                                                             and path.samefile(db_path))
+    except OSError:
+        same = False
+    if same:
+        raise _UsageError(f"--storage {url} is the tuning DB ({db_path}); optuna's study storage must be another file")
+    try:
+        if path.is_file() and path.stat().st_size:
+            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+                tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if {"results", "environments", "meta"} <= tables:
+                raise _UsageError(f"--storage {url} is an autofp4 tuning DB; optuna's study storage must be "
+                                  "another file")
+    except sqlite3.DatabaseError:
+        return  # not SQLite: optuna names it
+
+
 def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from . import dispatch
 
@@ -325,6 +352,8 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             raise _UsageError(str(e)) from None
     _set_db(args)
     db_path = dispatch.user_db_path()
+    if args.storage:
+        _refuse_storage_on_db(args.storage, db_path)
     on_cpu, cpu_note = _tune_device(args)
     common: dict[str, Any] = dict(
         backends=backends, db=db_path, budget_per_shape=args.budget, budget_total_s=args.time_budget,
@@ -854,9 +883,41 @@ def _cmd_quantize(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 # --------------------------------------------------------------------------------------------
 # entry point
 # --------------------------------------------------------------------------------------------
+class _OutputError(Exception):
+    """Writing the command's standard output failed (a full disk, a closed descriptor)."""
+
+
+class _Output:
+    """A command's standard output whose write errors are :class:`_OutputError` (told apart
+    from the errors of the files a command reads and writes)."""
+
+    def __init__(self, f: TextIO) -> None:
+        self._f = f
+
+    def write(self, text: str) -> int:
+        try:
+            return self._f.write(text)
+        except OSError as e:
+            raise _OutputError(e) from None
+
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as e:
+            raise _OutputError(e) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Run the ``autofp4`` command line; returns the exit code."""
-    out = out or sys.stdout
+    if out is None and sys.stdout is None:  # started with standard output closed (>&-)
+        if sys.stderr is not None:
+            print("error: standard output is closed; nothing done (discard it with >/dev/null instead)",
+                  file=sys.stderr)
+        return 2
+    out = _Output(out or sys.stdout)
     err = err or sys.stderr
     parser = build_parser()
     try:
@@ -884,6 +945,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     except KeyboardInterrupt:
         print("interrupted", file=err)
         return 130
+    except _OutputError as e:
+        if isinstance(e.args[0], BrokenPipeError):  # a reader that stopped early (| head)
+            return 141
+        print(f"error: cannot write to standard output: {e.args[0]}", file=err)
+        return 1
     except Exception as e:
         from .db import TuningDBError
 

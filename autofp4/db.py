@@ -989,6 +989,9 @@ class TuningDB:
         if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
             wait = READ_BUSY_TIMEOUT_S if self.readonly else BUSY_TIMEOUT_S
             return f"{self.path} is locked by another connection (waited {wait:g} s): {e}"
+        if code in (sqlite3.SQLITE_IOERR, sqlite3.SQLITE_FULL) and not self.readonly:
+            return (f"cannot write the tuning database {self.path}: {e} (a full disk, or a file size limit: "
+                    "ulimit -f?)")
         return f"{self.path} is not a readable tuning database: {e}"
 
     def _setup(self, readonly: bool) -> None:
@@ -1140,6 +1143,8 @@ class TuningDB:
         A file that cannot be written now (read-only, locked past the timeout) is read without
         them."""
         have = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        if "results_unique_key" not in have and "results" in self._db.table_names():
+            self._restore_unique_index()
         if set(EXTRA_INDEXES) <= have:
             return
         try:
@@ -1148,6 +1153,21 @@ class TuningDB:
                     self._conn.execute(f"CREATE INDEX IF NOT EXISTS [{name}] ON [{table}] ({', '.join(cols)})")
         except sqlite3.OperationalError:
             pass
+
+    def _restore_unique_index(self) -> None:
+        """The unique index of the results' keys, dropped by another tool: without it a replaced
+        row would be stored beside the old one. Created again; a file whose rows already repeat a
+        key is refused, naming it."""
+        cols = ", ".join(_UNIQUE)
+        try:
+            with self._write():
+                self._conn.execute(f"CREATE UNIQUE INDEX IF NOT EXISTS results_unique_key ON results ({cols})")
+        except sqlite3.IntegrityError:
+            raise TuningDBError(f"{self.path} lacks its unique index of result keys (results_unique_key), and some "
+                                "of its rows share a key; autofp4 keeps one row per key: remove the duplicates or "
+                                "use another file") from None
+        except sqlite3.OperationalError:
+            pass  # not writable now: read as it is
 
     # -- environments -----------------------------------------------------------------
     def add_environment(self, env: Environment) -> None:

@@ -39,14 +39,16 @@ a function the process-wide dispatchers call on every miss (just-in-time tuning,
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
 import threading
+import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -464,15 +466,43 @@ class Dispatcher:
         if not pending:
             return None
         target = Path(path) if path is not None else self.misses_file
-        merged: dict[tuple, int] = {}
-        for key, m, c, g in _read_misses(target, strict=False):
-            merged[(key, m)] = merged.get((key, m), 0) + c
-            if g:
-                eg.setdefault((key, m), g)
-        for mk, c in pending.items():
-            merged[mk] = merged.get(mk, 0) + c
-        _write_misses(target, merged, eg)
+        with _file_lock(target.with_name(target.name + ".lock")):  # processes exiting at once add up
+            merged: dict[tuple, int] = {}
+            for key, m, c, g in _read_misses(target, strict=False):
+                merged[(key, m)] = merged.get((key, m), 0) + c
+                if g:
+                    eg.setdefault((key, m), g)
+            for mk, c in pending.items():
+                merged[mk] = merged.get(mk, 0) + c
+            _write_misses(target, merged, eg)
         return target
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, timeout_s: float = 10.0) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created), for a read-modify-write of a file beside it
+    by several processes; without one (no fcntl, a folder that cannot be written, still held by
+    another process after ``timeout_s``) the block runs unlocked."""
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)
 
 
 # -- misses file ----------------------------------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Mapping, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, Strict, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, StringConstraints
 
 _NVIDIA_SMI_TIMEOUT_S = 5.0
 
@@ -47,7 +47,15 @@ def env_choice(name: str, choices: Mapping[str, _T], default: _T, default_text: 
                       RuntimeWarning, stacklevel=3)
     return default
 
-_Text = Annotated[str, Strict(), StringConstraints(max_length=256)]
+def _printable(text: str) -> str:
+    """A text field that reaches terminals (``db show``): control characters refused."""
+    bad = sorted({c for c in text if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0})
+    if bad:
+        raise ValueError(f"holds control characters ({', '.join(repr(c) for c in bad)})")
+    return text
+
+
+_Text = Annotated[str, Strict(), StringConstraints(max_length=256), AfterValidator(_printable)]
 
 
 class Environment(BaseModel):

@@ -286,6 +286,10 @@ def cache_dir_problem(d: Path) -> str | None:
     """Why ``d`` cannot be (or become) the kernel cache folder: a dangling symlink, a file, or a
     path under a file (None: it is a folder, or one can be made there)."""
     where = f"the kernel cache {d} ($AUTOFP4_KERNEL_CACHE)"
+    try:
+        d.is_symlink(), d.exists()
+    except OSError as e:  # a name too long, a loop of links
+        return f"{where} cannot be used: {e.strerror or e}"
     if d.is_symlink() and not d.exists():
         try:
             target = os.readlink(d)

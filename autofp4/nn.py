@@ -4,7 +4,7 @@ from __future__ import annotations
 import fnmatch
 import operator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -72,7 +72,29 @@ class FP4Buffers(nn.Module):
         super().__setstate__(state)
 
 
-class FP4Linear(FP4Buffers):
+class _PackedWeight:
+    """Mixin of the FP4 linear layers: they have no dense ``.weight``, and code that reads one
+    (T5's feed-forward ``wo``, torch's ``MultiheadAttention.out_proj``) is told why; TorchScript
+    is refused by name."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]
+        except AttributeError:
+            if name != "weight":
+                raise
+        raise AttributeError(
+            f"'{type(self).__name__}' object has no attribute 'weight': an FP4 layer keeps its weight packed "
+            f"({self.__dict__.get('fmt', 'FP4')}; fp4_weight() returns it, fp4_weight().dequantize() a dense copy). "
+            "Code that reads a layer's .weight needs that layer in high precision: pass its name in "
+            "quantize_model(..., skip=[...])")
+
+    def __prepare_scriptable__(self):
+        raise RuntimeError(f"{type(self).__name__} cannot be compiled with torch.jit.script (TorchScript): its FP4 "
+                           "kernels are torch custom ops for torch.compile and torch.export; use torch.compile")
+
+
+class FP4Linear(_PackedWeight, FP4Buffers):
     """A linear layer whose weight is stored in NVFP4 or MXFP4.
 
     The packed values, block scales and global scale are buffers, so ``state_dict``,
@@ -215,7 +237,7 @@ class FP4FusedLinear(FP4Linear):
         return f"{super().extra_repr()}, parts={[n.rpartition('.')[2] for n in self.part_names]}"
 
 
-class FP4LinearPart(nn.Module):
+class FP4LinearPart(_PackedWeight, nn.Module):
     """A layer whose weight is rows of an :class:`FP4FusedLinear` (which its parent module
     holds; this module refers to it without owning it, so its buffers appear once)."""
 
@@ -375,6 +397,9 @@ _MODULE_CONVERTERS: list[Callable[[nn.Module, str, list[str], "ConversionReport"
 
 def register_module_converter(hook: Callable[[nn.Module, str, list[str], "ConversionReport"], Mapping[str, str]]) -> None:
     """Add a conversion hook to :func:`quantize_model` (see ``_MODULE_CONVERTERS``); idempotent."""
+    if not callable(hook):
+        raise TypeError(f"register_module_converter: hook must be callable as hook(model, fmt, patterns, report), "
+                        f"got {_describe(hook)}")
     if hook not in _MODULE_CONVERTERS:
         _MODULE_CONVERTERS.append(hook)
 
@@ -478,13 +503,28 @@ def quantize_model(
     report = ConversionReport(fmt)
     for name, _, kind, shape, nbytes in already:  # the same format: left as they are
         report.add(TensorRecord(name, kind, shape, False, nbytes, nbytes, f"already quantized ({fmt})"))
+    if isinstance(model, nn.Linear):
+        raise TypeError("quantize_model converts the layers inside a model, in place, and the model itself is "
+                        f"{type(model).__name__} (an nn.Linear): use autofp4.FP4Linear.from_linear(layer, {fmt!r})")
     keep: dict[str, str] = {}
     for hook in list(_MODULE_CONVERTERS):
-        keep.update(hook(model, fmt, patterns, report))
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, FP4Linear)]
+        kept = hook(model, fmt, patterns, report)
+        if not isinstance(kept, Mapping):
+            raise TypeError(f"quantize_model: the module converter {getattr(hook, '__qualname__', hook)!r} "
+                            f"returned {_describe(kept)}; a converter returns a mapping {{layer name: why it is "
+                            "kept} (empty if none)")
+        keep.update(kept)
+    keep.update(_kept_by_the_model(model))
+    targets, aliases = _linear_layers(model)
     reasons = {name: _skip_reason(name, lin, fmt, patterns, keep) for name, lin in targets}
+    for alias, name in aliases.items():  # one layer under several names: the first name decides
+        if reasons[name] is None and matches_skip(alias, patterns):
+            reasons[name] = f"matches a skip pattern under its other name {alias}"
+    for name, why in _other_layers(model).items():
+        report.add(TensorRecord(name, "linear", (), False, 0, 0, why))
     convertible = {name: lin for name, lin in targets if reasons[name] is None}
-    groups = _sibling_groups(model, convertible, _stackable) if fuse else {}
+    shared = set(aliases.values())  # a layer under several names is converted alone
+    groups = _sibling_groups(model, {n: m for n, m in convertible.items() if n not in shared}, _stackable) if fuse else {}
     in_group = {n for names in groups.values() for n in names}
     for name, lin in targets:
         why = reasons[name]
@@ -499,10 +539,13 @@ def quantize_model(
         if name in in_group:
             continue  # converted with its group below
         new = FP4Linear.from_linear(lin, fmt, cd)
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, new)
-        report.add(TensorRecord(name, "linear", shape, True, before, _weight_bytes(new.fp4_weight())))
+        _carry_hooks(lin, new)
+        for n in [name, *(a for a, first in aliases.items() if first == name)]:
+            parent_name, _, child = n.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, new)
+            report.add(TensorRecord(n, "linear", shape, True, before, _weight_bytes(new.fp4_weight()))
+                       if n == name else TensorRecord(n, "linear", shape, True, 0, 0))
     for fused_name, names in groups.items():
         lins = [convertible[n] for n in names]
         w = torch.cat([lin.weight.detach() for lin in lins], 0)
@@ -512,6 +555,7 @@ def quantize_model(
         del w
         _install_fused(model, fused_name, fused)
         for n, lin in zip(names, lins):
+            _carry_hooks(lin, model.get_submodule(n))
             rows = lin.out_features * lin.in_features
             after = _weight_bytes(fused.fp4_weight()) * rows // (fused.out_features * fused.in_features)
             report.add(TensorRecord(n, "linear", tuple(lin.weight.shape), True,
@@ -565,12 +609,78 @@ def _fp4_layers(model: nn.Module) -> list[tuple[str, str, str, tuple[int, ...], 
     return out
 
 
+def _linear_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Linear]], dict[str, str]]:
+    """The ``nn.Linear`` layers :func:`quantize_model` considers, each under its first name, and
+    ``{other name: first name}`` of a layer registered under several names (one shared module)."""
+    first: dict[int, str] = {}
+    targets, aliases = [], {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        if not isinstance(m, nn.Linear) or isinstance(m, FP4Linear):
+            continue
+        if id(m) in first:
+            aliases[n] = first[id(m)]
+        else:
+            first[id(m)] = n
+            targets.append((n, m))
+    return targets, aliases
+
+
+def _kept_by_the_model(model: nn.Module) -> dict[str, str]:
+    """Linear layers whose owner reads their weight, by name: those a transformers model keeps in
+    float32 (``_keep_in_fp32_modules``, as T5's feed-forward reads ``wo.weight``) and those of
+    torch's own transformer layers and ``MultiheadAttention``."""
+    out: dict[str, str] = {}
+    for prefix, mod in model.named_modules():
+        if isinstance(mod, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.MultiheadAttention)):
+            for name, sub in mod.named_modules(prefix=prefix):
+                if isinstance(sub, nn.Linear):
+                    out.setdefault(name, f"in torch's {type(mod).__name__}, whose forward reads its layers' .weight")
+            continue
+        entries = getattr(type(mod), "_keep_in_fp32_modules", None)
+        if not isinstance(entries, (list, tuple, set)) or not entries:
+            continue
+        for name, sub in mod.named_modules(prefix=prefix):
+            if not isinstance(sub, nn.Linear):
+                continue
+            parts = name.split(".")
+            for e in entries:
+                ep = str(e).split(".")
+                if any(parts[i:i + len(ep)] == ep for i in range(len(parts) - len(ep) + 1)):
+                    out.setdefault(name, f"{type(mod).__name__} keeps {e!r} in float32 (_keep_in_fp32_modules: its code "
+                                 "reads the weight)")
+                    break
+    return out
+
+
+def _other_layers(model: nn.Module) -> dict[str, str]:
+    """Projection layers that are not ``nn.Linear`` (transformers' ``Conv1D`` of GPT-2 style
+    models), named in the report: :func:`quantize_model` does not convert them."""
+    return {n: f"a {type(m).__name__} layer (GPT-2 style, weight [in, out]), not an nn.Linear: not converted"
+            for n, m in model.named_modules()
+            if type(m).__name__ == "Conv1D" and hasattr(m, "nf") and isinstance(getattr(m, "weight", None), torch.Tensor)}
+
+
+def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
+    """The forward hooks and pre-hooks registered on ``old`` (a layer being replaced), on ``new``."""
+    for attr in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+        src = getattr(old, attr, None)
+        if src:
+            getattr(new, attr).update(src)
+
+
 def _skip_reason(name: str, lin: nn.Linear, fmt: str, patterns, keep: Mapping[str, str]) -> Optional[str]:
     """Why :func:`quantize_model` keeps ``lin`` in high precision (None: it converts it)."""
     if matches_skip(name, patterns):
         return "matches a skip pattern"
     if name in keep:
         return keep[name]
+    cls = type(lin)
+    if cls is not nn.Linear:
+        if cls.__name__ == "NonDynamicallyQuantizableLinear":
+            return "MultiheadAttention's out_proj: torch's attention reads its .weight"
+        if cls.forward is not nn.Linear.forward:
+            return f"a subclass of nn.Linear ({cls.__name__}) with its own forward, which an FP4 layer would drop"
     if lin.weight.is_meta:
         return "weight is on the meta device"
     if lin.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -627,6 +737,8 @@ def fuse_projections(model: nn.Module) -> dict[str, list[str]]:
     compute dtype and bias presence, and in NVFP4 the same global scale and input scale (a
     ModelOpt export gives fused-in-serving layers one shared scale). Returns ``{fused module
     name: part names}``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fuse_projections: model must be a torch.nn.Module, got {_describe(model)}")
     layers = {n: m for n, m in model.named_modules() if type(m) is FP4Linear}
 
     def same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:

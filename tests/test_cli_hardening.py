@@ -228,3 +228,117 @@ def test_explain_refuses_options_of_the_other_mode(tmp_path):
     assert rc == 2 and "--experts goes with one shape (--n, --k)" in err
     rc, out, err = run(["explain", "--model", cfg, "--tp", "2", "--m", "1", "--device", "cpu", "--db", db])
     assert rc == 0 and "N=64" in out, err
+
+
+def test_an_export_with_control_characters_in_its_environment_is_refused(tmp_path):
+    """Environment texts reach terminals (db show): an escape sequence or a newline in one is
+    refused on import, naming the field."""
+    doc = json.loads(_export(tmp_path / "e.json").read_text())
+    env = next(iter(doc["environments"]))
+    doc["environments"][env]["gpu_name"] += "\x1b[2J\nresult  forged"
+    (tmp_path / "e.json").write_text(json.dumps(doc))
+    rc, out, err = run(["db", "import", tmp_path / "e.json", "--db", tmp_path / "t.db"])
+    assert rc == 2 and f"environments.{env}.gpu_name: holds control characters" in err and "\\x1b" in err
+
+
+def test_a_db_whose_unique_index_was_dropped_gets_it_back_or_is_refused(tmp_path):
+    db = tmp_path / "t.db"
+    assert run(["db", "import", _export(tmp_path / "e.json"), "--db", db])[0] == 0
+    con = sqlite3.connect(db)
+    con.execute("DROP INDEX results_unique_key")
+    con.commit()
+    con.close()
+    faster = json.loads(SHIPPED.read_text())["records"][1]
+    faster["median_us"] *= 0.5
+    rc, out, err = run(["db", "import", "--replace", _export(tmp_path / "f.json", median_us=faster["median_us"]),
+                        "--db", db])
+    assert rc == 0 and "1 replaced" in out, err
+    with TuningDB(db, readonly=True) as t:
+        assert len(t.results()) == 3  # replaced, not added beside
+    con = sqlite3.connect(db)
+    con.execute("DROP INDEX results_unique_key")
+    cols = [r[1] for r in con.execute("PRAGMA table_info(results)") if r[1] != "id"]
+    con.execute(f"INSERT INTO results ({', '.join(cols)}) SELECT {', '.join(cols)} FROM results LIMIT 1")
+    con.commit()
+    con.close()
+    rc, out, err = run(["db", "import", _export(tmp_path / "e.json"), "--db", db])
+    assert rc == 2 and "lacks its unique index" in err and "share a key" in err
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_tune_refuses_an_optuna_storage_on_a_tuning_db(tmp_path, same):
+    db = tmp_path / "t.db"
+    other = tmp_path / "o.db"
+    for d in (db, other):
+        assert run(["db", "import", _export(tmp_path / "e.json"), "--db", d])[0] == 0
+    url = f"sqlite:///{db if same else other}"
+    rc, out, err = run(["tune", "--model", REPO / "examples" / "llama-3.1-8b.json", "--device", "cpu", "--db", db,
+                        "--storage", url, "--m", "1", "--budget", "1"])
+    assert rc == 2 and f"--storage {url} is " in err and ("the tuning DB" if same else "an autofp4 tuning DB") in err
+    for d in (db, other):
+        con = sqlite3.connect(d)
+        assert "studies" not in {r[0] for r in con.execute("SELECT name FROM sqlite_master")}
+        con.close()
+
+
+def test_a_closed_or_full_standard_output_is_an_error(tmp_path):
+    import os
+
+    cfg = REPO / "examples" / "llama-3.1-8b.json"
+    cmd = [sys.executable, "-m", "autofp4", "explain", "--model", str(cfg), "--device", "cpu", "--m", "1"]
+    if os.path.exists("/dev/full"):
+        with open("/dev/full", "w") as full:
+            res = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+        assert res.returncode == 1 and "cannot write to standard output" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=120,
+                         preexec_fn=lambda: os.close(1))
+    assert res.returncode == 2 and "standard output is closed" in res.stderr
+
+
+def test_misses_of_processes_that_exit_together_add_up(tmp_path):
+    """Each process merges its misses into the file under a lock beside it: two writers that
+    overlap (a second one waits for the first) both keep theirs."""
+    import threading
+    import time
+
+    path = tmp_path / "t.misses.json"
+    lock = path.with_name(path.name + ".lock")
+    order = []
+    with dispatch._file_lock(lock):
+        t = threading.Thread(target=lambda: (dispatch._file_lock(lock).__enter__(), order.append("second")))
+        t.start()
+        time.sleep(0.2)
+        order.append("first")
+    t.join(5)
+    assert order == ["first", "second"]
+    code = ("import torch, autofp4, sys; autofp4.set_db(sys.argv[1]); w = autofp4.quantize(torch.randn(int(sys.argv[2]),"
+            " 64), 'nvfp4'); autofp4.linear(torch.randn(2, 64, dtype=torch.bfloat16), w)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "t.db"), str(n)]) for n in (64, 128, 192)]
+    assert all(p.wait(120) == 0 for p in procs)
+    got = {(m["n"], m["m"]) for m in json.loads(path.read_text())["misses"]}
+    assert got == {(64, 2), (128, 2), (192, 2)}
+
+
+def test_a_kernel_cache_name_too_long_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(tmp_path / ("k" * 300)))
+    rc, out, err = run(["cache"])
+    assert rc == 2 and "$AUTOFP4_KERNEL_CACHE" in err and "cannot be used: File name too long" in err
+
+
+def test_a_file_size_limit_names_the_file_being_written(tmp_path):
+    import resource
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_models import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path / "bf16")
+    limit = 32 * 1024
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    res = subprocess.run([sys.executable, "-m", "autofp4", "quantize", "--fmt", "nvfp4", "--no-progress", "--out",
+                          str(tmp_path / "o"), str(tmp_path / "bf16")], capture_output=True, text=True, timeout=300,
+                         preexec_fn=small_files)
+    assert res.returncode == 2 and "File too large" in res.stderr and "model.safetensors'" in res.stderr, res.stderr
+    assert not (tmp_path / "o").exists()

@@ -659,6 +659,24 @@ def _generation_config(root: Path) -> Any:
     return read_generation_config(root, _WHAT)
 
 
+def _model_class(config: Any) -> Any:
+    """The transformers class of the checkpoint's ``architectures`` (a sequence classifier, a bare
+    ``LlamaModel``, a speech seq2seq model are built as what they were saved as), else
+    ``AutoModelForCausalLM``."""
+    import transformers
+
+    archs = getattr(config, "architectures", None)
+    if isinstance(archs, (list, tuple)) and archs and isinstance(archs[0], str) and archs[0].isidentifier():
+        try:
+            cls = getattr(transformers, archs[0], None)
+        except Exception:  # a lazy import that fails: not this checkpoint's problem
+            cls = None
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) \
+                and isinstance(config, getattr(cls, "config_class", None) or type(config)):
+            return cls
+    return transformers.AutoModelForCausalLM
+
+
 def _empty_model(config: Any, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
@@ -666,9 +684,13 @@ def _empty_model(config: Any, dtype: torch.dtype) -> nn.Module:
     qc = getattr(config, "quantization_config", None)
     if qc is not None:
         del config.quantization_config  # the model is built dense, then filled here
+    cls = _model_class(config)
     try:
         with _parameters_on_meta(), no_init_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            if cls is AutoModelForCausalLM:
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            else:
+                model = cls._from_config(config, dtype=dtype)
     finally:
         if qc is not None:
             config.quantization_config = qc

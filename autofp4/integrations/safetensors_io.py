@@ -353,10 +353,14 @@ class ShardedWriter:
             start = 8 + len(raw)
             for p in members:
                 p.offset += start + header[p.name]["data_offsets"][0]
-            fd = os.open(self.root / self.files[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            self._fds.append(fd)
-            os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
-            os.ftruncate(fd, start + at)
+            path = self.root / self.files[i]
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                self._fds.append(fd)
+                os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+                os.ftruncate(fd, start + at)
+            except OSError as e:  # a file size limit, a full disk: the file named
+                raise OSError(e.errno, f"{e.strerror} (writing {start + at} bytes)", str(path)) from None
 
     @property
     def total_size(self) -> int:
@@ -376,8 +380,11 @@ class ShardedWriter:
             raise ValueError(f"tensor {name!r}: bytes {at}..{at + len(data)} outside its {p.nbytes}")
         view = memoryview(data)
         done = 0
-        while done < len(data):
-            done += os.pwrite(self._fds[p.shard], view[done:], p.offset + at + done)
+        try:
+            while done < len(data):
+                done += os.pwrite(self._fds[p.shard], view[done:], p.offset + at + done)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(self.root / self.files[p.shard])) from None
         p.written += len(data)
 
     def close(self) -> dict[str, str]:
