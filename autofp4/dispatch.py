@@ -466,7 +466,7 @@ class Dispatcher:
         if not pending:
             return None
         target = Path(path) if path is not None else self.misses_file
-        with _file_lock(target.with_name(target.name + ".lock")):  # processes exiting at once add up
+        with _folder_lock(target.parent):  # processes exiting at once add up
             merged: dict[tuple, int] = {}
             for key, m, c, g in _read_misses(target, strict=False):
                 merged[(key, m)] = merged.get((key, m), 0) + c
@@ -479,14 +479,14 @@ class Dispatcher:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path, timeout_s: float = 10.0) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` (created), for a read-modify-write of a file beside it
-    by several processes; without one (no fcntl, a folder that cannot be written, still held by
-    another process after ``timeout_s``) the block runs unlocked."""
+def _folder_lock(folder: Path, timeout_s: float = 10.0) -> Iterator[None]:
+    """An exclusive ``flock`` on ``folder`` (no file left behind), for a read-modify-write of a
+    file in it by several processes; without one (no fcntl, a folder that cannot be opened, still
+    held by another process after ``timeout_s``) the block runs unlocked."""
     try:
         import fcntl
 
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(folder, os.O_RDONLY)
     except (ImportError, OSError):
         yield
         return

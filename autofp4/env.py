@@ -49,7 +49,7 @@ def env_choice(name: str, choices: Mapping[str, _T], default: _T, default_text: 
 
 def _printable(text: str) -> str:
     """A text field that reaches terminals (``db show``): control characters refused."""
-    bad = sorted({c for c in text if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0})
+    bad = sorted({c for c in text if (ord(c) < 0x20 and c != "\t") or 0x7F <= ord(c) < 0xA0})
     if bad:
         raise ValueError(f"holds control characters ({', '.join(repr(c) for c in bad)})")
     return text

@@ -296,16 +296,15 @@ def test_a_closed_or_full_standard_output_is_an_error(tmp_path):
 
 
 def test_misses_of_processes_that_exit_together_add_up(tmp_path):
-    """Each process merges its misses into the file under a lock beside it: two writers that
+    """Each process merges its misses into the file under a lock of its folder: two writers that
     overlap (a second one waits for the first) both keep theirs."""
     import threading
     import time
 
     path = tmp_path / "t.misses.json"
-    lock = path.with_name(path.name + ".lock")
     order = []
-    with dispatch._file_lock(lock):
-        t = threading.Thread(target=lambda: (dispatch._file_lock(lock).__enter__(), order.append("second")))
+    with dispatch._folder_lock(tmp_path):
+        t = threading.Thread(target=lambda: (dispatch._folder_lock(tmp_path).__enter__(), order.append("second")))
         t.start()
         time.sleep(0.2)
         order.append("first")
