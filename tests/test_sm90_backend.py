@@ -327,3 +327,10 @@ def test_the_search_space_of_a_job_is_its_candidates_field_by_field(backend):
             assert space.rows[i] == ('"sm90_w4a16"', *(json.dumps(d[n]) if n in d else "-" for n in space.names[1:]))
             assert space.index[space.rows[i]] <= i
         assert {"kernel", "tile_n", "stages"} <= set(space.names)
+    from autofp4.schema import config_json
+    from autofp4.tuning.candidates import _cfg_json
+
+    for k in (key, ProblemKey("moe", "mxfp4", "bfloat16", 1536, 2048, 128, 8)):
+        for m in (1, 4096):
+            for c in _candidates(k, m, [backend]):  # the stored (canonical) text, composed from cached parts
+                assert c.config_json == _cfg_json(backend, c.config) == config_json(backend.config_dict(c.config))

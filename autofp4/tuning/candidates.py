@@ -5,22 +5,42 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
 from ..backends.base import Backend, BackendConfig
 from ..dispatch import is_stale
 from ..problem import FORMATS, ProblemKey
-from ..schema import TuningRecord, config_json
+from ..schema import TuningRecord
 from .jobs import _Ctx
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _value_text(kind: type, value: Any) -> str:
+    """The JSON text of one scalar config value (``kind``: its type, so that True and 1 differ)."""
+    return json.dumps(value, allow_nan=False)
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _field_texts(backend: Backend, cfg: BackendConfig) -> dict[str, str]:
+    """``{field: JSON text of its value}`` of a stored config (``kernel`` included), remembered:
+    built from a few hundred distinct scalar texts instead of one ``json.dumps`` per value.
+    Callers must not change the dict."""
+    d = backend.config_dict(cfg)
+    if not all(isinstance(v, (bool, int, float, str, type(None))) for v in d.values()):
+        return {k: json.dumps(v, sort_keys=True, separators=(",", ":"), allow_nan=False) for k, v in d.items()}
+    return {k: _value_text(type(v), v) for k, v in d.items()}
 
 
 @functools.lru_cache(maxsize=1 << 18)
 def _cfg_json(backend: Backend, cfg: BackendConfig) -> str:
-    """The canonical JSON of ``backend``'s (frozen, hashable) config as stored, remembered: every
-    M bucket of a shape lists the same 30-40 thousand Hopper configs, and a just-in-time worker
-    meets a model's shapes in turn (a cache smaller than their union misses on every one)."""
-    return config_json(backend.config_dict(cfg))
+    """The canonical JSON of ``backend``'s (frozen, hashable) config as stored (what
+    :func:`autofp4.schema.config_json` gives), remembered: every M bucket of a shape lists the same
+    30-40 thousand Hopper configs, and a just-in-time worker meets a model's shapes in turn (a
+    cache smaller than their union misses on every one)."""
+    texts = _field_texts(backend, cfg)
+    return "{" + ",".join(f"{_value_text(str, k)}:{texts[k]}" for k in sorted(texts)) + "}"
 
 
 @dataclass(frozen=True)

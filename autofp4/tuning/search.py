@@ -3,14 +3,13 @@ job's study (a grid of enqueued trials, or TPE over a field space), and its fini
 started trials."""
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 import time
 from typing import Any, Sequence
 
-from .candidates import _Cand
+from .candidates import _Cand, _field_texts
 from .jobs import Job, _Ctx
 
 
@@ -18,13 +17,6 @@ def _study_name(ctx: _Ctx, job: Job, cands: Sequence[_Cand]) -> str:
     h = hashlib.sha256("\n".join(c.ident for c in cands).encode()).hexdigest()[:10]
     k = job.key
     return f"autofp4-{ctx.env_key}-{k.op}-{k.fmt}-{k.dtype}-n{k.n}-k{k.k}-e{k.experts}-t{k.topk}-m{job.m}-{h}"
-
-
-@functools.lru_cache(maxsize=1 << 18)
-def _field_texts(config_json: str) -> dict[str, str]:
-    """A stored config's fields, each value as JSON text (remembered: a job's 30-40 thousand
-    candidates are mostly the previous job's)."""
-    return {n: json.dumps(v, sort_keys=True) for n, v in json.loads(config_json).items()}
 
 
 class _FieldSpace:
@@ -37,7 +29,7 @@ class _FieldSpace:
     """
 
     def __init__(self, cands: Sequence[_Cand]) -> None:
-        fields = [_field_texts(c.config_json) for c in cands]
+        fields = [_field_texts(c.backend, c.config) for c in cands]
         names = sorted({n for f in {tuple(f) for f in fields} for n in f} - {"backend"})
         self.names = ["backend", *names]
         self.rows = [
