@@ -334,3 +334,38 @@ def test_the_search_space_of_a_job_is_its_candidates_field_by_field(backend):
         for m in (1, 4096):
             for c in _candidates(k, m, [backend]):  # the stored (canonical) text, composed from cached parts
                 assert c.config_json == _cfg_json(backend, c.config) == config_json(backend.config_dict(c.config))
+
+
+def test_lazy_candidates_are_the_candidates_in_order(backend):
+    """``iter_candidates`` checks grid points as they come (a just-in-time job needs only its
+    first few): the same configs, in the same order, as the list built from the cached valid grid,
+    at M buckets where decode configs drop out and where they all do."""
+    for key, ms in ((ProblemKey("linear", "mxfp4", "bfloat16", 6144, 4096), (1, 16, 512)),
+                    (ProblemKey("moe", "nvfp4", "bfloat16", 1536, 2048, 128, 8), (4, 1024))):
+        for m in ms:
+            assert list(backend.iter_candidates(key, m)) == backend.candidates(key, m)
+
+
+def test_a_firsts_only_job_lists_what_its_search_would_queue_first(backend):
+    """A job that tries only its ranked first candidates (just in time) gets exactly the
+    candidates the sampled search queues before sampling (the first ``budget // 2`` of the full
+    list's firsts, in order), without the grid being built; a small grid stays whole."""
+    from autofp4.backends import get_backend
+    from autofp4.tuning.candidates import _candidates, _job_candidates
+
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 4096, 14336)
+    rng = random.Random(7)
+    full_16 = _candidates(key, 16, [backend])
+    siblings = [(backend, c.config) for c in rng.sample(full_16[40:], 5)]
+    stored = [(backend, full_16[200].config)]
+    for m in (1, 16, 256):
+        full = _candidates(key, m, [backend], stored, siblings)
+        for budget in (8, 32):
+            got, narrowed = _job_candidates(key, m, [backend], stored, siblings, budget)
+            assert narrowed and len(full) > budget
+            assert [c.ident for c in got] == [c.ident for c in full if c.first][: budget // 2]
+            assert got[0].ident == full[0].ident and any(c.prior for c in got)
+        assert _job_candidates(key, m, [backend], stored, siblings)[0] == full
+    ref = get_backend("reference")
+    small, narrowed = _job_candidates(key, 16, [ref], firsts_within=32)
+    assert not narrowed and small == _candidates(key, 16, [ref]) and 0 < len(small) <= 32

@@ -26,7 +26,7 @@ import functools
 import importlib.util
 import warnings
 from dataclasses import replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -82,19 +82,34 @@ def _spaces(op: str) -> tuple[tuple[str, Any], ...]:
     return (("decode", sm90_heuristics.decode_config_space), ("gemm", sm90_heuristics.gemm_config_space))
 
 
+def _grid_points(op: str, n: int, k: int, fmt: str, dtype: str, m: int | None = None) -> Iterator[Any]:
+    """Every point of the grids of ``op``'s kernels for a problem, valid or not, in order
+    (``m``: less the decode points whose ``m_max`` is below it)."""
+    for tag, space_of in _spaces(op):
+        cls, space = _config_types()[tag], space_of(n, k, fmt, dtype)
+        if tag == "decode" and m is not None:
+            space = {**space, "m_max": [v for v in space["m_max"] if v >= m]}
+        for combo in grid(space):
+            yield cls(**combo)
+
+
 @functools.lru_cache(maxsize=64)
 def _valid_grid(op: str, n: int, k: int, fmt: str, dtype: str) -> tuple[Any, ...]:
     """Every valid point of the grids of ``op``'s kernels for a problem, for every M (the tuner
     asks for each M bucket of a shape in turn; the linear grid is 10-18 thousand configs, a
     second of CPU)."""
-    out = []
-    for tag, space in _spaces(op):
-        mod, cls = _by_tag()[tag], _config_types()[tag]
-        for combo in grid(space(n, k, fmt, dtype)):
-            cfg = cls(**combo)
-            if mod.validate(cfg, n, k, fmt, dtype) is None:
-                out.append(cfg)
-    return tuple(out)
+    return tuple(cfg for cfg in _grid_points(op, n, k, fmt, dtype)
+                 if _module(cfg).validate(cfg, n, k, fmt, dtype) is None)
+
+
+def _left_out_at(cfg: Any, m: int | None) -> bool:
+    """Is a grid point left out of the candidates of M bucket ``m``?"""
+    if m is None:
+        return False
+    if cfg.kernel == "decode":
+        return cfg.m_max < m
+    # one token tile: the grouped order is the plain one
+    return cfg.kernel == "gemm" and cfg.swizzle > 1 and cfg.raster == "n" and m <= cfg.tile_m
 
 
 @functools.lru_cache(maxsize=None)
@@ -353,18 +368,28 @@ class SM90W4A16Backend(Backend):
 
         The GEMM grid is large; the tuner samples it (optuna TPE) when it exceeds its budget.
         """
-        out: list[BackendConfig] = [self.default(key, m)]
-        out += [c for c in self.seeds(key, m) if c not in out]
-        seen = set(out)
-        for cfg in _valid_grid(key.op, key.n, key.k, key.fmt, key.dtype):
-            if cfg.kernel == "decode" and m is not None and cfg.m_max < m:
+        return list(self._candidates(key, m, _valid_grid(key.op, key.n, key.k, key.fmt, key.dtype)))
+
+    def iter_candidates(self, key: ProblemKey, m: int | None = None) -> Iterator[BackendConfig]:
+        """:meth:`candidates` one at a time, each grid point checked as it comes: a caller that
+        needs only the first few (or whether there are more than a few) does not check the whole
+        grid (about a second of CPU per shape)."""
+        return self._candidates(key, m, None)
+
+    def _candidates(self, key: ProblemKey, m: int | None, valid: Sequence[Any] | None) -> Iterator[BackendConfig]:
+        """The candidates from the grid's ``valid`` points (None: the grid's points, checked here)."""
+        first: list[BackendConfig] = [self.default(key, m)]
+        first += [c for c in self.seeds(key, m) if c not in first]
+        yield from first
+        seen = set(first)
+        n, k, fmt, dtype = key.n, key.k, key.fmt, key.dtype
+        for cfg in _grid_points(key.op, n, k, fmt, dtype, m) if valid is None else valid:
+            if _left_out_at(cfg, m) or cfg in seen:
                 continue
-            if cfg.kernel == "gemm" and m is not None and cfg.swizzle > 1 and (cfg.raster == "n" and m <= cfg.tile_m):
-                continue  # one token tile: the grouped order is the plain one
-            if cfg not in seen:
-                seen.add(cfg)
-                out.append(cfg)
-        return out
+            if valid is None and _module(cfg).validate(cfg, n, k, fmt, dtype) is not None:
+                continue
+            seen.add(cfg)
+            yield cfg
 
     # -- running ------------------------------------------------------------------------------
     def prepare(self, weight: Any) -> SM90Prepared:

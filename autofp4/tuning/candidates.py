@@ -163,6 +163,18 @@ def _candidates(
     """:func:`_first_candidates` (marked ``first``: tried before the search samples), then
     every backend's candidates (valid ones: ``Backend.candidates`` checks them, so they are not
     checked twice)."""
+    return _job_candidates(key, m, backends, stored, siblings)[0]
+
+
+def _job_candidates(
+    key: ProblemKey, m: int, backends: Sequence[Backend], stored: Sequence[tuple[Backend, BackendConfig]] = (),
+    siblings: Sequence[tuple[Backend, BackendConfig]] = (), firsts_within: int | None = None,
+) -> tuple[list[_Cand], bool]:
+    """:func:`_candidates`, and whether they were narrowed to the first ones: with
+    ``firsts_within`` (a job that tries only its ranked first candidates, on a budget of that many
+    trials), where there are more candidates than that (the job's search would sample them),
+    only the first ``firsts_within // 2`` (at least one) of :func:`_first_candidates`, the ones
+    the search queues before it samples; the rest of the grid is not built."""
     out: list[_Cand] = []
     seen: set[str] = set()
 
@@ -173,10 +185,20 @@ def _candidates(
 
     for c in _first_candidates(key, m, backends, stored, siblings=siblings):
         add(c)
+    n_first = len(out)
     for b in backends:
-        for cfg in _backend_candidates(b, key, m):
+        for cfg in _iter_backend_candidates(b, key, m):
             add(_Cand(b, cfg, _cfg_json(b, cfg)))
-    return out
+            if firsts_within is not None and len(out) > firsts_within:
+                return out[: min(n_first, max(1, firsts_within // 2))], True
+    return out, False
+
+
+def _iter_backend_candidates(b: Backend, key: ProblemKey, m: int) -> Iterator[BackendConfig]:
+    """:func:`_backend_candidates` one at a time where the backend can list them so
+    (``iter_candidates``)."""
+    lazy = getattr(b, "iter_candidates", None)
+    return iter(lazy(key, m)) if callable(lazy) else iter(_backend_candidates(b, key, m))
 
 
 def _backend_candidates(b: Backend, key: ProblemKey, m: int) -> list[BackendConfig]:

@@ -16,7 +16,7 @@ from ..schema import TuningRecord
 from ..timing import TimingStats, faster_beyond_noise
 from . import budget
 from .budget import _out_of_time, setup_cap, trial_estimate
-from .candidates import (_Cand, _applicable, _candidates, _cfg_json, _other_problem_winners, _parsed, _sibling_records,
+from .candidates import (_Cand, _applicable, _cfg_json, _job_candidates, _other_problem_winners, _parsed, _sibling_records,
                          _stored_results)
 from .compile_pool import _compile_only, _prefetch_default, _request, _short_error
 from .jobs import Job, JobResult, _Ctx
@@ -78,10 +78,11 @@ def _tune_job(job: Job, ctx: _Ctx, db: Any, meas: _Measurer,
         return JobResult(job, "skipped", note="tuned by another run since this one started")
     others = db.results(None, op=key.op, dtype=key.dtype, m_bucket=job.m, backend=[b.name for b in backends])
     siblings = _parsed(_sibling_records(problem, key, job.m), backends) + _other_problem_winners(others, key, job.m, backends)
-    cands = _candidates(key, job.m, backends, _parsed(current + stale, backends), siblings)
+    cands, firsts = _job_candidates(key, job.m, backends, _parsed(current + stale, backends), siblings,
+                                      ctx.budget if ctx.firsts_only else None)
     if not cands:
         return JobResult(job, "no_valid_config", note="no valid candidate config")
-    return JobTuner(job, ctx, db, meas, backends, current, cands, started).run(then)
+    return JobTuner(job, ctx, db, meas, backends, current, cands, started, firsts).run(then)
 
 
 class JobTuner:
@@ -89,7 +90,8 @@ class JobTuner:
     the study, the trials in flight, what was measured here and how long measuring took."""
 
     def __init__(self, job: Job, ctx: _Ctx, db: Any, meas: _Measurer, backends: Sequence[Backend],
-                 current: Sequence[TuningRecord], cands: Sequence[_Cand], started: float | None = None) -> None:
+                 current: Sequence[TuningRecord], cands: Sequence[_Cand], started: float | None = None,
+                 firsts: bool = False) -> None:
         self.job, self.ctx, self.db, self.meas = job, ctx, db, meas
         self.started = budget._now() if started is None else started  # when the job began (its time_s)
         self.cands = cands
@@ -112,6 +114,7 @@ class JobTuner:
         self.setup_s: list[float] = []  # and its one-off setup (a trial's res["setup_s"])
         self.stop_why = ""  # what ended the job at its share of the time (empty: it was not): said in its note
         self.firsts_done = False  # ended having tried its ranked first candidates (ctx.firsts_only)
+        self.firsts = firsts  # ``cands`` are only those (the grid was not built): done once all are asked
         self.priors = [c.ident for c in cands if c.prior]
         # the winners stored for this environment and kernel source (only a forced re-tune gets here
         # with some): a pick that was not measured against them in this run does not replace them
@@ -217,6 +220,8 @@ class JobTuner:
             if ctx.pool is not None:
                 fut = ctx.pool.submit(_compile_only, _request(ctx, self.job, cand, self.seed))
             self.inflight.append((trial, cand, fut))
+        if self.firsts and self.exhausted():
+            self.firsts_done = True
 
     def _taken_elsewhere(self, trial: Any, cand: _Cand) -> bool:
         """With a shared storage, TPE asked for a point that another trial of the study (a
