@@ -839,6 +839,40 @@ def test_isolated_trials_count_the_worker_start_as_setup():
     assert again["setup_s"] < 0.5 * first["setup_s"]
 
 
+def test_the_timing_process_starts_while_its_owner_does_other_setup():
+    """``launch`` spawns the timing process and returns at once; ``start`` then waits for it to be
+    ready, and the first trial pays no start. One launched and never awaited is killed by close."""
+    from autofp4.tuning.candidates import _cfg_json
+    from autofp4.tuning.compile_pool import _spec
+    from autofp4.tuning.measurer import _Measurer
+
+    b = get_backend("reference")
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 512, 256)
+    req = {"backend": b.name, "spec": _spec(b), "config": _cfg_json(b, b.default(key, 1)), "key": asdict(key),
+           "m": 1, "seed": int.from_bytes(os.urandom(3), "little"), "device": "cpu", "warmup": 1, "reps": 3}
+    meas = _Measurer(torch.device("cpu"), isolate=True, timeout_s=120.0)
+    try:
+        t0 = time.perf_counter()
+        meas.launch()
+        launched = time.perf_counter() - t0
+        meas.launch()  # a second launch while starting: the same process
+        proc = meas._starting[0]
+        meas.start()
+        started = time.perf_counter() - t0
+        assert meas.proc is proc and proc.is_alive() and launched < 0.5 * started
+        res = meas.run(req)
+        assert res["outcome"] == "ok"
+        assert res.get("setup_s", 0.0) < 0.5 * started  # the process's start is not this trial's
+    finally:
+        meas.close()
+    assert not proc.is_alive()
+    orphan = _Measurer(torch.device("cpu"), isolate=True, timeout_s=120.0)
+    orphan.launch()
+    p = orphan._starting[0]
+    orphan.close()
+    assert not p.is_alive() and orphan._starting is None
+
+
 def test_unlimited_time_budget(tmp_path):
     import math
 

@@ -52,13 +52,25 @@ class _Measurer:
         self.proc: Any = None
         self.conn: Any = None
         self.restarts = 0
+        self._starting: Any = None  # (process, pipe) launched and not ready yet
 
     def _start(self) -> None:
+        self._launch()
+        self._await_ready()
+
+    def _launch(self) -> None:
+        """Spawn the timing process (it starts on its own: imports, CUDA context, compiler)."""
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_worker_main, args=(child, str(self.device), list(sys.path)), daemon=True)
         p.start()
         child.close()
+        self._starting = (p, parent)
+
+    def _await_ready(self) -> None:
+        """Wait for the process :meth:`_launch` spawned to say it is ready."""
+        p, parent = self._starting
+        self._starting = None
         if not parent.poll(max(120.0, self.timeout_s)):
             p.kill()
             raise RuntimeError(f"the timing worker for {self.device} did not start")
@@ -70,6 +82,12 @@ class _Measurer:
         self.proc, self.conn = p, parent
 
     def _stop(self) -> None:
+        if self._starting is not None:  # launched, never awaited
+            p, parent = self._starting
+            self._starting = None
+            p.kill()
+            p.join(10)
+            parent.close()
         if self.proc is None:
             return
         try:
@@ -83,10 +101,18 @@ class _Measurer:
                 pass
             self.proc, self.conn = None, None
 
+    def launch(self) -> None:
+        """Begin starting the timing process (isolated trials only) and return: it starts while
+        its owner does other setup (the compile workers'); :meth:`start` waits for it."""
+        if self.isolate and self.proc is None and self._starting is None:
+            self._launch()
+
     def start(self) -> None:
         """Start the timing process now (isolated trials only), so that no job's time pays for it."""
         if self.isolate and self.proc is None:
-            self._start()
+            if self._starting is None:
+                self._launch()
+            self._await_ready()
 
     def run(self, req: dict[str, Any]) -> dict[str, Any]:
         if not self.isolate:

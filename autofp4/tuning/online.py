@@ -50,12 +50,17 @@ class OnlineTuner:
         workers = _default_workers(on_gpu) if workers is None else workers
         self.db, _, path = _open_db(db_path)
         self.meas = _PacedMeasurer(dev, on_gpu, defaults.trial_timeout_s, duty)
-        self.ctx = self._settings(dev, defaults, _chosen_backends(backends, dev), workers, not backends,
-                                  JobClaims(path))
-        self.ctx.compile_grace_s = compile_grace_s
-        self.db.add_environment(self.ctx.env)
-        self.ctx.pool = _open_pool(workers, on_gpu)
-        self.meas.start()
+        self.meas.launch()  # the timing process starts while the compile workers do
+        try:
+            self.ctx = self._settings(dev, defaults, _chosen_backends(backends, dev), workers, not backends,
+                                      JobClaims(path))
+            self.ctx.compile_grace_s = compile_grace_s
+            self.db.add_environment(self.ctx.env)
+            self.ctx.pool = _open_pool(workers, on_gpu)
+            self.meas.start()
+        except BaseException:
+            self.meas.close()
+            raise
 
     @staticmethod
     def _settings(dev: torch.device, defaults: Any, chosen: list, workers: int, auto: bool, claims: JobClaims) -> _Ctx:
