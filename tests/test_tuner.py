@@ -816,16 +816,22 @@ def test_run_trial_reports_its_one_off_setup():
     assert first["setup_s"] > again["setup_s"]  # the weights are built once per problem
 
 
-def test_isolated_trials_count_the_worker_start_as_setup():
-    """Starting the timing process (imports, device context) is a one-off as well."""
+def _reference_trial_request() -> dict:
+    """A trial request of the reference backend's default on a small linear problem, on the CPU."""
     from autofp4.tuning.candidates import _cfg_json
     from autofp4.tuning.compile_pool import _spec
-    from autofp4.tuning.measurer import _Measurer
 
     b = get_backend("reference")
     key = ProblemKey("linear", "nvfp4", "bfloat16", 512, 256)
-    req = {"backend": b.name, "spec": _spec(b), "config": _cfg_json(b, b.default(key, 1)), "key": asdict(key),
-           "m": 1, "seed": int.from_bytes(os.urandom(3), "little"), "device": "cpu", "warmup": 1, "reps": 3}
+    return {"backend": b.name, "spec": _spec(b), "config": _cfg_json(b, b.default(key, 1)), "key": asdict(key),
+            "m": 1, "seed": int.from_bytes(os.urandom(3), "little"), "device": "cpu", "warmup": 1, "reps": 3}
+
+
+def test_isolated_trials_count_the_worker_start_as_setup():
+    """Starting the timing process (imports, device context) is a one-off as well."""
+    from autofp4.tuning.measurer import _Measurer
+
+    req = _reference_trial_request()
     meas = _Measurer(torch.device("cpu"), isolate=True, timeout_s=120.0)
     try:
         t0 = time.perf_counter()
@@ -842,14 +848,9 @@ def test_isolated_trials_count_the_worker_start_as_setup():
 def test_the_timing_process_starts_while_its_owner_does_other_setup():
     """``launch`` spawns the timing process and returns at once; ``start`` then waits for it to be
     ready, and the first trial pays no start. One launched and never awaited is killed by close."""
-    from autofp4.tuning.candidates import _cfg_json
-    from autofp4.tuning.compile_pool import _spec
     from autofp4.tuning.measurer import _Measurer
 
-    b = get_backend("reference")
-    key = ProblemKey("linear", "nvfp4", "bfloat16", 512, 256)
-    req = {"backend": b.name, "spec": _spec(b), "config": _cfg_json(b, b.default(key, 1)), "key": asdict(key),
-           "m": 1, "seed": int.from_bytes(os.urandom(3), "little"), "device": "cpu", "warmup": 1, "reps": 3}
+    req = _reference_trial_request()
     meas = _Measurer(torch.device("cpu"), isolate=True, timeout_s=120.0)
     try:
         t0 = time.perf_counter()
