@@ -20,6 +20,7 @@ import torch
 
 from .models import LAYOUTS
 from .problem import DTYPES, FORMATS, OPS, is_moe
+from .weights import missing_device
 
 __all__ = ["main", "build_parser"]
 
@@ -408,10 +409,8 @@ def _device_arg(text: str | None) -> torch.device:
     except RuntimeError as e:
         raise _UsageError(f"--device {text}: {_one_line(str(e))}") from None
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise _UsageError(f"--device {text}: no CUDA GPU is available")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise _UsageError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+        if why := missing_device(dev):
+            raise _UsageError(f"--device {text}: {why}")
     elif dev.type != "cpu":
         raise _UsageError(f"--device {text}: autofp4 runs on cuda or cpu")
     return dev

@@ -338,6 +338,16 @@ def _cmd_export(args: argparse.Namespace, out: TextIO) -> int:
 
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
+#: the files SQLite keeps next to a database ``x.db`` (``x.db-wal`` ...), by what they are
+_SQLITE_SIDE_FILES = {"-wal": "write-ahead log", "-shm": "shared-memory index", "-journal": "rollback journal"}
+
+
+def _is_sqlite(path: Path) -> bool:
+    """Is ``path`` a regular file that starts like an SQLite database?"""
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(len(_SQLITE_MAGIC)) == _SQLITE_MAGIC
 
 
 def _check_export_target(target: Path, source: Path) -> None:
@@ -356,10 +366,14 @@ def _check_export_target(target: Path, source: Path) -> None:
                 if not parent.is_dir():
                     raise UsageError(f"--out {target}: {parent} is a file, not a folder")
                 break
-        if target.is_file():
-            with target.open("rb") as f:
-                if f.read(len(_SQLITE_MAGIC)) == _SQLITE_MAGIC:
-                    raise UsageError(f"--out {target} is an SQLite database; an export would replace it")
+        if _is_sqlite(target):
+            raise UsageError(f"--out {target} is an SQLite database; an export would replace it")
+        for suffix, what in _SQLITE_SIDE_FILES.items():
+            base = target.with_name(target.name[: -len(suffix)]) if target.name.endswith(suffix) else None
+            if base is not None and (_is_sqlite(base) or (source.exists() and base.resolve() == source.resolve())):
+                raise UsageError(f"--out {target} is the {what} of the SQLite database {base}, which SQLite "
+                                 "writes and deletes (an export there would corrupt or lose it); write the export "
+                                 "elsewhere")
     except OSError as e:
         raise UsageError(f"--out {target}: {e.strerror or e}") from None
 

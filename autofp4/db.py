@@ -149,6 +149,12 @@ def expand_path(path: str | os.PathLike, what: str, file: bool = False) -> Path:
     if why is None and re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", text.strip()):
         why = ("it is a URL, and a tuning DB is a file path (a storage URL such as sqlite:///x.db goes to "
                "autofp4 tune --storage)")
+    if why is None and text.lstrip()[:5].lower() == "file:":
+        why = ("it is an SQLite URI (file:...), which SQLite reads its own way (a mode=memory one keeps the rows "
+               "in memory only); give the DB file's plain path")
+    if why is None and (bad := re.search(r"[\x00-\x1f\x7f]", text)):
+        why = (f"it holds a control character ({bad.group()!r} at position {bad.start()}; a line break pasted "
+               "with it?); give the path without it")
     if why is None and text.strip() == ":memory:":
         why = ("it names SQLite's in-memory database, whose rows are lost when the process ends; "
                "name a DB file (such as ./tuning.db)")
@@ -240,14 +246,16 @@ def _m2_lookup_indexes(db: sqlite_utils.Database) -> None:
     """Version 2: indexes for the tuner's failure lookups and per-environment queries."""
     db["trials"].create_index(
         ["op", "fmt", "dtype", "backend", "n", "k", "experts", "topk", "env_key", "outcome"],
-        index_name="trials_problem",
+        index_name="trials_problem", if_not_exists=True,
     )
-    db["results"].create_index(["env_key"], index_name="results_env")
+    db["results"].create_index(["env_key"], index_name="results_env", if_not_exists=True)
 
 
 def _m3_origin(db: sqlite_utils.Database) -> None:
-    """Version 3: ``results.origin``, how a row was tuned (``offline`` for the rows already there)."""
-    db["results"].add_column("origin", str, not_null_default="offline")
+    """Version 3: ``results.origin``, how a row was tuned (``offline`` for the rows already there).
+    A file that has it already (its stored version set back by hand) keeps it."""
+    if "origin" not in db["results"].columns_dict:
+        db["results"].add_column("origin", str, not_null_default="offline")
 
 
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial, _m2_lookup_indexes, _m3_origin]
@@ -648,15 +656,45 @@ def _describe_raw_record(raw: Any) -> str:
 def _error_lines(e: ValidationError, record: int | None = None, raw: Any = None) -> list[str]:
     """One line per error: where (``record #i (...) field f`` or a document path) and what."""
     lines = []
-    for err in e.errors():
-        loc = ".".join(str(p) for p in err["loc"])
+    for loc_parts, msg in _merged_union_errors(e.errors()):
+        loc = ".".join(str(p) for p in loc_parts)
         if record is not None:
             where = f"record #{record} ({_describe_raw_record(raw)}) field {loc or '<record>'}"
         else:
             where = loc or "<document>"
-        msg = str(err["msg"]).removeprefix("Value error, ")
+        msg = msg.removeprefix("Value error, ")
         lines.append(f"{where}: {msg if len(msg) <= 500 else msg[:500] + '...'}")
     return lines
+
+
+_VALID_PREFIX = "Input should be a valid "
+
+
+def _merged_union_errors(errors: list[dict[str, Any]]) -> list[tuple[tuple, str]]:
+    """``(loc, message)`` per error, where a value that fails every branch of a union of scalar
+    types (one "Input should be a valid ..." error per branch, the branch named last in ``loc``)
+    gives one: "Input should be a valid boolean, integer, number or string (got a dict)"."""
+    def union_head(err: dict[str, Any]) -> tuple | None:
+        loc = tuple(err["loc"])
+        ok = str(err.get("type", "")).endswith("_type") and str(err["msg"]).startswith(_VALID_PREFIX)
+        return loc[:-1] if ok and len(loc) > 1 else None
+
+    heads: dict[tuple, list[dict[str, Any]]] = {}
+    for err in errors:
+        head = union_head(err)
+        if head is not None:
+            heads.setdefault(head, []).append(err)
+    out: list[tuple[tuple, str]] = []
+    for err in errors:
+        head = union_head(err)
+        group = heads.get(head) if head is not None else None
+        if not group or len(group) < 2:
+            out.append((tuple(err["loc"]), str(err["msg"])))
+        elif err is group[0]:
+            kinds = list(dict.fromkeys(str(g["msg"])[len(_VALID_PREFIX):] for g in group))
+            got = type(err.get("input")).__name__
+            out.append((head, f"{_VALID_PREFIX}{', '.join(kinds[:-1])} or {kinds[-1]} (got a {got})"))
+    return out
 
 
 def _invalid_export(path: Path, lines: list[str], unchecked: bool) -> TuningFileError:
@@ -912,6 +950,13 @@ class TuningDB:
         self.readonly = readonly
         if self.path.is_dir():
             raise TuningDBError(f"{self.path} is a directory, not a tuning database file")
+        try:
+            mode = self.path.stat().st_mode
+        except OSError:
+            mode = None  # not there yet (created on a write), or unreachable: opening it says why
+        if mode is not None and not stat.S_ISREG(mode):
+            raise TuningDBError(f"{self.path} is not a regular file (a device, FIFO or socket), not a tuning "
+                                "database file; name a DB file (such as ./tuning.db)")
         try:
             self._open(readonly)
         except sqlite3.Error as e:

@@ -383,8 +383,14 @@ def _check_dtype_field(key: str, value: Any) -> None:
     if isinstance(value, str) and not value.startswith("_"):
         import torch
 
-        if isinstance(getattr(torch, value, None), torch.dtype):
-            return
+        dt = getattr(torch, value, None)
+        if isinstance(dt, torch.dtype):
+            if dt.is_floating_point and dt.itemsize >= 2:
+                return
+            raise ValueError(
+                f"config field {key!r} must name a floating-point torch dtype a model is built in (bfloat16, "
+                f"float16 or float32), got {_show(value)}"
+            )
     raise ValueError(
         f"config field {key!r} must name a torch dtype (such as 'bfloat16' or 'float16'), got {_show(value)}"
     )

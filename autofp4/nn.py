@@ -625,6 +625,22 @@ def _linear_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Linear]], dict[
     return targets, aliases
 
 
+def _fp32_module_entries(cls: type) -> list[str]:
+    """The module names a transformers model class keeps in float32 (``_keep_in_fp32_modules``
+    and ``_keep_in_fp32_modules_strict``); an entry naming a parameter (DeepSeek-V3's
+    ``gate.weight``) names its module."""
+    out = []
+    for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+        entries = getattr(cls, attr, None)
+        for e in entries if isinstance(entries, (list, tuple, set)) else ():
+            e = str(e)
+            for tail in (".weight", ".bias"):
+                e = e.removesuffix(tail)
+            if e:
+                out.append(e)
+    return out
+
+
 def _kept_by_the_model(model: nn.Module) -> dict[str, str]:
     """Linear layers whose owner reads their weight, by name: those a transformers model keeps in
     float32 (``_keep_in_fp32_modules``, as T5's feed-forward reads ``wo.weight``) and those of
@@ -636,8 +652,8 @@ def _kept_by_the_model(model: nn.Module) -> dict[str, str]:
                 if isinstance(sub, nn.Linear):
                     out.setdefault(name, f"in torch's {type(mod).__name__}, whose forward reads its layers' .weight")
             continue
-        entries = getattr(type(mod), "_keep_in_fp32_modules", None)
-        if not isinstance(entries, (list, tuple, set)) or not entries:
+        entries = _fp32_module_entries(type(mod))
+        if not entries:
             continue
         for name, sub in mod.named_modules(prefix=prefix):
             if not isinstance(sub, nn.Linear):

@@ -81,6 +81,18 @@ class LoadedTensorsFreed(RuntimeError):
     and something asked to read them."""
 
 
+def missing_device(dev: torch.device) -> Optional[str]:
+    """Why this machine has no device ``dev`` (a CUDA device without CUDA, or past the last
+    GPU), or None."""
+    if dev.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is available (torch.cuda.is_available() is False)"
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        return f"this machine has {torch.cuda.device_count()} CUDA GPU(s), so there is no {dev}"
+    return None
+
+
 class FP4Weight:
     """An FP4-quantized weight ``[N, K]`` or stacked experts ``[E, N, K]``.
 
@@ -297,6 +309,12 @@ class FP4Weight:
     def to(self, device: Device, non_blocking: bool = False) -> "FP4Weight":
         """This weight on ``device``; ``self`` when it is already there. A moved weight starts
         with an empty prepacked cache."""
+        try:
+            why = missing_device(torch.device(device))
+        except (TypeError, RuntimeError):
+            why = None  # not a device name: torch's own error below
+        if why:
+            raise RuntimeError(f"FP4Weight.to({device!r}): {why}")
         data = self.data.to(device, non_blocking=non_blocking)
         if data is self.data:
             return self

@@ -188,6 +188,8 @@ def test_an_empty_pattern_is_refused_naming_the_entry(tmp_path, seed, entry):
     ("head_dim", 0, "'head_dim' must be a positive integer"),  # ZeroDivisionError in rotary init
     ("intermediate_size", None, "'intermediate_size'"),  # huggingface_hub's strict dataclass error
     ("tie_word_embeddings", "yes", "'tie_word_embeddings'"),
+    ("torch_dtype", "float8_e4m3fn", "'torch_dtype' must name a floating-point torch dtype"),  # no storage
+    ("dtype", "int8", "'dtype' must name a floating-point torch dtype"),
 ])
 def test_config_fields_transformers_refuses_are_named_as_value_errors(tmp_path, seed, field, value, named):
     path = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
@@ -239,6 +241,45 @@ def test_a_dtype_the_model_cannot_run_in_is_refused_at_load(tmp_path, seed, dtyp
         autofp4.from_pretrained(path, dtype="bfloat16")
     model = autofp4.from_pretrained(path, dtype=torch.float16)
     assert model(torch.tensor([[1, 2, 3]])).logits.dtype == torch.float16
+
+
+def test_a_cuda_device_this_machine_lacks_is_named(tmp_path, seed):
+    """device_map (and FP4Weight.to) naming a CUDA device that is not there: said so, not an error
+    about reading a tensor into pinned memory (or torch's assertion)."""
+    path = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
+    missing = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path, device_map=missing)
+    msg = _one_line(info.value)
+    assert f"device_map={missing!r}" in msg and ("no CUDA GPU is available" in msg or "CUDA GPU(s)" in msg), msg
+    with pytest.raises(ValueError, match="no CUDA GPU|CUDA GPU\\(s\\)"):
+        autofp4.from_pretrained(path, device_map={"": missing})
+    w = autofp4.quantize(torch.randn(64, 128, generator=torch.Generator().manual_seed(seed)), "nvfp4")
+    with pytest.raises(RuntimeError, match=f"FP4Weight.to\\({missing!r}\\): .*(no CUDA GPU|CUDA GPU\\(s\\))"):
+        w.to(missing)
+    assert w.to("cpu") is w
+
+
+def test_a_side_file_that_is_not_a_regular_file_is_warned_about_not_copied(tmp_path, seed):
+    """A FIFO named tokenizer.json (or a folder named like a tokenizer file) in the source of
+    ``autofp4 quantize`` is left out with a warning naming it; the regular side files are
+    copied."""
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs here")
+    src = tmp_path / "src"
+    _model("llama", seed).save_pretrained(src)
+    os.mkfifo(src / "tokenizer.json")
+    (src / "vocab.json").mkdir()
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    (src / "notes").mkdir()  # a subfolder of someone's: not a checkpoint file, no warning
+    out = tmp_path / "out"
+    with pytest.warns(RuntimeWarning) as rec:
+        autofp4.quantize_checkpoint(src, out, "nvfp4", progress=False)
+    said = [str(r.message) for r in rec if "not copied" in str(r.message)]
+    assert any(str(src / "tokenizer.json") in m and "not a regular file" in m for m in said), said
+    assert any(str(src / "vocab.json") in m and "a folder" in m for m in said), said
+    assert not any("notes" in m for m in said)
+    assert (out / "chat_template.jinja").read_text() == "{{ messages }}" and not (out / "tokenizer.json").exists()
 
 
 @pytest.mark.parametrize("fuse", ["no", 0, None, "False"])

@@ -1314,3 +1314,96 @@ def test_a_database_with_triggers_or_views_is_refused_naming_them(tmp_path, ddl,
         assert load_layers(Environment(**ENV), user_path=path) is not None
     assert any(named in str(x.message) for x in w)
     assert _snapshot(path) == before
+
+
+@pytest.mark.parametrize("suffix,what", [("-wal", "write-ahead log"), ("-shm", "shared-memory index"),
+                                         ("-journal", "rollback journal")])
+def test_an_export_never_goes_to_the_files_sqlite_keeps_beside_a_database(tmp_path, suffix, what):
+    """``db export --out x.db-wal`` (or -shm, -journal) would replace a file SQLite owns: a WAL
+    holding another connection's committed rows, which were lost with it. Refused, naming the
+    database, for the exported one and for any other SQLite file; nothing is written and the
+    database reads the same."""
+    rng = random.Random(11)
+    src = _ro_db(tmp_path)
+    other = _sqlite_db(tmp_path / "other.db", rng)
+    before = _snapshot(src)
+    for base in (src, other):
+        target = base.with_name(base.name + suffix)
+        existed = target.exists()
+        rc, out, err = cli("export", "--db", src, "--out", target)
+        assert rc == 2 and f"is the {what} of the SQLite database {base}" in err and "wrote" not in out, err
+        assert target.exists() == existed
+    rc, _, err = cli("export", "--db", src, "--out", tmp_path / ("plain" + suffix))  # no database beside it
+    assert rc == 0, err
+    assert _snapshot(src) == before and _integrity(src) == "ok"
+
+
+@pytest.mark.parametrize("given", ["file:t.db", "FILE:t.db?mode=memory", "t.db\n", "t\r.db", "t.db\x1b[0m"])
+def test_a_db_path_that_is_an_sqlite_uri_or_holds_a_control_character_is_refused(tmp_path, monkeypatch, given):
+    """SQLite reads ``file:`` names as URIs (``mode=memory`` rows vanish, ``file:y.db`` writes
+    ./y.db that ``db list --db file:y.db`` then does not find); a line break pasted into
+    ``AUTOFP4_DB`` named a file nobody meant. Both refused by name, from --db, the variable and
+    the API, and no file is created."""
+    monkeypatch.chdir(tmp_path)
+    export = tmp_path / "in.json"
+    export.write_text(dumps(valid_doc(random.Random(5), 2)))
+    rc, out, err = cli("import", export, "--db", given)
+    assert rc == 2 and "--db=" in err and ("SQLite URI" in err or "control character" in err), err
+    with pytest.raises(TuningDBError, match="SQLite URI|control character"):
+        TuningDB(given)
+    monkeypatch.setenv("AUTOFP4_DB", given)
+    rc, out, err = cli("list")
+    assert rc == 2 and "AUTOFP4_DB=" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.json"]
+
+
+def test_a_device_named_as_the_tuning_db_is_refused(tmp_path):
+    """``--db /dev/null`` is a device, not a full disk: said so before anything is opened."""
+    for readonly in (False, True):
+        with pytest.raises(TuningDBError, match="/dev/null is not a regular file"):
+            TuningDB("/dev/null", readonly=readonly)
+    rc, out, err = _tune(["tune", "--model", str(REPO / "examples" / "llama-3.1-8b.json"), "--db", "/dev/null", "--m", "1",
+                          "--device", "cpu", "--no-progress"])
+    assert rc == 2 and "/dev/null is not a regular file" in err and "full disk" not in err, err
+
+
+def test_a_config_value_that_is_an_object_is_one_error_line(tmp_path):
+    """A config value must be a scalar; an object there fails every branch of the scalar union,
+    and the error says so in one line naming the record and field, not one line per branch."""
+    rng = random.Random(3)
+    doc = valid_doc(rng, 2)
+    doc["records"][1]["config"] = dict(doc["records"][1]["config"], extra={"a": {"b": 1}})
+    bad = tmp_path / "bad.json"
+    bad.write_text(dumps(doc))
+    target = _ro_db(tmp_path)
+    before = _snapshot(target)
+    rc, out, err = cli("import", bad, "--db", target)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert "record #1" in err and "field config.extra" in err and "(got a dict)" in err, err
+    assert "valid boolean" in err and "integer" in err and "string" in err
+    assert _snapshot(target) == before
+
+
+def test_a_database_whose_stored_version_was_set_back_migrates_again(tmp_path):
+    """The stored schema version edited back by hand (the columns and indexes of the newest
+    version present): opening it writable runs the migrations again without error, keeps every
+    row and stores the current version."""
+    path = _ro_db(tmp_path)
+    rows = _snapshot(path)
+    for version in ("1", "2"):
+        c = sqlite3.connect(path)
+        c.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [version])
+        c.commit()
+        c.close()
+        with TuningDB(path) as db:
+            assert db.schema_version == 3
+        assert _snapshot(path) == rows and _integrity(path) == "ok"
+    export = tmp_path / "more.json"
+    export.write_text(dumps(valid_doc(random.Random(9), 2)))
+    c = sqlite3.connect(path)
+    c.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+    c.commit()
+    c.close()
+    rc, out, err = cli("import", export, "--db", path)
+    assert rc == 0 and "2 added" in out, (out, err)

@@ -55,7 +55,7 @@ from torch import nn
 from ..loaders import MissingKeyError, load_state_dict_weight
 from ..nn import FP4Buffers, FP4Linear, fuse_projections, notify_converted
 from ..patterns import pattern_list
-from ..weights import FP4Weight, _describe
+from ..weights import FP4Weight, _describe, missing_device
 from .checkpoint_experts import Readers, load_experts
 from .layouts import RENAMES
 from .safetensors_io import INDEX, path_arg, present_file, read_header, shard_files
@@ -718,8 +718,19 @@ def _replace_linears(model: nn.Module, t: _Tensors, scheme: _Scheme, dtype: torc
     return dense_stored
 
 
+def _fp32_pattern(model: nn.Module) -> Optional["re.Pattern[str]"]:
+    """What names the parameters the model class keeps in float32 (``_keep_in_fp32_modules`` and
+    ``_keep_in_fp32_modules_strict``: T5's ``wo``, DeepSeek-V3's router ``gate.weight``), matched
+    as transformers matches them: a run of whole dotted components of the name; None if none."""
+    entries = [e for a in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
+               for e in (getattr(model, a, None) or []) if isinstance(e, str) and e]
+    if not entries:
+        return None
+    return re.compile("|".join(rf"(?:^|\.){re.escape(e)}(?:$|\.)" for e in entries))
+
+
 def _fill_dense(model: nn.Module, t: _Tensors, dtype: torch.dtype) -> None:
-    fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    fp32 = _fp32_pattern(model)
     missing = []
     for mname, mod in model.named_modules():
         for pname, p in list(mod._parameters.items()):
@@ -729,7 +740,7 @@ def _fill_dense(model: nn.Module, t: _Tensors, dtype: torch.dtype) -> None:
             if key not in t:
                 missing.append(key)
                 continue
-            want = torch.float32 if any(f in key.split(".") for f in fp32) else dtype
+            want = torch.float32 if fp32 is not None and fp32.search(key) else dtype
             mod._parameters[pname] = nn.Parameter(_dense(t, key, tuple(p.shape), want), requires_grad=False)
         for bname, b in list(mod._buffers.items()):
             key = f"{mname}.{bname}" if mname else bname
@@ -768,9 +779,13 @@ def _device(device_map: Any) -> torch.device:
     if device_map == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
-        return torch.device(device_map)
+        dev = torch.device(device_map)
     except (TypeError, RuntimeError):
         raise ValueError(f"{_WHAT}: device_map must be None, 'auto', a device or {{'': device}}, got {device_map!r}") from None
+    why = missing_device(dev)
+    if why:
+        raise ValueError(f"{_WHAT}: device_map={device_map!r}: {why}; load on the CPU (device_map=None) or use 'auto'")
+    return dev
 
 
 #: the dtypes a loaded model runs in: the FP4 kernels' activations (and the dense layers' weights)

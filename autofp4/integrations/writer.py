@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Collection, Iterator, Optional, Union
@@ -254,10 +255,25 @@ def copy_side_files(source: Optional[Path], root: Path) -> list[str]:
     copied = []
     for f in sorted(source.iterdir()):
         if not _is_side_file(f) or (root / f.name).exists():
+            _warn_not_copied(f)
             continue
         shutil.copy2(f, root / f.name)
         copied.append(f.name)
     return copied
+
+
+def _warn_not_copied(f: Path) -> None:
+    """Warn about an entry of a source checkpoint that looks like one of its files but is left out
+    for not being a regular file (a FIFO, device or socket; a folder with a checkpoint file's name)."""
+    if f.name.startswith(".") or f.is_file() or not (f.exists() or f.is_symlink()):
+        if f.is_symlink() and not f.exists() and f.name in _CHECKPOINT_FILES:
+            warnings.warn(f"{f}: not copied to the output: a symbolic link to a missing file", RuntimeWarning,
+                          stacklevel=3)
+        return
+    if f.is_dir() and f.name not in _CHECKPOINT_FILES:
+        return  # a subfolder: not part of a checkpoint's top level
+    kind = "a folder" if f.is_dir() else "not a regular file (a FIFO, device or socket)"
+    warnings.warn(f"{f}: not copied to the output: it is {kind}", RuntimeWarning, stacklevel=3)
 
 
 def config_dict(config: Any) -> dict:
