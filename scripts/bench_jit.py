@@ -84,6 +84,8 @@ too where they stay under 50 lines; the summary printed last) to ``--out`` (defa
     python scripts/bench_jit.py                                   # on the GPU (about 25 minutes)
     python scripts/bench_jit.py --phases blocking --offline-db tuning_db/nvidia-h200.json
     python scripts/bench_jit.py --phases blocking --offline-db tuning_db/nvidia-h200.json --kernel-cache out/jitcache-llama
+    python scripts/bench_jit.py --phases blocking --offline-db tuning_db/nvidia-h200.json --kernel-cache out/jitcache-llama \\
+        --worker-ahead-s 30                                       # the worker started while "the model loads"
     python scripts/bench_jit.py --model examples/qwen3-30b-a3b.json --ops moe --m 1,2,4,8,16,32,64,128,256 \\
         --phases blocking --offline-db tuning_db/nvidia-h200.json
     python scripts/bench_jit.py --device cpu --out /tmp/jit       # the smoke check
@@ -346,6 +348,9 @@ def blocking(stack: Stack, args, work: Path, offline_src) -> dict:
     before = decode_all(stack, args)
     first, by_op = {}, {}
     with autofp4.autotune(mode="blocking", budget_s=args.budget_s, ops=args.ops):
+        if args.worker_ahead_s:  # as a program that starts the worker, then loads its model
+            autofp4.autotune.start(stack.dev)
+            time.sleep(args.worker_ahead_s)
         for m in args.m:
             clock: dict = {}
             first[str(m)] = stack.timed(m, clock)
@@ -353,7 +358,7 @@ def blocking(stack: Stack, args, work: Path, offline_src) -> dict:
         after = decode_all(stack, args)  # as a server runs on: its worker idle
         jobs = autofp4.autotune.jobs()
     _compiled_since(cache)
-    out = {"kernel_cache": cache, "decode_before": before, "first_forward_s": first,
+    out = {"kernel_cache": cache, "decode_before": before, "worker_ahead_s": args.worker_ahead_s, "first_forward_s": first,
            "warmup_s": sum(first.values()), "first_forward_s_by_op": by_op,
            "warmup_s_by_op": {op: sum(c.get(op, 0.0) for c in by_op.values()) for op in stack.ops},
            "decode": after, "jobs": jobs, "jobs_summary": jobs_summary(jobs)}
@@ -790,6 +795,9 @@ def table(doc: dict, per_job: bool = True) -> str:
                   f" (target <= {target:.0f} s with a {state if state != 'kept' else 'cold'} kernel cache,"
                   f" Llama-3.1-8B's 40 jobs on an H200)",
                   "  " + cache_line(blk["kernel_cache"]),
+                  *([f"  the worker started {blk['worker_ahead_s']:g} s before the first forward "
+                     "(autotune.start(), as while a model loads); its start is not in the warm-up"]
+                    if blk.get("worker_ahead_s") else []),
                   "  first forward s by M: " + ", ".join(f"{m}: {v:.2f}" for m, v in blk["first_forward_s"].items()),
                   "  in the calls of each op: " + ", ".join(f"{op} {v:.1f} s" for op, v in blk["warmup_s_by_op"].items()),
                   "  " + jobs_line(blk["jobs_summary"])]
@@ -848,6 +856,9 @@ def parse(argv: list[str] | None):
     p.add_argument("--moe-layers", type=int, default=1,
                    help="copies of the MoE layers (default 1: each distinct MoE shape once is enough to tune it)")
     p.add_argument("--budget-s", type=float, help="each just-in-time job's time (default: autotune's)")
+    p.add_argument("--worker-ahead-s", type=float, default=0.0, metavar="S",
+                   help="blocking phase: start the tuning worker (autotune.start()) S seconds before the first "
+                        "forward, as a program does before loading its model (default 0: on the first miss)")
     p.add_argument("--duty", type=float, help="the background worker's share of time measuring (default: autotune's)")
     p.add_argument("--reps", type=int, default=20, help="forward passes per timing window")
     p.add_argument("--rounds", type=int, default=5, help="timing windows per decode time")
@@ -888,6 +899,8 @@ def parse(argv: list[str] | None):
         args.compare_rounds = 1 if on_cpu else 3
     if args.compare_rounds < 1 or args.moe_layers < 1 or (args.layers is not None and args.layers < 1):
         p.error("--compare-rounds, --layers and --moe-layers must be >= 1")
+    if not (0 <= args.worker_ahead_s <= 3600):
+        p.error(f"--worker-ahead-s: seconds from 0 to 3600, got {args.worker_ahead_s}")
     return args
 
 

@@ -90,6 +90,25 @@ def test_one_phase_runs_alone_and_reads_the_offline_rows_of_a_given_db(tmp_path,
     assert "the rows of offline.json" in capsys.readouterr().out
 
 
+def test_the_blocking_phase_can_start_the_worker_ahead_of_the_first_forward(tmp_path, capsys):
+    """``--worker-ahead-s S``: the worker is started S seconds before the first forward (as while a
+    model loads); the run says so, and the warm-up's jobs are all tuned by it."""
+    from autofp4 import dispatch
+
+    try:
+        assert B.main(["--device", "cpu", "--out", str(tmp_path), "--reps", "2", "--rounds", "2",
+                       "--phases", "blocking", "--no-compare", "--worker-ahead-s", "0.5"]) == 0
+    finally:
+        dispatch.set_db(None)
+    doc = json.loads((tmp_path / "jit-blocking.json").read_text())
+    blk = doc["blocking"]
+    assert blk["worker_ahead_s"] == 0.5 and blk["jobs_summary"]["jobs"] > 0
+    assert set(blk["jobs_summary"]["statuses"]) == {"tuned"}
+    assert "the worker started 0.5 s before the first forward" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        B.parse(["--worker-ahead-s", "-1"])
+
+
 def test_a_moe_model_tunes_its_moe_layers_just_in_time(tmp_path, capsys):
     """``--model tiny-moe --ops moe``: a forward pass runs the MoE layer (random FP4 experts, a
     random top-2 routing per M), the blocking phase tunes its jobs at every M, and they are

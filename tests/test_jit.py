@@ -138,6 +138,34 @@ def test_blocking_first_call_stores_a_row_and_the_second_call_is_a_tuned_hit(_ow
     assert trials and all(t.m_bucket == 4 for t in trials)
 
 
+def test_the_worker_can_be_started_before_the_first_call_and_serves_it(_own_db):
+    """``autotune.start()`` spawns the device's worker at once (no job yet); the first call that
+    misses is tuned by that same process, not by a second one; it refuses to run with no
+    autotuning on, names a device this machine lacks, and does nothing when no op is tuned."""
+    from autofp4.tuning import jit
+
+    with pytest.raises(RuntimeError, match="no autotuning is on"):
+        autofp4.autotune.start()
+    w, x = _weight(KEY.n, KEY.k, seed=3), _act(2, KEY.k)
+    with autofp4.autotune(mode="blocking"):
+        assert autofp4.autotune.start("cpu") and autofp4.autotune.start()  # a second start: the same worker
+        (worker,) = jit.active().workers.values()
+        pid = worker.pid
+        assert pid is not None and worker.proc.poll() is None and not worker.pending
+        if not torch.cuda.is_available():
+            with pytest.raises(ValueError, match=r"autotune.start\('cuda'\): no CUDA GPU is available"):
+                autofp4.autotune.start("cuda")
+        with pytest.raises(ValueError, match="is not a device"):
+            autofp4.autotune.start("gpu7")
+        y = autofp4.linear(x, w)
+        assert list(jit.active().workers.values()) == [worker] and worker.pid == pid
+        (rep,) = autofp4.autotune.jobs()
+        assert rep["status"] == "tuned" and rep["m"] == 2
+    assert _rel_err(y, x, w) < 1e-2
+    with autofp4.autotune(mode="blocking", ops=()):
+        assert not autofp4.autotune.start() and not jit.active().workers
+
+
 def test_background_call_returns_at_once_and_the_row_is_used_without_restart(_own_db):
     w, x = _weight(KEY.n, KEY.k), _act(5, KEY.k)
     with autofp4.autotune(mode="background"):

@@ -33,6 +33,7 @@ from .. import dispatch
 from ..backends import get_backend
 from ..db import ChangeMonitor, TuningDBError
 from ..problem import OPS
+from ..weights import missing_device
 from . import args as A
 from .compile_pool import _spec
 from .jobs import STORED, Job
@@ -140,6 +141,14 @@ class _Scope:
                 "compile_grace_s": BLOCKING_COMPILE_GRACE_S if self.mode == "blocking" else None,
             })
         return w
+
+    def start(self, device: torch.device) -> bool:
+        """Start the worker of ``device`` now (see :meth:`autotune.start`)."""
+        if not self.ops:
+            return False
+        with self.lock:
+            worker = self._worker(device)
+        return worker.start()
 
     # -- waiting and closing --
     def wait(self, timeout: float | None = None) -> bool:
@@ -253,6 +262,36 @@ class autotune:
             s.close()
             global _LAST_REPORTS
             _LAST_REPORTS = s.reports()
+
+    @staticmethod
+    def start(device: torch.device | str | int | None = None) -> bool:
+        """Start the tuning worker of ``device`` (default: the current CUDA device, else the CPU)
+        now, so that its start (a process importing torch and the kernel compiler, its compile
+        workers, the timing process and its CUDA context: seconds) overlaps what comes before the
+        first call, such as loading the model, instead of delaying the first call that misses::
+
+            with autofp4.autotune(mode="blocking"):
+                autofp4.autotune.start()
+                model = autofp4.from_pretrained(path, device_map="cuda")
+                model(warmup_batch)
+
+        True when the worker runs (False: no ops are tuned, or it cannot start, warned once).
+        Raises ``RuntimeError`` with no autotuning on, ``ValueError`` for a device this machine
+        lacks."""
+        s = active()
+        if s is None:
+            raise RuntimeError("autofp4.autotune.start(): no autotuning is on: call it inside `with "
+                               "autofp4.autotune(...)`, or with AUTOFP4_AUTOTUNE set")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        try:
+            dev = torch.device(device) if not isinstance(device, torch.device) else device
+        except (TypeError, RuntimeError) as e:
+            raise ValueError(f"autofp4.autotune.start(): {device!r} is not a device: {e}") from None
+        why = missing_device(dev)
+        if why:
+            raise ValueError(f"autofp4.autotune.start({device!r}): {why}")
+        return s.start(dispatch._norm_device(dev))
 
     @staticmethod
     def pending() -> int:

@@ -214,6 +214,12 @@ class WorkerClient:
             self._send(i, job)
         return i
 
+    def start(self) -> bool:
+        """Start the worker process now, before any job (it then sets up, compile workers and
+        timing process included, while its parent does other work); False where it cannot start."""
+        with self._cv:
+            return self._ensure()
+
     def finished(self) -> list[dict[str, Any]]:
         """The reports of the jobs finished so far, in the order they finished."""
         with self._cv:
