@@ -307,6 +307,15 @@ def _backends_run_on(names: list[str] | None, device: torch.device) -> None:
             raise _UsageError(f"--backend {n} cannot run on {where}: {why}")
 
 
+def _refuse_memory_storage(url: str) -> None:
+    """``--storage sqlite:///:memory:`` (or ``sqlite://``) is private to one process: it shares
+    nothing, which is all ``--storage`` is for."""
+    head, _, rest = url.partition("://")
+    if head.lower().split("+")[0] == "sqlite" and rest.split("?", 1)[0] in ("", "/", "/:memory:"):
+        raise _UsageError(f"--storage {url} is an in-memory SQLite database, which no other process can share; "
+                          "name a file (sqlite:///study.db) or leave --storage out")
+
+
 def _refuse_storage_on_db(url: str, db_path: Path) -> None:
     """``--storage sqlite:///FILE`` where FILE is the tuning DB (or another autofp4 tuning DB):
     optuna would add its tables to it, and both schemas have a ``trials`` table."""
@@ -355,6 +364,7 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     db_path = dispatch.user_db_path()
     if args.storage:
         _refuse_storage_on_db(args.storage, db_path)
+        _refuse_memory_storage(args.storage)
     on_cpu, cpu_note = _tune_device(args)
     common: dict[str, Any] = dict(
         backends=backends, db=db_path, budget_per_shape=args.budget, budget_total_s=args.time_budget,
@@ -734,11 +744,14 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _cache_line() -> str:
-    from .kernel_cache import disabled_by, summary
+    from .kernel_cache import cache_dir_problem, disabled_by, summary
 
     d, n, size = summary()
     if d is None:
         return f"disabled ({disabled_by()}): every process compiles its kernels"
+    why = cache_dir_problem(d)
+    if why is not None:
+        return f"unusable: {why}; every process compiles its kernels"
     return f"{d}: {n} compiled kernel{'s' if n != 1 else ''}, {size / 2**20:.1f} MiB"
 
 

@@ -125,6 +125,21 @@ def _norm_device(device: torch.device | str | int) -> torch.device:
     return dev
 
 
+def _checked_device(device: Any, what: str = "autofp4") -> torch.device:
+    """:func:`_norm_device` of a device this machine has; ValueError naming it (after ``what``)
+    otherwise."""
+    try:
+        dev = torch.device(device) if not isinstance(device, torch.device) else device
+    except (TypeError, RuntimeError) as e:
+        raise ValueError(f"{what}: {device!r} is not a device: {e}") from None
+    from .weights import missing_device
+
+    why = missing_device(dev)
+    if why:
+        raise ValueError(f"{what}: device {device!r}: {why}")
+    return _norm_device(dev)
+
+
 def _key_dict(key: ProblemKey) -> dict[str, Any]:
     return asdict(key)
 
@@ -702,7 +717,7 @@ def get_dispatcher(device: torch.device | str | int | None = None) -> Dispatcher
         return d
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    dev = _norm_device(device)
+    dev = _checked_device(device)
     with _STATE_LOCK:
         d = _DISPATCHERS.get(dev)
         if d is None:

@@ -35,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tarfile
 import tempfile
 import tokenize
@@ -213,7 +214,7 @@ _OWN_FILE = re.compile(r"[A-Za-z0-9_]{1,64}-[0-9a-f]{32}\.(o|json)")
 def _kernel_files(d: Path) -> list[Path]:
     """The compiled kernels in ``d``: the ``.o`` files named as :func:`compile_cached` names them
     (any other file there, say a build folder's ``foo.o``, is not the cache's)."""
-    return sorted(p for p in d.glob("*.o") if _OWN_FILE.fullmatch(p.name)) if d.is_dir() else []
+    return sorted(p for p in d.glob("*.o") if _OWN_FILE.fullmatch(p.name) and p.is_file()) if d.is_dir() else []
 
 
 def summary() -> tuple[Path | None, int, int]:
@@ -324,9 +325,12 @@ def export_archive(dest: str | Path) -> ArchiveReport:
     with a manifest of checksums), atomically. Kernels without a record (compiled by an earlier
     autofp4) are left out and listed."""
     d = _require_cache()
+    if str(dest) == "-":
+        raise KernelArchiveError("the archive is written to a file, not standard output: name the file (not '-')")
     dest = Path(dest)
     if dest.is_dir():
         raise KernelArchiveError(f"{dest} is a directory; name the archive file to write")
+    _check_replaceable(dest)
     if d.is_dir() and dest.resolve().parent == d.resolve():
         raise KernelArchiveError(f"{dest} is inside the kernel cache {d}; write the archive elsewhere")
     report, entries = ArchiveReport(), []
@@ -370,6 +374,30 @@ def export_archive(dest: str | Path) -> ArchiveReport:
     report.kernels = len(entries)
     report.bytes = dest.stat().st_size
     return report
+
+
+def _check_replaceable(dest: Path) -> None:
+    """An export replaces ``dest``: only where nothing is there, or an earlier kernel archive
+    (a gzipped tar whose first member is the manifest). A device, FIFO or socket, and any other
+    file (a tuning DB, someone's data), is refused."""
+    try:
+        st = dest.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return  # nothing there (a file in its path: said below, where the archive is written)
+    except OSError as e:
+        raise KernelArchiveError(f"cannot write {dest}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise KernelArchiveError(f"{dest} is not a regular file (a device, FIFO or socket); an export replaces its "
+                                 "target, so name a file")
+    try:
+        with tarfile.open(dest, "r:gz") as tar:
+            first = tar.next()
+        ours = first is not None and first.name == MANIFEST
+    except (OSError, tarfile.TarError, EOFError):
+        ours = False
+    if not ours:
+        raise KernelArchiveError(f"{dest} exists and is not a kernel archive; an export would replace it (name a "
+                                 "new file, or remove this one first)")
 
 
 def _check_entry(entry: Any, src: Path) -> dict[str, Any]:

@@ -323,7 +323,8 @@ _MLA = {"hidden_size": True, "num_attention_heads": True, "q_lora_rank": False,
 _LAYERS = {"num_hidden_layers": True, "vocab_size": False}
 _DENSE = {**_ATTENTION, **_LAYERS, "intermediate_size": True}
 _MIXTRAL = {**_DENSE, "num_local_experts": True, "num_experts_per_tok": True}
-_QWEN3_MOE = {**_ATTENTION, **_LAYERS, "intermediate_size": False, "num_experts": True,
+_QWEN3_MOE = {**_ATTENTION, **_LAYERS, "intermediate_size": False, "num_experts": False,
+              "num_local_experts": False,  # the expert count under either name (transformers 5 writes the second)
               "num_experts_per_tok": True, "moe_intermediate_size": True,
               "decoder_sparse_step": False}
 _DEEPSEEK = {**_MLA, **_LAYERS, "intermediate_size": False, "n_routed_experts": True,
@@ -680,8 +681,17 @@ def _qwen3_moe_layers(m: _Model) -> _Groups:
     n_moe = layers // step - sum(1 for i in mlp_only if (i + 1) % step == 0)
     return _mixed_layers(
         m, _attention(m), n_moe, step == 1 and 0 not in mlp_only,
-        lambda: [_moe(m, "moe_intermediate_size", "num_experts", "num_experts_per_tok")],
+        lambda: [_moe(m, "moe_intermediate_size", _one_of(m, ("num_experts", "num_local_experts")),
+                      "num_experts_per_tok")],
     )
+
+
+def _one_of(m: _Model, keys: tuple[str, ...]) -> str:
+    """The first of ``keys`` the config sets (two spellings of one field); ValueError naming all."""
+    key = next((k for k in keys if k in m.v), None)
+    if key is None:
+        raise ValueError(f"config (model_type={m.model_type!r}) lacks all of {list(keys)}")
+    return key
 
 
 def _deepseek_layers(m: _Model) -> _Groups:
@@ -703,11 +713,7 @@ def _deepseek_layers(m: _Model) -> _Groups:
 
 
 def _gpt_oss_layers(m: _Model) -> _Groups:
-    keys = ("num_experts_per_tok", "experts_per_token")
-    topk_key = next((k for k in keys if k in m.v), None)
-    if topk_key is None:
-        raise ValueError(f"config (model_type={m.model_type!r}) lacks all of {list(keys)}")
-    moe = _moe(m, "intermediate_size", "num_local_experts", topk_key)
+    moe = _moe(m, "intermediate_size", "num_local_experts", _one_of(m, ("num_experts_per_tok", "experts_per_token")))
     return [(_attention(m) + [moe], m.v["num_hidden_layers"])]
 
 

@@ -215,6 +215,13 @@ class FP4FusedLinear(FP4Linear):
         sizes = [n for _, n in parts]
         if len(parts) < 2 or sum(sizes) != weight.n or min(sizes) <= 0:
             raise ValueError(f"FP4FusedLinear: parts {list(parts)} must be two or more sizes summing to N = {weight.n}")
+        names = [name for name, _ in parts]
+        bad = [name for name in names if not isinstance(name, str) or not name]
+        if bad:
+            raise TypeError(f"FP4FusedLinear: each part's name must be a non-empty str (the original layer's "
+                            f"name), got {bad[0]!r}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"FP4FusedLinear: the parts' names must differ (each is an original layer), got {names}")
         self.part_names = tuple(name for name, _ in parts)
         bounds = [0]
         for n in sizes:

@@ -497,6 +497,14 @@ def _moe_fake(x, *args, **kwargs):
     return torch.empty_like(x)
 
 
+def _refuse_bias_without_sigmoid(correction_bias, scoring, what: str) -> None:
+    """DeepSeek-V3's ``correction_bias`` steers the sigmoid scoring's choice; softmax scoring has
+    none to steer (it would be ignored)."""
+    if correction_bias is not None and scoring != "sigmoid":
+        raise ValueError(f"{what}: correction_bias is used by scoring='sigmoid' (DeepSeek-V3's routing), not by "
+                         f"scoring={scoring!r}, which would ignore it")
+
+
 def _router_spec(router_logits, top_k, scoring, renormalize, n_group, topk_group, scale) -> "router.RouterSpec":
     """The checked routing of a MoE call from ``router_logits``."""
     _check_logits(router_logits, "moe")
@@ -560,6 +568,19 @@ def moe(
         raise TypeError("moe: needs topk_weights and topk_ids, or router_logits and top_k")
     if router_logits is not None and top_k is None:
         raise TypeError("moe: router_logits needs top_k (the experts per token)")
+    if router_logits is None:
+        given = {k: v for k, v, unset in (("top_k", top_k, None), ("renormalize", renormalize, True),
+                                          ("scoring", scoring, "softmax"), ("n_group", n_group, 1),
+                                          ("topk_group", topk_group, 1),
+                                          ("routed_scaling_factor", routed_scaling_factor, 1.0))
+                 if not (v is unset or (isinstance(v, bool) == isinstance(unset, bool) and v == unset))}
+        if correction_bias is not None:
+            given["correction_bias"] = "a tensor"
+        if given:
+            raise TypeError(f"moe: {', '.join(f'{k}={v!r}' for k, v in given.items())}: routing arguments, used only "
+                            "with router_logits=; with topk_weights and topk_ids the routing is given (scale the "
+                            "weights yourself, or pass the logits)")
+    _refuse_bias_without_sigmoid(correction_bias, scoring, "moe")
     if act_dtype is not None:
         from .w4a8 import check_act_dtype
 
@@ -620,6 +641,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True, *, 
     it is skipped while a CUDA graph is being captured, under torch.compile and for meta
     tensors, where such rows give NaN weights instead."""
     _check_logits(router_logits, "route")
+    _refuse_bias_without_sigmoid(correction_bias, scoring, "route")
     spec = router.RouterSpec.checked(router_logits.shape[1], top_k, scoring, renormalize, n_group, topk_group,
                                      routed_scaling_factor)
     router.check_bias(correction_bias, router_logits.shape[1], router_logits.device)

@@ -98,13 +98,20 @@ def check_bias(bias, experts: int, device, what: str = "route") -> None:
 
 
 # ----------------------------------------------------------------------------- torch ops
+def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk`` along the last dim with its ties ordered as the kernel orders them: the
+    lower index first (``torch.topk`` leaves their order to the device and the size)."""
+    v, i = torch.sort(x, dim=-1, descending=True, stable=True)
+    return v[..., :k], i[..., :k]
+
+
 def route_torch(logits: torch.Tensor, spec: RouterSpec,
                 bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(topk_weights fp32 [T, k], topk_ids int32 [T, k])`` with fixed-size torch ops in fp32."""
     l32 = logits.float()
     k = spec.top_k
     if spec.scoring == "softmax":
-        w, ids = torch.topk(torch.softmax(l32, dim=-1), k, dim=-1)
+        w, ids = _topk(torch.softmax(l32, dim=-1), k)
         if spec.renormalize:
             w = w / w.sum(dim=-1, keepdim=True)
     else:
@@ -112,10 +119,10 @@ def route_torch(logits: torch.Tensor, spec: RouterSpec,
         c = s if bias is None else s + bias.float()
         if spec.n_group > 1:
             t, e = c.shape
-            gs = c.view(t, spec.n_group, e // spec.n_group).topk(2, dim=-1).values.sum(-1)
-            keep = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, gs.topk(spec.topk_group, dim=-1).indices, True)
+            gs = _topk(c.view(t, spec.n_group, e // spec.n_group), 2)[0].sum(-1)
+            keep = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, _topk(gs, spec.topk_group)[1], True)
             c = c.masked_fill(~keep.repeat_interleave(e // spec.n_group, dim=1), float("-inf"))
-        ids = torch.topk(c, k, dim=-1).indices
+        ids = _topk(c, k)[1]
         w = s.gather(1, ids)
         if spec.renormalize:
             w = w / (w.sum(dim=-1, keepdim=True) + SIGMOID_EPS)

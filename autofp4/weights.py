@@ -309,6 +309,9 @@ class FP4Weight:
     def to(self, device: Device, non_blocking: bool = False) -> "FP4Weight":
         """This weight on ``device``; ``self`` when it is already there. A moved weight starts
         with an empty prepacked cache."""
+        if isinstance(device, torch.dtype):
+            raise TypeError(f"FP4Weight.to({device}): an FP4 weight moves between devices but has no dtype to convert "
+                            f"to (its values are FP4 codes); dequantize({device}) gives a dense tensor")
         try:
             why = missing_device(torch.device(device))
         except (TypeError, RuntimeError):

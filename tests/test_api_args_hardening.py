@@ -376,3 +376,101 @@ def test_tuner_settings_without_the_tuner_are_named(tmp_path):
     assert "AUTOFP4_AUTOTUNE_BUDGET_S set, but AUTOFP4_AUTOTUNE is not on" in run.stderr
     quiet = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "AUTOFP4_AUTOTUNE" not in quiet.stderr
+
+
+# -- the seventeenth adversarial set ---------------------------------------------------------------
+def test_routing_ties_go_to_the_lower_expert_id_on_every_path():
+    """route's documented tie rule (the lower id first), for softmax and sigmoid scoring and the
+    group-limited choice; torch.topk alone orders ties as it likes."""
+    for scoring in ("softmax", "sigmoid"):
+        assert autofp4.route(torch.zeros(3, 8), 3, scoring=scoring)[1].tolist() == [[0, 1, 2]] * 3
+        assert autofp4.route(torch.tensor([[1., 0, 1, 0, 1, 0, 1, 0]]), 2, scoring=scoring)[1].tolist() == [[0, 2]]
+    ids = autofp4.route(torch.zeros(2, 16), 4, scoring="sigmoid", n_group=4, topk_group=2)[1]
+    assert ids.tolist() == [[0, 1, 2, 3]] * 2  # groups 0 and 1 (tied), then their lower ids
+
+
+def test_routing_arguments_that_would_be_ignored_are_refused():
+    """A correction bias means sigmoid scoring; top_k, renormalize, scoring, groups, scale and bias
+    only shape a routing moe() computes from router_logits, so with given ids they are refused."""
+    g = torch.Generator().manual_seed(17)
+    logits = torch.randn(5, 4, generator=g)
+    bias = torch.rand(4, generator=g)
+    with pytest.raises(ValueError, match="correction_bias is used by scoring='sigmoid'"):
+        autofp4.route(logits, 2, correction_bias=bias)
+    w13 = autofp4.quantize(torch.randn(4, 64, 64, generator=g), "nvfp4")
+    w2 = autofp4.quantize(torch.randn(4, 64, 32, generator=g), "nvfp4")
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="correction_bias is used by scoring='sigmoid'"):
+        autofp4.moe(x, w13, w2, router_logits=logits, top_k=2, correction_bias=bias)
+    tw, ti = autofp4.route(logits, 2)
+    for extra in ({"top_k": 3}, {"renormalize": False}, {"routed_scaling_factor": 5.0}, {"scoring": "sigmoid"},
+                  {"n_group": 2}, {"correction_bias": bias}):
+        with pytest.raises(TypeError, match=f"{next(iter(extra))}=.*used only with router_logits"):
+            autofp4.moe(x, w13, w2, tw, ti, **extra)
+    same = autofp4.moe(x, w13, w2, tw, ti, routed_scaling_factor=1, renormalize=True)  # the defaults: fine
+    assert torch.equal(same, autofp4.moe(x, w13, w2, tw, ti))
+
+
+def test_fused_part_names_must_be_distinct_strings():
+    w = autofp4.quantize(torch.randn(96, 64, generator=torch.Generator().manual_seed(1)), "nvfp4")
+    with pytest.raises(ValueError, match="the parts' names must differ"):
+        FP4FusedLinear(w, None, torch.bfloat16, [("a.q_proj", 64), ("a.q_proj", 32)])
+    for bad in (5, "", None):
+        with pytest.raises(TypeError, match="each part's name must be a non-empty str"):
+            FP4FusedLinear(w, None, torch.bfloat16, [("a.q_proj", 64), (bad, 32)])
+
+
+def test_devices_and_dtypes_that_do_not_fit_are_named(tmp_path):
+    w = autofp4.quantize(torch.randn(64, 128, generator=torch.Generator().manual_seed(2)), "nvfp4")
+    with pytest.raises(TypeError, match=r"FP4Weight.to\(torch.float16\): .*no dtype to convert"):
+        w.to(torch.float16)
+    missing = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ValueError, match=f"device '{missing}': .*CUDA GPU"):
+        dispatch.get_dispatcher(missing)
+    with pytest.raises(ValueError, match="is not a device"):
+        dispatch.get_dispatcher("gpu0")
+    m = tiny_model("llama", 3)
+    autofp4.quantize_model(m, "nvfp4")
+    autofp4.save_pretrained(m, tmp_path / "ck")
+    for dm in ("meta", {"": "meta"}):
+        with pytest.raises(ValueError, match="device_map=.*meta.*holds no data"):
+            autofp4.from_pretrained(tmp_path / "ck", device_map=dm)
+
+
+def test_a_qwen3_moe_config_may_name_its_experts_num_local_experts(tmp_path):
+    """transformers 5 writes Qwen3-MoE's expert count as num_local_experts: the model's shapes
+    (tune, explain, cache --warm) read it under either name."""
+    cfg = {"model_type": "qwen3_moe", "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "moe_intermediate_size": 32,
+           "num_experts_per_tok": 2}
+    a = model_shapes({**cfg, "num_experts": 8}, fmt="nvfp4")
+    b = model_shapes({**cfg, "num_local_experts": 8}, fmt="nvfp4")
+    assert a == b and any(s.op == "moe" and s.experts == 8 for s in b)
+    with pytest.raises(ValueError, match=r"lacks all of \['num_experts', 'num_local_experts'\]"):
+        model_shapes(cfg, fmt="nvfp4")
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 8}))
+    rc, out, err = run(["tune", "--model", tmp_path / "config.json", "--dry-run", "--device", "cpu"])
+    assert rc == 0 and "jobs" in out, err
+
+
+def test_quantize_warns_about_skip_patterns_that_match_no_layer(tmp_path):
+    """``--skip`` with a typo (or ``[``, a glob fnmatch reads literally) keeps nothing: warned,
+    naming the pattern; the default lm_head patterns never warn, a matching pattern does not."""
+    src = tmp_path / "src"
+    tiny_model("llama", 4).save_pretrained(src)
+    with pytest.warns(RuntimeWarning) as rec:
+        quantize_checkpoint(src, tmp_path / "out", "nvfp4", skip=["lm_head", "*.lm_head", "model.layer.0.*", "[",
+                                                                   "*.mlp.down_proj"], progress=False)
+    said = [str(r.message) for r in rec if "matches no layer" in str(r.message)]
+    assert len(said) == 2 and any("'model.layer.0.*'" in m for m in said) and any("'['" in m for m in said), said
+    report = json.loads((tmp_path / "out" / "quantization_report.json").read_text())
+    kept = report["kept_in_high_precision"]
+    assert any(k.endswith("mlp.down_proj") for k in kept) and not any(k.endswith("mlp.up_proj") for k in kept), kept
+
+
+def test_tune_refuses_an_in_memory_study_storage(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps(TINY))
+    for url in ("sqlite:///:memory:", "sqlite://", "SQLITE+pysqlite:///:memory:?x=1"):
+        rc, out, err = run(["tune", "--model", tmp_path / "c.json", "--m", "1", "--device", "cpu", "--no-progress",
+                            "--db", tmp_path / "t.db", "--storage", url])
+        assert rc == 2 and "in-memory SQLite database" in err and "tuned" not in out, (url, err)

@@ -282,6 +282,19 @@ def test_a_side_file_that_is_not_a_regular_file_is_warned_about_not_copied(tmp_p
     assert (out / "chat_template.jinja").read_text() == "{{ messages }}" and not (out / "tokenizer.json").exists()
 
 
+def test_a_quant_method_that_names_the_tensors_otherwise_is_blamed(tmp_path, seed):
+    """A ModelOpt checkpoint whose config says gpt-oss's quant_method 'mxfp4': the packed weight
+    and its scale are both there, so the error blames the quantization config, not a missing scale."""
+    path = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
+    _edit(path / "config.json", lambda d: d["quantization_config"].update(quant_method="mxfp4"))
+    (path / "hf_quant_config.json").unlink()
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    msg = _one_line(info.value)
+    assert "quantization config does not read them as an FP4 weight" in msg and "quant_method" in msg, msg
+    assert "is missing" not in msg
+
+
 @pytest.mark.parametrize("fuse", ["no", 0, None, "False"])
 def test_fuse_must_be_a_bool(tmp_path, seed, fuse):
     path = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)

@@ -153,7 +153,7 @@ def test_the_worker_can_be_started_before_the_first_call_and_serves_it(_own_db):
         pid = worker.pid
         assert pid is not None and worker.proc.poll() is None and not worker.pending
         if not torch.cuda.is_available():
-            with pytest.raises(ValueError, match=r"autotune.start\('cuda'\): no CUDA GPU is available"):
+            with pytest.raises(ValueError, match=r"autotune.start\(\): device 'cuda': no CUDA GPU is available"):
                 autofp4.autotune.start("cuda")
         with pytest.raises(ValueError, match="is not a device"):
             autofp4.autotune.start("gpu7")

@@ -541,3 +541,47 @@ def test_a_hostile_archive_is_refused_naming_it_and_writes_nothing(cache, tmp_pa
     _other_cache(monkeypatch, tmp_path / "empty")
     with pytest.raises(kernel_cache.KernelArchiveError, match="holds no kernels"):
         kernel_cache.export_archive(tmp_path / "x.tgz")
+
+
+def test_an_export_replaces_only_an_earlier_archive(cache, tmp_path, monkeypatch):
+    """``cache --export`` writes a new file or replaces an earlier kernel archive; a device or
+    FIFO, any other file (a tuning DB) and '-' are refused and left as they were. A FIFO named
+    like a kernel in the cache is not read (it would block)."""
+    import sqlite3
+
+    from autofp4.cli import main
+
+    _compile_decode(D.DecodeConfig(warps=4, k_split=2, m_max=8), [])
+    first = tmp_path / "a.tgz"
+    kernel_cache.export_archive(first)
+    assert kernel_cache.export_archive(first).kernels == 1  # an earlier archive: replaced
+    db = tmp_path / "u.db"
+    with sqlite3.connect(db) as c:
+        c.execute("create table t (v)")
+        c.execute("insert into t values (42)")
+    before = db.read_bytes()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for dest, said in ((db, "is not a kernel archive"), (notes, "is not a kernel archive"),
+                       (fifo, "is not a regular file"), ("-", "not standard output")):
+        with pytest.raises(kernel_cache.KernelArchiveError, match=said):
+            kernel_cache.export_archive(dest)
+        assert main(["cache", "--export", str(dest)]) == 2
+    assert db.read_bytes() == before and notes.read_text() == "mine" and fifo.is_fifo()
+    assert not (tmp_path / "-").exists() and not os.path.exists("-")
+    os.mkfifo(cache / f"w4a16_decode-{'1' * 32}.o")  # named like a kernel: skipped, not read
+    assert kernel_cache.export_archive(tmp_path / "b.tgz").kernels == 1
+
+
+def test_info_says_a_kernel_cache_that_is_a_file_is_unusable(tmp_path, monkeypatch, capsys):
+    from autofp4.cli import main
+
+    f = tmp_path / "kc"
+    f.write_text("x")
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(f))
+    monkeypatch.setenv("AUTOFP4_DB", str(tmp_path / "t.db"))
+    assert main(["info", "--device", "cpu"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("kernel cache"))
+    assert "unusable" in line and "is not a directory" in line and "0 compiled kernels" not in line

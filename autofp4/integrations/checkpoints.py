@@ -608,6 +608,14 @@ def _dense(t: _Tensors, key: str, shape: tuple[int, ...], dtype: torch.dtype, pa
     v = t[key]
     if (v.dtype == torch.uint8 and key.endswith(".weight") and len(shape) == 2
             and tuple(v.shape) == (shape[0], shape[1] // 2)):
+        if key + "_scale" in t:
+            raise ValueError(
+                f"{_WHAT}: {key!r} is stored packed (uint8 {tuple(v.shape)}, two FP4 values a byte) with its "
+                f"{key + '_scale'!r}, but the checkpoint's quantization config does not read them as an FP4 "
+                "weight: its quant_method names FP4 tensors otherwise (gpt-oss 'mxfp4': '<name>_blocks' / "
+                "'<name>_scales'; compressed-tensors: 'weight_packed'), or it excludes this module; check "
+                "quantization_config in config.json (and hf_quant_config.json)"
+            )
         raise ValueError(
             f"{_WHAT}: {key!r} is stored packed (uint8 {tuple(v.shape)}, two FP4 values a byte) but "
             f"{key + '_scale'!r} is missing (or the checkpoint's config excludes its module)"
@@ -782,6 +790,10 @@ def _device(device_map: Any) -> torch.device:
         dev = torch.device(device_map)
     except (TypeError, RuntimeError):
         raise ValueError(f"{_WHAT}: device_map must be None, 'auto', a device or {{'': device}}, got {device_map!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{_WHAT}: device_map={device_map!r}: autofp4 loads a model onto the CPU or a CUDA GPU "
+                         f"(a {dev.type} device{' holds no data' if dev.type == 'meta' else ' is not supported'}); "
+                         "use None, 'auto', 'cpu' or 'cuda[:N]'")
     why = missing_device(dev)
     if why:
         raise ValueError(f"{_WHAT}: device_map={device_map!r}: {why}; load on the CPU (device_map=None) or use 'auto'")

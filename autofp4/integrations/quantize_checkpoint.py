@@ -156,6 +156,23 @@ def _model_on_meta(src: Path) -> tuple[Any, Any]:
     return config, model
 
 
+#: the skip patterns every call carries (lm_head is kept in bf16): no warning where a model has none
+DEFAULT_SKIP = ("lm_head", "*.lm_head")
+
+
+def _warn_unmatched_skips(skip: list[str], names: list[str]) -> None:
+    """Warn about each given skip pattern that matches no module of the model (a typo, or a
+    glob such as ``[`` that fnmatch reads literally): the layers it was meant to keep are
+    quantized."""
+    for p in skip:
+        if p in DEFAULT_SKIP or any(fnmatch.fnmatchcase(n, p) for n in names):
+            continue
+        like = next((n for n in names if n.endswith("proj")), names[-1] if names else "")
+        warnings.warn(f"{_WHAT}: skip pattern {p!r} matches no layer of the model, so it keeps none in its "
+                      f"original dtype (names look like {like!r}; globs match whole names: '*.mlp.*')",
+                      RuntimeWarning, stacklevel=4)
+
+
 def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt: str, layout: str,
           skip: list[str]) -> tuple[list[Any], list[str]]:
     """Units in source order (_Linear, _Experts, or a str: a tensor copied as it is) and the
@@ -178,6 +195,8 @@ def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt:
         return any(fnmatch.fnmatchcase(name, p) for p in skip)
 
     _check_against_model(reader, model, model_type, by_model, experts)
+    _warn_unmatched_skips(skip, [n for n, _ in model.named_modules() if n]
+                          + [f"{n}.{p}" for n in experts for p in ("gate_up_proj", "down_proj")])
 
     # linears to quantize
     linears: dict[str, str] = {}  # module name -> stored weight key
@@ -492,7 +511,7 @@ def _copy(key: str, reader: SafetensorsReader, writer: ShardedWriter, qz: _Quant
 
 
 def quantize_checkpoint(src: Union[str, Path], out: Union[str, Path], fmt: str, layout: Optional[str] = None, *,
-                        skip: Iterable[str] = ("lm_head", "*.lm_head"), device: Union[str, torch.device] = "cpu",
+                        skip: Iterable[str] = DEFAULT_SKIP, device: Union[str, torch.device] = "cpu",
                         max_shard_size: Union[int, str] = "5GB", overwrite: bool = False,
                         progress: bool = True, stream: Optional[TextIO] = None) -> QuantizeSummary:
     """Quantize the checkpoint directory ``src`` to ``fmt`` and write it to ``out`` in ``layout``

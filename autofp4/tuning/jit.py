@@ -33,7 +33,6 @@ from .. import dispatch
 from ..backends import get_backend
 from ..db import ChangeMonitor, TuningDBError
 from ..problem import OPS
-from ..weights import missing_device
 from . import args as A
 from .compile_pool import _spec
 from .jobs import STORED, Job
@@ -284,14 +283,7 @@ class autotune:
                                "autofp4.autotune(...)`, or with AUTOFP4_AUTOTUNE set")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        try:
-            dev = torch.device(device) if not isinstance(device, torch.device) else device
-        except (TypeError, RuntimeError) as e:
-            raise ValueError(f"autofp4.autotune.start(): {device!r} is not a device: {e}") from None
-        why = missing_device(dev)
-        if why:
-            raise ValueError(f"autofp4.autotune.start({device!r}): {why}")
-        return s.start(dispatch._norm_device(dev))
+        return s.start(dispatch._checked_device(device, "autofp4.autotune.start()"))
 
     @staticmethod
     def pending() -> int:
