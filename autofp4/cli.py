@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--k", type=_positive_int, help="one shape: K (a MoE layer: hidden)")
     e.add_argument("--experts", type=_positive_int, help="one MoE shape: experts")
     e.add_argument("--topk", type=_positive_int, help="one MoE shape: experts per token")
-    e.add_argument("--fmt", choices=FORMATS, default="nvfp4")
+    e.add_argument("--fmt", choices=FORMATS, help="default: a checkpoint's own format, else nvfp4")
     e.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     e.add_argument("--m", type=_int_list_of("--m", 1), default=[1, 16, 2048], metavar="M1,M2,...",
                    help="token counts (default 1,16,2048)")
@@ -349,6 +349,7 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise _UsageError("tune needs --model CONFIG (a config.json) or --from-misses [FILE]")
     if args.model is not None and args.from_misses is not None:
         raise _UsageError("give either --model or --from-misses, not both")
+    _fmt_of_checkpoint(args, args.model)
     _model_options(args)
     _options_for(args, _RUN_OPTIONS, not args.dry_run, "a tuning run",
                  "; --dry-run prints the jobs and tunes nothing (leave --dry-run out to tune)")
@@ -402,6 +403,16 @@ def _options_for(args: argparse.Namespace, options: dict, used: bool, goes_with:
              if getattr(args, k) is not None and getattr(args, k) is not False]  # 0 is given (--workers 0)
     if given:
         raise _UsageError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with {goes_with}{why}")
+
+
+def _fmt_of_checkpoint(args: argparse.Namespace, model: str | None) -> None:
+    """``--fmt`` not given and ``model`` a quantized checkpoint (its folder or its config.json):
+    the checkpoint's own format (an MXFP4 checkpoint's shapes are tuned as MXFP4)."""
+    if args.fmt is not None or not model:
+        return
+    from .integrations.checkpoints import checkpoint_fmt
+
+    args.fmt = checkpoint_fmt(model)
 
 
 def _model_options(args: argparse.Namespace) -> None:
@@ -639,6 +650,9 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
     _set_db(args)
     if args.model is not None and (args.n is not None or args.k is not None):
         raise _UsageError("give --model or one shape (--n, --k), not both")
+    _fmt_of_checkpoint(args, args.model)
+    if args.fmt is None:
+        args.fmt = "nvfp4"
     _options_for(args, _EXPLAIN_MODEL, args.model is not None, "--model", " (one shape is explained as given)")
     _options_for(args, _EXPLAIN_SHAPE, args.model is None, "one shape (--n, --k)", "; --model takes each shape's own")
     if args.model is not None:
@@ -758,6 +772,7 @@ def _cache_line() -> str:
 def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .kernel_cache import cache_dir, cache_dir_problem, clear, others
 
+    _fmt_of_checkpoint(args, args.warm)
     _options_for(args, _WARM_OPTIONS, args.warm is not None, "--warm CONFIG")
 
     try:
@@ -768,6 +783,10 @@ def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if why is not None:
         raise _UsageError(why)
 
+    if args.clear and (args.import_from or args.export_to):
+        raise _UsageError(f"--clear with --{'export' if args.export_to else 'import'}: clearing would come first "
+                          "and leave an export nothing to write (or an import's old kernels gone); run them one "
+                          "at a time")
     if args.clear:
         print(f"removed {clear()} compiled kernels", file=out)
         left = others()

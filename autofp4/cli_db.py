@@ -430,8 +430,8 @@ def _cmd_prune(args: argparse.Namespace, out: TextIO) -> int:
                          "--keep-current-env-only, --failed-trials, --stale, --unused-buckets")
     if alone and (others or len(alone) > 1):
         raise UsageError(f"prune {alone[0]} takes no other criterion")
-    if args.older_than_days is not None and not 0 <= args.older_than_days <= 1_000_000:
-        raise UsageError(f"--older-than-days must be between 0 and 1000000, got {args.older_than_days}")
+    if args.older_than_days is not None and not 0 <= args.older_than_days <= 100_000:
+        raise UsageError(f"--older-than-days must be between 0 and 100000 (about 270 years), got {args.older_than_days}")
     with _open(args, write=True) as db:
         if args.stale:
             from .dispatch import row_is_stale

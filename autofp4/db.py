@@ -155,6 +155,9 @@ def expand_path(path: str | os.PathLike, what: str, file: bool = False) -> Path:
     if why is None and (bad := re.search(r"[\x00-\x1f\x7f]", text)):
         why = (f"it holds a control character ({bad.group()!r} at position {bad.start()}; a line break pasted "
                "with it?); give the path without it")
+    if why is None and file and text != text.strip():
+        why = (f"it begins or ends with whitespace ({text!r:.80}), which would name a file nobody meant; "
+               "give the path without it")
     if why is None and text.strip() == ":memory:":
         why = ("it names SQLite's in-memory database, whose rows are lost when the process ends; "
                "name a DB file (such as ./tuning.db)")

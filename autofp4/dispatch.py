@@ -482,8 +482,15 @@ class Dispatcher:
             return None
         target = Path(path) if path is not None else self.misses_file
         with _folder_lock(target.parent):  # processes exiting at once add up
+            try:  # a file that is not a misses file autofp4 reads (another version, other data) is kept
+                existing = _read_misses(target, strict=True) if os.path.lexists(target) else []
+            except (ValueError, OSError) as e:
+                warnings.warn(f"autofp4: misses not recorded: {target} is left as it is ({e}); "
+                              f"{sum(pending.values())} misses of this process not written", RuntimeWarning,
+                              stacklevel=2)
+                return None
             merged: dict[tuple, int] = {}
-            for key, m, c, g in _read_misses(target, strict=False):
+            for key, m, c, g in existing:
                 merged[(key, m)] = merged.get((key, m), 0) + c
                 if g:
                     eg.setdefault((key, m), g)
@@ -621,7 +628,11 @@ def _read_misses(path: Path, strict: bool) -> list[tuple[ProblemKey, int, int, i
                 break
         if errors:
             raise ValueError("\n  ".join(errors))
-        return out
+        merged: dict[tuple, list] = {}  # a (problem, M, slice) listed twice: its counts add up
+        for key, m, c, g in out:
+            row = merged.setdefault((key, m, g), [key, m, 0, g])
+            row[2] += c
+        return [tuple(r) for r in merged.values()]
     except RecursionError:
         e = ValueError("JSON nested too deep to be a misses file")
         if strict:

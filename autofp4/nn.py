@@ -135,7 +135,18 @@ class FP4Linear(_PackedWeight, FP4Buffers):
         else:
             self.register_parameter("bias", None)
         self._w = weight
-        self.compute_dtype = compute_dtype
+        self._compute_dtype = compute_dtype
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the layer computes in (None: x's own); bfloat16, float16 or None."""
+        d = self.__dict__
+        return d["_compute_dtype"] if "_compute_dtype" in d else d.get("compute_dtype")  # (a layer pickled before)
+
+    @compute_dtype.setter
+    def compute_dtype(self, value: Optional[torch.dtype]) -> None:
+        _check_compute_dtype(value, f"{type(self).__name__}.compute_dtype")
+        self._compute_dtype = value
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str,
@@ -212,7 +223,11 @@ class FP4FusedLinear(FP4Linear):
     def __init__(self, weight: FP4Weight, bias: Optional[torch.Tensor], compute_dtype: Optional[torch.dtype],
                  parts: Sequence[tuple[str, int]]) -> None:
         super().__init__(weight, bias, compute_dtype)
+        if not isinstance(parts, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in parts):
+            raise TypeError(f"FP4FusedLinear: parts must be a list of (name, output size) pairs, got {_describe(parts)}")
         sizes = [n for _, n in parts]
+        if not all(type(n) is int for n in sizes):
+            raise TypeError(f"FP4FusedLinear: each part's output size must be an int, got {sizes}")
         if len(parts) < 2 or sum(sizes) != weight.n or min(sizes) <= 0:
             raise ValueError(f"FP4FusedLinear: parts {list(parts)} must be two or more sizes summing to N = {weight.n}")
         names = [name for name, _ in parts]
@@ -231,6 +246,9 @@ class FP4FusedLinear(FP4Linear):
 
     def part_forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Part ``i``'s output for input ``x`` (see the class docstring)."""
+        if type(i) is not int or not 0 <= i < len(self.part_names):
+            raise IndexError(f"FP4FusedLinear.part_forward: part index must be an int in [0, {len(self.part_names)}) "
+                             f"(parts {[n.rpartition('.')[2] for n in self.part_names]}), got {i!r}")
         held = self._held
         compiling = torch.compiler.is_compiling()
         if (held is None or held[0] is not x or not held[3] >> i & 1

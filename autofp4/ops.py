@@ -370,7 +370,7 @@ def _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, check_ids=True, ex
         topk_weights, topk_ids, prebuilt, per_pair, backend, runner = _route_for(
             x, w13, router_logits, spec, correction_bias, expert_map)
         check_ids = False  # valid by construction
-        _refuse_bad_logits(router_logits, topk_weights, "moe")
+        _refuse_bad_logits(router_logits, topk_weights, "moe", correction_bias)
     _check_moe(x, w13, w2, topk_weights, topk_ids, activation, check_ids, expert_map, w13_bias, w2_bias)
     if x.shape[0] == 0:
         return torch.empty_like(x)
@@ -646,7 +646,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True, *, 
                                      routed_scaling_factor)
     router.check_bias(correction_bias, router_logits.shape[1], router_logits.device)
     w, ids, _ = router.route(router_logits, spec, correction_bias)
-    _refuse_bad_logits(router_logits, w, "route")
+    _refuse_bad_logits(router_logits, w, "route", correction_bias)
     return w, ids
 
 
@@ -678,12 +678,24 @@ def _check_logits(router_logits, what: str) -> None:
         raise ValueError(f"{what}: router_logits must be a floating-point tensor, got {router_logits.dtype}")
 
 
-def _refuse_bad_logits(router_logits: torch.Tensor, w: torch.Tensor, what: str) -> None:
+def _refuse_bad_logits(router_logits: torch.Tensor, w: torch.Tensor, what: str,
+                       bias: Optional[torch.Tensor] = None) -> None:
     """ValueError naming the rows of ``router_logits`` that route to NaN weights ``w``: a row is NaN
-    in ``w`` exactly when it has a NaN (softmax: or +inf) logit or, for softmax, no finite one.
-    Eager calls only (a CUDA graph capture, torch.compile or meta tensors read no values)."""
-    if not (w.numel() and _values_readable(w) and bool(torch.isnan(w).any())):
+    in ``w`` exactly when it has a NaN (softmax: or +inf) logit or, for softmax, no finite one;
+    and naming a non-finite entry of the correction ``bias`` (NaN or inf would pick, or never pick,
+    its expert for every token). One read of the device; eager calls only (a CUDA graph capture,
+    torch.compile or meta tensors read no values)."""
+    if not (w.numel() and _values_readable(w)):
         return
+    bad = torch.isnan(w).any()
+    if bias is not None:
+        bad = bad | ~torch.isfinite(bias).all()
+    if not bool(bad):
+        return
+    if bias is not None and not bool(torch.isfinite(bias).all()):
+        i = int((~torch.isfinite(bias)).nonzero()[0])
+        raise ValueError(f"{what}: correction_bias must be finite: entry {i} (expert {i}) is {float(bias[i])} "
+                         "(NaN or inf would pick, or never pick, that expert for every token)")
     rows = torch.isnan(w).any(dim=-1).nonzero().flatten().tolist()
     r = rows[0]
     vals = router_logits[r].float().tolist()

@@ -72,8 +72,10 @@ class RouterSpec:
                              f"top_k={k} experts, got {tg}")
         if g > 1 and scoring != "sigmoid":
             raise ValueError(f"{what}: group-limited routing (n_group > 1) is DeepSeek-V3's: use scoring='sigmoid'")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale == scale or abs(scale) == float("inf"):
-            raise ValueError(f"{what}: routed_scaling_factor must be a finite number, got {scale!r}")
+        if (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale == scale
+                or abs(scale) == float("inf") or scale <= 0):
+            raise ValueError(f"{what}: routed_scaling_factor must be a finite positive number (it multiplies the "
+                             f"routing weights), got {scale!r}")
         return cls(k, scoring, renormalize, g, tg, float(scale))
 
 

@@ -312,6 +312,8 @@ class FP4Weight:
         if isinstance(device, torch.dtype):
             raise TypeError(f"FP4Weight.to({device}): an FP4 weight moves between devices but has no dtype to convert "
                             f"to (its values are FP4 codes); dequantize({device}) gives a dense tensor")
+        if not isinstance(non_blocking, bool):
+            raise TypeError(f"FP4Weight.to: non_blocking must be True or False, got {_describe(non_blocking)}")
         try:
             why = missing_device(torch.device(device))
         except (TypeError, RuntimeError):

@@ -33,3 +33,18 @@ def gen():
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"random seed: {seed}")  # shown by pytest for a failing test
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def one_kernel_cache(tmp_path, monkeypatch):
+    """``$AUTOFP4_KERNEL_CACHE`` set to a fresh folder holding one kernel file (bytes ``obj``) and
+    its record, as the cache names them; the folder."""
+    import json
+
+    kc = tmp_path / "kc"
+    kc.mkdir()
+    name = "k-" + "0" * 32
+    (kc / f"{name}.o").write_bytes(b"obj")
+    (kc / f"{name}.json").write_text(json.dumps({"name": "k"}))
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(kc))
+    return kc

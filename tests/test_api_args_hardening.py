@@ -474,3 +474,76 @@ def test_tune_refuses_an_in_memory_study_storage(tmp_path):
         rc, out, err = run(["tune", "--model", tmp_path / "c.json", "--m", "1", "--device", "cpu", "--no-progress",
                             "--db", tmp_path / "t.db", "--storage", url])
         assert rc == 2 and "in-memory SQLite database" in err and "tuned" not in out, (url, err)
+
+
+# -- the eighteenth adversarial set ----------------------------------------------------------------
+def test_a_scale_or_correction_bias_that_breaks_routing_is_refused():
+    g = torch.Generator().manual_seed(18)
+    logits = torch.randn(6, 8, generator=g)
+    for scale in (0.0, -1.0):
+        with pytest.raises(ValueError, match="routed_scaling_factor must be a finite positive number"):
+            autofp4.route(logits, 2, routed_scaling_factor=scale)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        bias = torch.rand(8, generator=g)
+        bias[5] = bad
+        with pytest.raises(ValueError, match="correction_bias must be finite: entry 5"):
+            autofp4.route(logits, 2, scoring="sigmoid", correction_bias=bias)
+    w, ids = autofp4.route(logits, 2, scoring="sigmoid", correction_bias=torch.rand(8, generator=g),
+                           routed_scaling_factor=2.5)
+    assert torch.isfinite(w).all() and (w > 0).all()
+
+
+def test_module_arguments_of_the_wrong_kind_are_named():
+    g = torch.Generator().manual_seed(19)
+    w = autofp4.quantize(torch.randn(64, 128, generator=g), "nvfp4")
+    with pytest.raises(TypeError, match="non_blocking must be True or False, got str"):
+        w.to("cpu", non_blocking="yes")
+    fw = autofp4.quantize(torch.randn(96, 64, generator=g), "nvfp4")
+    with pytest.raises(TypeError, match="parts must be a list of \\(name, output size\\) pairs, got dict"):
+        FP4FusedLinear(fw, None, torch.bfloat16, {"a.q": 64, "a.k": 32})
+    with pytest.raises(TypeError, match="output size must be an int"):
+        FP4FusedLinear(fw, None, torch.bfloat16, [("a.q", 64.0), ("a.k", 32.0)])
+    fused = FP4FusedLinear(fw, None, torch.bfloat16, [("a.q", 64), ("a.k", 32)])
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    for i in (2, -1, "0", 1.0):
+        with pytest.raises(IndexError, match=r"part index must be an int in \[0, 2\)"):
+            fused.part_forward(i, x)
+    assert fused.part_forward(1, x).shape == (3, 32)
+    lin = autofp4.FP4Linear(w, None)
+    with pytest.raises(ValueError, match="FP4Linear.compute_dtype must be"):
+        lin.compute_dtype = torch.float32
+    lin.compute_dtype = torch.float16
+    assert lin.compute_dtype is torch.float16 and lin(torch.randn(2, 128, generator=g)).dtype == torch.float32
+    from autofp4.integrations.hf_quantizer import AutoFP4Config
+
+    for bad in ("str", [1, 2], 3):
+        with pytest.raises(TypeError, match="checkpoint_config must be a dict"):
+            AutoFP4Config(bad)
+        with pytest.raises(TypeError, match="checkpoint_config must be a dict"):
+            AutoFP4Config.from_dict({"quant_method": "autofp4", "checkpoint_config": bad})
+
+
+def test_saving_a_w4a8_model_says_the_setting_is_not_stored(tmp_path):
+    m = tiny_model("llama", 5)
+    autofp4.quantize_model(m, "nvfp4", activations="fp8")
+    with pytest.warns(RuntimeWarning, match="act_dtype='fp8'.*set_activations\\(model, 'fp8'\\)"):
+        autofp4.save_pretrained(m, tmp_path / "ck")
+    assert (tmp_path / "ck" / "config.json").is_file()
+
+
+def test_a_misses_file_autofp4_cannot_read_is_kept_and_duplicates_add_up(tmp_path):
+    """Flushing misses onto a file of another version (or other data) leaves it as it is, warned;
+    a file listing one (problem, M) twice counts it once with the counts added."""
+    foreign = tmp_path / "m.json"
+    text = json.dumps({"version": 2, "misses": [{"op": "linear", "new_field": 1}]})
+    foreign.write_text(text)
+    d = dispatch.Dispatcher(torch.device("cpu"), misses_file=foreign)
+    d._misses[(dispatch.ProblemKey("linear", "nvfp4", "bfloat16", 64, 64), 4)] = 3  # as a call counts one
+    with pytest.warns(RuntimeWarning, match="misses not recorded: .*m.json is left as it is"):
+        assert d.flush_misses() is None
+    assert foreign.read_text() == text
+    entry = {"op": "linear", "fmt": "nvfp4", "dtype": "bfloat16", "n": 64, "k": 64, "m": 4, "count": 2}
+    dup = tmp_path / "dup.json"
+    dup.write_text(json.dumps({"version": 1, "misses": [entry, dict(entry, count=5)]}))
+    ((k, m, c),) = dispatch.load_misses(dup)
+    assert (k.n, m, c) == (64, 4, 7)

@@ -592,14 +592,8 @@ def test_cache_import_checks_every_kernel_before_writing_any(tmp_path, monkeypat
         [ea["file"], eb["file"], ea["file"][:-2] + ".json", eb["file"][:-2] + ".json"])
 
 
-def test_cache_export_under_a_file_is_one_line_exit_2(tmp_path, monkeypatch):
+def test_cache_export_under_a_file_is_one_line_exit_2(tmp_path, one_kernel_cache):
     """CA04: ``cache --export f/x.tgz`` where f is a regular file: no traceback, the file named."""
-    kc = tmp_path / "kc"
-    kc.mkdir()
-    name = "k-" + "0" * 32
-    (kc / f"{name}.o").write_bytes(b"obj")
-    (kc / f"{name}.json").write_text(json.dumps({"name": "k"}))
-    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(kc))
     f = tmp_path / "f"
     f.write_text("x")
     rc, out, err = run(["cache", "--export", f / "x.tgz"])

@@ -341,3 +341,41 @@ def test_a_file_size_limit_names_the_file_being_written(tmp_path):
                          preexec_fn=small_files)
     assert res.returncode == 2 and "File too large" in res.stderr and "model.safetensors'" in res.stderr, res.stderr
     assert not (tmp_path / "o").exists()
+
+
+# -- the eighteenth adversarial set ----------------------------------------------------------------
+def test_cache_clear_with_an_export_or_import_is_refused_and_clears_nothing(tmp_path, one_kernel_cache):
+    before = sorted(p.name for p in one_kernel_cache.iterdir())
+    for flag in ("--export", "--import"):
+        rc, out, err = run(["cache", flag, tmp_path / "k.tar.gz", "--clear"])
+        assert rc == 2 and f"--clear with {flag}" in err and "removed" not in out, err
+    assert sorted(p.name for p in one_kernel_cache.iterdir()) == before
+
+
+def test_tune_and_explain_take_an_mxfp4_checkpoints_format(tmp_path):
+    import autofp4
+    from tiny_models import tiny_model
+
+    m = tiny_model("llama", 7)
+    autofp4.quantize_model(m, "mxfp4")
+    autofp4.save_pretrained(m, tmp_path / "ck", layout="compressed-tensors")
+    for target in (tmp_path / "ck", tmp_path / "ck" / "config.json"):
+        rc, out, err = run(["tune", "--model", target, "--dry-run", "--device", "cpu", "--db", tmp_path / "t.db"])
+        assert rc == 0 and "[mxfp4," in out, (out, err)
+        rc, out, err = run(["explain", "--model", target, "--m", "1", "--device", "cpu", "--db", tmp_path / "t.db"])
+        assert rc == 0 and "mxfp4" in out and "nvfp4" not in out, (out, err)
+    rc, out, err = run(["tune", "--model", tmp_path / "ck", "--fmt", "nvfp4", "--dry-run", "--device", "cpu",
+                        "--db", tmp_path / "t.db"])
+    assert rc == 0 and "[nvfp4," in out  # --fmt given: as given
+
+
+def test_db_paths_with_surrounding_whitespace_and_far_prune_ages_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOFP4_DB", str(tmp_path / "u.db") + " ")
+    rc, out, err = run(["db", "list"])
+    assert rc == 2 and "begins or ends with whitespace" in err, err
+    monkeypatch.delenv("AUTOFP4_DB")
+    db = tmp_path / "t.db"
+    TuningDB(db).close()
+    rc, out, err = run(["db", "prune", "--db", db, "--older-than-days", "1000000"])
+    assert rc == 2 and "between 0 and 100000" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("u.db")) == []

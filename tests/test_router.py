@@ -146,7 +146,7 @@ def test_deepseek_v3_scoring_is_transformers_router(gen):
     (dict(scoring="sigmoid", n_group=16, topk_group=1, top_k=8), "at least top_k=8"),
     (dict(n_group=4, topk_group=2), "use scoring='sigmoid'"),
     (dict(renormalize=1), "renormalize must be True or False"),
-    (dict(routed_scaling_factor=float("nan")), "finite number"),
+    (dict(routed_scaling_factor=float("nan")), "finite positive number"),
     (dict(scoring="sigmoid", correction_bias=torch.zeros(31)), r"correction_bias must be a float tensor \[E=32\]"),
 ])
 def test_bad_routing_arguments_are_named(bad, match, gen):

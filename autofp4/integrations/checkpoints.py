@@ -451,6 +451,22 @@ def _warn_kv_cache(q: Mapping, source: str) -> None:
                   "plugin applies it)", UserWarning, stacklevel=5)
 
 
+def checkpoint_fmt(path: Union[str, Path]) -> Optional[str]:
+    """The FP4 format of the quantized checkpoint at ``path`` (its folder or its config.json), or
+    None where it is not one that loads (a plain config, a dense checkpoint, anything unreadable:
+    its own command says why)."""
+    p = Path(path)
+    root = p if p.is_dir() else p.parent if p.name == "config.json" else None
+    if root is None:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _scheme(root, _read_config(root / "config.json")).fmt
+    except (ValueError, TypeError, OSError, KeyError):
+        return None
+
+
 def _scheme(root: Path, config: Mapping) -> _Scheme:
     qc = config.get("quantization_config")
     hf = root / "hf_quant_config.json"

@@ -29,6 +29,8 @@ or ``{"": device}``).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import os
 import re
 import warnings
@@ -62,6 +64,9 @@ class AutoFP4Config(QuantizationConfigMixin):
 
     def __init__(self, checkpoint_config: Optional[dict] = None, **kwargs: Any) -> None:
         self.quant_method = METHOD
+        if checkpoint_config is not None and not isinstance(checkpoint_config, Mapping):
+            raise TypeError(f"AutoFP4Config: checkpoint_config must be a dict (the checkpoint's quantization_config) "
+                            f"or None, got {type(checkpoint_config).__name__} {checkpoint_config!r:.80}")
         self.checkpoint_config = None if checkpoint_config is None else dict(checkpoint_config)
 
     @classmethod

@@ -399,6 +399,11 @@ def save_pretrained(model: nn.Module, path: Union[str, Path], layout: Optional[s
         raise ValueError(f"{_WHAT}: the model has no FP4 layers; convert it first with autofp4.quantize_model(model, "
                          "'nvfp4') (or load an FP4 checkpoint with autofp4.from_pretrained)")
     layout = L.check_layout(L.default_layout(fmt, model_type) if layout is None else layout, fmt, model_type, _WHAT)
+    acts = sorted({str(a) for m in model.modules() if (a := getattr(m, "_act_dtype", None)) is not None})
+    if acts:
+        warnings.warn(f"{_WHAT}: the model's FP4 layers run with act_dtype={acts[0]!r} (W4A8), which the {layout} "
+                      "checkpoint does not record (it stores the FP4 weights): after loading it, turn it on again "
+                      f"with autofp4.set_activations(model, {acts[0]!r})", RuntimeWarning, stacklevel=2)
     experts_cls = _experts_cls()
     fp4 = {n: m for n, m in model.named_modules() if isinstance(m, (FP4Linear, experts_cls))}
     if layout == "gpt-oss":
