@@ -117,7 +117,22 @@ def _is_readonly_error(e: sqlite3.Error) -> bool:
     return "readonly database" in str(e)
 
 
+def _side_file_problem(path: Path, e: sqlite3.Error) -> str | None:
+    """Why SQLite cannot use one of the files it keeps beside ``path`` (-wal, -shm, -journal):
+    one that is a directory, a link to nothing or a special file; None where each is a file or
+    absent."""
+    for suffix in ("-wal", "-shm", "-journal"):
+        side = path.with_name(path.name + suffix)
+        if (side.exists() or side.is_symlink()) and not side.is_file():
+            return (f"cannot open {path}: {side} (SQLite's {suffix[1:]} file beside it) is not a regular file (a "
+                    f"directory, link to nothing or special file); move it away ({e})")
+    return None
+
+
 def _readonly_message(path: Path, e: sqlite3.Error) -> str:
+    side = _side_file_problem(path, e)
+    if side:
+        return side
     return (f"{path} is read-only: this process cannot write the tuning database (the file or its folder "
             f"is not writable, is immutable, or is on a read-only file system): {e}")
 
@@ -1017,6 +1032,9 @@ class TuningDB:
             return False
 
     def _open_error(self, e: sqlite3.Error) -> str:
+        side = _side_file_problem(self.path, e)
+        if side:
+            return side
         if self.readonly and self._hot_journal():
             return (f"{self.path} has an unfinished transaction (its rollback journal {self.path.name}-journal, left "
                     "by a writer that stopped mid-write): open it once with write access (autofp4 db import or "

@@ -547,3 +547,39 @@ def test_a_misses_file_autofp4_cannot_read_is_kept_and_duplicates_add_up(tmp_pat
     dup.write_text(json.dumps({"version": 1, "misses": [entry, dict(entry, count=5)]}))
     ((k, m, c),) = dispatch.load_misses(dup)
     assert (k.n, m, c) == (64, 4, 7)
+
+
+# -- the nineteenth adversarial set ----------------------------------------------------------------
+def test_the_tuner_refuses_problem_keys_and_formats_no_call_can_have(tmp_path):
+    from autofp4.problem import ProblemKey
+
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 64, 64)
+    kw = dict(device="cpu", progress=False, m_buckets=[1], budget_per_shape=1, db=tmp_path / "t.db")
+    with pytest.raises(ValueError, match="fmt='fp4' is not one of nvfp4, mxfp4"):
+        autofp4.tune([key], fmt="fp4", **kw)
+    with pytest.raises(ValueError, match="dtype='int3' is not one of"):
+        autofp4.tune([key], dtype="int3", **kw)
+    # (a ProblemKey checks its op, format, dtype and sizes itself; not that K fits the format's block)
+    for bad, said in ((ProblemKey("linear", "nvfp4", "bfloat16", 64, 40), "k=40 is not a multiple of nvfp4's block"),
+                      (ProblemKey("moe", "mxfp4", "bfloat16", 96, 64, 4, 2), "n=96")):
+        with pytest.raises(ValueError, match=f"shapes\\[0\\]: {said}"):
+            autofp4.tune([bad], **kw)
+    assert not (tmp_path / "t.db").exists() or not TuningDB(tmp_path / "t.db").results(None)
+
+
+def test_a_worker_whose_parent_is_gone_exits_quietly(tmp_path):
+    """The tuning worker writing to a status pipe nobody reads any more (its parent exited)
+    returns without a BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    r, w = os.pipe()
+    os.close(r)  # the parent's end: gone
+    (tmp_path / "f").write_text("a file, so no DB can be made under it")
+    settings = {"device": "cpu", "db": str(tmp_path / "f" / "t.db"), "budget_s": None,
+                "backends": None, "duty": 1.0, "fd": w, "sys_path": [], "workers": 0}
+    proc = subprocess.run([sys.executable, "-m", "autofp4.tuning.worker", json.dumps(settings)], pass_fds=(w,),
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    os.close(w)
+    assert proc.returncode == 3 and "BrokenPipeError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

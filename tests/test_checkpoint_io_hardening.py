@@ -439,3 +439,23 @@ def test_a_checkpoint_file_that_is_not_a_regular_file_is_named(tmp_path, name, k
         os.mkfifo(path / name)
     with pytest.raises(ValueError, match=rf"ck/{name} is not a regular file"):
         autofp4.from_pretrained(path)
+
+
+def test_bytes_after_the_last_tensor_are_refused_by_every_reader(tmp_path):
+    """A safetensors file with bytes appended after its data (the safetensors library refuses
+    it): from_pretrained and quantize both name the file and the byte count, and write nothing."""
+    from autofp4.integrations.quantize_checkpoint import quantize_checkpoint
+
+    ck = _checkpoint(tmp_path / "ck")
+    with open(ck / "model.safetensors", "ab") as f:
+        f.write(os.urandom(4000))
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(ck)
+    assert "model.safetensors has 4000 bytes after its last tensor's data" in _one_line(info.value)
+    src = tmp_path / "src"
+    _model("llama", 3).save_pretrained(src)
+    with open(src / "model.safetensors", "ab") as f:
+        f.write(b"\0" * 17)
+    with pytest.raises(ValueError, match="has 17 bytes after its last tensor's data"):
+        quantize_checkpoint(src, tmp_path / "out", "nvfp4", progress=False)
+    assert not (tmp_path / "out").exists()

@@ -1407,3 +1407,18 @@ def test_a_database_whose_stored_version_was_set_back_migrates_again(tmp_path):
     c.close()
     rc, out, err = cli("import", export, "--db", path)
     assert rc == 0 and "2 added" in out, (out, err)
+
+
+@pytest.mark.parametrize("suffix", ["-wal", "-shm"])
+def test_a_folder_where_sqlite_keeps_a_file_beside_the_db_is_named(tmp_path, suffix):
+    path = _ro_db(tmp_path)
+    side = path.with_name(path.name + suffix)
+    if side.exists():
+        side.unlink()
+    side.mkdir()
+    export = tmp_path / "in.json"
+    export.write_text(dumps(valid_doc(random.Random(21), 1)))
+    rc, out, err = cli("import", export, "--db", path)  # a WAL database needs both: the folder is named
+    assert rc == 2 and f"{side} (SQLite's {suffix[1:]} file beside it) is not a regular file" in err, err
+    side.rmdir()
+    assert _integrity(path) == "ok"

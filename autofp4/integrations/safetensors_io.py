@@ -160,6 +160,9 @@ def read_header(path: Path, what: str = "autofp4") -> tuple[dict, int]:
     if data_start + end > size:
         raise ValueError(f"{what}: {path} is truncated (or its header is wrong): tensor {last!r} ends at byte "
                          f"{data_start + end}, the file has {size}")
+    if data_start + end < size:  # the safetensors library refuses such a file too
+        raise ValueError(f"{what}: {path} has {size - data_start - end} bytes after its last tensor's data (a "
+                         "safetensors file ends with its data): damaged, or something was appended")
     at, prev = 0, None
     for a, b, name in sorted(spans):  # back to back, as safetensors requires: no overlap, no gap
         if a != at:

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..backends.base import Backend
-from ..problem import ProblemKey, is_moe, standard_bucket
+from ..problem import DTYPES, FORMATS, ProblemKey, is_moe, shape_errors, standard_bucket
 
 #: M buckets tuned on the CPU (the reference backend; the CPU is a fallback, not a target).
 CPU_M_BUCKETS: tuple[int, ...] = (1, 16, 128)
@@ -147,17 +147,29 @@ def _fmt_us(v: float | None) -> str:
     return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
 
 
+def _checked_key(key: ProblemKey, where: str) -> ProblemKey:
+    """A ProblemKey given to the tuner as it is (it checks its op, format, dtype and sizes
+    itself): ValueError naming a K or N no FP4 weight of its format has."""
+    bad = shape_errors(key.op, key.fmt, key.n, key.k)
+    if bad:
+        raise ValueError(f"{where}: " + "; ".join(f"{f}={why}" for f, why in bad.items()))
+    return key
+
+
 def jobs_for(
     shapes: Iterable[Any], m_buckets: Sequence[int], fmt: str = "nvfp4", dtype: str = "bfloat16"
 ) -> list[Job]:
     """One :class:`Job` per (shape, M bucket); shapes are ModelShapes or ProblemKeys. Each M is
     rounded up to its standard bucket (:func:`~autofp4.problem.standard_bucket`: the bucket whose
     calls it serves), so ``m_buckets=[3]`` tunes bucket 4, which serves M = 3 and 4."""
+    for name, v, allowed in (("fmt", fmt, FORMATS), ("dtype", dtype, DTYPES)):
+        if v not in allowed:
+            raise ValueError(f"{name}={v!r} is not one of {', '.join(allowed)}")
     out: list[Job] = []
     seen: set[tuple[ProblemKey, int]] = set()
     for i, s in enumerate(shapes):
         if isinstance(s, ProblemKey):
-            key, name, eg = s, "", 0
+            key, name, eg = _checked_key(s, f"shapes[{i}]"), "", 0
         elif hasattr(s, "problem_key"):
             key, name, eg = s.problem_key(fmt, dtype), getattr(s, "name", ""), getattr(s, "experts_global", 0)
         else:

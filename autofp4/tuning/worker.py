@@ -156,14 +156,30 @@ def main(argv: list[str] | None = None) -> int:
         tuner = OnlineTuner(s["device"], s["db"], s["budget_s"], list(s["backends"] or ()) or None, s.get("workers"),
                             duty=s["duty"], compile_grace_s=s.get("compile_grace_s"))
     except Exception as e:  # noqa: BLE001 - whatever stops the tuner from starting stops every restart too
-        out.write(json.dumps({"fatal": f"{type(e).__name__}: {e}"}) + "\n")
-        out.flush()
+        try:
+            out.write(json.dumps({"fatal": f"{type(e).__name__}: {e}"}) + "\n")
+            out.flush()
+        except BrokenPipeError:
+            _parent_gone(out)
         return 3
     try:
         serve(tuner, _inbox(sys.stdin), out)
+    except BrokenPipeError:  # the parent exited (its status pipe closed): nothing to tell, nobody to tell it to
+        _parent_gone(out)
     finally:
         tuner.close()
     return 0
+
+
+def _parent_gone(out: Any) -> None:
+    """The status pipe's reader has gone: point the pipe's descriptor at /dev/null, so that the
+    buffered lines flushed at exit go nowhere instead of raising again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, out.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 # -----------------------------------------------------------------------------------------
