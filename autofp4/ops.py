@@ -568,7 +568,8 @@ def moe(
         raise TypeError("moe: needs topk_weights and topk_ids, or router_logits and top_k")
     if router_logits is not None and top_k is None:
         raise TypeError("moe: router_logits needs top_k (the experts per token)")
-    if router_logits is None:
+    if router_logits is None and (top_k is not None or renormalize is not True or scoring != "softmax" or n_group != 1
+                                  or topk_group != 1 or routed_scaling_factor != 1.0 or correction_bias is not None):
         given = {k: v for k, v, unset in (("top_k", top_k, None), ("renormalize", renormalize, True),
                                           ("scoring", scoring, "softmax"), ("n_group", n_group, 1),
                                           ("topk_group", topk_group, 1),
