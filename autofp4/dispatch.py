@@ -483,7 +483,7 @@ class Dispatcher:
         target = Path(path) if path is not None else self.misses_file
         with _folder_lock(target.parent):  # processes exiting at once add up
             try:  # a file that is not a misses file autofp4 reads (another version, other data) is kept
-                existing = _read_misses(target, strict=True) if os.path.lexists(target) else []
+                existing = _read_misses(target) if os.path.lexists(target) else []
             except (ValueError, OSError) as e:
                 warnings.warn(f"autofp4: misses not recorded: {target} is left as it is ({e}); "
                               f"{sum(pending.values())} misses of this process not written", RuntimeWarning,
@@ -601,11 +601,11 @@ def _miss_entry(e: Any) -> tuple[tuple[ProblemKey, int, int, int] | None, list[s
     return (key, m, c, g), []
 
 
-def _read_misses(path: Path, strict: bool) -> list[tuple[ProblemKey, int, int, int]]:
+def _read_misses(path: Path) -> list[tuple[ProblemKey, int, int, int]]:
+    """The entries of the misses file ``path``, checked; ``FileNotFoundError`` where there is none,
+    ``ValueError`` naming it and what is wrong where it is not one autofp4 reads."""
     if not path.exists():
-        if strict:
-            raise FileNotFoundError(f"misses file not found: {path}")
-        return []
+        raise FileNotFoundError(f"misses file not found: {path}")
     try:
         if not path.is_file():  # a FIFO or device would block or never end
             raise ValueError("not a regular file")
@@ -634,16 +634,9 @@ def _read_misses(path: Path, strict: bool) -> list[tuple[ProblemKey, int, int, i
             row[2] += c
         return [tuple(r) for r in merged.values()]
     except RecursionError:
-        e = ValueError("JSON nested too deep to be a misses file")
-        if strict:
-            raise ValueError(f"invalid misses file {path}: {e}") from None
-        warnings.warn(f"autofp4: ignoring unreadable misses file {path}: {e}", RuntimeWarning, stacklevel=3)
-        return []
+        raise ValueError(f"invalid misses file {path}: JSON nested too deep to be a misses file") from None
     except (ValueError, KeyError, TypeError) as e:
-        if strict:
-            raise ValueError(f"invalid misses file {path}: {e}") from None
-        warnings.warn(f"autofp4: ignoring unreadable misses file {path}: {e}", RuntimeWarning, stacklevel=3)
-        return []
+        raise ValueError(f"invalid misses file {path}: {e}") from None
 
 
 def load_misses(path: str | os.PathLike | None = None,
@@ -651,7 +644,7 @@ def load_misses(path: str | os.PathLike | None = None,
     """The misses recorded in ``path`` (default :func:`misses_path`): ``(key, m, count)``; with
     ``experts_global``, ``(key, m, count, experts_global)`` (0 where the miss was not a MoE slice
     of an expert-parallel layer)."""
-    got = _read_misses(Path(path) if path is not None else misses_path(), strict=True)
+    got = _read_misses(Path(path) if path is not None else misses_path())
     return got if experts_global else [r[:3] for r in got]
 
 
