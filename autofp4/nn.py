@@ -650,19 +650,26 @@ def _linear_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Linear]], dict[
     return targets, aliases
 
 
-def _fp32_module_entries(cls: type) -> list[str]:
-    """The module names a transformers model class keeps in float32 (``_keep_in_fp32_modules``
-    and ``_keep_in_fp32_modules_strict``); an entry naming a parameter (DeepSeek-V3's
-    ``gate.weight``) names its module."""
+def keep_in_fp32_entries(obj: Any) -> list[str]:
+    """The entries of a transformers model's (or class's) ``_keep_in_fp32_modules`` and
+    ``_keep_in_fp32_modules_strict``: module names (T5's ``wo``) or parameter names (DeepSeek-V3's
+    ``gate.weight``), matched as runs of whole dotted components of a name."""
     out = []
     for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
-        entries = getattr(cls, attr, None)
-        for e in entries if isinstance(entries, (list, tuple, set)) else ():
-            e = str(e)
-            for tail in (".weight", ".bias"):
-                e = e.removesuffix(tail)
-            if e:
-                out.append(e)
+        entries = getattr(obj, attr, None)
+        out += [e for e in (entries if isinstance(entries, (list, tuple, set)) else ()) if isinstance(e, str) and e]
+    return out
+
+
+def _fp32_module_entries(cls: type) -> list[str]:
+    """The module names a transformers model class keeps in float32 (:func:`keep_in_fp32_entries`;
+    an entry naming a parameter names its module)."""
+    out = []
+    for e in keep_in_fp32_entries(cls):
+        for tail in (".weight", ".bias"):
+            e = e.removesuffix(tail)
+        if e:
+            out.append(e)
     return out
 
 

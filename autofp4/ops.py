@@ -497,6 +497,24 @@ def _moe_fake(x, *args, **kwargs):
     return torch.empty_like(x)
 
 
+#: moe()'s routing arguments (used with router_logits) and their defaults, in signature order
+_ROUTING_DEFAULTS = (("top_k", None), ("renormalize", True), ("scoring", "softmax"), ("n_group", 1),
+                     ("topk_group", 1), ("routed_scaling_factor", 1.0))
+
+
+def _refuse_routing_args(values: tuple, correction_bias) -> None:
+    """moe() given topk_weights and topk_ids: TypeError naming each routing argument set to other
+    than its default (it would be ignored: the routing is given)."""
+    given = {k: v for (k, unset), v in zip(_ROUTING_DEFAULTS, values)
+             if not (v is unset or (isinstance(v, bool) == isinstance(unset, bool) and v == unset))}
+    if correction_bias is not None:
+        given["correction_bias"] = "a tensor"
+    if given:
+        raise TypeError(f"moe: {', '.join(f'{k}={v!r}' for k, v in given.items())}: routing arguments, used only "
+                        "with router_logits=; with topk_weights and topk_ids the routing is given (scale the "
+                        "weights yourself, or pass the logits)")
+
+
 def _refuse_bias_without_sigmoid(correction_bias, scoring, what: str) -> None:
     """DeepSeek-V3's ``correction_bias`` steers the sigmoid scoring's choice; softmax scoring has
     none to steer (it would be ignored)."""
@@ -568,19 +586,8 @@ def moe(
         raise TypeError("moe: needs topk_weights and topk_ids, or router_logits and top_k")
     if router_logits is not None and top_k is None:
         raise TypeError("moe: router_logits needs top_k (the experts per token)")
-    if router_logits is None and (top_k is not None or renormalize is not True or scoring != "softmax" or n_group != 1
-                                  or topk_group != 1 or routed_scaling_factor != 1.0 or correction_bias is not None):
-        given = {k: v for k, v, unset in (("top_k", top_k, None), ("renormalize", renormalize, True),
-                                          ("scoring", scoring, "softmax"), ("n_group", n_group, 1),
-                                          ("topk_group", topk_group, 1),
-                                          ("routed_scaling_factor", routed_scaling_factor, 1.0))
-                 if not (v is unset or (isinstance(v, bool) == isinstance(unset, bool) and v == unset))}
-        if correction_bias is not None:
-            given["correction_bias"] = "a tensor"
-        if given:
-            raise TypeError(f"moe: {', '.join(f'{k}={v!r}' for k, v in given.items())}: routing arguments, used only "
-                            "with router_logits=; with topk_weights and topk_ids the routing is given (scale the "
-                            "weights yourself, or pass the logits)")
+    if router_logits is None:
+        _refuse_routing_args((top_k, renormalize, scoring, n_group, topk_group, routed_scaling_factor), correction_bias)
     _refuse_bias_without_sigmoid(correction_bias, scoring, "moe")
     if act_dtype is not None:
         from .w4a8 import check_act_dtype

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from ..loaders import MissingKeyError, load_state_dict_weight
-from ..nn import FP4Buffers, FP4Linear, fuse_projections, notify_converted
+from ..nn import FP4Buffers, FP4Linear, fuse_projections, keep_in_fp32_entries, notify_converted
 from ..patterns import pattern_list
 from ..weights import FP4Weight, _describe, missing_device
 from .checkpoint_experts import Readers, load_experts
@@ -746,8 +746,7 @@ def _fp32_pattern(model: nn.Module) -> Optional["re.Pattern[str]"]:
     """What names the parameters the model class keeps in float32 (``_keep_in_fp32_modules`` and
     ``_keep_in_fp32_modules_strict``: T5's ``wo``, DeepSeek-V3's router ``gate.weight``), matched
     as transformers matches them: a run of whole dotted components of the name; None if none."""
-    entries = [e for a in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
-               for e in (getattr(model, a, None) or []) if isinstance(e, str) and e]
+    entries = keep_in_fp32_entries(model)
     if not entries:
         return None
     return re.compile("|".join(rf"(?:^|\.){re.escape(e)}(?:$|\.)" for e in entries))
