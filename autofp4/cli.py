@@ -14,11 +14,13 @@ import re
 import sqlite3
 import sys
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Sequence, TextIO
 
 import torch
 
 from .models import LAYOUTS
+from .paths import arg_type
 from .problem import DTYPES, FORMATS, OPS, is_moe
 from .weights import missing_device
 
@@ -173,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     t = sub.add_parser("tune", help="tune the GEMM / MoE shapes of a model on this GPU")
-    t.add_argument("--model", metavar="CONFIG", help="Hugging Face config.json (or its folder)")
+    t.add_argument("--model", type=arg_type(), metavar="CONFIG", help="Hugging Face config.json (or its folder)")
     t.add_argument("--fmt", choices=FORMATS, help="default nvfp4")
     t.add_argument("--dtype", choices=DTYPES, help="default bfloat16")
     t.add_argument("--m", type=_m_list, metavar="M1,M2,...",
@@ -204,12 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     q = sub.add_parser("quantize", help="write an FP4 checkpoint of a bf16 Hugging Face checkpoint (streamed)")
-    q.add_argument("src", metavar="HF_MODEL_DIR", help="the checkpoint directory (config.json and safetensors)")
+    q.add_argument("src", type=arg_type(), metavar="HF_MODEL_DIR", help="the checkpoint directory (config.json and safetensors)")
     q.add_argument("--fmt", choices=FORMATS, required=True)
     q.add_argument("--layout", choices=("modelopt", "compressed-tensors", "gpt-oss"),
                    help="the checkpoint layout (default: modelopt for nvfp4, gpt-oss for gpt-oss mxfp4, "
                         "compressed-tensors otherwise)")
-    q.add_argument("--out", required=True, metavar="DIR", help="the new checkpoint directory")
+    q.add_argument("--out", required=True, type=arg_type(), metavar="DIR", help="the new checkpoint directory")
     q.add_argument("--skip", action="append", default=[], metavar="PATTERN",
                    help="keep the modules matching this glob in high precision (repeatable; lm_head always)")
     q.add_argument("--device", default="cpu", help="where to quantize: cpu (default) or cuda[:N] (faster, same result)")
@@ -227,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--device", help="device to describe (default: cuda if available, else cpu)")
 
     e = sub.add_parser("explain", help="what the calls of a model's shapes (or of one shape) run here, and why")
-    e.add_argument("--model", metavar="CONFIG", help="Hugging Face config.json (or its folder): every shape")
+    e.add_argument("--model", type=arg_type(), metavar="CONFIG", help="Hugging Face config.json (or its folder): every shape")
     e.add_argument("--op", choices=OPS, help="one shape's op (without --model; default linear)")
     e.add_argument("--n", type=_positive_int, help="one shape: N (a MoE layer: 2 x intermediate)")
     e.add_argument("--k", type=_positive_int, help="one shape: K (a MoE layer: hidden)")
@@ -247,12 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("cache", help="the compiled-kernel cache: where it is and what it holds")
     c.add_argument("--clear", action="store_true", help="delete every cached kernel")
-    c.add_argument("--export", metavar="FILE", dest="export_to",
+    c.add_argument("--export", type=arg_type(True, "kernels.tar.gz"), metavar="FILE", dest="export_to",
                    help="write the cached kernels to an archive that travels with a tuning DB")
-    c.add_argument("--import", metavar="FILE", dest="import_from",
+    c.add_argument("--import", type=arg_type(True, "kernels.tar.gz"), metavar="FILE", dest="import_from",
                    help="add an archive's kernels to the cache (those this machine's autofp4 and CuTeDSL "
                         "would build the same; the others are listed and left out)")
-    c.add_argument("--warm", metavar="CONFIG",
+    c.add_argument("--warm", type=arg_type(), metavar="CONFIG",
                    help="compile the default kernels of a model (a Hugging Face config.json) into the cache")
     c.add_argument("--fmt", choices=FORMATS, help="default nvfp4")
     c.add_argument("--dtype", choices=DTYPES, help="default bfloat16")
@@ -787,6 +789,15 @@ def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise _UsageError(f"--clear with --{'export' if args.export_to else 'import'}: clearing would come first "
                           "and leave an export nothing to write (or an import's old kernels gone); run them one "
                           "at a time")
+    # everything checked before the first action: a usage error leaves the cache as it was
+    warm = _warm_plan(args) if args.warm else None
+    if args.export_to:
+        from .kernel_cache import KernelArchiveError, check_export_target
+
+        try:
+            check_export_target(args.export_to)
+        except KernelArchiveError as e:
+            raise _UsageError(str(e)) from None
     if args.clear:
         print(f"removed {clear()} compiled kernels", file=out)
         left = others()
@@ -794,18 +805,19 @@ def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             names = ", ".join(p.name for p in left[:3]) + (", ..." if len(left) > 3 else "")
             print(f"left {len(left)} other file{'s' if len(left) != 1 else ''} in {d} that are not autofp4 "
                   f"kernels ({names})", file=out)
-    if args.import_from or args.export_to:
-        _archive(args, out, err)
-    if args.warm:
-        rc = _warm(args, out, err)
-        if rc:
-            return rc
+    rc = 0
+    if args.import_from:
+        _archive(args.import_from, None, out, err)
+    if warm is not None:  # before the export, which then holds what it compiled
+        rc = _warm(warm, args, out, err)
+    if args.export_to:
+        _archive(None, args.export_to, out, err)
     print(f"kernel cache: {_cache_line()}", file=out)
-    return 0
+    return rc
 
 
-def _archive(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
-    """``cache --import FILE`` (first) and ``cache --export FILE``."""
+def _archive(import_from: str | None, export_to: str | None, out: TextIO, err: TextIO) -> None:
+    """``cache --import FILE`` or ``cache --export FILE``."""
     from .kernel_cache import KernelArchiveError, export_archive, import_archive
 
     def left_out(skipped: list[tuple[str, str]]) -> None:
@@ -815,21 +827,30 @@ def _archive(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
             print(f"  ... and {len(skipped) - 10} more", file=err)
 
     try:
-        if args.import_from:
-            r = import_archive(args.import_from)
-            print(f"imported {r.kernels} kernels ({r.bytes / 2**20:.1f} MiB) from {args.import_from}; "
+        if import_from:
+            r = import_archive(import_from)
+            print(f"imported {r.kernels} kernels ({r.bytes / 2**20:.1f} MiB) from {import_from}; "
                   f"{r.present} already cached, {len(r.skipped)} left out", file=out)
             left_out(r.skipped)
-        if args.export_to:
-            r = export_archive(args.export_to)
-            print(f"exported {r.kernels} kernels to {args.export_to} ({r.bytes / 2**20:.1f} MiB); "
+        if export_to:
+            r = export_archive(export_to)
+            print(f"exported {r.kernels} kernels to {export_to} ({r.bytes / 2**20:.1f} MiB); "
                   f"{len(r.skipped)} left out", file=out)
             left_out(r.skipped)
     except KernelArchiveError as e:
         raise _UsageError(str(e)) from None
 
 
-def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+@dataclass(frozen=True)
+class _WarmPlan:
+    """What ``cache --warm`` compiles, checked before the command acts."""
+    arch: str
+    jobs: list
+    backends: list[str]
+    stored: list
+
+
+def _warm_plan(args: argparse.Namespace) -> _WarmPlan:
     from . import dispatch, tuning
     from .kernel_cache import cache_dir, disabled_by, target_arch
 
@@ -862,11 +883,17 @@ def _warm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                           "kernels, so it has nothing to put in the kernel cache (warm sm90_w4a16 or "
                           "sm100_blockscaled)")
     ms = sorted(set(args.m)) if args.m else list(dispatch.DEFAULT_M_BUCKETS)
-    jobs = tuning.jobs_for(shapes, ms, args.fmt, args.dtype)
+    return _WarmPlan(arch, tuning.jobs_for(shapes, ms, args.fmt, args.dtype), backends, stored)
+
+
+def _warm(plan: _WarmPlan, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from . import tuning
+
+    arch, jobs = plan.arch, plan.jobs
     workers = args.workers or max(1, (os.cpu_count() or 2) - 1)
     try:
-        report = tuning.warm_kernel_cache(jobs, backends, seeds=args.seeds, workers=workers, arch=arch,
-                                          progress=not args.no_progress, stored=stored)
+        report = tuning.warm_kernel_cache(jobs, plan.backends, seeds=args.seeds, workers=workers, arch=arch,
+                                          progress=not args.no_progress, stored=plan.stored)
     except KeyError as e:
         raise _UsageError(f"unknown backend {e}") from None
     print(f"compiled {report.compiled} kernel configs for {arch} ({len(jobs)} (shape, M) jobs, "

@@ -22,6 +22,7 @@ from .db import (
     default_db_path,
     expand_path,
 )
+from .paths import arg_type
 from .problem import DTYPES, FORMATS, OPS
 from .schema import MAX_DIM, MAX_EXPERTS, TuningRecord, config_json
 
@@ -61,11 +62,22 @@ def _int_in(lo: int, hi: int):
     return parse
 
 
+def _backend_filter(text: str) -> str:
+    """An argparse type: a backend name to filter by (an empty one, as an unset shell variable
+    gives, is refused rather than matching nothing)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a backend name, got {text!r}")
+    return text.strip()
+
+
+_backend_filter.__name__ = "backend"
+
+
 def _add_key_filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", choices=OPS)
     p.add_argument("--fmt", choices=FORMATS)
     p.add_argument("--dtype", choices=DTYPES)
-    p.add_argument("--backend")
+    p.add_argument("--backend", type=_backend_filter)
     p.add_argument("--m", "--m-bucket", dest="m_bucket", type=_int_in(1, MAX_DIM), metavar="M", help="M bucket")
     p.add_argument("--n", type=_int_in(1, MAX_DIM))
     p.add_argument("--k", type=_int_in(1, MAX_DIM))
@@ -92,22 +104,22 @@ def add_db_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write results as sorted, reviewable JSON")
     _add_common(p)
-    p.add_argument("--out", required=True, metavar="FILE", help="the JSON file to write ('-': standard output)")
+    p.add_argument("--out", required=True, type=arg_type(True, "tuning.json"), metavar="FILE", help="the JSON file to write ('-': standard output)")
     p.add_argument("--env", default="all", metavar="current|all|KEY")
 
     p = sub.add_parser("import", help="validate an export and merge it in")
     _add_common(p)
-    p.add_argument("file", metavar="FILE")
+    p.add_argument("file", type=arg_type(True, "tuning.json"), metavar="FILE")
     p.add_argument("--replace", action="store_true",
                    help="the file's rows win every key (default: the better-evidenced row wins)")
 
     p = sub.add_parser("merge", help="merge another database or export in")
     _add_common(p)
-    p.add_argument("other", metavar="OTHER.db|OTHER.json")
+    p.add_argument("other", type=arg_type(True, "other.db"), metavar="OTHER.db|OTHER.json")
 
     p = sub.add_parser("diff", help="keys whose rows differ from another database or export")
     _add_common(p)
-    p.add_argument("other", metavar="OTHER.db|OTHER.json")
+    p.add_argument("other", type=arg_type(True, "other.db"), metavar="OTHER.db|OTHER.json")
 
     p = sub.add_parser("prune", help="delete old, foreign-environment or failed rows")
     _add_common(p)
@@ -351,8 +363,9 @@ def _is_sqlite(path: Path) -> bool:
 
 
 def _check_export_target(target: Path, source: Path) -> None:
-    """``db export --out``: never the database being exported, nor any SQLite file (an export
-    replaces its target)."""
+    """``db export --out``: an export replaces its target, so only a new file or an earlier export
+    (never the database being exported, an SQLite file or its side files, a misses file, any other
+    file)."""
     try:
         if target.exists() and source.exists() and target.resolve() == source.resolve():
             raise UsageError(f"--out {target} is the database being exported; write the export elsewhere")
@@ -374,6 +387,15 @@ def _check_export_target(target: Path, source: Path) -> None:
                 raise UsageError(f"--out {target} is the {what} of the SQLite database {base}, which SQLite "
                                  "writes and deletes (an export there would corrupt or lose it); write the export "
                                  "elsewhere")
+        if target.is_file():  # only an earlier export is replaced (not a misses file, not someone's data)
+            from .db import read_export
+
+            try:
+                read_export(target)
+            except (TuningFileError, TuningDBError) as e:
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise UsageError(f"--out {target} exists and is not a tuning export ({first}); an export would "
+                                 "replace it: name a new file, or remove this one first") from None
     except OSError as e:
         raise UsageError(f"--out {target}: {e.strerror or e}") from None
 

@@ -37,6 +37,8 @@ from typing import Any, BinaryIO, Callable, Collection, Iterable, Iterator, Mapp
 import sqlite_utils
 from pydantic import ValidationError
 
+from . import paths
+from .paths import DANGLING_LINK
 from .problem import DEFAULT_M_BUCKETS, bucket_for
 from .schema import (
     EXPORT_SCHEMA_VERSION,
@@ -140,52 +142,28 @@ def _readonly_message(path: Path, e: sqlite3.Error) -> str:
 # --------------------------------------------------------------------------------------
 # paths
 # --------------------------------------------------------------------------------------
-def unusable_path(path: str | os.PathLike) -> str | None:
-    """Why no file can have the name ``path`` (empty, only whitespace, a NUL byte), or None."""
-    text = os.fsdecode(os.fspath(path))
-    if "\0" in text:
-        return "the path holds a NUL byte; give a file path"
-    if not text.strip():
-        return "the path is empty or only whitespace; give a file path"
+
+
+def _not_a_db_file_name(text: str) -> str | None:
+    """Names that a DB path cannot mean, beyond :func:`.paths.path_problem`'s."""
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", text.strip()):
+        return ("it is a URL, and a tuning DB is a file path (a storage URL such as sqlite:///x.db goes to "
+                "autofp4 tune --storage)")
+    if text.lstrip()[:5].lower() == "file:":
+        return ("it is an SQLite URI (file:...), which SQLite reads its own way (a mode=memory one keeps the rows "
+                "in memory only); give the DB file's plain path")
+    if text.strip() == ":memory:":
+        return ("it names SQLite's in-memory database, whose rows are lost when the process ends; "
+                "name a DB file (such as ./tuning.db)")
     return None
-
-
-#: why a symbolic link named as a tuning DB cannot be one
-DANGLING_LINK = "a symbolic link to nothing reachable (its target is missing, or the links loop)"
 
 
 def expand_path(path: str | os.PathLike, what: str, file: bool = False) -> Path:
     """``path`` with a leading ``~`` or ``~user`` expanded; :class:`TuningDBError` naming ``what``
     (the variable or option it came from) where that cannot be done (no such user, no home), or
-    where ``path`` is empty, only whitespace or holds a NUL byte (no file can have such a name),
-    or, for a ``file``, ends in a path separator (it names a folder)."""
-    why = unusable_path(path)
-    text = os.fsdecode(os.fspath(path))
-    if why is None and re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", text.strip()):
-        why = ("it is a URL, and a tuning DB is a file path (a storage URL such as sqlite:///x.db goes to "
-               "autofp4 tune --storage)")
-    if why is None and text.lstrip()[:5].lower() == "file:":
-        why = ("it is an SQLite URI (file:...), which SQLite reads its own way (a mode=memory one keeps the rows "
-               "in memory only); give the DB file's plain path")
-    if why is None and (bad := re.search(r"[\x00-\x1f\x7f]", text)):
-        why = (f"it holds a control character ({bad.group()!r} at position {bad.start()}; a line break pasted "
-               "with it?); give the path without it")
-    if why is None and file and text != text.strip():
-        why = (f"it begins or ends with whitespace ({text!r:.80}), which would name a file nobody meant; "
-               "give the path without it")
-    if why is None and text.strip() == ":memory:":
-        why = ("it names SQLite's in-memory database, whose rows are lost when the process ends; "
-               "name a DB file (such as ./tuning.db)")
-    if why is None and file and os.path.basename(text) in ("", ".", ".."):  # 'x/', 'x/.', 'x/..'
-        tail = os.path.basename(text) or text[-1]
-        why = f"it ends in {tail!r}, so it names a folder; name the DB file in it (such as {os.path.join(text, 'tuning.db')})"
-    if why is not None:
-        raise TuningDBError(f"{what}={text!r:.80}: {why}")
-    try:
-        return Path(path).expanduser()
-    except RuntimeError:  # Path.expanduser: "Could not determine home directory."
-        raise TuningDBError(f"{what}={str(path)!r}: cannot expand its leading '~' (no such user, or no home "
-                            "directory); give the path without it") from None
+    where no DB file can have that name (:func:`.paths.path_problem`: empty, a control character,
+    a folder's name; a URL, an SQLite URI, ``:memory:``)."""
+    return paths.expand_path(path, what, file=file, error=TuningDBError, first=_not_a_db_file_name)
 
 
 def default_db_path() -> Path:
@@ -638,6 +616,10 @@ def _read_json(path: Path, env_key: str | None = None) -> Any:
 
 
 def _check_version(path: Path, raw: dict[str, Any]) -> None:
+    if "schema_version" not in raw:  # another JSON object (a misses file, a config, {})
+        keys = ", ".join(sorted(map(str, raw))[:5]) + (", ..." if len(raw) > 5 else "") if raw else "none"
+        raise TuningFileError(f"{path}: not a tuning export (it has no schema_version; its keys: {keys:.120}); "
+                              "an export is what autofp4 db export writes")
     version = raw.get("schema_version")
     if isinstance(version, bool) or not isinstance(version, int) or version not in SUPPORTED_EXPORT_VERSIONS:
         raise TuningFileError(
@@ -1721,17 +1703,39 @@ def load_layers(env: Environment, user_path: str | Path | None = None, problem: 
     exports are read and indexed once per process (again when a file changes).
 
     When several layers hold the same key (op, fmt, dtype, backend, m_bucket, n, k, experts,
-    topk), the first layer wins. A layer that cannot be read (missing permissions, corrupt or
-    truncated file, invalid JSON or header) is skipped with a :class:`TuningDBWarning` naming
-    the file; this function never raises for bad files.
+    topk), the first layer wins: the user DB over the shipped exports, and among the shipped
+    exports the first by file name, with a :class:`TuningDBWarning` naming both files when their
+    rows differ (two exports of one machine that disagree). A layer that cannot be read (missing
+    permissions, corrupt or truncated file, invalid JSON or header) is skipped with a
+    :class:`TuningDBWarning` naming the file; this function never raises for bad files.
     """
-    layers = [recs for _, recs in layer_results(env, user_path, problem)]
-    seen: set[tuple] = set()
+    layers = layer_results(env, user_path, problem)
+    user = str(expand_path(user_path, "the tuning DB path") if user_path is not None else default_db_path())
+    seen: dict[tuple, tuple[str, TuningRecord]] = {}
     out: list[TuningRecord] = []
-    for layer in layers:
+    for name, layer in layers:
         for rec in layer:
             k = rec.key_tuple()
             if k not in seen:
-                seen.add(k)
+                seen[k] = (name, rec)
                 out.append(rec)
+            elif seen[k][0] != user and seen[k][0] != name and not _same_measurement(seen[k][1], rec):
+                _warn_shipped_conflict(seen[k], (name, rec))
     return out
+
+
+_CONFLICTS_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_shipped_conflict(used: tuple[str, TuningRecord], other: tuple[str, TuningRecord]) -> None:
+    """Once per pair of shipped exports: both hold a row of one key for this machine."""
+    if (used[0], other[0]) in _CONFLICTS_WARNED:
+        return
+    _CONFLICTS_WARNED.add((used[0], other[0]))
+    a, b = used[1], other[1]
+    key = (f"{a.op} {a.fmt} {a.dtype} {a.backend} M={a.m_bucket} N={a.n} K={a.k}"
+           + (f" E={a.experts} topk={a.topk}" if a.experts else ""))
+    warnings.warn(f"shipped tuning exports {used[0]} and {other[0]} both hold a row for {key} on this machine "
+                  f"({a.median_us:.2f} us vs {b.median_us:.2f} us, maybe more keys): the first by file name, "
+                  f"{used[0]}, is used; merge them into one (autofp4 db merge) or remove one", TuningDBWarning,
+                  stacklevel=4)

@@ -766,11 +766,13 @@ def set_miss_hook(hook: MissHook | None) -> None:
 
 def set_db(path: str | os.PathLike | None) -> None:
     """Use ``path`` as the user tuning DB (``None``: back to the default) and drop dispatchers."""
-    from .db import expand_path, unusable_path
+    from .db import expand_path
+    from .paths import unusable_path
 
     if path is not None:
         try:
             why = unusable_path(path)
+            Path(path)  # bytes pass os.fspath, not Path
         except TypeError:
             raise TypeError(f"set_db(path): path must be a str, os.PathLike or None, "
                             f"got {type(path).__name__}") from None

@@ -58,19 +58,29 @@ def _printable(text: str) -> str:
 _Text = Annotated[str, Strict(), StringConstraints(max_length=256), AfterValidator(_printable)]
 
 
+def _named(text: str) -> str:
+    if not text.strip():
+        raise ValueError("is empty; every environment has one (the GPU's name is 'cpu' on the CPU)")
+    return text
+
+
+#: a field every environment has a value for
+_Name = Annotated[str, Strict(), StringConstraints(max_length=256), AfterValidator(_printable), AfterValidator(_named)]
+
+
 class Environment(BaseModel):
     """Where a measurement was taken. Rows are only used where the environment key matches."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    gpu_name: _Text
+    gpu_name: _Name
     sm_count: Annotated[int, Strict(), Field(ge=1, le=2**16)]
     compute_capability: Annotated[str, Strict(), StringConstraints(pattern=r"^(cpu|\d{1,3}\.\d{1,3})$")]
     driver: _Text
     cuda: _Text
-    torch: _Text
+    torch: _Name
     cutlass_dsl: _Text = ""
-    autofp4: _Text
+    autofp4: _Name
 
     def key(self) -> str:
         """A stable 16-hex-character sha256 of all fields (canonical JSON)."""

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from .env import cutlass_dsl_version
+from .paths import expand_path
 
 _OFF = ("off", "0", "false", "no")
 
@@ -55,17 +56,11 @@ def cache_dir() -> Path | None:
     unset (the default folder)."""
     env = os.environ.get("AUTOFP4_KERNEL_CACHE")
     if env:
-        if not env.strip() or "\0" in env:
-            why = "holds a NUL byte" if "\0" in env else "is only whitespace"
-            raise ValueError(f"AUTOFP4_KERNEL_CACHE={env!r:.80}: the path {why}; name a folder, "
-                             "or set it to 'off' to disable the kernel cache")
         if env.strip().lower() in _OFF:
             return None
-        try:
-            return Path(env).expanduser()  # '~/kc' as AUTOFP4_DB takes it, not a folder named '~'
-        except RuntimeError:  # Path.expanduser: no such user, or no home directory
-            raise ValueError(f"AUTOFP4_KERNEL_CACHE={env!r:.80}: cannot expand its leading '~' (no such user, "
-                             "or no home directory); give the path without it") from None
+        # '~/kc' as AUTOFP4_DB takes it, not a folder named '~'; a NUL byte, a pasted line break or
+        # only whitespace refused
+        return expand_path(env, "AUTOFP4_KERNEL_CACHE", example="")
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "autofp4" / "kernels"
 
@@ -320,10 +315,11 @@ def _require_cache() -> Path:
     return d
 
 
-def export_archive(dest: str | Path) -> ArchiveReport:
-    """Write the cache's kernels (with their records) to the archive ``dest`` (a gzipped tar
-    with a manifest of checksums), atomically. Kernels without a record (compiled by an earlier
-    autofp4) are left out and listed."""
+def check_export_target(dest: str | Path) -> Path:
+    """``dest`` as a :class:`Path` if :func:`export_archive` may write it (a new file, or an
+    earlier archive; not standard output, a folder, a file in the kernel cache, a path under a
+    file or a dangling link), else :class:`KernelArchiveError` saying why. Commands that work
+    before they export check first."""
     d = _require_cache()
     if str(dest) == "-":
         raise KernelArchiveError("the archive is written to a file, not standard output: name the file (not '-')")
@@ -333,6 +329,22 @@ def export_archive(dest: str | Path) -> ArchiveReport:
     _check_replaceable(dest)
     if d.is_dir() and dest.resolve().parent == d.resolve():
         raise KernelArchiveError(f"{dest} is inside the kernel cache {d}; write the archive elsewhere")
+    for parent in (dest.parent, *dest.parent.parents):
+        if parent.is_symlink() and not parent.exists():
+            raise KernelArchiveError(f"cannot write {dest}: {parent} is a dangling symlink")
+        if parent.exists():
+            if not parent.is_dir():
+                raise KernelArchiveError(f"cannot write {dest}: {parent} is a file, not a directory")
+            break
+    return dest
+
+
+def export_archive(dest: str | Path) -> ArchiveReport:
+    """Write the cache's kernels (with their records) to the archive ``dest`` (a gzipped tar
+    with a manifest of checksums), atomically. Kernels without a record (compiled by an earlier
+    autofp4) are left out and listed."""
+    d = _require_cache()
+    dest = check_export_target(dest)
     report, entries = ArchiveReport(), []
     for o in _kernel_files(d):
         try:
@@ -348,13 +360,6 @@ def export_archive(dest: str | Path) -> ArchiveReport:
         raise KernelArchiveError(f"the kernel cache {d} holds no kernels to export{without}")
     manifest = json.dumps({"format": ARCHIVE_FORMAT, "version": ARCHIVE_VERSION,
                            "kernels": [e for e, _ in entries]}, indent=1).encode()
-    for parent in (dest.parent, *dest.parent.parents):
-        if parent.is_symlink() and not parent.exists():
-            raise KernelArchiveError(f"cannot write {dest}: {parent} is a dangling symlink")
-        if parent.exists():
-            if not parent.is_dir():
-                raise KernelArchiveError(f"cannot write {dest}: {parent} is a file, not a directory")
-            break
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}-", dir=dest.parent)

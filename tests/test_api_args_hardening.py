@@ -583,3 +583,17 @@ def test_a_worker_whose_parent_is_gone_exits_quietly(tmp_path):
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     os.close(w)
     assert proc.returncode == 3 and "BrokenPipeError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+# -- the twentieth adversarial set -----------------------------------------------------------------
+def test_tune_on_a_gpu_this_machine_lacks_and_set_db_of_bytes_are_named():
+    from autofp4.problem import ProblemKey
+
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 64, 64)
+    gone = f"cuda:{torch.cuda.device_count() + 7}"
+    for kw, named in ((dict(device=gone), f"device {gone!r}: "), (dict(devices=["cpu", gone]), f"devices[1] {gone!r}: ")):
+        with pytest.raises(ValueError) as info:
+            autofp4.tune([key], m_buckets=[1], budget_per_shape=1, progress=False, **kw)
+        assert str(info.value).startswith(named), info.value
+    with pytest.raises(TypeError, match=r"set_db\(path\): path must be a str, os.PathLike or None, got bytes"):
+        autofp4.set_db(b"x.db")

@@ -276,8 +276,8 @@ def test_a_side_file_that_is_not_a_regular_file_is_warned_about_not_copied(tmp_p
     with pytest.warns(RuntimeWarning) as rec:
         autofp4.quantize_checkpoint(src, out, "nvfp4", progress=False)
     said = [str(r.message) for r in rec if "not copied" in str(r.message)]
-    assert any(str(src / "tokenizer.json") in m and "not a regular file" in m for m in said), said
-    assert any(str(src / "vocab.json") in m and "a folder" in m for m in said), said
+    assert any(str(src / "tokenizer.json") in m and "a FIFO" in m for m in said), said
+    assert any(str(src / "vocab.json") in m and "a directory" in m for m in said), said
     assert not any("notes" in m for m in said)
     assert (out / "chat_template.jinja").read_text() == "{{ messages }}" and not (out / "tokenizer.json").exists()
 
@@ -592,3 +592,25 @@ def test_a_kv_cache_quant_algo_is_warned_about_once(tmp_path, seed):
         assert len(kv) == n, kv
         if n:
             assert "hf_quant_config.json" in kv[0] and "'FP8'" in kv[0] and "KV cache stays" in kv[0]
+
+
+# -- the twentieth adversarial set -----------------------------------------------------------------
+def test_a_dangling_link_is_named_as_one(tmp_path, seed):
+    """A checkpoint file or side file that is a symbolic link to nothing is named as such (not as a
+    directory, pipe or device): ``from_pretrained`` refuses the weights, ``quantize`` leaves out the
+    side file with a warning saying why."""
+    ckpt = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(ckpt)
+    assert "model.safetensors is a symbolic link to nothing reachable" in str(info.value), info.value
+    src = tmp_path / "src"
+    _model("llama", seed).save_pretrained(src)
+    (src / "tokenizer.json").symlink_to(tmp_path / "nowhere.json")
+    with pytest.warns(RuntimeWarning) as rec:
+        autofp4.quantize_checkpoint(src, tmp_path / "out", "nvfp4", progress=False)
+    said = [str(r.message) for r in rec if "not copied" in str(r.message)]
+    assert said == [f"{src / 'tokenizer.json'}: not copied to the output: it is a symbolic link to nothing reachable "
+                    "(its target is missing, or the links loop)"], said
+

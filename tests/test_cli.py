@@ -628,7 +628,7 @@ def test_cache_empty_variable_is_unset_and_off_shows_the_value(tmp_path, monkeyp
     assert rc == 0 and "disabled (AUTOFP4_KERNEL_CACHE='0')" in out, out + err
     monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", "   ")
     rc, out, err = run(["cache"])
-    assert rc == 2 and "AUTOFP4_KERNEL_CACHE='   ': the path is only whitespace" in err and "Traceback" not in err, err
+    assert rc == 2 and "AUTOFP4_KERNEL_CACHE='   ': the path is empty or only whitespace" in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("value,why", [("   ", "is empty or only whitespace"), ("a\0b", "holds a NUL byte")])

@@ -379,3 +379,137 @@ def test_db_paths_with_surrounding_whitespace_and_far_prune_ages_are_refused(tmp
     rc, out, err = run(["db", "prune", "--db", db, "--older-than-days", "1000000"])
     assert rc == 2 and "between 0 and 100000" in err and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("u.db")) == []
+
+
+# -- the twentieth adversarial set -----------------------------------------------------------------
+def test_paths_that_name_a_folder_or_nothing_are_refused_before_any_work(tmp_path, monkeypatch, one_kernel_cache,
+                                                                        capsys):
+    """An output file named with a trailing '/', an empty path (an unset shell variable) and a
+    variable holding a pasted line break are refused naming the option or variable; nothing is
+    written, and no config.json of the working folder is tuned in place of an empty --model."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    db = tmp_path / "t.db"
+    TuningDB(db).close()
+    cases = [(["cache", "--export", "kdir/"], "argument --export: it ends in '/', so it names a folder"),
+             (["db", "export", "--db", db, "--out", "x/"], "argument --out: it ends in '/', so it names a folder"),
+             (["tune", "--model", "", "--dry-run", "--device", "cpu"], "argument --model: the path is empty"),
+             (["explain", "--model", " ", "--device", "cpu"], "argument --model: the path is empty"),
+             (["quantize", "", "--out", "o"], "argument HF_MODEL_DIR: the path is empty"),
+             (["db", "import", "--db", db, ""], "argument FILE: the path is empty"),
+             (["db", "list", "--db", db, "--backend", ""], "argument --backend: expected a backend name, got ''")]
+    for argv, said in cases:
+        rc, out, err = run(argv)
+        err += capsys.readouterr().err  # argparse's usage errors go to the process's stderr
+        assert rc == 2 and said in err and out == "", (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "kc", "t.db"]
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(one_kernel_cache) + "\n")
+    rc, out, err = run(["cache"])
+    assert rc == 2 and "AUTOFP4_KERNEL_CACHE=" in err and "control character ('\\n'" in err, err
+
+
+def test_db_export_replaces_only_an_earlier_export(tmp_path):
+    """An export replaces its target: a misses file (or any file that is not an export) is refused
+    and left byte for byte; an earlier export is replaced."""
+    db = tmp_path / "t.db"
+    rc, out, err = run(["db", "import", "--db", db, _export(tmp_path / "e.json")])
+    assert rc == 0, err
+    misses = tmp_path / "t.misses.json"
+    misses.write_text(json.dumps(MISS))
+    notes = tmp_path / "notes.json"
+    notes.write_text("{}")
+    for target in (misses, notes):
+        before = target.read_bytes()
+        rc, out, err = run(["db", "export", "--db", db, "--out", target])
+        assert rc == 2 and f"--out {target} exists and is not a tuning export" in err, err
+        assert target.read_bytes() == before
+    rc, out, err = run(["db", "export", "--db", db, "--out", tmp_path / "e.json"])
+    assert rc == 0 and "wrote 3 records" in out, err
+
+
+def test_a_json_object_that_is_no_export_is_named_as_such(tmp_path):
+    db = tmp_path / "t.db"
+    TuningDB(db).close()
+    other = tmp_path / "o.json"
+    for text, keys in (("{}", "none"), (json.dumps(MISS), "misses, version")):
+        other.write_text(text)
+        for cmd in ("merge", "import", "diff"):
+            rc, out, err = run(["db", cmd, "--db", db, other])
+            assert rc == 2 and f"{other}: not a tuning export (it has no schema_version; its keys: {keys})" in err, err
+
+
+def test_an_environment_without_a_gpu_name_is_refused(tmp_path):
+    import hashlib
+
+    doc = json.loads(_export(tmp_path / "e.json").read_text())
+    key, env = next(iter(doc["environments"].items()))
+    env = dict(env, gpu_name=" ")
+    new = hashlib.sha256(json.dumps(env, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    doc["environments"] = {new: env}
+    for r in doc["records"]:
+        r["env_key"] = new
+    (tmp_path / "e.json").write_text(json.dumps(doc))
+    rc, out, err = run(["db", "import", "--db", tmp_path / "t.db", tmp_path / "e.json"])
+    assert rc == 2 and f"environments.{new}.gpu_name: is empty" in err, err
+
+
+def test_two_shipped_exports_that_disagree_are_warned_about(tmp_path, monkeypatch):
+    """Two shipped exports holding a row of one key for this machine: the first by file name is
+    used, and a warning names both files and the key."""
+    from autofp4.backends import get_backend
+    from autofp4.dispatch import backend_source_hash
+
+    env = current_environment(torch.device("cpu"))
+    base = json.loads(SHIPPED.read_text())["records"][0]
+    ship = tmp_path / "ship"
+    ship.mkdir()
+    for name, chunk, med in (("a", 0, 10.0), ("b", 32, 5.0)):
+        cfg = {"chunk_n": chunk}
+        rec = dict(base, env_key=env.key(), op="linear", fmt="nvfp4", dtype="bfloat16", backend="reference", n=64,
+                   k=64, experts=0, topk=0, m_bucket=1, config=cfg, median_us=med, default_median_us=20.0,
+                   backend_source=backend_source_hash(get_backend("reference"), cfg))
+        (ship / f"{name}.json").write_text(json.dumps({**json.loads(SHIPPED.read_text()),
+                                                       "environments": {env.key(): env.model_dump(mode="json")},
+                                                       "records": [rec]}))
+    monkeypatch.setenv("AUTOFP4_SHIPPED_DB", str(ship))
+    with pytest.warns(TuningDBWarning, match="both hold a row") as rec:
+        rows = load_layers(env, tmp_path / "none.db")
+    said = [str(r.message) for r in rec if "both hold a row" in str(r.message)]
+    assert len(said) == 1 and str(ship / "a.json") in said[0] and str(ship / "b.json") in said[0], said
+    assert "linear nvfp4 bfloat16 reference M=1 N=64 K=64" in said[0] and "10.00 us vs 5.00 us" in said[0]
+    assert [r.config for r in rows] == [{"chunk_n": 0}]
+
+
+def test_cache_checks_everything_before_it_acts_and_exports_what_it_warmed(tmp_path, monkeypatch, one_kernel_cache):
+    """``cache --clear --warm ...`` with an argument error clears nothing; ``--warm ... --export``
+    with one writes no archive; with none, the export comes after the warm-up and holds its
+    kernels (the compile itself is replaced by a stand-in that writes one more cached kernel:
+    what is tested is the command's order)."""
+    from autofp4 import tuning
+    from autofp4.tuning.warm import WarmReport
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                  "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 1,
+                                  "vocab_size": 256}))
+    before = sorted(p.name for p in one_kernel_cache.iterdir())
+    rc, out, err = run(["cache", "--clear", "--warm", config, "--arch", "sm_90a", "--backend", "reference"])
+    assert rc == 2 and "--backend reference" in err and "removed" not in out, (out, err)
+    rc, out, err = run(["cache", "--warm", config, "--arch", "sm_90a", "--backend", "reference", "--export",
+                        tmp_path / "k.tar.gz"])
+    assert rc == 2 and not (tmp_path / "k.tar.gz").exists()
+    assert sorted(p.name for p in one_kernel_cache.iterdir()) == before
+
+    def compile_one(jobs, backends, **kw):
+        mod = "autofp4.kernels.sm90_w4a16_gemm"
+        rec = {"name": "gemm", "module": mod, "source": kernel_cache._module_source_hash(mod),
+               "cutlass_dsl": kernel_cache.cutlass_dsl_version(), "arch": "sm_90a", "params": "p"}
+        f = one_kernel_cache / f"gemm-{kernel_cache._digest(rec)}.o"
+        f.write_bytes(b"\x7fELF" + bytes(range(100)))
+        f.with_suffix(".json").write_text(json.dumps(rec))
+        return WarmReport(compiled=1)
+
+    monkeypatch.setattr(tuning, "warm_kernel_cache", compile_one)
+    rc, out, err = run(["cache", "--warm", config, "--arch", "sm_90a", "--export", tmp_path / "k.tar.gz",
+                        "--no-progress"])
+    assert rc == 0 and out.index("compiled 1 kernel configs") < out.index("exported 2 kernels"), (out, err)

@@ -585,10 +585,14 @@ def test_load_layers_order_and_env_filter(tmp_path, monkeypatch):
     user = tmp_path / "user.db"
     with TuningDB(user) as u:
         u.upsert_result(rec(m_bucket=1, config={"chunk_n": 2048}))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         got = load_layers(env_a(), user_path=user)
     assert [(r.m_bucket, r.config["chunk_n"]) for r in got] == [(1, 2048), (2, 512), (8, 256)]
+    # the two shipped exports disagree on M bucket 2: the first by name is used, and said so (the
+    # user DB shadowing a shipped row is what it is for: no warning)
+    assert [str(w.message).split(" both hold")[0] for w in said] == [
+        f"shipped tuning exports {ship / 'a_h200.json'} and {ship / 'b_h200.json'}"]
     assert all(r.env == env_a() for r in got)
     assert [r.m_bucket for r in load_layers(env_b(), user_path=user)] == [4]
     # the default user path is $AUTOFP4_DB; absent file -> just the shipped layers

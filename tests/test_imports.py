@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1] / "autofp4"
 # Each entry is a module or a package (its modules); more specific entries win.
 LAYERS: list[tuple[str, ...]] = [
     ("autofp4.problem", "autofp4.hopper", "autofp4.blackwell", "autofp4.pdl", "autofp4.timing", "autofp4.env", "autofp4.graph_pools",
-     "autofp4.patterns"),
+     "autofp4.patterns", "autofp4.paths"),
     ("autofp4.formats", "autofp4.kernel_cache"),
     ("autofp4.weights",),
     ("autofp4.loaders", "autofp4.kernels", "autofp4.routing", "autofp4.router"),  # these run the routing kernels

@@ -19,13 +19,14 @@ import json
 import math
 import os
 import re
-import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
+
+from ..paths import REGULAR, kind_of, not_regular
 
 __all__ = ["SafetensorsReader", "ShardedWriter", "TensorInfo", "parse_size", "DTYPES"]
 
@@ -176,12 +177,11 @@ def present_file(path: Path, what: str) -> bool:
     """Whether the optional file ``path`` of a checkpoint is there (False: no entry of that name);
     ``ValueError`` naming it where the entry is a link to nothing, or not a regular file (a
     directory, FIFO or device, which a reader would misread or block on)."""
-    if path.is_symlink() and not path.exists():
-        raise ValueError(f"{what}: {path} is a symbolic link to nothing (its target is missing)")
-    if not path.exists():
+    kind = kind_of(path)
+    if kind is None:
         return False
-    if not path.is_file():
-        raise ValueError(f"{what}: {path} is not a regular file (a directory, FIFO or device)")
+    if kind != REGULAR:
+        raise ValueError(f"{what}: {not_regular(path, kind)}")
     return True
 
 
@@ -222,12 +222,9 @@ def shard_files(root: Path, what: str) -> tuple[list[Path], Optional[dict[str, s
         if not files:
             raise FileNotFoundError(f"{what}: no *.safetensors file (or {INDEX}) in {root}")
     for f in files:
-        try:
-            regular = stat.S_ISREG(os.stat(f).st_mode)
-        except OSError:
-            regular = False
-        if not regular:
-            raise ValueError(f"{what}: {f} is not a regular file (a directory, a pipe or a device)")
+        kind = kind_of(f)
+        if kind != REGULAR:
+            raise ValueError(f"{what}: {not_regular(f, kind)}")
     return files, weight_map
 
 

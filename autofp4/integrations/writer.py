@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..nn import FP4FusedLinear, FP4Linear
+from ..paths import REGULAR, kind_of
 from ..weights import FP4Weight, _describe
 from . import layouts as L
 from .safetensors_io import ShardedWriter, parse_size, present_file
@@ -265,14 +266,11 @@ def copy_side_files(source: Optional[Path], root: Path) -> list[str]:
 def _warn_not_copied(f: Path) -> None:
     """Warn about an entry of a source checkpoint that looks like one of its files but is left out
     for not being a regular file (a FIFO, device or socket; a folder with a checkpoint file's name)."""
-    if f.name.startswith(".") or f.is_file() or not (f.exists() or f.is_symlink()):
-        if f.is_symlink() and not f.exists() and f.name in _CHECKPOINT_FILES:
-            warnings.warn(f"{f}: not copied to the output: a symbolic link to a missing file", RuntimeWarning,
-                          stacklevel=3)
+    kind = kind_of(f)
+    if f.name.startswith(".") or kind in (None, REGULAR):
         return
-    if f.is_dir() and f.name not in _CHECKPOINT_FILES:
+    if kind == "a directory" and f.name not in _CHECKPOINT_FILES:
         return  # a subfolder: not part of a checkpoint's top level
-    kind = "a folder" if f.is_dir() else "not a regular file (a FIFO, device or socket)"
     warnings.warn(f"{f}: not copied to the output: it is {kind}", RuntimeWarning, stacklevel=3)
 
 

@@ -119,6 +119,12 @@ def device(value: Any, name: str = "device") -> Any:
         raise ValueError(f"{name} {value!r} is not a device: {str(e).splitlines()[0][:200]}") from None
     if dev.type not in ("cuda", "cpu"):
         raise ValueError(f"{name} {str(dev)!r}: the tuner times kernels on a CUDA GPU or the CPU, not on {dev.type!r}")
+    from ..weights import missing_device
+
+    why = missing_device(dev)
+    if why is not None:
+        raise ValueError(f"{name} {str(dev)!r}: {why}; tune on 'cpu' (the reference backend) or on a machine with "
+                         "the GPU")
     return value
 
 

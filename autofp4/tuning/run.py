@@ -157,7 +157,7 @@ def _resolve_devices(
             raise RuntimeError(f"gpus={list(gpus)} given, but no CUDA GPU is available")
         return [torch.device("cuda", int(g)) for g in gpus]
     if devices:
-        devs = [torch.device(d) for d in devices]
+        devs = [torch.device(A.device(d, f"devices[{i}]")) for i, d in enumerate(devices)]
         if len({d.type for d in devs}) != 1:
             raise ValueError(f"devices must all be of one type, got {[str(d) for d in devs]}")
         return devs
