@@ -164,6 +164,11 @@ _LAYOUT_HELP = ("whose modules: vllm (fused qkv_proj, gate_up_proj; the default)
                 "(Hugging Face q_proj, k_proj, v_proj, gate_proj, up_proj), or both")
 
 
+#: ``tune --from-misses`` without a FILE: the misses file next to the user DB (not a string, so
+#: that an empty FILE given, as an unset shell variable gives, is refused as one)
+_DEFAULT_MISSES = object()
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -191,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--time-budget", type=_time_budget, metavar="SECONDS",
                    help="wall-clock budget of the run, shared fairly by its jobs (default 900 on the GPU; 'none': no limit)")
     t.add_argument("--dry-run", action="store_true", help="print the shapes and the job count, tune nothing")
-    t.add_argument("--from-misses", nargs="?", const="", default=None, metavar="FILE",
+    t.add_argument("--from-misses", nargs="?", const=_DEFAULT_MISSES, default=None, type=arg_type(True, "misses.json"),
+                   metavar="FILE",
                    help="tune what a workload missed (default file: next to the user DB)")
     t.add_argument("--force", action="store_true",
                    help="re-tune jobs that already have a result (the stored winner is tried right after the default)")
@@ -351,7 +357,7 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise _UsageError("tune needs --model CONFIG (a config.json) or --from-misses [FILE]")
     if args.model is not None and args.from_misses is not None:
         raise _UsageError("give either --model or --from-misses, not both")
-    _fmt_of_checkpoint(args, args.model)
+    _fmt_of_checkpoint(args, args.model, err)
     _model_options(args)
     _options_for(args, _RUN_OPTIONS, not args.dry_run, "a tuning run",
                  "; --dry-run prints the jobs and tunes nothing (leave --dry-run out to tune)")
@@ -407,14 +413,20 @@ def _options_for(args: argparse.Namespace, options: dict, used: bool, goes_with:
         raise _UsageError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with {goes_with}{why}")
 
 
-def _fmt_of_checkpoint(args: argparse.Namespace, model: str | None) -> None:
-    """``--fmt`` not given and ``model`` a quantized checkpoint (its folder or its config.json):
-    the checkpoint's own format (an MXFP4 checkpoint's shapes are tuned as MXFP4)."""
-    if args.fmt is not None or not model:
+def _fmt_of_checkpoint(args: argparse.Namespace, model: str | None, err: TextIO) -> None:
+    """``model`` a quantized checkpoint (its folder or its config.json) and ``--fmt`` not given:
+    the checkpoint's own format (an MXFP4 checkpoint's shapes are tuned as MXFP4); ``--fmt``
+    given and not the checkpoint's: as given, with a note saying so."""
+    if not model:
         return
     from .integrations.checkpoints import checkpoint_fmt
 
-    args.fmt = checkpoint_fmt(model)
+    own = checkpoint_fmt(model)
+    if args.fmt is None:
+        args.fmt = own
+    elif own is not None and own != args.fmt:
+        print(f"note: {model} is an {own.upper()} checkpoint; its shapes are taken as {args.fmt.upper()} "
+              f"(--fmt {args.fmt}), not as they run when loaded (leave --fmt out for {own})", file=err)
 
 
 def _model_options(args: argparse.Namespace) -> None:
@@ -487,7 +499,7 @@ def _tune_misses(args: argparse.Namespace, on_cpu: bool, cpu_note: str, common: 
     """``tune --from-misses``: what a workload missed."""
     from . import dispatch, tuning
 
-    path = Path(args.from_misses) if args.from_misses else dispatch.misses_path()
+    path = dispatch.misses_path() if args.from_misses is _DEFAULT_MISSES else Path(args.from_misses)
     try:
         misses = dispatch.load_misses(path)
     except FileNotFoundError:
@@ -643,7 +655,7 @@ def _finish(report: Any, db_path: Path, out: TextIO) -> int:
 # --------------------------------------------------------------------------------------------
 # explain
 # --------------------------------------------------------------------------------------------
-def _cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
+def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """``autofp4 explain``: what a call of each shape (a model's, or the one given) at each M
     runs on the device, and why (the tuned row and its DB layer, or the default)."""
     from . import dispatch
@@ -652,7 +664,7 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
     _set_db(args)
     if args.model is not None and (args.n is not None or args.k is not None):
         raise _UsageError("give --model or one shape (--n, --k), not both")
-    _fmt_of_checkpoint(args, args.model)
+    _fmt_of_checkpoint(args, args.model, err)
     if args.fmt is None:
         args.fmt = "nvfp4"
     _options_for(args, _EXPLAIN_MODEL, args.model is not None, "--model", " (one shape is explained as given)")
@@ -774,7 +786,7 @@ def _cache_line() -> str:
 def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .kernel_cache import cache_dir, cache_dir_problem, clear, others
 
-    _fmt_of_checkpoint(args, args.warm)
+    _fmt_of_checkpoint(args, args.warm, err)
     _options_for(args, _WARM_OPTIONS, args.warm is not None, "--warm CONFIG")
 
     try:
@@ -856,6 +868,9 @@ def _warm_plan(args: argparse.Namespace) -> _WarmPlan:
 
     if cache_dir() is None:
         raise _UsageError(f"the kernel cache is disabled ({disabled_by()}): nothing to warm")
+    if args.arch is not None and not args.arch.strip():
+        raise _UsageError(f"--arch {args.arch!r} is empty: name the target ({', '.join(_ARCHS)}), or leave --arch "
+                          "out for this machine's GPU")
     arch = args.arch or target_arch()  # $CUTE_DSL_ARCH, else this machine's GPU
     if arch == "unknown":
         raise _UsageError("no CUDA GPU here: name the target with --arch (e.g. sm_90a)")
@@ -990,7 +1005,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         if args.command == "cache":
             return _cmd_cache(args, out, err)
         if args.command == "explain":
-            return _cmd_explain(args, out)
+            return _cmd_explain(args, out, err)
         if args.command == "quantize":
             return _cmd_quantize(args, out, err)
         if args.command == "db":

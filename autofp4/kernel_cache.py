@@ -207,9 +207,12 @@ _OWN_FILE = re.compile(r"[A-Za-z0-9_]{1,64}-[0-9a-f]{32}\.(o|json)")
 
 
 def _kernel_files(d: Path) -> list[Path]:
-    """The compiled kernels in ``d``: the ``.o`` files named as :func:`compile_cached` names them
-    (any other file there, say a build folder's ``foo.o``, is not the cache's)."""
-    return sorted(p for p in d.glob("*.o") if _OWN_FILE.fullmatch(p.name) and p.is_file()) if d.is_dir() else []
+    """The compiled kernels in ``d``: the regular ``.o`` files named as :func:`compile_cached`
+    names them (any other file there, say a build folder's ``foo.o``, or a symbolic link, which the
+    cache never writes and an export would follow to someone's file, is not the cache's)."""
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.glob("*.o") if _OWN_FILE.fullmatch(p.name) and p.is_file() and not p.is_symlink())
 
 
 def summary() -> tuple[Path | None, int, int]:
@@ -346,6 +349,8 @@ def export_archive(dest: str | Path) -> ArchiveReport:
     d = _require_cache()
     dest = check_export_target(dest)
     report, entries = ArchiveReport(), []
+    report.skipped += [(p.name, "a symbolic link, not a kernel the cache wrote") for p in sorted(d.glob("*.o"))
+                       if _OWN_FILE.fullmatch(p.name) and p.is_symlink()]
     for o in _kernel_files(d):
         try:
             record = json.loads(o.with_suffix(".json").read_text())
@@ -356,7 +361,8 @@ def export_archive(dest: str | Path) -> ArchiveReport:
         entries.append(({"file": o.name, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
                          **{k: record.get(k) for k in _RECORD_KEYS}}, data))
     if not entries:
-        without = f" ({len(report.skipped)} without a record)" if report.skipped else ""
+        without = (f" ({len(report.skipped)} left out: {report.skipped[0][0]}: {report.skipped[0][1]}"
+                   f"{', ...' if len(report.skipped) > 1 else ''})" if report.skipped else "")
         raise KernelArchiveError(f"the kernel cache {d} holds no kernels to export{without}")
     manifest = json.dumps({"format": ARCHIVE_FORMAT, "version": ARCHIVE_VERSION,
                            "kernels": [e for e, _ in entries]}, indent=1).encode()

@@ -356,6 +356,25 @@ def check_limits(config: Mapping[str, Any]) -> None:
             for key in LIMITS:
                 if part.get(key) is not None:
                     _check_field(key, part[key])
+            for key in ("rope_scaling", "rope_parameters"):
+                _check_rope(key, part.get(key))
+
+
+def _check_rope(key: str, rope: Any) -> None:
+    """``rope_scaling`` / ``rope_parameters``: an object of numbers and flags (its ``rope_type`` /
+    ``type`` a name), which transformers computes with as it builds the model."""
+    if rope is None:
+        return
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"{key} must be an object (or null), got {type(rope).__name__} {rope!r:.60}")
+    for k, v in rope.items():
+        if k in ("rope_type", "type"):
+            if not isinstance(v, str):
+                raise ValueError(f"{key}.{k} must be a name such as 'llama3', got {v!r:.60}")
+            continue
+        numbers = v if isinstance(v, list) else [v]
+        if isinstance(v, Mapping) or not all(x is None or isinstance(x, (int, float)) for x in numbers):
+            raise ValueError(f"{key}.{k} must be a number (or true / false), got {v!r:.60}")
 
 
 #: size fields whose 0 :func:`model_shapes` reads as "derive it" (``head_dim``: hidden_size /

@@ -93,8 +93,8 @@ def check_bias(bias, experts: int, device, what: str = "route") -> None:
     if bias is None:
         return
     if not isinstance(bias, torch.Tensor) or bias.shape != (experts,) or not bias.is_floating_point():
-        raise ValueError(f"{what}: correction_bias must be a float tensor [E={experts}], got "
-                         f"{getattr(bias, 'shape', type(bias).__name__)}")
+        got = (f"{tuple(bias.shape)} {bias.dtype}" if isinstance(bias, torch.Tensor) else type(bias).__name__)
+        raise ValueError(f"{what}: correction_bias must be a float tensor [E={experts}], got {got}")
     if bias.device != device:
         raise ValueError(f"{what}: correction_bias is on {bias.device} but the router logits are on {device}")
 

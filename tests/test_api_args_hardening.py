@@ -237,7 +237,7 @@ def test_tune_reads_m_buckets_from_a_generator_and_stores_their_buckets(tmp_path
     (dict(ops=[""]), ValueError, r"ops\[0\] is an empty name"),
     (dict(budget_s=True), TypeError, "budget_s must be a number of seconds"),
     (dict(budget_s=math.nan), ValueError, "budget_s must be a number of seconds > 0"),
-    (dict(duty=True), TypeError, "duty must be a number in .0, 1. or None, got bool"),
+    (dict(duty=True), TypeError, "duty must be a number in .0.01, 1. or None, got bool"),
     (dict(duty="0.5"), TypeError, "duty must be a number"),
     (dict(backends="reference"), TypeError, "backends must be a list of names"),
     (dict(mode=None), ValueError, "mode must be one of"),
@@ -597,3 +597,18 @@ def test_tune_on_a_gpu_this_machine_lacks_and_set_db_of_bytes_are_named():
         assert str(info.value).startswith(named), info.value
     with pytest.raises(TypeError, match=r"set_db\(path\): path must be a str, os.PathLike or None, got bytes"):
         autofp4.set_db(b"x.db")
+
+
+# -- the twenty-first adversarial set ----------------------------------------------------------------
+def test_tune_takes_a_torch_dtype_and_route_names_a_bias_dtype(tmp_path):
+    from autofp4.models import ModelShape
+
+    rep = autofp4.tune([ModelShape("linear", "x", 64, 64)], m_buckets=[1], dtype=torch.bfloat16, device="cpu",
+                       db=str(tmp_path / "t.db"), progress=False)
+    assert [r.job.key.dtype for r in rep.results] == ["bfloat16"]
+    with pytest.raises(ValueError, match=r"dtype=torch.float32 is not one of bfloat16, float16 \(names, as strings\)"):
+        autofp4.tune([ModelShape("linear", "x", 64, 64)], m_buckets=[1], dtype=torch.float32, device="cpu",
+                     db=str(tmp_path / "t.db"), progress=False)
+    logits = torch.randn(3, 4)
+    with pytest.raises(ValueError, match=r"correction_bias must be a float tensor \[E=4\], got \(4,\) torch.int64"):
+        autofp4.route(logits, top_k=2, scoring="sigmoid", correction_bias=torch.arange(4))

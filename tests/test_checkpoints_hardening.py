@@ -614,3 +614,42 @@ def test_a_dangling_link_is_named_as_one(tmp_path, seed):
     assert said == [f"{src / 'tokenizer.json'}: not copied to the output: it is a symbolic link to nothing reachable "
                     "(its target is missing, or the links loop)"], said
 
+
+
+# -- the twenty-first adversarial set --------------------------------------------------------------
+def test_quantize_names_what_it_keeps_a_closed_stream_and_defaulted_sizes(tmp_path, seed):
+    """Layers whose K the format's block does not divide are named in a warning (not only in the
+    report); a closed progress stream is refused; a config.json without hidden_size is named
+    where the shapes then disagree."""
+    src = _dense_src(tmp_path / "src", seed)
+    c = json.loads((src / "config.json").read_text())
+    t = safetensors_torch.load_file(str(src / "model.safetensors"))
+    t = {k: (v[:48].contiguous() if ("gate_proj" in k or "up_proj" in k) else v[:, :48].contiguous()
+             if "down_proj" in k else v) for k, v in t.items()}
+    safetensors_torch.save_file(t, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps(dict(c, intermediate_size=48)))
+    with pytest.warns(RuntimeWarning, match=r"kept in high precision \(not quantized\), as K is not a multiple of "
+                      r"mxfp4's block of 32: model\.layers\.0\.mlp\.down_proj \(K = 48\)"):
+        summary = autofp4.quantize_checkpoint(src, tmp_path / "out", "mxfp4", progress=False)
+    assert "model.layers.0.mlp.down_proj" in summary.excluded
+    import io
+
+    closed = io.StringIO()
+    closed.close()
+    with pytest.raises(ValueError, match="stream is closed"):
+        autofp4.quantize_checkpoint(src, tmp_path / "out2", "nvfp4", stream=closed)
+    c.pop("hidden_size")
+    (src / "config.json").write_text(json.dumps(dict(c, intermediate_size=48)))
+    with pytest.raises(ValueError, match=r"config.json does not set hidden_size \(transformers' default: 4096\)"):
+        autofp4.quantize_checkpoint(src, tmp_path / "out3", "nvfp4", progress=False)
+
+
+@pytest.mark.parametrize("rope,named", [({"rope_type": "llama3", "factor": "abc"}, "rope_scaling.factor must be a number"),
+                                        ([8.0], "rope_scaling must be an object"),
+                                        ({"rope_type": 3, "factor": 8.0}, "rope_scaling.rope_type must be a name")])
+def test_a_rope_scaling_of_the_wrong_types_is_named_before_transformers_builds(tmp_path, seed, rope, named):
+    ckpt = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
+    _edit(ckpt / "config.json", lambda d: d.update(rope_scaling=rope))
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(ckpt)
+    assert "config.json: " + named in str(info.value), info.value

@@ -513,3 +513,43 @@ def test_cache_checks_everything_before_it_acts_and_exports_what_it_warmed(tmp_p
     rc, out, err = run(["cache", "--warm", config, "--arch", "sm_90a", "--export", tmp_path / "k.tar.gz",
                         "--no-progress"])
     assert rc == 0 and out.index("compiled 1 kernel configs") < out.index("exported 2 kernels"), (out, err)
+
+
+# -- the twenty-first adversarial set --------------------------------------------------------------
+def test_empty_arch_and_misses_file_are_named_and_a_format_against_the_checkpoint_is_noted(tmp_path, capsys):
+    import autofp4
+    from tiny_models import tiny_model
+
+    rc, out, err = run(["cache", "--warm", REPO / "examples" / "llama-3.1-8b.json", "--arch", ""])
+    assert rc == 2 and "--arch '' is empty: name the target (sm_90a, sm_100a)" in err, err
+    rc, out, err = run(["tune", "--from-misses", "", "--db", tmp_path / "t.db", "--dry-run"])
+    err += capsys.readouterr().err
+    assert rc == 2 and "argument --from-misses: the path is empty" in err, err
+    m = tiny_model("llama", 3)
+    autofp4.quantize_model(m, "nvfp4")
+    autofp4.save_pretrained(m, tmp_path / "ck", layout="modelopt")
+    rc, out, err = run(["explain", "--model", tmp_path / "ck", "--fmt", "mxfp4", "--m", "1", "--device", "cpu",
+                        "--db", tmp_path / "t.db"])
+    assert rc == 0 and f"note: {tmp_path / 'ck'} is an NVFP4 checkpoint; its shapes are taken as MXFP4" in err, err
+    rc, out, err = run(["explain", "--model", tmp_path / "ck", "--m", "1", "--device", "cpu", "--db", tmp_path / "t.db"])
+    assert rc == 0 and "note:" not in err and "nvfp4" in out
+
+
+def test_a_cached_kernel_that_is_a_symbolic_link_is_not_exported(tmp_path, one_kernel_cache):
+    """The cache writes regular files: a link named like a kernel (to someone's file) is left out of
+    an export, named, and its target's bytes are not in the archive."""
+    import tarfile
+
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"not a kernel: someone's data")
+    mod = "autofp4.kernels.sm90_w4a16_gemm"
+    rec = {"name": "gemm", "module": mod, "source": kernel_cache._module_source_hash(mod),
+           "cutlass_dsl": kernel_cache.cutlass_dsl_version(), "arch": "sm_90a", "params": "p"}
+    link = one_kernel_cache / f"gemm-{kernel_cache._digest(rec)}.o"
+    link.symlink_to(secret)
+    link.with_suffix(".json").write_text(json.dumps(rec))
+    rc, out, err = run(["cache", "--export", tmp_path / "k.tar.gz"])
+    assert rc == 0 and "exported 1 kernels" in out and f"left out {link.name}: a symbolic link" in err, (out, err)
+    with tarfile.open(tmp_path / "k.tar.gz") as tar:
+        data = b"".join(tar.extractfile(m).read() for m in tar.getmembers() if m.isfile())
+    assert b"someone's data" not in data

@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -577,8 +578,9 @@ def test_blocking_tunes_an_expert_parallel_slice_as_a_slice(monkeypatch, tmp_pat
     ("AUTOFP4_AUTOTUNE_WORKERS", "100000", "AUTOFP4_AUTOTUNE_WORKERS='100000' is not an integer from 0 to"),
     ("AUTOFP4_AUTOTUNE_BUDGET_S", "abc", "AUTOFP4_AUTOTUNE_BUDGET_S='abc' is not a positive number of seconds"),
     ("AUTOFP4_AUTOTUNE_BUDGET_S", "nan", "AUTOFP4_AUTOTUNE_BUDGET_S='nan' is not a positive number"),
-    ("AUTOFP4_AUTOTUNE_DUTY", "50%", "AUTOFP4_AUTOTUNE_DUTY='50%' is not a number in (0, 1]"),
-    ("AUTOFP4_AUTOTUNE_DUTY", "2", "AUTOFP4_AUTOTUNE_DUTY='2' is not a number in (0, 1]"),
+    ("AUTOFP4_AUTOTUNE_DUTY", "50%", "AUTOFP4_AUTOTUNE_DUTY='50%' is not a number in [0.01, 1]"),
+    ("AUTOFP4_AUTOTUNE_DUTY", "2", "AUTOFP4_AUTOTUNE_DUTY='2' is not a number in [0.01, 1]"),
+    ("AUTOFP4_AUTOTUNE_DUTY", "1e-9", "AUTOFP4_AUTOTUNE_DUTY='1e-9' is not a number in [0.01, 1]"),
     ("AUTOFP4_AUTOTUNE_OPS", "linear,conv", "AUTOFP4_AUTOTUNE_OPS='linear,conv' is not a comma-separated subset"),
 ])
 def test_a_bad_autotune_knob_is_named_in_the_warning(monkeypatch, var, value, needle):
@@ -618,3 +620,56 @@ def test_a_worker_that_cannot_be_spawned_warns_once_and_calls_run_untuned(monkey
     msgs = [str(w.message) for w in rec if "just-in-time tuning is off" in str(w.message)]
     assert len(msgs) == 1 and "PermissionError" in msgs[0] and "cannot start" in msgs[0], msgs
     assert len(spawned) == 1
+
+
+# -- the twenty-first adversarial set ----------------------------------------------------------------
+def test_a_worker_holds_none_of_its_callers_descriptors_and_stops_resting_when_told(monkeypatch):
+    """The worker's standard error is a pipe its parent copies (a caller capturing the parent's
+    output gets its end of file when the parent exits, not when a worker still finishing a job
+    does), and setting the paced measurer's ``wake`` (the parent has gone) ends its rests."""
+    from autofp4.tuning import measurer
+
+    if not Path("/proc/self/fd/2").exists():
+        pytest.skip("no /proc here")
+    code = ("import os, autofp4\n"
+            "with autofp4.autotune(mode='background'):\n"
+            "    autofp4.autotune.start('cpu')\n"
+            "    w = next(iter(autofp4.tuning.jit.active().workers.values()))\n"
+            "    print(os.readlink(f'/proc/{w.proc.pid}/fd/2') == os.readlink('/proc/self/fd/2'))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", (r.stdout, r.stderr)
+
+    def one_trial(self, req):
+        time.sleep(0.05)
+        return {"ok": True}
+
+    monkeypatch.setattr(measurer._Measurer, "run", one_trial)
+    m = measurer._PacedMeasurer(torch.device("cpu"), False, 10.0, duty=0.01)  # rests 99x each trial
+    threading.Timer(0.3, m.wake.set).start()
+    t0 = time.perf_counter()
+    assert m.run({}) == {"ok": True} and m.run({}) == {"ok": True}
+    assert time.perf_counter() - t0 < 2.0  # not 2 x 5 s
+    with pytest.raises(ValueError, match=r"duty must be in \[0.01, 1\]"):
+        measurer._PacedMeasurer(torch.device("cpu"), False, 10.0, duty=1e-9)
+
+
+
+def test_one_autotune_object_entered_twice_nested_leaves_nothing_on(tmp_path):
+    """Each block an autotune object is entered in ends its own scope: after both nested blocks
+    a call is untuned again (nothing measured, nothing stored)."""
+    from autofp4.tuning import jit
+
+    dispatch.set_db(tmp_path / "t.db")
+    try:
+        a = autofp4.autotune(mode="blocking")
+        with a:
+            with a:
+                assert len(jit._STACK) == 2
+            assert len(jit._STACK) == 1
+        assert jit.active() is None and jit._STACK == []
+        w = autofp4.quantize(torch.randn(128, 64).bfloat16(), "nvfp4")
+        autofp4.linear(torch.randn(4, 64).bfloat16(), w)
+        assert not (tmp_path / "t.db").exists() or TuningDB(tmp_path / "t.db").results(
+            current_environment(torch.device("cpu")).key()) == []
+    finally:
+        dispatch.set_db(None)

@@ -715,6 +715,13 @@ def _empty_model(config: Any, dtype: torch.dtype) -> nn.Module:
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype)
             else:
                 model = cls._from_config(config, dtype=dtype)
+    except (TypeError, ValueError, ZeroDivisionError, KeyError, AttributeError, IndexError) as e:
+        if str(e).startswith(_WHAT):
+            raise
+        # a value transformers reads as it builds the model (rope_scaling, layer_types, ...)
+        raise ValueError(f"{_WHAT}: transformers cannot build the {getattr(config, 'model_type', '?')} model of "
+                         f"config.json: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (a field of "
+                         "config.json with a value of the wrong type or out of range?)") from e
     finally:
         if qc is not None:
             config.quantization_config = qc

@@ -201,6 +201,7 @@ def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt:
     # linears to quantize
     linears: dict[str, str] = {}  # module name -> stored weight key
     excluded: list[str] = []
+    misfit: list[str] = []  # layers to quantize whose K the format's block does not divide
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
             continue
@@ -214,6 +215,8 @@ def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt:
             linears[name] = key
         elif key is not None or name in keep:
             excluded.append(name)
+            if wanted:
+                misfit.append(f"{name} (K = {mod.in_features})")
     excluded += sorted(keep)
 
     # groups sharing a global scale: quantize_model's fused siblings
@@ -243,6 +246,7 @@ def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt:
         two_i, h = (mod.gate_up_proj.shape[:0:-1] if gpt_oss else mod.gate_up_proj.shape[1:])
         if h % bs or (two_i // 2) % bs:
             excluded.append(name)
+            misfit.append(f"{name} (hidden {h}, intermediate {two_i // 2})")
             continue
         unit = _experts_unit(reader, name, e, two_i, h, gpt_oss, by_model, model_type)
         if unit is None:
@@ -254,6 +258,11 @@ def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt:
                 raise ValueError(f"{_WHAT}: {k!r} is stored as {info.dtype}; a weight to quantize must be "
                                  "bfloat16, float16 or float32")
         exp_units[name] = unit
+
+    if misfit:
+        shown = ", ".join(misfit[:4]) + (f", ... ({len(misfit)} in all)" if len(misfit) > 4 else "")
+        warnings.warn(f"{_WHAT}: kept in high precision (not quantized), as K is not a multiple of {fmt}'s block of "
+                      f"{bs}: {shown}", RuntimeWarning, stacklevel=3)
 
     # units in the order of their first source tensor
     units: list[Any] = []
@@ -308,13 +317,35 @@ def _check_against_model(reader: SafetensorsReader, model: Any, model_type: Opti
             wrong.append(f"{key!r} is stored as {info.dtype}, {what} must be floating point")
     if missing:
         raise ValueError(f"{_WHAT}: {reader.root} lacks {len(missing)} tensors the model of its config.json needs "
-                         f"(a shard missing from the index?): {missing[:8]}")
+                         f"(a shard missing from the index?){_defaulted(reader.root, model.config)}: {missing[:8]}")
     if wrong:
-        raise ValueError(f"{_WHAT}: {len(wrong)} stored tensors do not match the model of config.json: " + "; ".join(wrong[:5]))
+        raise ValueError(f"{_WHAT}: {len(wrong)} stored tensors do not match the model of config.json"
+                         f"{_defaulted(reader.root, model.config)}: " + "; ".join(wrong[:5]))
     extra = [k for m, k in by_model.items() if m not in state and not m.startswith(under_experts)]
     if extra:
         warnings.warn(f"{_WHAT}: {len(extra)} stored tensors are not in the model config.json builds; copied as they "
                       f"are: {extra[:8]}", UserWarning, stacklevel=3)
+
+
+#: config fields that set tensor shapes, whose transformers defaults (hidden_size 4096, ...) are
+#: another model's sizes
+_SIZE_FIELDS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "num_hidden_layers", "vocab_size", "num_experts",
+                "num_local_experts")
+
+
+def _defaulted(root: Path, config: Any) -> str:
+    """Where a shape does not match: the size fields config.json leaves out (transformers filled
+    them in with its defaults), as a sentence to add to the error ("" where it sets them all)."""
+    try:
+        given = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(given, dict):
+        return ""
+    unset = [f"{f} (transformers' default: {getattr(config, f)})" for f in _SIZE_FIELDS
+             if f not in given and isinstance(getattr(config, f, None), int)]
+    return f" (config.json does not set {', '.join(unset)})" if unset else ""
 
 
 def _want_shape(reader: SafetensorsReader, key: str, want: tuple[int, ...]) -> None:
@@ -530,6 +561,9 @@ def quantize_checkpoint(src: Union[str, Path], out: Union[str, Path], fmt: str, 
         raise TypeError(f"{_WHAT}: progress must be True or False, got {type(progress).__name__} {progress!r:.80}")
     if stream is not None and not callable(getattr(stream, "write", None)):
         raise TypeError(f"{_WHAT}: stream must be a text stream (with write) or None, got {type(stream).__name__}")
+    if stream is not None and getattr(stream, "closed", False) is True:
+        raise ValueError(f"{_WHAT}: stream is closed: the progress would be lost; pass an open stream (or None: "
+                         "standard error)")
     if not isinstance(device, (str, torch.device)) or isinstance(device, bool):
         raise TypeError(f"{_WHAT}: device must be a str such as 'cuda' or a torch.device, got "
                         f"{type(device).__name__} {device!r:.80}")

@@ -36,6 +36,7 @@ from ..problem import OPS
 from . import args as A
 from .compile_pool import _spec
 from .jobs import STORED, Job
+from .measurer import MIN_DUTY
 from .worker import WorkerClient
 
 MODES = ("blocking", "background")
@@ -69,11 +70,12 @@ def _settings(mode: str, budget_s: float | None, ops: Iterable[str], backends: S
         raise ValueError(f"ops must be among {OPS}, got {sorted(ops)}")
     budget_s = A.seconds(budget_s, "budget_s")
     if duty is not None and (isinstance(duty, bool) or not isinstance(duty, numbers.Real)):
-        raise TypeError(f"duty must be a number in (0, 1] or None, got {type(duty).__name__} {duty!r:.80}")
+        raise TypeError(f"duty must be a number in [{MIN_DUTY}, 1] or None, got {type(duty).__name__} {duty!r:.80}")
     backends = A.names(backends, "backends")
     duty = (BACKGROUND_DUTY if mode == "background" else 1.0) if duty is None else float(duty)
-    if not 0 < duty <= 1:
-        raise ValueError(f"duty must be in (0, 1], got {duty}")
+    if not MIN_DUTY <= duty <= 1:
+        raise ValueError(f"duty must be in [{MIN_DUTY}, 1] (the share of the wall time the worker measures; less "
+                         f"would spread a job's trials over hours), got {duty}")
     try:
         A.workers(workers, "workers")
     except TypeError as e:
@@ -242,17 +244,18 @@ class autotune:
                  backends: Sequence[str] | None = None, duty: float | None = None,
                  workers: int | None = None) -> None:
         self.settings = _settings(mode, budget_s, ops, backends, duty, workers)
-        self._scope: _Scope | None = None
+        self._scopes: list[_Scope] = []  # one per block this object is entered in (they may nest)
 
     def __enter__(self) -> "autotune":
-        self._scope = _Scope(**self.settings)
-        _push(self._scope)
+        s = _Scope(**self.settings)
+        self._scopes.append(s)
+        _push(s)
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        s, self._scope = self._scope, None
-        if s is None:
+        if not self._scopes:
             return
+        s = self._scopes.pop()
         try:
             if s.mode == "blocking" and exc_type is None:
                 s.wait()
@@ -342,8 +345,8 @@ def from_env() -> None:
             raise ValueError(f"AUTOFP4_AUTOTUNE_OPS={ops_text!r} is not a comma-separated subset of "
                              f"{', '.join(OPS)}")
         budget_s = _env_number("AUTOFP4_AUTOTUNE_BUDGET_S", float, "a positive number of seconds", lambda v: v > 0)
-        duty = _env_number("AUTOFP4_AUTOTUNE_DUTY", float, "a number in (0, 1] (the share of the wall time the "
-                           "worker may measure, e.g. 0.5)", lambda v: 0 < v <= 1)
+        duty = _env_number("AUTOFP4_AUTOTUNE_DUTY", float, f"a number in [{MIN_DUTY}, 1] (the share of the wall "
+                           "time the worker may measure, e.g. 0.5)", lambda v: MIN_DUTY <= v <= 1)
         workers = _env_number("AUTOFP4_AUTOTUNE_WORKERS", int, f"an integer from 0 to {A.max_workers()} (compile "
                               f"processes, at most {A.WORKERS_PER_CORE} per CPU core)",
                               lambda v: 0 <= v <= A.max_workers())

@@ -162,9 +162,12 @@ def jobs_for(
     """One :class:`Job` per (shape, M bucket); shapes are ModelShapes or ProblemKeys. Each M is
     rounded up to its standard bucket (:func:`~autofp4.problem.standard_bucket`: the bucket whose
     calls it serves), so ``m_buckets=[3]`` tunes bucket 4, which serves M = 3 and 4."""
+    if isinstance(dtype, torch.dtype) and str(dtype).removeprefix("torch.") in DTYPES:
+        dtype = str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
     for name, v, allowed in (("fmt", fmt, FORMATS), ("dtype", dtype, DTYPES)):
         if v not in allowed:
-            raise ValueError(f"{name}={v!r} is not one of {', '.join(allowed)}")
+            raise ValueError(f"{name}={v!r} is not one of {', '.join(allowed)}"
+                             + (" (names, as strings)" if not isinstance(v, str) else ""))
     out: list[Job] = []
     seen: set[tuple[ProblemKey, int]] = set()
     for i, s in enumerate(shapes):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import sys
+import threading
 import time
 from typing import Any
 
@@ -155,20 +156,27 @@ class _Measurer:
         self._stop()
 
 
+#: the smallest share of the wall time a paced measurer may measure: below it a job's trials
+#: would be spread over hours
+MIN_DUTY = 0.01
+
+
 class _PacedMeasurer(_Measurer):
-    """A :class:`_Measurer` that measures at most ``duty`` of the wall time (0 < duty <= 1): after
-    each trial it rests as long as the trial took times ``(1 - duty) / duty``, leaving the device
-    to the workload that shares it."""
+    """A :class:`_Measurer` that measures at most ``duty`` of the wall time (``MIN_DUTY`` <= duty
+    <= 1): after each trial it rests as long as the trial took times ``(1 - duty) / duty``,
+    leaving the device to the workload that shares it. Setting ``wake`` (the workload has gone)
+    ends the rests: what is left runs at full speed."""
 
     def __init__(self, device: torch.device, isolate: bool, timeout_s: float, duty: float = 1.0) -> None:
-        if not 0 < duty <= 1:
-            raise ValueError(f"duty must be in (0, 1], got {duty}")
+        if not MIN_DUTY <= duty <= 1:
+            raise ValueError(f"duty must be in [{MIN_DUTY}, 1], got {duty}")
         super().__init__(device, isolate, timeout_s)
         self.duty = duty
+        self.wake = threading.Event()
 
     def run(self, req: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         res = super().run(req)
         if self.duty < 1:
-            time.sleep((time.perf_counter() - t0) * (1 - self.duty) / self.duty)
+            self.wake.wait((time.perf_counter() - t0) * (1 - self.duty) / self.duty)
         return res

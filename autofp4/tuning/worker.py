@@ -42,14 +42,17 @@ POLL_S = 0.2
 # -----------------------------------------------------------------------------------------
 # the worker process
 # -----------------------------------------------------------------------------------------
-def _inbox(stream: IO[str]) -> "queue.Queue[str | None]":
-    """The lines of ``stream`` as they come, then None at its end (read by a thread)."""
+def _inbox(stream: IO[str], on_end: Callable[[], Any] | None = None) -> "queue.Queue[str | None]":
+    """The lines of ``stream`` as they come, then None at its end (read by a thread, which then
+    calls ``on_end``)."""
     q: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:
         for line in stream:
             q.put(line)
         q.put(None)
+        if on_end is not None:
+            on_end()
 
     threading.Thread(target=read, daemon=True).start()
     return q
@@ -163,12 +166,25 @@ def main(argv: list[str] | None = None) -> int:
             _parent_gone(out)
         return 3
     try:
-        serve(tuner, _inbox(sys.stdin), out)
+        # the parent closing the inbox (or exiting) ends the paced rests: the job in flight
+        # finishes at full speed and the worker exits, not hours later
+        serve(tuner, _inbox(sys.stdin, tuner.meas.wake.set), out)
     except BrokenPipeError:  # the parent exited (its status pipe closed): nothing to tell, nobody to tell it to
         _parent_gone(out)
     finally:
         tuner.close()
     return 0
+
+
+def _copy_lines(stream: IO[str]) -> None:
+    """Copy the worker's standard error to this process's (as it is when each line comes)."""
+    with stream:
+        for line in stream:
+            try:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            except (OSError, ValueError, AttributeError):  # no stderr any more: the lines go nowhere
+                pass
 
 
 def _parent_gone(out: Any) -> None:
@@ -299,10 +315,13 @@ class WorkerClient:
         r, w = os.pipe()
         settings = {**self.settings, "fd": w, "sys_path": list(sys.path)}
         try:
+            # its standard error through a pipe this process copies to its own: a worker still
+            # finishing after this process exited holds no descriptor of the caller's (a
+            # subprocess.run(capture_output=True) of this process returns when it exits)
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", __name__, json.dumps(settings)], stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL, pass_fds=(w,), env=_child_env(), start_new_session=True,
-                text=True, encoding="utf-8",
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(w,), env=_child_env(),
+                start_new_session=True, text=True, encoding="utf-8", errors="replace",
             )
         except BaseException:
             os.close(r)
@@ -311,6 +330,7 @@ class WorkerClient:
             os.close(w)
         self._reading = True
         threading.Thread(target=self._read, args=(os.fdopen(r, encoding="utf-8"),), daemon=True).start()
+        threading.Thread(target=_copy_lines, args=(self.proc.stderr,), daemon=True).start()
 
     def _read(self, stream: IO[str]) -> None:
         with stream:
