@@ -653,3 +653,11 @@ def test_a_rope_scaling_of_the_wrong_types_is_named_before_transformers_builds(t
     with pytest.raises(ValueError) as info:
         autofp4.from_pretrained(ckpt)
     assert "config.json: " + named in str(info.value), info.value
+
+
+def test_a_checkpoint_config_without_its_sizes_names_them_where_shapes_disagree(tmp_path, seed):
+    ckpt = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
+    _edit(ckpt / "config.json", lambda d: d.pop("hidden_size"))
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(ckpt)
+    assert str(info.value).endswith("(config.json does not set hidden_size (transformers' default: 4096))"), info.value

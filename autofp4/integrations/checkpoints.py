@@ -57,7 +57,7 @@ from ..nn import FP4Buffers, FP4Linear, fuse_projections, keep_in_fp32_entries, 
 from ..patterns import pattern_list
 from ..weights import FP4Weight, _describe, missing_device
 from .checkpoint_experts import Readers, load_experts
-from .layouts import RENAMES
+from .layouts import RENAMES, unset_size_fields
 from .safetensors_io import INDEX, path_arg, present_file, read_header, shard_files
 
 __all__ = ["from_pretrained", "from_compressed_tensors"]
@@ -909,8 +909,14 @@ def from_pretrained(path: Union[str, Path], device_map: Any = None, dtype: torch
     model = _empty_model(config, dtype)
     if generation is not None and getattr(model, "generation_config", None) is not None:
         model.generation_config = generation  # the checkpoint's (eos ids, sampling), as transformers loads it
-    dense_stored = load_quantized_modules(model, t, scheme, dtype)
-    _fill_dense(model, t, dtype)
+    try:
+        dense_stored = load_quantized_modules(model, t, scheme, dtype)
+        _fill_dense(model, t, dtype)
+    except ValueError as e:  # a shape the config sets otherwise: name the sizes config.json leaves to defaults
+        note = unset_size_fields(root, config) if "config wants" in str(e) else ""
+        if note:
+            raise ValueError(f"{e}{note}") from e
+        raise
     if fuse:
         fuse_projections(model)
     model.to(device)

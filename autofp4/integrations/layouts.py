@@ -26,7 +26,9 @@ checkpoints (and vLLM) call ``block_sparse_moe`` with experts ``w1`` / ``w3`` / 
 """
 from __future__ import annotations
 
-from typing import Optional
+import json
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
@@ -183,3 +185,24 @@ def quantization_config(layout: str, fmt: str, excluded: list[str]) -> tuple[dic
                 "config_groups": {"group_0": group}, "ignore": list(excluded), "kv_cache_scheme": None,
                 "global_compression_ratio": None, "sparsity_config": {}, "producer": producer}, {}
     return {"quant_method": "mxfp4", "modules_to_not_convert": list(_GPT_OSS_KEEP)}, {}
+
+
+#: config fields that set tensor shapes, whose transformers defaults (hidden_size 4096, ...) are
+#: another model's sizes
+_SIZE_FIELDS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "num_hidden_layers", "vocab_size", "num_experts",
+                "num_local_experts")
+
+
+def unset_size_fields(root: Path, config: Any) -> str:
+    """Where a shape does not match: the size fields config.json leaves out (transformers filled
+    them in with its defaults), as a sentence to add to the error ("" where it sets them all)."""
+    try:
+        given = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(given, dict):
+        return ""
+    unset = [f"{f} (transformers' default: {getattr(config, f)})" for f in _SIZE_FIELDS
+             if f not in given and isinstance(getattr(config, f, None), int)]
+    return f" (config.json does not set {', '.join(unset)})" if unset else ""

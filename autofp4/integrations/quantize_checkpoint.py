@@ -317,35 +317,14 @@ def _check_against_model(reader: SafetensorsReader, model: Any, model_type: Opti
             wrong.append(f"{key!r} is stored as {info.dtype}, {what} must be floating point")
     if missing:
         raise ValueError(f"{_WHAT}: {reader.root} lacks {len(missing)} tensors the model of its config.json needs "
-                         f"(a shard missing from the index?){_defaulted(reader.root, model.config)}: {missing[:8]}")
+                         f"(a shard missing from the index?){L.unset_size_fields(reader.root, model.config)}: {missing[:8]}")
     if wrong:
         raise ValueError(f"{_WHAT}: {len(wrong)} stored tensors do not match the model of config.json"
-                         f"{_defaulted(reader.root, model.config)}: " + "; ".join(wrong[:5]))
+                         f"{L.unset_size_fields(reader.root, model.config)}: " + "; ".join(wrong[:5]))
     extra = [k for m, k in by_model.items() if m not in state and not m.startswith(under_experts)]
     if extra:
         warnings.warn(f"{_WHAT}: {len(extra)} stored tensors are not in the model config.json builds; copied as they "
                       f"are: {extra[:8]}", UserWarning, stacklevel=3)
-
-
-#: config fields that set tensor shapes, whose transformers defaults (hidden_size 4096, ...) are
-#: another model's sizes
-_SIZE_FIELDS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "num_hidden_layers", "vocab_size", "num_experts",
-                "num_local_experts")
-
-
-def _defaulted(root: Path, config: Any) -> str:
-    """Where a shape does not match: the size fields config.json leaves out (transformers filled
-    them in with its defaults), as a sentence to add to the error ("" where it sets them all)."""
-    try:
-        given = json.loads((root / "config.json").read_text())
-    except (OSError, ValueError):
-        return ""
-    if not isinstance(given, dict):
-        return ""
-    unset = [f"{f} (transformers' default: {getattr(config, f)})" for f in _SIZE_FIELDS
-             if f not in given and isinstance(getattr(config, f, None), int)]
-    return f" (config.json does not set {', '.join(unset)})" if unset else ""
 
 
 def _want_shape(reader: SafetensorsReader, key: str, want: tuple[int, ...]) -> None:
