@@ -358,6 +358,7 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.model is not None and args.from_misses is not None:
         raise _UsageError("give either --model or --from-misses, not both")
     _fmt_of_checkpoint(args, args.model, err)
+    _check_dsl_options()
     _model_options(args)
     _options_for(args, _RUN_OPTIONS, not args.dry_run, "a tuning run",
                  "; --dry-run prints the jobs and tunes nothing (leave --dry-run out to tune)")
@@ -411,6 +412,18 @@ def _options_for(args: argparse.Namespace, options: dict, used: bool, goes_with:
              if getattr(args, k) is not None and getattr(args, k) is not False]  # 0 is given (--workers 0)
     if given:
         raise _UsageError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with {goes_with}{why}")
+
+
+def _check_dsl_options() -> None:
+    """``$AUTOFP4_CUTE_DSL_OPTIONS`` (extra CuTeDSL options, for inspection) split as CuTeDSL
+    splits it (shell words): an unbalanced quote is named before anything compiles."""
+    import shlex
+
+    extra = os.environ.get("AUTOFP4_CUTE_DSL_OPTIONS", "")
+    try:
+        shlex.split(extra)
+    except ValueError as e:
+        raise _UsageError(f"AUTOFP4_CUTE_DSL_OPTIONS={extra!r:.80}: {e} (CuTeDSL reads it as shell words)") from None
 
 
 def _fmt_of_checkpoint(args: argparse.Namespace, model: str | None, err: TextIO) -> None:
@@ -868,6 +881,9 @@ def _warm_plan(args: argparse.Namespace) -> _WarmPlan:
 
     if cache_dir() is None:
         raise _UsageError(f"the kernel cache is disabled ({disabled_by()}): nothing to warm")
+    if os.environ.get("AUTOFP4_CUTE_DSL_OPTIONS", "").strip():
+        raise _UsageError("AUTOFP4_CUTE_DSL_OPTIONS is set: kernels compiled with extra CuTeDSL options bypass the "
+                          "kernel cache (they are for inspection), so --warm would cache nothing; unset it")
     if args.arch is not None and not args.arch.strip():
         raise _UsageError(f"--arch {args.arch!r} is empty: name the target ({', '.join(_ARCHS)}), or leave --arch "
                           "out for this machine's GPU")

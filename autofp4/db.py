@@ -324,7 +324,8 @@ class Difference:
     """One key on which two databases differ.
 
     ``kind``: ``"only_ours"``, ``"only_theirs"``, ``"config"`` (both have the key, configs
-    differ) or ``"timing"`` (same config, different measurements).
+    differ) or ``"timing"`` (same config, different measurements or provenance: the fields that
+    differ are named).
     """
 
     kind: str
@@ -344,7 +345,18 @@ class Difference:
         return (
             f"{head}: ours {config_json(self.ours.config)} {self.ours.median_us:.2f}us x{self.ours.samples}"
             f" | theirs {config_json(self.theirs.config)} {self.theirs.median_us:.2f}us x{self.theirs.samples}"
+            f"{self.fields()}"
         )
+
+    def fields(self) -> str:
+        """The fields besides the config whose values differ, as `` (differs: name ours -> theirs,
+        ...)`` ("" when only the config does)."""
+        a, b = self.ours.model_dump(mode="json"), self.theirs.model_dump(mode="json")
+        names = [k for k in a if k != "config" and a[k] != b.get(k)]
+        if not names:
+            return ""
+        shown = ", ".join(f"{k} {a[k]!r:.40} -> {b.get(k)!r:.40}" for k in names[:4])
+        return f" (differs: {shown}{', ...' if len(names) > 4 else ''})"
 
 
 def better_evidenced(a: TuningRecord, b: TuningRecord) -> bool:

@@ -385,6 +385,16 @@ _EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _TOPK_KEYS = ("num_experts_per_tok", "experts_per_token")
 
 
+def _expert_counts(part: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """The fields of ``part`` that set the number of routed experts; ``ValueError`` where two of
+    them disagree (which one a model reads depends on its class)."""
+    counts = [(k, part[k]) for k in _EXPERTS_KEYS if isinstance(part.get(k), int) and not isinstance(part[k], bool)]
+    if len({v for _, v in counts}) > 1:
+        raise ValueError("the number of experts is set twice, differently: "
+                         + ", ".join(f"{k}={v}" for k, v in counts) + "; keep the one this model type reads")
+    return counts
+
+
 def _check_topk(topk_key: str, topk: int, experts_key: str, experts: int) -> None:
     if topk > experts:
         raise ValueError(
@@ -461,8 +471,9 @@ def check_buildable(config: Mapping[str, Any]) -> None:
                     f"config field {key!r} must be a positive integer to build the model (leave it out, or null, "
                     f"for hidden_size / num_attention_heads), got {_show(value)}"
                 )
+        counts = _expert_counts(part)
         for topk_key, topk in ints(part, _TOPK_KEYS)[:1]:
-            for experts_key, experts in ints(part, _EXPERTS_KEYS):
+            for experts_key, experts in counts:
                 _check_topk(topk_key, topk, experts_key, experts)
 
 
@@ -869,6 +880,9 @@ def model_shapes(config: Mapping[str, Any], tp: int = 1, ep: int = 1,
     if not isinstance(model_type, str) or model_type not in _ARCHS:
         raise ValueError(_unsupported(config, model_type))
     values = _validate(config, model_type, _ARCHS[model_type][0])
+    for part in (config, config.get("text_config")):
+        if isinstance(part, Mapping):
+            _expert_counts(part)
     layouts = ("vllm", "transformers") if layout == "both" else (layout,)
     shapes: list[ModelShape] = []
     for one in layouts:

@@ -661,3 +661,36 @@ def test_a_checkpoint_config_without_its_sizes_names_them_where_shapes_disagree(
     with pytest.raises(ValueError) as info:
         autofp4.from_pretrained(ckpt)
     assert str(info.value).endswith("(config.json does not set hidden_size (transformers' default: 4096))"), info.value
+
+
+# -- the twenty-second adversarial set -------------------------------------------------------------
+def test_load_errors_name_the_model_class_and_leave_out_aliased_sizes(tmp_path, seed):
+    """A sequence-classification architectures entry on a causal-LM checkpoint is named where its
+    head is missing; a gpt-oss size error does not blame num_experts, which config.json sets as
+    num_local_experts."""
+    ckpt = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
+    _edit(ckpt / "config.json", lambda d: d.update(architectures=["LlamaForSequenceClassification"]))
+    with pytest.raises(KeyError) as info:
+        autofp4.from_pretrained(ckpt)
+    assert "config.json's architectures[0], LlamaForSequenceClassification, not a causal LM" in str(info.value)
+    gpt = _checkpoint(tmp_path / "gpt", "gpt_oss", "gpt-oss", seed)
+    t = safetensors_torch.load_file(str(gpt / "model.safetensors"))
+    k = next(k for k in t if k.endswith("router.bias"))
+    t[k] = torch.cat([t[k], t[k][:1]])
+    safetensors_torch.save_file(t, str(gpt / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(gpt)
+    assert "router.bias" in str(info.value) and "does not set" not in str(info.value), info.value
+
+
+def test_a_skip_pattern_for_one_expert_and_a_binary_stream_are_named(tmp_path, seed):
+    import io
+
+    src = tmp_path / "src"
+    _model("qwen3_moe", seed).save_pretrained(src)
+    with pytest.warns(RuntimeWarning, match=r"names single experts, but the routed experts of "
+                      r"'model.layers.0.mlp.experts' are one stacked layer"):
+        autofp4.quantize_checkpoint(src, tmp_path / "out", "nvfp4", skip=["lm_head", "*.mlp.experts.0.*"],
+                                    progress=False)
+    with pytest.raises(TypeError, match="stream must be a text stream .* got the binary BytesIO"):
+        autofp4.quantize_checkpoint(src, tmp_path / "out2", "nvfp4", stream=io.BytesIO())

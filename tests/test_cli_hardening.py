@@ -553,3 +553,35 @@ def test_a_cached_kernel_that_is_a_symbolic_link_is_not_exported(tmp_path, one_k
     with tarfile.open(tmp_path / "k.tar.gz") as tar:
         data = b"".join(tar.extractfile(m).read() for m in tar.getmembers() if m.isfile())
     assert b"someone's data" not in data
+
+
+# -- the twenty-second adversarial set -------------------------------------------------------------
+def test_db_diff_names_the_fields_that_differ(tmp_path):
+    db = tmp_path / "t.db"
+    rc, _, err = run(["db", "import", "--db", db, _export(tmp_path / "e.json")])
+    assert rc == 0, err
+    doc = json.loads((tmp_path / "e.json").read_text())
+    for r in doc["records"]:
+        r["created_at"] = "2020-01-01T00:00:00Z"
+    (tmp_path / "o.json").write_text(json.dumps(doc))
+    rc, out, err = run(["db", "diff", "--db", db, tmp_path / "o.json"])
+    lines = [ln for ln in out.splitlines() if ln.startswith("timing")]
+    assert rc == 1 and len(lines) == 3 and all("(differs: created_at " in ln for ln in lines), out
+
+
+def test_dsl_options_that_cannot_serve_the_command_are_named_before_any_compile(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOFP4_CUTE_DSL_OPTIONS", "--keep-ptx")
+    rc, out, err = run(["cache", "--warm", REPO / "examples" / "llama-3.1-8b.json", "--arch", "sm_90a"])
+    assert rc == 2 and "AUTOFP4_CUTE_DSL_OPTIONS is set: kernels compiled with extra CuTeDSL options bypass the " \
+                      "kernel cache" in err and "compiled" not in out, (out, err)
+    monkeypatch.setenv("AUTOFP4_CUTE_DSL_OPTIONS", "--dump-dir '/tmp/x")
+    rc, out, err = run(["tune", "--model", REPO / "examples" / "llama-3.1-8b.json", "--dry-run", "--device", "cpu",
+                        "--db", tmp_path / "t.db"])
+    assert rc == 2 and "No closing quotation (CuTeDSL reads it as shell words)" in err, err
+
+
+def test_a_config_setting_the_number_of_experts_twice_differently_is_refused(tmp_path):
+    c = json.loads((REPO / "examples" / "qwen3-30b-a3b.json").read_text())
+    (tmp_path / "m.json").write_text(json.dumps(dict(c, num_local_experts=4)))
+    rc, out, err = run(["tune", "--model", tmp_path / "m.json", "--dry-run", "--device", "cpu", "--db", tmp_path / "t.db"])
+    assert rc == 2 and "the number of experts is set twice, differently: num_local_experts=4, num_experts=128" in err, err

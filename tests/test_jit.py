@@ -673,3 +673,19 @@ def test_one_autotune_object_entered_twice_nested_leaves_nothing_on(tmp_path):
             current_environment(torch.device("cpu")).key()) == []
     finally:
         dispatch.set_db(None)
+
+
+def test_autotune_wait_names_a_timeout_of_the_wrong_type():
+    for scope in (False, True):
+        ctx = autofp4.autotune(mode="background") if scope else None
+        if ctx:
+            ctx.__enter__()
+        try:
+            with pytest.raises(TypeError, match=r"autotune.wait\(timeout\): timeout must be a number of seconds or "
+                                                r"None, got str '5'"):
+                autofp4.autotune.wait(timeout="5")
+            with pytest.raises(ValueError, match="must be >= 0 seconds"):
+                autofp4.autotune.wait(timeout=-1)
+        finally:
+            if ctx:
+                ctx.__exit__(None, None, None)

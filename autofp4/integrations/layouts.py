@@ -203,6 +203,11 @@ def unset_size_fields(root: Path, config: Any) -> str:
         return ""
     if not isinstance(given, dict):
         return ""
+    aliases = getattr(config, "attribute_map", {}) or {}  # e.g. gpt-oss: num_experts -> num_local_experts
+
+    def set_in_file(f: str) -> bool:
+        return f in given or aliases.get(f) in given or any(a in given for a, real in aliases.items() if real == f)
+
     unset = [f"{f} (transformers' default: {getattr(config, f)})" for f in _SIZE_FIELDS
-             if f not in given and isinstance(getattr(config, f, None), int)]
+             if not set_in_file(f) and isinstance(getattr(config, f, None), int)]
     return f" (config.json does not set {', '.join(unset)})" if unset else ""

@@ -18,6 +18,7 @@ tensor the relative error ``||w - deq(q(w))|| / ||w||`` and the SQNR in dB, the 
 from __future__ import annotations
 
 import fnmatch
+import io
 import json
 import math
 import resource
@@ -160,12 +161,20 @@ def _model_on_meta(src: Path) -> tuple[Any, Any]:
 DEFAULT_SKIP = ("lm_head", "*.lm_head")
 
 
-def _warn_unmatched_skips(skip: list[str], names: list[str]) -> None:
+def _warn_unmatched_skips(skip: list[str], names: list[str], experts: Iterable[str] = ()) -> None:
     """Warn about each given skip pattern that matches no module of the model (a typo, or a
     glob such as ``[`` that fnmatch reads literally): the layers it was meant to keep are
-    quantized."""
+    quantized. A pattern meant for one expert of a stacked experts module (``experts.0.*``)
+    is told that the experts are skipped whole or not at all."""
     for p in skip:
         if p in DEFAULT_SKIP or any(fnmatch.fnmatchcase(n, p) for n in names):
+            continue
+        inside = next((e for e in experts if fnmatch.fnmatchcase(f"{e}.0.down_proj", p)
+                       or fnmatch.fnmatchcase(f"{e}.0", p)), None)
+        if inside is not None:
+            warnings.warn(f"{_WHAT}: skip pattern {p!r} names single experts, but the routed experts of {inside!r} "
+                          f"are one stacked layer, quantized or kept whole: nothing was kept (skip them all with "
+                          f"--skip {inside!r}, or '*.mlp.experts')", RuntimeWarning, stacklevel=4)
             continue
         like = next((n for n in names if n.endswith("proj")), names[-1] if names else "")
         warnings.warn(f"{_WHAT}: skip pattern {p!r} matches no layer of the model, so it keeps none in its "
@@ -196,7 +205,7 @@ def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt:
 
     _check_against_model(reader, model, model_type, by_model, experts)
     _warn_unmatched_skips(skip, [n for n, _ in model.named_modules() if n]
-                          + [f"{n}.{p}" for n in experts for p in ("gate_up_proj", "down_proj")])
+                          + [f"{n}.{p}" for n in experts for p in ("gate_up_proj", "down_proj")], experts)
 
     # linears to quantize
     linears: dict[str, str] = {}  # module name -> stored weight key
@@ -540,6 +549,9 @@ def quantize_checkpoint(src: Union[str, Path], out: Union[str, Path], fmt: str, 
         raise TypeError(f"{_WHAT}: progress must be True or False, got {type(progress).__name__} {progress!r:.80}")
     if stream is not None and not callable(getattr(stream, "write", None)):
         raise TypeError(f"{_WHAT}: stream must be a text stream (with write) or None, got {type(stream).__name__}")
+    if isinstance(stream, (io.RawIOBase, io.BufferedIOBase)):
+        raise TypeError(f"{_WHAT}: stream must be a text stream (progress lines are text), got the binary "
+                        f"{type(stream).__name__}; wrap it (io.TextIOWrapper) or pass None")
     if stream is not None and getattr(stream, "closed", False) is True:
         raise ValueError(f"{_WHAT}: stream is closed: the progress would be lost; pass an open stream (or None: "
                          "standard error)")

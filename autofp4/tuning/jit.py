@@ -309,6 +309,12 @@ class autotune:
         """Finish every job queued so far (blocking mode: those met during CUDA graph capture;
         background mode: the worker's queue; both: jobs another process is tuning), then pick up
         the rows. True when all finished within ``timeout`` seconds (also with no autotuning on)."""
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+                raise TypeError(f"autotune.wait(timeout): timeout must be a number of seconds or None, got "
+                                f"{type(timeout).__name__} {timeout!r:.40}")
+            if not timeout >= 0:
+                raise ValueError(f"autotune.wait(timeout): timeout must be >= 0 seconds, got {timeout}")
         s = active()
         return True if s is None else s.wait(timeout)
 
