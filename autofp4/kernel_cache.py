@@ -358,8 +358,18 @@ def export_archive(dest: str | Path) -> ArchiveReport:
         except (OSError, ValueError) as e:
             report.skipped.append((o.name, f"no record of what it was built from ({type(e).__name__})"))
             continue
-        entries.append(({"file": o.name, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
-                         **{k: record.get(k) for k in _RECORD_KEYS}}, data))
+        if not isinstance(record, dict):
+            report.skipped.append((o.name, f"its record {o.with_suffix('.json').name} is a JSON "
+                                           f"{type(record).__name__}, not an object"))
+            continue
+        entry = {"file": o.name, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+                 **{k: record.get(k) for k in _RECORD_KEYS}}
+        try:  # what an import of the archive checks: an entry it would refuse is left out here
+            _check_entry(entry, dest)
+        except KernelArchiveError as e:
+            report.skipped.append((o.name, str(e).split(": ", 1)[-1]))
+            continue
+        entries.append((entry, data))
     if not entries:
         without = (f" ({len(report.skipped)} left out: {report.skipped[0][0]}: {report.skipped[0][1]}"
                    f"{', ...' if len(report.skipped) > 1 else ''})" if report.skipped else "")

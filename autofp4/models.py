@@ -391,7 +391,7 @@ def _expert_counts(part: Mapping[str, Any]) -> list[tuple[str, int]]:
     counts = [(k, part[k]) for k in _EXPERTS_KEYS if isinstance(part.get(k), int) and not isinstance(part[k], bool)]
     if len({v for _, v in counts}) > 1:
         raise ValueError("the number of experts is set twice, differently: "
-                         + ", ".join(f"{k}={v}" for k, v in counts) + "; keep the one this model type reads")
+                         + ", ".join(f"{k} = {v}" for k, v in counts) + "; keep the one this model type reads")
     return counts
 
 

@@ -673,6 +673,10 @@ def test_load_errors_name_the_model_class_and_leave_out_aliased_sizes(tmp_path, 
     with pytest.raises(KeyError) as info:
         autofp4.from_pretrained(ckpt)
     assert "config.json's architectures[0], LlamaForSequenceClassification, not a causal LM" in str(info.value)
+    _edit(ckpt / "config.json", lambda d: d.update(architectures=["LlamaModel"]))  # no head, no "model." prefix
+    with pytest.raises(KeyError) as info:
+        autofp4.from_pretrained(ckpt)
+    assert "architectures[0], LlamaModel, not a causal LM: its tensors are named or shaped otherwise" in str(info.value)
     gpt = _checkpoint(tmp_path / "gpt", "gpt_oss", "gpt-oss", seed)
     t = safetensors_torch.load_file(str(gpt / "model.safetensors"))
     k = next(k for k in t if k.endswith("router.bias"))
@@ -694,3 +698,23 @@ def test_a_skip_pattern_for_one_expert_and_a_binary_stream_are_named(tmp_path, s
                                     progress=False)
     with pytest.raises(TypeError, match="stream must be a text stream .* got the binary BytesIO"):
         autofp4.quantize_checkpoint(src, tmp_path / "out2", "nvfp4", stream=io.BytesIO())
+
+
+# -- the twenty-third adversarial set --------------------------------------------------------------
+def test_an_index_whose_shards_are_not_file_names_is_named(tmp_path, seed):
+    sh = tmp_path / "sh"
+    model = _model("llama", seed)
+    autofp4.quantize_model(model, "nvfp4", skip=["lm_head"])
+    autofp4.save_pretrained(model, sh, layout="modelopt", max_shard_size="20KB")
+    _edit(sh / "model.safetensors.index.json",
+          lambda d: d["weight_map"].update({k: [v] for k, v in list(d["weight_map"].items())[:1]}))
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json: weight_map\['[^']+'\] is a list \(\['model-"):
+        autofp4.from_pretrained(sh)
+
+
+def test_a_skip_pattern_for_any_one_expert_is_named(tmp_path, seed):
+    src = tmp_path / "src"
+    _model("qwen3_moe", seed).save_pretrained(src)
+    for i, pattern in enumerate(("*.experts.1", "*.mlp.experts.[0-1].down_proj")):
+        with pytest.warns(RuntimeWarning, match="names single experts"):
+            autofp4.quantize_checkpoint(src, tmp_path / f"out{i}", "nvfp4", skip=["lm_head", pattern], progress=False)

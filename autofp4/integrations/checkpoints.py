@@ -920,8 +920,9 @@ def from_pretrained(path: Union[str, Path], device_map: Any = None, dtype: torch
     except KeyError as e:  # a tensor the model needs and the checkpoint lacks: say which class wanted it
         arch = (getattr(config, "architectures", None) or [""])[0]
         if arch and not arch.endswith("ForCausalLM") and type(model).__name__ == arch:
-            raise KeyError(f"{e.args[0] if e.args else e} (the model is config.json's architectures[0], {arch}, "
-                           "not a causal LM: its head is not in this checkpoint)") from e
+            raise KeyError(f"{e.args[0] if e.args else e} (the model class is config.json's architectures[0], "
+                           f"{arch}, not a causal LM: its tensors are named or shaped otherwise than this "
+                           "checkpoint's; set architectures to the causal-LM class)") from e
         raise
     if fuse:
         fuse_projections(model)

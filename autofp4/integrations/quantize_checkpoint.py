@@ -27,7 +27,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, TextIO, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, TextIO, Union
 
 import torch
 
@@ -161,7 +161,13 @@ def _model_on_meta(src: Path) -> tuple[Any, Any]:
 DEFAULT_SKIP = ("lm_head", "*.lm_head")
 
 
-def _warn_unmatched_skips(skip: list[str], names: list[str], experts: Iterable[str] = ()) -> None:
+def _expert_count(mod: Any) -> int:
+    """The routed experts of a stacked experts module (its first weight's leading size)."""
+    w = getattr(mod, "gate_up_proj", None)
+    return int(w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() == 3 else 0
+
+
+def _warn_unmatched_skips(skip: list[str], names: list[str], experts: Mapping[str, Any] = {}) -> None:  # noqa: B006
     """Warn about each given skip pattern that matches no module of the model (a typo, or a
     glob such as ``[`` that fnmatch reads literally): the layers it was meant to keep are
     quantized. A pattern meant for one expert of a stacked experts module (``experts.0.*``)
@@ -169,8 +175,9 @@ def _warn_unmatched_skips(skip: list[str], names: list[str], experts: Iterable[s
     for p in skip:
         if p in DEFAULT_SKIP or any(fnmatch.fnmatchcase(n, p) for n in names):
             continue
-        inside = next((e for e in experts if fnmatch.fnmatchcase(f"{e}.0.down_proj", p)
-                       or fnmatch.fnmatchcase(f"{e}.0", p)), None)
+        inside = next((e for e, n in experts.items() if any(
+            fnmatch.fnmatchcase(f"{e}.{i}{part}", p) for i in range(_expert_count(n))
+            for part in ("", ".gate_proj", ".up_proj", ".down_proj", ".w1", ".w2", ".w3"))), None)
         if inside is not None:
             warnings.warn(f"{_WHAT}: skip pattern {p!r} names single experts, but the routed experts of {inside!r} "
                           f"are one stacked layer, quantized or kept whole: nothing was kept (skip them all with "

@@ -200,7 +200,11 @@ def shard_files(root: Path, what: str) -> tuple[list[Path], Optional[dict[str, s
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{what}: {index} has no 'weight_map' of tensor names to shard files")
-        weight_map = {str(k): str(v) for k, v in weight_map.items()}
+        bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str)), None)
+        if bad is not None:
+            raise ValueError(f"{what}: {index}: weight_map[{str(bad[0])[:80]!r}] is a {type(bad[1]).__name__} "
+                             f"({str(bad[1])[:80]}), not a shard file name")
+        weight_map = {str(k): v for k, v in weight_map.items()}
         names = sorted(set(weight_map.values()))
         for v in names:
             if not v or Path(v).name != v or v in (".", "..") or len(v.encode()) > 255:
