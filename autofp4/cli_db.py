@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from .db import (
-    DANGLING_LINK,
+    SQLITE_SIDE_FILES,
     Difference,
     MergeReport,
     TuningDB,
@@ -22,7 +22,7 @@ from .db import (
     default_db_path,
     expand_path,
 )
-from .paths import arg_type
+from .paths import REGULAR, arg_type, kind_of, not_regular
 from .problem import DTYPES, FORMATS, OPS
 from .schema import MAX_DIM, MAX_EXPERTS, TuningRecord, config_json
 
@@ -148,12 +148,11 @@ def _db_path(args: argparse.Namespace) -> Path:
 
 def _not_a_file(path: Path) -> str | None:
     """Why the existing ``path`` cannot be a tuning database file (None: it is a regular file)."""
-    if path.is_dir():
+    kind = kind_of(path)
+    if kind == "a directory":
         return f"{path} is a directory, not a tuning database file"
-    if path.is_symlink() and not path.exists():
-        return f"{path} is {DANGLING_LINK}"
-    if path.exists() and not path.is_file():
-        return f"{path} is not a regular file (a device, FIFO or socket), not a tuning database"
+    if kind not in (None, REGULAR):
+        return f"{not_regular(path, kind)}, not a tuning database"
     return None
 
 
@@ -350,8 +349,6 @@ def _cmd_export(args: argparse.Namespace, out: TextIO) -> int:
 
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
-#: the files SQLite keeps next to a database ``x.db`` (``x.db-wal`` ...), by what they are
-_SQLITE_SIDE_FILES = {"-wal": "write-ahead log", "-shm": "shared-memory index", "-journal": "rollback journal"}
 
 
 def _is_sqlite(path: Path) -> bool:
@@ -381,7 +378,7 @@ def _check_export_target(target: Path, source: Path) -> None:
                 break
         if _is_sqlite(target):
             raise UsageError(f"--out {target} is an SQLite database; an export would replace it")
-        for suffix, what in _SQLITE_SIDE_FILES.items():
+        for suffix, what in SQLITE_SIDE_FILES.items():
             base = target.with_name(target.name[: -len(suffix)]) if target.name.endswith(suffix) else None
             if base is not None and (_is_sqlite(base) or (source.exists() and base.resolve() == source.resolve())):
                 raise UsageError(f"--out {target} is the {what} of the SQLite database {base}, which SQLite "
@@ -410,16 +407,14 @@ def _cmd_import(args: argparse.Namespace, out: TextIO) -> int:
 
 def _check_other(other: str) -> None:
     """An input file must exist and be a regular file (a directory or a device is named as such)."""
-    p = Path(other)
-    if p.is_file():
+    kind = kind_of(other)
+    if kind == REGULAR:
         return
-    if p.is_dir():
+    if kind == "a directory":
         raise UsageError(f"{other} is a directory, not a file")
-    if p.exists():
-        raise UsageError(f"{other} is not a regular file")
-    if p.is_symlink():
-        raise UsageError(f"{other} is a symbolic link to a missing file (or a link loop)")
-    raise UsageError(f"no such file: {other}")
+    if kind is None:
+        raise UsageError(f"no such file: {other}")
+    raise UsageError(not_regular(other, kind))
 
 
 def _cmd_merge(args: argparse.Namespace, out: TextIO) -> int:

@@ -38,7 +38,7 @@ import sqlite_utils
 from pydantic import ValidationError
 
 from . import paths
-from .paths import DANGLING_LINK
+from .paths import DANGLING_LINK, REGULAR, kind_of
 from .problem import DEFAULT_M_BUCKETS, bucket_for
 from .schema import (
     EXPORT_SCHEMA_VERSION,
@@ -119,15 +119,20 @@ def _is_readonly_error(e: sqlite3.Error) -> bool:
     return "readonly database" in str(e)
 
 
+#: the files SQLite keeps beside a database, by suffix, and what each is
+SQLITE_SIDE_FILES = {"-wal": "write-ahead log", "-shm": "shared-memory index", "-journal": "rollback journal"}
+
+
 def _side_file_problem(path: Path, e: sqlite3.Error) -> str | None:
     """Why SQLite cannot use one of the files it keeps beside ``path`` (-wal, -shm, -journal):
     one that is a directory, a link to nothing or a special file; None where each is a file or
     absent."""
-    for suffix in ("-wal", "-shm", "-journal"):
+    for suffix in SQLITE_SIDE_FILES:
         side = path.with_name(path.name + suffix)
-        if (side.exists() or side.is_symlink()) and not side.is_file():
-            return (f"cannot open {path}: {side} (SQLite's {suffix[1:]} file beside it) is not a regular file (a "
-                    f"directory, link to nothing or special file); move it away ({e})")
+        kind = kind_of(side)
+        if kind not in (None, REGULAR):
+            return (f"cannot open {path}: {side} (SQLite's {suffix[1:]} file beside it) is not a regular file: it is "
+                    f"{kind}; move it away ({e})")
     return None
 
 

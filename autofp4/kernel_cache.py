@@ -35,7 +35,6 @@ import json
 import os
 import re
 import shutil
-import stat
 import tarfile
 import tempfile
 import tokenize
@@ -45,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from .env import cutlass_dsl_version
-from .paths import expand_path
+from .paths import REGULAR, expand_path, kind_of, not_regular
 
 _OFF = ("off", "0", "false", "no")
 
@@ -402,14 +401,16 @@ def _check_replaceable(dest: Path) -> None:
     (a gzipped tar whose first member is the manifest). A device, FIFO or socket, and any other
     file (a tuning DB, someone's data), is refused."""
     try:
-        st = dest.stat()
+        dest.stat()
     except (FileNotFoundError, NotADirectoryError):
-        return  # nothing there (a file in its path: said below, where the archive is written)
+        if not dest.is_symlink():
+            return  # nothing there (a file in its path: said below, where the archive is written)
     except OSError as e:
-        raise KernelArchiveError(f"cannot write {dest}: {e.strerror or e}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise KernelArchiveError(f"{dest} is not a regular file (a device, FIFO or socket); an export replaces its "
-                                 "target, so name a file")
+        if not dest.is_symlink():
+            raise KernelArchiveError(f"cannot write {dest}: {e.strerror or e}") from None
+    kind = kind_of(dest)
+    if kind != REGULAR:
+        raise KernelArchiveError(f"{not_regular(dest, kind)}; an export replaces its target, so name a file")
     try:
         with tarfile.open(dest, "r:gz") as tar:
             first = tar.next()

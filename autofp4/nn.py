@@ -12,7 +12,7 @@ from torch import nn
 from . import ops
 from .problem import BLOCK_SIZE
 from .formats import check_fmt
-from .patterns import pattern_list
+from .patterns import pattern_list, warn_unmatched
 from .weights import FP4Weight, _describe, quantize
 
 __all__ = ["FP4Linear", "FP4FusedLinear", "FP4LinearPart", "ConversionReport", "TensorRecord", "fuse_projections",
@@ -228,7 +228,11 @@ class FP4FusedLinear(FP4Linear):
         sizes = [n for _, n in parts]
         if not all(type(n) is int for n in sizes):
             raise TypeError(f"FP4FusedLinear: each part's output size must be an int, got {sizes}")
-        if len(parts) < 2 or sum(sizes) != weight.n or min(sizes) <= 0:
+        bad = next(((name, n) for name, n in parts if n <= 0), None)
+        if bad is not None:
+            raise ValueError(f"FP4FusedLinear: part {bad[0]!r} has size {bad[1]}; every part needs a positive number of "
+                             f"rows (sizes summing to N = {weight.n})")
+        if len(parts) < 2 or sum(sizes) != weight.n:
             raise ValueError(f"FP4FusedLinear: parts {list(parts)} must be two or more sizes summing to N = {weight.n}")
         names = [name for name, _ in parts]
         bad = [name for name in names if not isinstance(name, str) or not name]
@@ -433,6 +437,22 @@ def matches_skip(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def _warn_unmatched_skips(model: nn.Module, patterns: list[str]) -> None:
+    """quantize_model's warning for skip patterns that match no layer, as quantize_checkpoint's:
+    the names are the model's modules and its stacked expert parameters (3-D ``gate_up_proj`` /
+    ``down_proj``), whose modules are the stacked experts."""
+    names, experts = [], {}
+    for name, mod in model.named_modules():
+        if name:
+            names.append(name)
+        for pname in ("gate_up_proj", "down_proj"):
+            t = mod._parameters.get(pname)
+            if t is not None and t.dim() == 3:
+                names.append(f"{name}.{pname}" if name else pname)
+                experts.setdefault(name, int(t.shape[0]))
+    warn_unmatched(patterns, names, experts, "quantize_model", ignore=("lm_head", "*.lm_head"), stacklevel=4)
+
+
 def _weight_bytes(w: FP4Weight) -> int:
     return sum(t.numel() * t.element_size() for t in (w.data, w.scale) + ((w.global_scale,) if w.global_scale is not None else ()))
 
@@ -531,6 +551,7 @@ def quantize_model(
     if isinstance(model, nn.Linear):
         raise TypeError("quantize_model converts the layers inside a model, in place, and the model itself is "
                         f"{type(model).__name__} (an nn.Linear): use autofp4.FP4Linear.from_linear(layer, {fmt!r})")
+    _warn_unmatched_skips(model, patterns)
     keep: dict[str, str] = {}
     for hook in list(_MODULE_CONVERTERS):
         kept = hook(model, fmt, patterns, report)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Optional
 
-__all__ = ["pattern_list"]
+__all__ = ["pattern_list", "warn_unmatched"]
 
 
 def _shown(value: Any) -> str:
@@ -60,3 +60,36 @@ def pattern_list(value: Any, what: str, *, from_file: bool = False, option: Opti
             raise ValueError(f"{what}[{i}]{flag} {p!r} has leading or trailing whitespace, which no module name "
                              f"has; write {bare!r}")
     return patterns
+
+
+#: what may follow an expert's index in a pattern meant for one expert (per-expert projection
+#: names of the Hugging Face layouts, the stacked tensors' names, and their tensor suffixes)
+_EXPERT_PARTS = tuple(f"{p}{s}" for p in ("", ".gate_proj", ".up_proj", ".down_proj", ".gate_up_proj", ".w1", ".w2",
+                                           ".w3") for s in ("", ".weight", ".*"))
+
+
+def warn_unmatched(patterns: list[str], names: list[str], experts: Mapping[str, int], what: str, *,
+                   ignore: tuple[str, ...] = (), stacklevel: int = 3) -> None:
+    """Warn (``RuntimeWarning``) about each skip pattern that matches none of ``names`` (a typo, or
+    a glob such as ``[`` that fnmatch reads literally): the layers it was meant to keep are
+    quantized. ``experts`` maps each stacked routed-experts module to its expert count: a pattern
+    meant for one expert of it (``*.experts.2.gate_proj``) is told that the experts are kept
+    whole or not at all. ``ignore``: patterns every call carries (no warning where a model has
+    no such layer)."""
+    import fnmatch
+    import warnings
+
+    for p in patterns:
+        if p in ignore or any(fnmatch.fnmatchcase(n, p) for n in names):
+            continue
+        inside = next((e for e, count in experts.items() if any(
+            fnmatch.fnmatchcase(f"{e}.{i}{part}", p) for i in range(count) for part in _EXPERT_PARTS)), None)
+        if inside is not None:
+            warnings.warn(f"{what}: skip pattern {p!r} names single experts, but the routed experts of {inside!r} "
+                          f"are one stacked layer, quantized or kept whole: nothing was kept (skip them all with "
+                          f"the pattern {inside!r}, or '*.mlp.experts')", RuntimeWarning, stacklevel=stacklevel)
+            continue
+        like = next((n for n in names if n.endswith("proj")), names[-1] if names else "")
+        warnings.warn(f"{what}: skip pattern {p!r} matches no layer of the model, so it keeps none in its "
+                      f"original dtype (names look like {like!r}; globs match whole names: '*.mlp.*')",
+                      RuntimeWarning, stacklevel=stacklevel)

@@ -718,3 +718,79 @@ def test_a_skip_pattern_for_any_one_expert_is_named(tmp_path, seed):
     for i, pattern in enumerate(("*.experts.1", "*.mlp.experts.[0-1].down_proj")):
         with pytest.warns(RuntimeWarning, match="names single experts"):
             autofp4.quantize_checkpoint(src, tmp_path / f"out{i}", "nvfp4", skip=["lm_head", pattern], progress=False)
+
+
+# -- the twenty-fourth adversarial set -------------------------------------------------------------
+def test_quantize_model_warns_about_skip_patterns_that_match_nothing(tmp_path, seed):
+    import warnings
+
+    with pytest.warns(RuntimeWarning, match=r"quantize_model: skip pattern '\*.experts.2.gate_proj' names single "
+                      r"experts, but the routed experts of 'model.layers.0.mlp.experts'"):
+        report = autofp4.quantize_model(_model("qwen3_moe", seed), "nvfp4", skip=["*.experts.2.gate_proj"])
+    assert "model.layers.0.mlp.experts.gate_up_proj" in report.converted
+    with pytest.warns(RuntimeWarning, match=r"quantize_model: skip pattern '\*.experts.0' names single experts"):
+        autofp4.quantize_model(_model("gpt_oss", seed), "mxfp4", skip=["*.experts.0"])
+    with pytest.warns(RuntimeWarning, match=r"skip pattern 'model.layers.0.self_attn.q_prj' matches no layer"):
+        autofp4.quantize_model(_model("llama", seed), "nvfp4", skip=["model.layers.0.self_attn.q_prj"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the patterns that match: no warning
+        autofp4.quantize_model(_model("qwen3_moe", seed), "nvfp4", skip=["lm_head", "*.mlp.experts", "*.q_proj"])
+    src = tmp_path / "src"
+    _model("qwen3_moe", seed).save_pretrained(src)
+    with pytest.warns(RuntimeWarning, match="names single experts"):  # the stacked tensor's own name, one expert
+        autofp4.quantize_checkpoint(src, tmp_path / "out", "nvfp4", skip=["lm_head", "*.experts.1.gate_up_proj"],
+                                    progress=False)
+
+
+def test_quantize_refuses_a_config_whose_class_is_not_the_causal_lm_it_quantizes(tmp_path, seed):
+    src = tmp_path / "src"
+    _model("llama", seed).save_pretrained(src)
+    _edit(src / "config.json", lambda c: c.update(architectures=["LlamaModel"]))
+    with pytest.raises(ValueError, match=r"architectures\[0\] is LlamaModel, not the causal LM LlamaForCausalLM .* "
+                                         r"set architectures to \['LlamaForCausalLM'\]"):
+        autofp4.quantize_checkpoint(src, tmp_path / "out", "nvfp4", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_stored_experts_the_config_does_not_build_are_named(tmp_path, seed):
+    import re
+
+    from safetensors import torch as safetensors_torch
+
+    ckpt = _checkpoint(tmp_path / "q", "qwen3_moe", "modelopt", seed)
+    for field, value in (("mlp_only_layers", [0]), ("decoder_sparse_step", 2)):
+        (tmp_path / field).mkdir()
+        for f in ckpt.iterdir():
+            (tmp_path / field / f.name).write_bytes(f.read_bytes())
+        _edit(tmp_path / field / "config.json", lambda c: c.update({field: value}))
+        with pytest.raises(KeyError, match=rf"dense MLP at model.layers.0.mlp where the checkpoint stores routed "
+                                           rf"experts .*{field} = {re.escape(repr(value))}"):
+            autofp4.from_pretrained(tmp_path / field)
+    t = safetensors_torch.load_file(str(ckpt / "model.safetensors"))
+    t = {re.sub(r"experts\.(\d+)\.", lambda m: f"experts.{int(m.group(1)) + 1}.", k): v for k, v in t.items()}
+    safetensors_torch.save_file(t, str(ckpt / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(KeyError, match=r"model.layers.0.mlp.experts stores experts 1, 2, 3, 4, where config.json's "
+                                       r"expert count 4 means experts 0..3; expert\(s\) 0 missing; expert\(s\) 4 beyond"):
+        autofp4.from_pretrained(ckpt)
+
+
+def test_a_linear_weight_stored_3d_is_blamed_not_its_scale(tmp_path, seed):
+    from safetensors import torch as safetensors_torch
+
+    ckpt = _checkpoint(tmp_path / "ct", "llama", "compressed-tensors", seed)
+    t = safetensors_torch.load_file(str(ckpt / "model.safetensors"))
+    k = "model.layers.0.self_attn.o_proj.weight_packed"
+    t[k] = t[k].unsqueeze(0).contiguous()
+    safetensors_torch.save_file(t, str(ckpt / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.o_proj.weight_packed' must be \[N, K/2\] = "
+                                         r"\(\d+, \d+\) for the Linear layer .* got shape \(1, \d+, \d+\)"):
+        autofp4.from_pretrained(ckpt)
+
+
+def test_fused_parts_of_no_rows_and_a_meta_tuning_worker_are_refused():
+    w = autofp4.quantize(torch.randn(64, 64, dtype=torch.bfloat16), "nvfp4")
+    with pytest.raises(ValueError, match=r"part 'k' has size -16; every part needs a positive number of rows"):
+        autofp4.FP4FusedLinear(w, None, None, [("q", 80), ("k", -16)])
+    with autofp4.autotune(mode="background"):
+        with pytest.raises(ValueError, match=r"device 'meta' cannot run kernels; autofp4 tunes on cuda or cpu"):
+            autofp4.autotune.start("meta")

@@ -173,6 +173,14 @@ class _Tensors(Mapping):
         except Exception as e:  # safetensors' errors and OSError
             raise ValueError(f"{_WHAT}: cannot read the header entry of tensor {key!r} in {fname}: {e}") from None
 
+    def stored_shape(self, key: str) -> tuple[int, ...]:
+        """The shape of tensor ``key`` as stored, read from its file's header."""
+        fname = self._where[key]
+        try:
+            return tuple(self._files[fname].get_slice(self.stored.get(key, key)).get_shape())
+        except Exception as e:  # safetensors' errors and OSError
+            raise ValueError(f"{_WHAT}: cannot read the header entry of tensor {key!r} in {fname}: {e}") from None
+
     def file_of(self, key: str) -> str:
         return self._where[key]
 
@@ -601,6 +609,11 @@ def _fp4_weight(t: _Tensors, scheme: _Scheme, name: str) -> FP4Weight:
 
 
 def _fp4_linear(t: _Tensors, scheme: _Scheme, name: str, lin: nn.Linear, dtype: torch.dtype) -> FP4Linear:
+    packed = {"modelopt": f"{name}.weight", "mxfp4": None}.get(scheme.method, f"{name}.weight_packed")
+    if packed is not None and packed in t and len(t.stored_shape(packed)) != 2:
+        raise ValueError(f"{_WHAT}: {packed!r} must be [N, K/2] = ({lin.out_features}, {lin.in_features // 2}) for "
+                         f"the Linear layer {name!r}, got shape {t.stored_shape(packed)} (stacked experts are 3-D; "
+                         "a Linear layer's FP4 weight is 2-D)")
     w = _fp4_weight(t, scheme, name)
     if (w.n, w.k) != (lin.out_features, lin.in_features):
         raise ValueError(
@@ -793,7 +806,49 @@ def _fill_dense(model: nn.Module, t: _Tensors, dtype: torch.dtype) -> None:
                           f"stores a {out_name}.weight that differs from {in_name}.weight; the stored "
                           f"{out_name}.weight is used (the model is loaded untied)", stacklevel=3)
     if missing:
-        raise KeyError(f"{_WHAT}: the checkpoint lacks {len(missing)} tensors the model needs: {missing[:8]}")
+        raise KeyError(f"{_WHAT}: the checkpoint lacks {len(missing)} tensors the model needs: {missing[:8]}"
+                       f"{_lacking_note(missing, t, model)}")
+
+
+def _index_list(indices: list[int]) -> str:
+    return ", ".join(map(str, indices[:8])) + (", ..." if len(indices) > 8 else "")
+
+
+def _lacking_note(missing: list[str], t: Mapping, model: nn.Module) -> str:
+    """Where the tensors the model lacks are stored otherwise: routed experts where config.json
+    builds a dense MLP (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``), or per-expert
+    tensors whose expert indices are not the 0..E-1 of config.json's expert count."""
+    stored = list(t)
+    dense_with_experts: list[str] = []
+    notes: list[str] = []
+    for key in missing:
+        m = re.fullmatch(r"(.+\.mlp)\.(?:gate|up|down)_proj\.weight", key)
+        if m and m.group(1) not in dense_with_experts and any(k.startswith(f"{m.group(1)}.experts.") for k in stored):
+            dense_with_experts.append(m.group(1))
+        m = re.fullmatch(r"(.+\.experts)\.(?:gate_up_proj|down_proj)", key)
+        if m is None:
+            continue
+        prefix = f"{m.group(1)}."
+        found = sorted({int(k[len(prefix):].split(".", 1)[0]) for k in stored
+                        if k.startswith(prefix) and k[len(prefix):].split(".", 1)[0].isdigit()})
+        note = f"{m.group(1)} stores experts"
+        if found and note not in "".join(notes):
+            count = int(model.get_parameter(key).shape[0])
+            lack = [i for i in range(count) if i not in found]
+            beyond = [i for i in found if i >= count]
+            notes.append(f"{note} {_index_list(found)}, where config.json's expert count {count} means experts "
+                         f"0..{count - 1}" + (f"; expert(s) {_index_list(lack)} missing" if lack else "")
+                         + (f"; expert(s) {_index_list(beyond)} beyond the count" if beyond else ""))
+    if dense_with_experts:
+        config = getattr(model, "config", None)
+        fields = [f"{f} = {getattr(config, f)!r}" for f in ("mlp_only_layers", "decoder_sparse_step")
+                  if getattr(config, f, None) not in (None, [], 1)]
+        notes.append(f"config.json builds a dense MLP at {', '.join(dense_with_experts[:4])}"
+                     + (" ..." if len(dense_with_experts) > 4 else "")
+                     + f" where the checkpoint stores routed experts ('{dense_with_experts[0]}.experts.*')"
+                     + (f": config.json's {' and '.join(fields)} {'do' if len(fields) > 1 else 'does'} not match the "
+                        "checkpoint" if fields else ""))
+    return "".join(f" ({n})" for n in notes)
 
 
 def _device(device_map: Any) -> torch.device:

@@ -27,12 +27,12 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, TextIO, Union
+from typing import Any, Callable, Iterable, Optional, TextIO, Union
 
 import torch
 
 from ..formats import E2M1_MAX, E4M3_MAX, check_fmt, dequantize_blocks, quantize_mxfp4, quantize_nvfp4
-from ..patterns import pattern_list
+from ..patterns import pattern_list, warn_unmatched
 from ..problem import BLOCK_SIZE
 from . import layouts as L
 from .safetensors_io import SafetensorsReader, ShardedWriter, parse_size, path_arg, present_file
@@ -144,7 +144,7 @@ def _model_on_meta(src: Path) -> tuple[Any, Any]:
         raise RuntimeError(f"{_WHAT} needs transformers (to know the model's layers): pip install transformers") from None
     from ..models import load_checked_config
 
-    from .checkpoints import auto_config
+    from .checkpoints import _model_class, auto_config
 
     conf = load_checked_config(src)  # bounded, depth-checked, sizes within bounds, no NaN: before transformers
     check_side_files(Path(src) if Path(src).is_dir() else Path(src).parent, _WHAT)  # copied at the end
@@ -154,6 +154,12 @@ def _model_on_meta(src: Path) -> tuple[Any, Any]:
                          "quantize a bf16, fp16 or fp32 checkpoint")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    built = _model_class(config)
+    if built is not AutoModelForCausalLM and built.__name__ != type(model).__name__:
+        raise ValueError(f"{_WHAT}: config.json's architectures[0] is {built.__name__}, not the causal LM "
+                         f"{type(model).__name__} this command quantizes: autofp4.from_pretrained builds "
+                         f"architectures[0], so the output would not load; if the tensors are the causal LM's, set "
+                         f"architectures to [{type(model).__name__!r}]")
     return config, model
 
 
@@ -165,28 +171,6 @@ def _expert_count(mod: Any) -> int:
     """The routed experts of a stacked experts module (its first weight's leading size)."""
     w = getattr(mod, "gate_up_proj", None)
     return int(w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() == 3 else 0
-
-
-def _warn_unmatched_skips(skip: list[str], names: list[str], experts: Mapping[str, Any] = {}) -> None:  # noqa: B006
-    """Warn about each given skip pattern that matches no module of the model (a typo, or a
-    glob such as ``[`` that fnmatch reads literally): the layers it was meant to keep are
-    quantized. A pattern meant for one expert of a stacked experts module (``experts.0.*``)
-    is told that the experts are skipped whole or not at all."""
-    for p in skip:
-        if p in DEFAULT_SKIP or any(fnmatch.fnmatchcase(n, p) for n in names):
-            continue
-        inside = next((e for e, n in experts.items() if any(
-            fnmatch.fnmatchcase(f"{e}.{i}{part}", p) for i in range(_expert_count(n))
-            for part in ("", ".gate_proj", ".up_proj", ".down_proj", ".w1", ".w2", ".w3"))), None)
-        if inside is not None:
-            warnings.warn(f"{_WHAT}: skip pattern {p!r} names single experts, but the routed experts of {inside!r} "
-                          f"are one stacked layer, quantized or kept whole: nothing was kept (skip them all with "
-                          f"--skip {inside!r}, or '*.mlp.experts')", RuntimeWarning, stacklevel=4)
-            continue
-        like = next((n for n in names if n.endswith("proj")), names[-1] if names else "")
-        warnings.warn(f"{_WHAT}: skip pattern {p!r} matches no layer of the model, so it keeps none in its "
-                      f"original dtype (names look like {like!r}; globs match whole names: '*.mlp.*')",
-                      RuntimeWarning, stacklevel=4)
 
 
 def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt: str, layout: str,
@@ -211,8 +195,9 @@ def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt:
         return any(fnmatch.fnmatchcase(name, p) for p in skip)
 
     _check_against_model(reader, model, model_type, by_model, experts)
-    _warn_unmatched_skips(skip, [n for n, _ in model.named_modules() if n]
-                          + [f"{n}.{p}" for n in experts for p in ("gate_up_proj", "down_proj")], experts)
+    warn_unmatched(skip, [n for n, _ in model.named_modules() if n]
+                   + [f"{n}.{p}" for n in experts for p in ("gate_up_proj", "down_proj")],
+                   {n: _expert_count(m) for n, m in experts.items()}, _WHAT, ignore=DEFAULT_SKIP, stacklevel=4)
 
     # linears to quantize
     linears: dict[str, str] = {}  # module name -> stored weight key

@@ -279,14 +279,18 @@ class autotune:
 
         True when the worker runs (False: no ops are tuned, or it cannot start, warned once).
         Raises ``RuntimeError`` with no autotuning on, ``ValueError`` for a device this machine
-        lacks."""
+        lacks or one that runs no kernels (only cuda and cpu do)."""
         s = active()
         if s is None:
             raise RuntimeError("autofp4.autotune.start(): no autotuning is on: call it inside `with "
                                "autofp4.autotune(...)`, or with AUTOFP4_AUTOTUNE set")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        return s.start(dispatch._checked_device(device, "autofp4.autotune.start()"))
+        dev = dispatch._checked_device(device, "autofp4.autotune.start()")
+        if dev.type not in ("cuda", "cpu"):
+            raise ValueError(f"autofp4.autotune.start(): device {device!r} cannot run kernels; autofp4 tunes on "
+                             "cuda or cpu")
+        return s.start(dev)
 
     @staticmethod
     def pending() -> int:
