@@ -1098,3 +1098,32 @@ def test_a_device_the_tuner_cannot_time_on_is_refused(tmp_path, device):
         tune([ProblemKey("linear", "nvfp4", "bfloat16", 64, 64)], m_buckets=[1], device=device,
              db=str(tmp_path / "t.db"), progress=False)
     assert not (tmp_path / "t.db").exists()
+
+
+def test_preparing_a_job_does_not_use_up_its_share(tmp_path, monkeypatch):
+    """Listing and ranking a job's candidates (the first job of a just-in-time worker also
+    imports the backends: 3 s on the H200, which left that job one trial) stretches its share as
+    a trial's setup does, as far as the jobs after it keep one trial each. Fake clock: 1 s per
+    trial, 3.5 s to prepare the first job, 8 s for two jobs of two candidates."""
+    from autofp4.tuning import budget, job as job_mod, measurer
+
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 2048, 256)
+    clock = [1000.0]
+    real_trial, real_candidates = measurer.run_trial, job_mod._job_candidates
+    prepared = []
+
+    def one_second_trial(req):
+        clock[0] += 1.0
+        return real_trial(req)
+
+    def slow_first(*args, **kwargs):
+        clock[0] += 0.0 if prepared else 3.5
+        prepared.append(1)
+        return real_candidates(*args, **kwargs)
+
+    monkeypatch.setattr(budget, "_now", lambda: clock[0])
+    monkeypatch.setattr(measurer, "run_trial", one_second_trial)
+    monkeypatch.setattr(job_mod, "_job_candidates", slow_first)
+    rep = tune_jobs([Job(key, 1), Job(key, 2)], db=tmp_path / "t.db", device="cpu", progress=False,
+                    budget_total_s=8.0)
+    assert [r.trials_run for r in rep.results] == [2, 2], [(r.trials_run, r.note) for r in rep.results]

@@ -258,6 +258,9 @@ class JobTuner:
         """Measure the job's trials, then choose and store its winner (``then``: see
         :func:`_tune_job`). Ctrl-C gives up the trials in flight and raises :class:`_Interrupted`."""
         t_run = budget._now()
+        # listing and ranking the candidates (the first job of a process: imports too) is not
+        # measuring: the share is stretched by it, as by a trial's one-off setup
+        self._stretch_share(t_run - self.started)
         try:
             self.refill()
             for nxt in (then,) if isinstance(then, Job) else (then or ()):
@@ -347,13 +350,21 @@ class JobTuner:
         ctx.trial_s.append(max(0.0, budget._now() - t_trial - setup))
         if ctx.job_deadline is not None and setup > 0:
             # a problem's random weights serve all its M buckets: building them does not
-            # use up the share of the job that happens to come first (as far as the jobs
-            # after it keep time for one trial each, and the problems after it for their
-            # setup: the first setup of each problem, its random weights, is what those expect)
+            # use up the share of the job that happens to come first
             ctx.setup_s.setdefault(self.job.key, setup)
-            cap = setup_cap(ctx.deadline, ctx.jobs_after, ctx.trial_s, ctx.streams, list(ctx.setup_s.values()),
-                            ctx.setups_after)
-            ctx.job_deadline = max(ctx.job_deadline, min(ctx.job_deadline + setup, cap))
+            self._stretch_share(setup)
+
+    def _stretch_share(self, seconds: float) -> None:
+        """Extend the job's share by ``seconds`` of one-off work, as far as the jobs after it keep
+        time for one trial each, and the problems after it for their setup (the first setup of
+        each problem, its random weights, is what those expect)."""
+        ctx = self.ctx
+        if ctx.job_deadline is None or seconds <= 0:
+            return
+        cap = setup_cap(ctx.deadline, ctx.jobs_after, ctx.trial_s, ctx.streams, list(ctx.setup_s.values()),
+                        ctx.setups_after)
+        ctx.job_deadline = max(ctx.job_deadline, ctx.job_deadline + seconds if cap is None
+                               else min(ctx.job_deadline + seconds, cap))
 
     def _record(self, trial: Any, cand: _Cand, res: dict[str, Any]) -> None:
         """Store the trial's outcome in the DB and tell it to the study."""
