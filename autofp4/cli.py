@@ -20,7 +20,7 @@ from typing import Any, Sequence, TextIO
 import torch
 
 from .models import LAYOUTS
-from .paths import arg_type
+from .paths import REGULAR, arg_type, kind_of
 from .problem import DTYPES, FORMATS, OPS, is_moe
 from .weights import missing_device
 
@@ -745,7 +745,8 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     print("tuning DB layers (rows for this environment / all rows):", file=out)
     user = dispatch.user_db_path()
-    if user.is_file():
+    kind = kind_of(user)
+    if kind == REGULAR:
         try:
             with TuningDB(user, readonly=True) as db:
                 mine = len(db.results(key))
@@ -754,10 +755,10 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             print(f"  user     {user}: {mine} / {total}{more}", file=out)
         except (TuningDBError, OSError, sqlite3.Error) as e:
             print(f"  user     {user}: unreadable ({e})", file=out)
-    elif user.is_dir():
+    elif kind == "a directory":
         print(f"  user     {user}: unusable (a directory, not a tuning database file)", file=out)
-    elif user.exists():
-        print(f"  user     {user}: unusable (not a regular file)", file=out)
+    elif kind is not None:
+        print(f"  user     {user}: unusable ({kind}, not a tuning database file)", file=out)
     else:
         print(f"  user     {user}: (not created yet)", file=out)
     shipped = shipped_db_dir()

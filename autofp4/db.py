@@ -123,16 +123,16 @@ def _is_readonly_error(e: sqlite3.Error) -> bool:
 SQLITE_SIDE_FILES = {"-wal": "write-ahead log", "-shm": "shared-memory index", "-journal": "rollback journal"}
 
 
-def _side_file_problem(path: Path, e: sqlite3.Error) -> str | None:
+def _side_file_problem(path: Path, e: sqlite3.Error | None = None) -> str | None:
     """Why SQLite cannot use one of the files it keeps beside ``path`` (-wal, -shm, -journal):
-    one that is a directory, a link to nothing or a special file; None where each is a file or
-    absent."""
+    one that is a directory, a link to nothing or a special file (SQLite would block for ever
+    opening a FIFO); None where each is a file or absent. ``e``: the error SQLite gave, if any."""
     for suffix in SQLITE_SIDE_FILES:
         side = path.with_name(path.name + suffix)
         kind = kind_of(side)
         if kind not in (None, REGULAR):
             return (f"cannot open {path}: {side} (SQLite's {suffix[1:]} file beside it) is not a regular file: it is "
-                    f"{kind}; move it away ({e})")
+                    f"{kind}; move it away" + (f" ({e})" if e is not None else ""))
     return None
 
 
@@ -974,6 +974,9 @@ class TuningDB:
         if mode is not None and not stat.S_ISREG(mode):
             raise TuningDBError(f"{self.path} is not a regular file (a device, FIFO or socket), not a tuning "
                                 "database file; name a DB file (such as ./tuning.db)")
+        side = _side_file_problem(self.path)
+        if side:  # before SQLite opens it: a FIFO there would block the open for ever
+            raise TuningDBError(side)
         try:
             self._open(readonly)
         except sqlite3.Error as e:

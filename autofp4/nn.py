@@ -438,19 +438,24 @@ def matches_skip(name: str, patterns: Iterable[str]) -> bool:
 
 
 def _warn_unmatched_skips(model: nn.Module, patterns: list[str]) -> None:
-    """quantize_model's warning for skip patterns that match no layer, as quantize_checkpoint's:
-    the names are the model's modules and its stacked expert parameters (3-D ``gate_up_proj`` /
-    ``down_proj``), whose modules are the stacked experts."""
-    names, experts = [], {}
-    for name, mod in model.named_modules():
-        if name:
+    """quantize_model's warning for skip patterns that keep nothing, as quantize_checkpoint's: the
+    names a pattern can keep are the model's Linear layers (under every name a shared one has),
+    its stacked experts modules (3-D ``gate_up_proj`` / ``down_proj``) and those parameters; the
+    other modules hold layers."""
+    names, experts, containers = [], {}, []
+    for name, mod in model.named_modules(remove_duplicate=False):
+        if not name:
+            continue
+        stacked = [p for p in ("gate_up_proj", "down_proj") if getattr(mod._parameters.get(p), "dim", lambda: 0)() == 3]
+        if isinstance(mod, (nn.Linear, FP4Buffers, FP4LinearPart)) or stacked:
             names.append(name)
-        for pname in ("gate_up_proj", "down_proj"):
-            t = mod._parameters.get(pname)
-            if t is not None and t.dim() == 3:
-                names.append(f"{name}.{pname}" if name else pname)
-                experts.setdefault(name, int(t.shape[0]))
-    warn_unmatched(patterns, names, experts, "quantize_model", ignore=("lm_head", "*.lm_head"), stacklevel=4)
+        else:
+            containers.append(name)
+        names += [f"{name}.{p}" for p in stacked]
+        if stacked:
+            experts.setdefault(name, int(mod._parameters[stacked[0]].shape[0]))
+    warn_unmatched(patterns, names, experts, "quantize_model", containers=containers, ignore=("lm_head", "*.lm_head"),
+                   stacklevel=4)
 
 
 def _weight_bytes(w: FP4Weight) -> int:

@@ -1,8 +1,9 @@
 """Paths the user names (options, variables, arguments): one check of the names no file can have.
 
 A path is refused, naming where it came from, when it is empty or only whitespace, holds a NUL
-byte or another control character (a line break pasted with it), or, for a file, begins or ends
-with whitespace or ends in a path separator (it names a folder). A leading ``~`` is expanded.
+byte or another control character (a line break pasted with it) or a name longer than file
+systems allow, or, for a file, begins or ends with whitespace or ends in a path separator (it
+names a folder). A leading ``~`` is expanded.
 """
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import os
 import re
 from pathlib import Path
 from typing import Callable
+
+
+#: the longest file or folder name (bytes) the file systems autofp4 meets allow
+NAME_MAX = 255
 
 
 def unusable_path(path: str | os.PathLike) -> str | None:
@@ -36,6 +41,10 @@ def path_problem(path: str | os.PathLike, file: bool = False, example: str = "tu
     if file and text != text.strip():
         return (f"it begins or ends with whitespace ({text!r:.80}), which would name a file nobody meant; "
                 "give the path without it")
+    long = next((part for part in text.split(os.sep) if len(os.fsencode(part)) > NAME_MAX), None)
+    if long is not None:
+        return (f"its part {long[:24]!r}... is {len(os.fsencode(long))} bytes long, more than the {NAME_MAX} a file "
+                "or folder name may have; give a shorter name")
     if file and os.path.basename(text) in ("", ".", ".."):  # 'x/', 'x/.', 'x/..'
         tail = os.path.basename(text) or text[-1]
         return f"it ends in {tail!r}, so it names a folder; name the file in it (such as {os.path.join(text, example)})"

@@ -9,7 +9,7 @@ the error names the argument or field, and a bad item by its index and type.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
 __all__ = ["pattern_list", "warn_unmatched"]
@@ -69,18 +69,26 @@ _EXPERT_PARTS = tuple(f"{p}{s}" for p in ("", ".gate_proj", ".up_proj", ".down_p
 
 
 def warn_unmatched(patterns: list[str], names: list[str], experts: Mapping[str, int], what: str, *,
-                   ignore: tuple[str, ...] = (), stacklevel: int = 3) -> None:
-    """Warn (``RuntimeWarning``) about each skip pattern that matches none of ``names`` (a typo, or
-    a glob such as ``[`` that fnmatch reads literally): the layers it was meant to keep are
-    quantized. ``experts`` maps each stacked routed-experts module to its expert count: a pattern
-    meant for one expert of it (``*.experts.2.gate_proj``) is told that the experts are kept
-    whole or not at all. ``ignore``: patterns every call carries (no warning where a model has
-    no such layer)."""
+                   containers: Iterable[str] = (), ignore: tuple[str, ...] = (), stacklevel: int = 3) -> None:
+    """Warn (``RuntimeWarning``) about each skip pattern that matches none of ``names``, the names
+    a pattern can keep (layers, stacked experts and their tensors): a typo, a glob such as ``[``
+    that fnmatch reads literally, or the name of a module that holds layers (``containers``:
+    ``*.mlp``); the layers it was meant to keep are quantized. ``experts`` maps each stacked
+    routed-experts module to its expert count: a pattern meant for one expert of it
+    (``*.experts.2.gate_proj``) is told that the experts are kept whole or not at all.
+    ``ignore``: patterns every call carries (``lm_head``, ``*.lm_head``): not warned about where
+    another of them matches, or where nothing any of them would match is there."""
     import fnmatch
     import warnings
 
+    def matches(p: str, among: Iterable[str]) -> bool:
+        return any(fnmatch.fnmatchcase(n, p) for n in among)
+
+    ignored = set(ignore) if (any(matches(q, names) for q in patterns if q in ignore)
+                              or not any(matches(q, names) for q in ignore)) else set()
+    containers = list(containers)
     for p in patterns:
-        if p in ignore or any(fnmatch.fnmatchcase(n, p) for n in names):
+        if p in ignored or matches(p, names):
             continue
         inside = next((e for e, count in experts.items() if any(
             fnmatch.fnmatchcase(f"{e}.{i}{part}", p) for i in range(count) for part in _EXPERT_PARTS)), None)
@@ -88,6 +96,12 @@ def warn_unmatched(patterns: list[str], names: list[str], experts: Mapping[str, 
             warnings.warn(f"{what}: skip pattern {p!r} names single experts, but the routed experts of {inside!r} "
                           f"are one stacked layer, quantized or kept whole: nothing was kept (skip them all with "
                           f"the pattern {inside!r}, or '*.mlp.experts')", RuntimeWarning, stacklevel=stacklevel)
+            continue
+        holder = next((c for c in containers if fnmatch.fnmatchcase(c, p)), None)
+        if holder is not None:
+            warnings.warn(f"{what}: skip pattern {p!r} matches {holder!r}, a module that holds layers but is none: "
+                          f"patterns match whole layer names, so it keeps nothing (for the layers inside it: "
+                          f"{p + '.*'!r})", RuntimeWarning, stacklevel=stacklevel)
             continue
         like = next((n for n in names if n.endswith("proj")), names[-1] if names else "")
         warnings.warn(f"{what}: skip pattern {p!r} matches no layer of the model, so it keeps none in its "

@@ -794,3 +794,92 @@ def test_fused_parts_of_no_rows_and_a_meta_tuning_worker_are_refused():
     with autofp4.autotune(mode="background"):
         with pytest.raises(ValueError, match=r"device 'meta' cannot run kernels; autofp4 tunes on cuda or cpu"):
             autofp4.autotune.start("meta")
+
+
+# -- the twenty-fifth adversarial set --------------------------------------------------------------
+def test_skip_patterns_that_keep_nothing_are_named(tmp_path, seed):
+    import warnings
+
+    with pytest.warns(RuntimeWarning, match=r"skip pattern '\*.mlp' matches 'model.layers.0.mlp', a module that "
+                                            r"holds layers but is none: .* '\*.mlp.\*'"):
+        report = autofp4.quantize_model(_model("llama", seed), "nvfp4", skip=["lm_head", "*.mlp"])
+    assert any(n.endswith("mlp.down_proj") for n in report.converted)
+    with pytest.warns(RuntimeWarning, match=r"skip pattern 'model.layers.0' matches 'model.layers.0', a module"):
+        autofp4.quantize_model(_model("qwen3_moe", seed), "nvfp4", skip=["lm_head", "model.layers.0"])
+    # the default patterns say nothing, but '*.lm_head' alone, which misses a top-level lm_head, does
+    with pytest.warns(RuntimeWarning, match=r"skip pattern '\*.lm_head' matches no layer"):
+        report = autofp4.quantize_model(_model("llama", seed), "nvfp4", skip=["*.lm_head"])
+    assert "lm_head" in report.converted
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        autofp4.quantize_model(_model("llama", seed), "nvfp4")
+        shared = nn.Module()
+        shared.a = shared.b = nn.Linear(64, 64).bfloat16()
+        autofp4.quantize_model(shared, "nvfp4", skip=["b"])  # a layer's second name is one of its names
+    src = tmp_path / "src"
+    _model("llama", seed).save_pretrained(src)
+    with pytest.warns(RuntimeWarning, match=r"autofp4 quantize: skip pattern 'model.layers.1' matches 'model.layers.1'"):
+        autofp4.quantize_checkpoint(src, tmp_path / "out", "nvfp4", skip=["lm_head", "model.layers.1"], progress=False)
+
+
+def test_one_stacked_expert_tensor_skipped_says_why_the_other_is_kept(seed):
+    report = autofp4.quantize_model(_model("qwen3_moe", seed), "nvfp4", skip=["lm_head", "*.experts.gate_up_proj"])
+    why = dict(report.skipped)
+    assert why["model.layers.0.mlp.experts.gate_up_proj"] == "matches a skip pattern"
+    assert why["model.layers.0.mlp.experts.down_proj"].startswith("kept with gate_up_proj (the experts are quantized "
+                                                                  "or kept whole)"), why
+
+
+def test_expert_indices_that_are_no_index_are_named(tmp_path, seed):
+    import re
+
+    from safetensors import torch as safetensors_torch
+
+    base = _checkpoint(tmp_path / "q", "qwen3_moe", "modelopt", seed)
+    for label, rename in (("zero", lambda i: "00" if i == 0 else str(i)), ("sup", lambda i: "\u00b2" if i == 0 else str(i)),
+                          ("letters", lambda i: "abcd"[i])):
+        ck = tmp_path / label
+        ck.mkdir()
+        for f in base.iterdir():
+            (ck / f.name).write_bytes(f.read_bytes())
+        t = safetensors_torch.load_file(str(ck / "model.safetensors"))
+        t = {re.sub(r"layers\.0\.mlp\.experts\.(\d+)\.", lambda m: f"layers.0.mlp.experts.{rename(int(m.group(1)))}.", k): v
+             for k, v in t.items()}
+        safetensors_torch.save_file(t, str(ck / "model.safetensors"), {"format": "pt"})
+        odd = {"zero": "'00'", "sup": "'\u00b2'", "letters": "'a', 'b', 'c', 'd'"}[label]
+        with pytest.raises(KeyError, match=rf"{odd} under it (is|are) no expert index"):
+            autofp4.from_pretrained(ck)
+
+
+def test_the_transformers_path_refuses_what_the_checkpoint_does_not_store(tmp_path, seed):
+    import re
+
+    import transformers
+    from safetensors import torch as safetensors_torch
+
+    base = _checkpoint(tmp_path / "q", "qwen3_moe", "modelopt", seed)
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    for f in base.iterdir():
+        (dense / f.name).write_bytes(f.read_bytes())
+    _edit(dense / "config.json", lambda c: c.update(mlp_only_layers=[0]))
+    with pytest.raises(KeyError, match=r"stores no tensors of 3 modules the model builds: .*mlp_only_layers = \[0\]"):
+        transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.bfloat16)
+    t = safetensors_torch.load_file(str(base / "model.safetensors"))
+    t = {re.sub(r"experts\.(\d+)\.", lambda m: f"experts.{int(m.group(1)) + 1}.", k): v for k, v in t.items()}
+    safetensors_torch.save_file(t, str(base / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(KeyError, match=r"FP4 experts stored under .* are not where the model reads them .*expert\(s\) 0 "
+                                       r"missing"):
+        transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+
+
+def test_an_expert_weight_stored_3d_is_blamed(tmp_path, seed):
+    from safetensors import torch as safetensors_torch
+
+    ck = _checkpoint(tmp_path / "q", "qwen3_moe", "modelopt", seed)
+    t = safetensors_torch.load_file(str(ck / "model.safetensors"))
+    k = next(k for k in t if k.endswith("experts.0.gate_proj.weight"))
+    t[k] = t[k].unsqueeze(0).contiguous()
+    safetensors_torch.save_file(t, str(ck / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(ValueError, match=rf"'{k}' must be 2-D, \[N, K/2\] .* got shape \(1, \d+, \d+\)"):
+        autofp4.from_pretrained(ck)

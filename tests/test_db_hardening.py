@@ -1422,3 +1422,33 @@ def test_a_folder_where_sqlite_keeps_a_file_beside_the_db_is_named(tmp_path, suf
     assert rc == 2 and f"{side} (SQLite's {suffix[1:]} file beside it) is not a regular file" in err, err
     side.rmdir()
     assert _integrity(path) == "ok"
+
+
+def test_a_fifo_where_sqlite_keeps_its_journal_is_named_without_blocking(tmp_path):
+    """SQLite opening a FIFO as the database's journal blocks for ever (`db list` and every linear
+    call with AUTOFP4_DB there hung): the side files are checked before SQLite opens anything."""
+    path = _ro_db(tmp_path)
+    os.mkfifo(path.with_name(path.name + "-journal"))
+    code = ("import sys, autofp4.cli; sys.exit(autofp4.cli.main(['db', 'list', '--db', sys.argv[1]]))")
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "-journal (SQLite's journal file beside it) is not a regular file: it is a FIFO" \
+        in r.stderr, r.stderr
+
+
+def test_names_longer_than_a_file_system_allows_and_a_looping_db_link_are_named(tmp_path, monkeypatch, capsys):
+    from autofp4.cli import main
+
+    long = tmp_path / ("L" * 300 + ".db")
+    monkeypatch.setenv("AUTOFP4_DB", str(long))
+    with pytest.raises(TuningDBError, match=r"AUTOFP4_DB=.*is 303 bytes long, more than the 255 a file or folder name"):
+        TuningDB(None)
+    rc = main(["info"])
+    assert rc == 2 and "is 303 bytes long" in capsys.readouterr().err
+    monkeypatch.delenv("AUTOFP4_DB")
+    assert main(["cache", "--export", str(tmp_path / ("K" * 300 + ".tar.gz"))]) == 2
+    assert "is 307 bytes long" in capsys.readouterr().err
+    loop = tmp_path / "t.db"
+    loop.symlink_to("t.db")
+    assert main(["info", "--db", str(loop)]) == 0
+    out = capsys.readouterr().out
+    assert "symbolic link to nothing reachable" in out and "not created yet" not in out, out

@@ -583,6 +583,10 @@ def _check_scale_dtype(t: _Tensors, scheme: _Scheme, name: str) -> None:
 
 
 def _fp4_weight(t: _Tensors, scheme: _Scheme, name: str) -> FP4Weight:
+    packed = _packed_key(scheme, name)
+    if packed is not None and packed in t and len(t.stored_shape(packed)) != 2:
+        raise ValueError(f"{_WHAT}: {packed!r} must be 2-D, [N, K/2] (the FP4 weight of one layer or one expert, two "
+                         f"values a byte), got shape {t.stored_shape(packed)}")
     if scheme.method != "mxfp4":
         _check_scale_dtype(t, scheme, name)
     if scheme.method == "modelopt":
@@ -608,8 +612,13 @@ def _fp4_weight(t: _Tensors, scheme: _Scheme, name: str) -> FP4Weight:
     return from_compressed_tensors(*(t[k] for k in keys), ins, prefix=name)
 
 
+def _packed_key(scheme: _Scheme, name: str) -> Optional[str]:
+    """The stored name of module ``name``'s packed FP4 values, where they are one 2-D tensor."""
+    return {"modelopt": f"{name}.weight", "mxfp4": None}.get(scheme.method, f"{name}.weight_packed")
+
+
 def _fp4_linear(t: _Tensors, scheme: _Scheme, name: str, lin: nn.Linear, dtype: torch.dtype) -> FP4Linear:
-    packed = {"modelopt": f"{name}.weight", "mxfp4": None}.get(scheme.method, f"{name}.weight_packed")
+    packed = _packed_key(scheme, name)
     if packed is not None and packed in t and len(t.stored_shape(packed)) != 2:
         raise ValueError(f"{_WHAT}: {packed!r} must be [N, K/2] = ({lin.out_features}, {lin.in_features // 2}) for "
                          f"the Linear layer {name!r}, got shape {t.stored_shape(packed)} (stacked experts are 3-D; "
@@ -829,16 +838,19 @@ def _lacking_note(missing: list[str], t: Mapping, model: nn.Module) -> str:
         if m is None:
             continue
         prefix = f"{m.group(1)}."
-        found = sorted({int(k[len(prefix):].split(".", 1)[0]) for k in stored
-                        if k.startswith(prefix) and k[len(prefix):].split(".", 1)[0].isdigit()})
+        parts = {k[len(prefix):].split(".", 1)[0] for k in stored if k.startswith(prefix) and "." in k[len(prefix):]}
+        found = sorted(int(p) for p in parts if re.fullmatch(r"0|[1-9][0-9]*", p))
+        odd = sorted(p for p in parts if not re.fullmatch(r"0|[1-9][0-9]*", p) and p not in ("gate_up_proj", "down_proj"))
         note = f"{m.group(1)} stores experts"
-        if found and note not in "".join(notes):
+        if (found or odd) and note not in "".join(notes):
             count = int(model.get_parameter(key).shape[0])
             lack = [i for i in range(count) if i not in found]
             beyond = [i for i in found if i >= count]
-            notes.append(f"{note} {_index_list(found)}, where config.json's expert count {count} means experts "
+            notes.append(f"{note} {_index_list(found) if found else 'under no index'}, where config.json's expert count {count} means experts "
                          f"0..{count - 1}" + (f"; expert(s) {_index_list(lack)} missing" if lack else "")
-                         + (f"; expert(s) {_index_list(beyond)} beyond the count" if beyond else ""))
+                         + (f"; expert(s) {_index_list(beyond)} beyond the count" if beyond else "")
+                         + (f"; {', '.join(map(repr, odd[:8]))} under it {'is' if len(odd) == 1 else 'are'} no expert "
+                            "index (0, 1, 2, ... without leading zeros)" if odd else ""))
     if dense_with_experts:
         config = getattr(model, "config", None)
         fields = [f"{f} = {getattr(config, f)!r}" for f in ("mlp_only_layers", "decoder_sparse_step")
@@ -929,6 +941,23 @@ def check_dense_linears(model: nn.Module, t: _Tensors, scheme: _Scheme) -> None:
         _dense(t, key, shape, torch.bfloat16)  # raises, naming the missing scale (or the uint8 weight)
         raise ValueError(f"{_WHAT}: {key!r} is stored as uint8 {tuple(stored.shape)} (quantized?) but "
                          f"{scheme.source} leaves its module dense")
+
+
+def check_dense_stored(model: nn.Module, t: _Tensors, dense: list[str]) -> None:
+    """For the transformers path (which initializes what the checkpoint lacks at random): every
+    linear or experts module left dense has tensors stored under its name; KeyError naming those
+    without (and where the checkpoint stores them otherwise, :func:`_lacking_note`)."""
+    under = {n: [k for k in t if k.startswith(f"{n}.")] for n in dense}
+    absent = [n for n in dense if not under[n]]
+    packed = [n for n in dense if not isinstance(model.get_submodule(n), nn.Linear)
+              and any(t.stored_dtype(k) == "U8" for k in under[n])]
+    if packed:  # FP4 experts the loader did not find where it reads them (expert indices other than 0..E-1)
+        raise KeyError(f"{_WHAT}: the FP4 experts stored under {packed[:4]} are not where the model reads them"
+                       f"{_lacking_note([f'{n}.gate_up_proj' for n in packed], t, model)}")
+    if absent:
+        keys = [f"{n}.weight" if isinstance(model.get_submodule(n), nn.Linear) else f"{n}.gate_up_proj" for n in absent]
+        raise KeyError(f"{_WHAT}: the checkpoint stores no tensors of {len(absent)} modules the model builds: "
+                       f"{absent[:8]}{_lacking_note(keys, t, model)}")
 
 
 def _warn_dense(dense_stored: list[str], scheme: _Scheme, dtype: torch.dtype) -> None:

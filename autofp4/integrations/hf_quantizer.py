@@ -116,6 +116,7 @@ class AutoFP4Quantizer(HfQuantizer):
         scheme, t = _ckpt._open(root, conf, model.config.model_type, _ckpt._device(device_map))
         dense = _ckpt.load_quantized_modules(model, t, scheme, dtype)
         _ckpt.check_dense_linears(model, t, scheme)  # transformers would load packed bytes as a dense weight
+        _ckpt.check_dense_stored(model, t, dense)  # transformers would initialize them at random
         _ckpt._warn_dense(dense, scheme, dtype)
         # transformers replaces the tensors it does not find in the checkpoint by empty ones: the FP4
         # modules wait outside the model until the dense tensors are loaded, their stored tensors

@@ -308,12 +308,14 @@ def convert_experts(model: nn.Module, fmt: str, patterns: list[str], report: Con
         params = (mod.gate_up_proj, mod.down_proj)
         parent_name, _, child = name.rpartition(".")
         keep.update(_routers(model, parent_name))
-        if matches_skip(name, patterns) or any(matches_skip(p, patterns) for p in pnames):
-            why = "matches a skip pattern"
-        else:
-            why = experts_problem(mod, fmt)
-        if why:
-            for pn, t in zip(pnames, params):
+        hit = [p for p in pnames if matches_skip(p, patterns)]
+        if matches_skip(name, patterns) or not hit:
+            whys = ["matches a skip pattern" if matches_skip(name, patterns) else experts_problem(mod, fmt)] * 2
+        else:  # one stacked tensor named: the experts are kept whole
+            whys = ["matches a skip pattern" if p in hit else f"kept with {hit[0].rpartition('.')[2]} (the experts "
+                    "are quantized or kept whole)" for p in pnames]
+        if whys[0]:
+            for pn, t, why in zip(pnames, params, whys):
                 report.add(TensorRecord(pn, "experts", tuple(t.shape), False, _nbytes(t), _nbytes(t), why))
             continue
         new, fp4 = _fp4_experts(mod, fmt)
