@@ -20,7 +20,7 @@ from typing import Any, Sequence, TextIO
 import torch
 
 from .models import LAYOUTS
-from .paths import REGULAR, arg_type, kind_of
+from .paths import REGULAR, arg_type, kind_of, path_problem
 from .problem import DTYPES, FORMATS, OPS, is_moe
 from .weights import missing_device
 
@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--layout", choices=("modelopt", "compressed-tensors", "gpt-oss"),
                    help="the checkpoint layout (default: modelopt for nvfp4, gpt-oss for gpt-oss mxfp4, "
                         "compressed-tensors otherwise)")
-    q.add_argument("--out", required=True, type=arg_type(), metavar="DIR", help="the new checkpoint directory")
+    q.add_argument("--out", required=True, type=arg_type(written=True), metavar="DIR", help="the new checkpoint directory")
     q.add_argument("--skip", action="append", default=[], metavar="PATTERN",
                    help="keep the modules matching this glob in high precision (repeatable; lm_head always)")
     q.add_argument("--device", default="cpu", help="where to quantize: cpu (default) or cuda[:N] (faster, same result)")
@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("cache", help="the compiled-kernel cache: where it is and what it holds")
     c.add_argument("--clear", action="store_true", help="delete every cached kernel")
-    c.add_argument("--export", type=arg_type(True, "kernels.tar.gz"), metavar="FILE", dest="export_to",
+    c.add_argument("--export", type=arg_type(True, "kernels.tar.gz", written=True), metavar="FILE", dest="export_to",
                    help="write the cached kernels to an archive that travels with a tuning DB")
     c.add_argument("--import", type=arg_type(True, "kernels.tar.gz"), metavar="FILE", dest="import_from",
                    help="add an archive's kernels to the cache (those this machine's autofp4 and CuTeDSL "
@@ -329,9 +329,18 @@ def _refuse_storage_on_db(url: str, db_path: Path) -> None:
     optuna would add its tables to it, and both schemas have a ``trials`` table."""
     if not url.startswith("sqlite:///"):
         return
-    path = Path(url[len("sqlite:///"):].split("?", 1)[0]).expanduser()
-    if not str(path) or str(path) == ":memory:":
+    text = url[len("sqlite:///"):].split("?", 1)[0]
+    if not text or text == ":memory:":
         return
+    why = path_problem(text, file=True, written=True)
+    if why is not None:
+        raise _UsageError(f"--storage {url:.80}: {why}")
+    path = Path(text).expanduser()
+    from .db import _side_file_problem
+
+    side = _side_file_problem(path)
+    if side:  # SQLite would block on a FIFO there, or consume it
+        raise _UsageError(f"--storage: {side}")
     try:
         same = path.resolve() == Path(db_path).resolve() or (path.exists() and Path(db_path).exists()
                                                              and path.samefile(db_path))
@@ -470,7 +479,7 @@ def _set_db(args: argparse.Namespace) -> None:
         from . import dispatch
         from .db import expand_path
 
-        dispatch._use_db_path(expand_path(args.db, "--db", file=True))
+        dispatch._use_db_path(expand_path(args.db, "--db", file=True, written=True))
 
 
 def _tune_device(args: argparse.Namespace) -> tuple[bool, str]:

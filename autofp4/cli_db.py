@@ -104,7 +104,7 @@ def add_db_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write results as sorted, reviewable JSON")
     _add_common(p)
-    p.add_argument("--out", required=True, type=arg_type(True, "tuning.json"), metavar="FILE", help="the JSON file to write ('-': standard output)")
+    p.add_argument("--out", required=True, type=arg_type(True, "tuning.json", written=True), metavar="FILE", help="the JSON file to write ('-': standard output)")
     p.add_argument("--env", default="all", metavar="current|all|KEY")
 
     p = sub.add_parser("import", help="validate an export and merge it in")
@@ -143,7 +143,7 @@ def add_db_parser(subparsers: Any) -> argparse.ArgumentParser:
 # helpers
 # --------------------------------------------------------------------------------------
 def _db_path(args: argparse.Namespace) -> Path:
-    return expand_path(args.db, "--db", file=True) if getattr(args, "db", None) is not None else default_db_path()
+    return expand_path(args.db, "--db", file=True, written=True) if getattr(args, "db", None) is not None else default_db_path()
 
 
 def _not_a_file(path: Path) -> str | None:

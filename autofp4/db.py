@@ -123,12 +123,21 @@ def _is_readonly_error(e: sqlite3.Error) -> bool:
 SQLITE_SIDE_FILES = {"-wal": "write-ahead log", "-shm": "shared-memory index", "-journal": "rollback journal"}
 
 
+#: the first bytes of an SQLite rollback journal
+_JOURNAL_MAGIC = bytes.fromhex("d9d505f920a163d7")
+
+
 def _side_file_problem(path: Path, e: sqlite3.Error | None = None) -> str | None:
-    """Why SQLite cannot use one of the files it keeps beside ``path`` (-wal, -shm, -journal):
-    one that is a directory, a link to nothing or a special file (SQLite would block for ever
-    opening a FIFO); None where each is a file or absent. ``e``: the error SQLite gave, if any."""
-    for suffix in SQLITE_SIDE_FILES:
-        side = path.with_name(path.name + suffix)
+    """Why SQLite cannot use one of the files it keeps beside ``path`` (-wal, -shm, -journal; beside
+    the file a symbolic link ``path`` leads to, where SQLite keeps them): one that is a directory, a
+    link to nothing or a special file (SQLite would block for ever opening a FIFO); None where each
+    is a file or absent. ``e``: the error SQLite gave, if any."""
+    try:
+        real = Path(os.path.realpath(path))
+    except (OSError, ValueError):
+        real = path
+    for suffix, base in [(s, b) for b in dict.fromkeys((path, real)) for s in SQLITE_SIDE_FILES]:
+        side = base.with_name(base.name + suffix)
         kind = kind_of(side)
         if kind not in (None, REGULAR):
             return (f"cannot open {path}: {side} (SQLite's {suffix[1:]} file beside it) is not a regular file: it is "
@@ -160,15 +169,20 @@ def _not_a_db_file_name(text: str) -> str | None:
     if text.strip() == ":memory:":
         return ("it names SQLite's in-memory database, whose rows are lost when the process ends; "
                 "name a DB file (such as ./tuning.db)")
+    for suffix, what in SQLITE_SIDE_FILES.items():
+        stem = text[:-len(suffix)]
+        if text.endswith(suffix) and stem and os.path.isfile(os.path.expanduser(stem)):
+            return (f"it is where SQLite keeps the {what} of the database {stem}, which removes or rewrites that "
+                    "file as it writes the database (a DB there would be lost); name another file")
     return None
 
 
-def expand_path(path: str | os.PathLike, what: str, file: bool = False) -> Path:
+def expand_path(path: str | os.PathLike, what: str, file: bool = False, written: bool = False) -> Path:
     """``path`` with a leading ``~`` or ``~user`` expanded; :class:`TuningDBError` naming ``what``
     (the variable or option it came from) where that cannot be done (no such user, no home), or
     where no DB file can have that name (:func:`.paths.path_problem`: empty, a control character,
     a folder's name; a URL, an SQLite URI, ``:memory:``)."""
-    return paths.expand_path(path, what, file=file, error=TuningDBError, first=_not_a_db_file_name)
+    return paths.expand_path(path, what, file=file, error=TuningDBError, first=_not_a_db_file_name, written=written)
 
 
 def default_db_path() -> Path:
@@ -177,7 +191,7 @@ def default_db_path() -> Path:
     (:class:`TuningDBError` naming it)."""
     env = os.environ.get("AUTOFP4_DB")
     if env:
-        return expand_path(env, "AUTOFP4_DB", file=True)
+        return expand_path(env, "AUTOFP4_DB", file=True, written=True)
     cache = os.environ.get("XDG_CACHE_HOME")
     if cache:
         return expand_path(cache, "XDG_CACHE_HOME") / "autofp4" / "tuning.db"
@@ -963,7 +977,7 @@ class TuningDB:
     """One SQLite tuning database file. Use as a context manager or call :meth:`close`."""
 
     def __init__(self, path: str | Path | None = None, *, readonly: bool = False) -> None:
-        self.path = expand_path(path, "the tuning DB path") if path is not None else default_db_path()
+        self.path = expand_path(path, "the tuning DB path", written=True) if path is not None else default_db_path()
         self.readonly = readonly
         if self.path.is_dir():
             raise TuningDBError(f"{self.path} is a directory, not a tuning database file")
@@ -1028,8 +1042,12 @@ class TuningDB:
     def _hot_journal(self) -> bool:
         """Is a rollback journal of an unfinished transaction next to the file? Read as it is,
         the file would show that transaction's half-written state."""
+        journal = self.path.with_name(self.path.name + "-journal")
+        if kind_of(journal) != REGULAR:
+            return False
         try:
-            return self.path.with_name(self.path.name + "-journal").stat().st_size > 0
+            with open(journal, "rb") as f:
+                return f.read(8) == _JOURNAL_MAGIC  # a rollback journal's header
         except OSError:
             return False
 

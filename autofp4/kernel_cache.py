@@ -351,6 +351,10 @@ def export_archive(dest: str | Path) -> ArchiveReport:
     report.skipped += [(p.name, "a symbolic link, not a kernel the cache wrote") for p in sorted(d.glob("*.o"))
                        if _OWN_FILE.fullmatch(p.name) and p.is_symlink()]
     for o in _kernel_files(d):
+        kind = kind_of(o.with_suffix(".json"))
+        if kind not in (None, REGULAR):  # a FIFO would block the read
+            report.skipped.append((o.name, f"its record {o.with_suffix('.json').name} is {kind}, not a file"))
+            continue
         try:
             record = json.loads(o.with_suffix(".json").read_text())
             data = o.read_bytes()

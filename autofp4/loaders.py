@@ -211,6 +211,9 @@ def _from_mxfp4_blocks(blocks, scales, what: str, b_label: str, s_label: str) ->
                 f"{tuple(scales.shape)}, got {tuple(blocks.shape)}"
             )
         blocks = blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * 16)
+    elif blocks.dim() == scales.dim() + 2 and blocks.shape[-1] == 16:  # gpt-oss blocks, scales flattened
+        raise ValueError(f"{what}: {s_label} must be {tuple(blocks.shape[:-1])} (one E8M0 exponent per 32 values of "
+                         f"{b_label} {tuple(blocks.shape)}), got {tuple(scales.shape)}")
     elif blocks.dim() != scales.dim():
         raise ValueError(
             f"{what}: {b_label} must be [..., N, K/2] or [..., N, K/32, 16] for {s_label} {tuple(scales.shape)}, "

@@ -442,7 +442,7 @@ def _warn_unmatched_skips(model: nn.Module, patterns: list[str]) -> None:
     names a pattern can keep are the model's Linear layers (under every name a shared one has),
     its stacked experts modules (3-D ``gate_up_proj`` / ``down_proj``) and those parameters; the
     other modules hold layers."""
-    names, experts, containers = [], {}, []
+    names, experts, others = [], {}, []
     for name, mod in model.named_modules(remove_duplicate=False):
         if not name:
             continue
@@ -450,10 +450,13 @@ def _warn_unmatched_skips(model: nn.Module, patterns: list[str]) -> None:
         if isinstance(mod, (nn.Linear, FP4Buffers, FP4LinearPart)) or stacked:
             names.append(name)
         else:
-            containers.append(name)
+            others.append(name)
         names += [f"{name}.{p}" for p in stacked]
         if stacked:
             experts.setdefault(name, int(mod._parameters[stacked[0]].shape[0]))
+    holders = {name.rsplit(".", i)[0] for name in names for i in range(1, name.count(".") + 1)}
+    containers = [n for n in others if n in holders]
+    names += [n for n in others if n not in holders]  # a norm, a router that is no Linear: never quantized
     warn_unmatched(patterns, names, experts, "quantize_model", containers=containers, ignore=("lm_head", "*.lm_head"),
                    stacklevel=4)
 

@@ -13,8 +13,13 @@ from pathlib import Path
 from typing import Callable
 
 
-#: the longest file or folder name (bytes) the file systems autofp4 meets allow
+#: the longest file or folder name (bytes) the file systems autofp4 meets allow, and path
 NAME_MAX = 255
+PATH_MAX = 4096
+#: how much longer than a path it writes are the names autofp4 and SQLite derive from it (a
+#: staging folder ``.<name>.partial-XXXXXXXX``, a temporary file, SQLite's ``<name>-journal``,
+#: the misses file ``<name>.misses.json``)
+DERIVED = 24
 
 
 def unusable_path(path: str | os.PathLike) -> str | None:
@@ -28,9 +33,12 @@ def unusable_path(path: str | os.PathLike) -> str | None:
     return None
 
 
-def path_problem(path: str | os.PathLike, file: bool = False, example: str = "tuning.db") -> str | None:
+def path_problem(path: str | os.PathLike, file: bool = False, example: str = "tuning.db",
+                 written: bool = False) -> str | None:
     """Why ``path`` names nothing its user meant (see the module's list), or None. ``example`` is
-    the file name suggested where a ``file`` path names a folder."""
+    the file name suggested where a ``file`` path names a folder. ``written``: autofp4 writes
+    ``path`` and files named after it (:data:`DERIVED` bytes longer at most), so its last name
+    leaves room for those."""
     why = unusable_path(path)
     if why is not None:
         return why
@@ -41,10 +49,18 @@ def path_problem(path: str | os.PathLike, file: bool = False, example: str = "tu
     if file and text != text.strip():
         return (f"it begins or ends with whitespace ({text!r:.80}), which would name a file nobody meant; "
                 "give the path without it")
+    if len(os.fsencode(text)) >= PATH_MAX - DERIVED:
+        return (f"it is {len(os.fsencode(text))} bytes long, more than the {PATH_MAX - DERIVED - 1} a path may have "
+                "here; give a shorter path")
     long = next((part for part in text.split(os.sep) if len(os.fsencode(part)) > NAME_MAX), None)
     if long is not None:
         return (f"its part {long[:24]!r}... is {len(os.fsencode(long))} bytes long, more than the {NAME_MAX} a file "
                 "or folder name may have; give a shorter name")
+    last = os.path.basename(text.rstrip(os.sep))
+    if written and len(os.fsencode(last)) > NAME_MAX - DERIVED:
+        return (f"its name {last[:24]!r}... is {len(os.fsencode(last))} bytes long; autofp4 (and SQLite) write files "
+                f"named after it, up to {DERIVED} bytes longer, and a name may have {NAME_MAX}: give a name of at most "
+                f"{NAME_MAX - DERIVED} bytes")
     if file and os.path.basename(text) in ("", ".", ".."):  # 'x/', 'x/.', 'x/..'
         tail = os.path.basename(text) or text[-1]
         return f"it ends in {tail!r}, so it names a folder; name the file in it (such as {os.path.join(text, example)})"
@@ -53,7 +69,7 @@ def path_problem(path: str | os.PathLike, file: bool = False, example: str = "tu
 
 def expand_path(path: str | os.PathLike, what: str, file: bool = False, example: str = "tuning.db",
                 error: type[Exception] = ValueError,
-                first: Callable[[str], str | None] | None = None) -> Path:
+                first: Callable[[str], str | None] | None = None, written: bool = False) -> Path:
     """``path`` with a leading ``~`` or ``~user`` expanded; ``error`` naming ``what`` (the option
     or variable it came from) where :func:`path_problem` finds one, or where ``first`` (checks of
     the caller's own, run before the rest once the path is not empty) does, or where the ``~``
@@ -63,7 +79,7 @@ def expand_path(path: str | os.PathLike, what: str, file: bool = False, example:
     if why is None and first is not None:
         why = first(text)
     if why is None:
-        why = path_problem(text, file, example)
+        why = path_problem(text, file, example, written)
     if why is not None:
         raise error(f"{what}={text!r:.80}: {why}")
     try:
@@ -73,13 +89,13 @@ def expand_path(path: str | os.PathLike, what: str, file: bool = False, example:
                     "directory); give the path without it") from None
 
 
-def arg_type(file: bool = False, example: str = "") -> Callable[[str], str]:
+def arg_type(file: bool = False, example: str = "", written: bool = False) -> Callable[[str], str]:
     """An argparse ``type`` for a path option: the text as given, or argparse's usage error (exit
     2, the option named) where :func:`path_problem` finds one."""
     import argparse
 
     def parse(text: str) -> str:
-        why = path_problem(text, file, example)
+        why = path_problem(text, file, example, written)
         if why is not None:
             raise argparse.ArgumentTypeError(why)
         return text
@@ -89,7 +105,8 @@ def arg_type(file: bool = False, example: str = "") -> Callable[[str], str]:
 
 
 #: what :func:`kind_of` says of a symbolic link whose target cannot be reached
-DANGLING_LINK = "a symbolic link to nothing reachable (its target is missing, or the links loop)"
+DANGLING_LINK = ("a symbolic link to nothing reachable (its target is missing, or the links loop or chain through "
+                 "more than 40 links)")
 REGULAR = "a regular file"
 
 

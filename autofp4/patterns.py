@@ -76,7 +76,8 @@ def warn_unmatched(patterns: list[str], names: list[str], experts: Mapping[str, 
     ``*.mlp``); the layers it was meant to keep are quantized. ``experts`` maps each stacked
     routed-experts module to its expert count: a pattern meant for one expert of it
     (``*.experts.2.gate_proj``) is told that the experts are kept whole or not at all.
-    ``ignore``: patterns every call carries (``lm_head``, ``*.lm_head``): not warned about where
+    A module that is neither (a norm, a router that is no Linear) stays as it is anyway: list it
+    in ``names``. ``ignore``: patterns every call carries (``lm_head``, ``*.lm_head``): not warned about where
     another of them matches, or where nothing any of them would match is there."""
     import fnmatch
     import warnings

@@ -612,7 +612,7 @@ def test_a_dangling_link_is_named_as_one(tmp_path, seed):
         autofp4.quantize_checkpoint(src, tmp_path / "out", "nvfp4", progress=False)
     said = [str(r.message) for r in rec if "not copied" in str(r.message)]
     assert said == [f"{src / 'tokenizer.json'}: not copied to the output: it is a symbolic link to nothing reachable "
-                    "(its target is missing, or the links loop)"], said
+                    "(its target is missing, or the links loop or chain through more than 40 links)"], said
 
 
 
@@ -863,7 +863,7 @@ def test_the_transformers_path_refuses_what_the_checkpoint_does_not_store(tmp_pa
     for f in base.iterdir():
         (dense / f.name).write_bytes(f.read_bytes())
     _edit(dense / "config.json", lambda c: c.update(mlp_only_layers=[0]))
-    with pytest.raises(KeyError, match=r"stores no tensors of 3 modules the model builds: .*mlp_only_layers = \[0\]"):
+    with pytest.raises(KeyError, match=r"stores no weight for 3 module\(s\) the model builds .*mlp_only_layers = \[0\]"):
         transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.bfloat16)
     t = safetensors_torch.load_file(str(base / "model.safetensors"))
     t = {re.sub(r"experts\.(\d+)\.", lambda m: f"experts.{int(m.group(1)) + 1}.", k): v for k, v in t.items()}
@@ -882,4 +882,46 @@ def test_an_expert_weight_stored_3d_is_blamed(tmp_path, seed):
     t[k] = t[k].unsqueeze(0).contiguous()
     safetensors_torch.save_file(t, str(ck / "model.safetensors"), {"format": "pt"})
     with pytest.raises(ValueError, match=rf"'{k}' must be 2-D, \[N, K/2\] .* got shape \(1, \d+, \d+\)"):
+        autofp4.from_pretrained(ck)
+
+
+# -- the twenty-sixth adversarial set --------------------------------------------------------------
+def test_the_transformers_path_refuses_a_dense_layer_without_its_weight(tmp_path, seed):
+    import transformers
+    from safetensors import torch as safetensors_torch
+
+    ck = _checkpoint(tmp_path / "q", "llama", "modelopt", seed)
+    t = safetensors_torch.load_file(str(ck / "model.safetensors"))
+    del t["lm_head.weight"]
+    safetensors_torch.save_file(t, str(ck / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(KeyError, match=r"stores no weight for 1 module\(s\) the model builds \(transformers would "
+                                       r"initialize them at random\): \['lm_head'\]"):
+        transformers.AutoModelForCausalLM.from_pretrained(ck, dtype=torch.bfloat16)
+
+
+def test_skip_patterns_for_modules_never_quantized_say_nothing_and_long_paths_are_named(tmp_path, seed):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a norm, gpt-oss's router: kept anyway
+        autofp4.quantize_model(_model("llama", seed), "nvfp4", skip=["lm_head", "*.input_layernorm", "model.norm"])
+        autofp4.quantize_model(_model("gpt_oss", seed), "mxfp4", skip=["lm_head", "*.mlp.router"])
+    with pytest.raises(ValueError, match=r"autofp4.from_pretrained: path=.* is 300 bytes long, more than the 255"):
+        autofp4.from_pretrained(tmp_path / ("L" * 300))
+    model = _model("llama", seed)
+    autofp4.quantize_model(model, "nvfp4")
+    with pytest.raises(ValueError, match=r"autofp4.save_pretrained: path=.* give a name of at most 231 bytes"):
+        autofp4.save_pretrained(model, tmp_path / ("o" * 240))
+    assert not any(tmp_path.iterdir())
+
+
+def test_flattened_gpt_oss_scales_are_blamed_not_the_blocks(tmp_path, seed):
+    from safetensors import torch as safetensors_torch
+
+    ck = _checkpoint(tmp_path / "g", "gpt_oss", "gpt-oss", seed)
+    t = safetensors_torch.load_file(str(ck / "model.safetensors"))
+    k = next(k for k in t if k.endswith("gate_up_proj_scales"))
+    t[k] = t[k].reshape(t[k].shape[0], -1).contiguous()
+    safetensors_torch.save_file(t, str(ck / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(ValueError, match=rf"'{k}' must be \(\d+, \d+, \d+\) \(one E8M0 exponent per 32 values of"):
         autofp4.from_pretrained(ck)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from autofp4.cli_db import add_db_parser, run_db
-from autofp4.db import MAX_IMPORT_BYTES, TuningDB, TuningDBError, TuningDBWarning, TuningFileError, load_layers
+from autofp4.db import MAX_IMPORT_BYTES, SQLITE_SIDE_FILES, TuningDB, TuningDBError, TuningDBWarning, TuningFileError, load_layers
 from autofp4.problem import DEFAULT_M_BUCKETS, bucket_for
 from autofp4.schema import Environment, ExportedRecord, TuningRecord
 
@@ -1452,3 +1452,60 @@ def test_names_longer_than_a_file_system_allows_and_a_looping_db_link_are_named(
     assert main(["info", "--db", str(loop)]) == 0
     out = capsys.readouterr().out
     assert "symbolic link to nothing reachable" in out and "not created yet" not in out, out
+
+
+def test_side_files_of_a_linked_db_and_of_a_cached_kernels_record_do_not_block(tmp_path):
+    """SQLite keeps a database's journal beside the file a symbolic link leads to; a FIFO there
+    blocked `db list` through the link, and a FIFO kernel record blocked `cache --export`."""
+    path = _ro_db(tmp_path)
+    link = tmp_path / "link.db"
+    link.symlink_to(path)
+    os.mkfifo(path.with_name(path.name + "-journal"))
+    code = "import sys, autofp4.cli; sys.exit(autofp4.cli.main(sys.argv[1:]))"
+    r = subprocess.run([sys.executable, "-c", code, "db", "list", "--db", str(link)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "t.db-journal (SQLite's journal file beside it) is not a regular file: it is a FIFO" \
+        in r.stderr, r.stderr
+    cache = tmp_path / "kc"
+    cache.mkdir()
+    name = "gemm-" + "0" * 32
+    (cache / f"{name}.o").write_bytes(b"\x7fELF" + bytes(60))
+    os.mkfifo(cache / f"{name}.json")
+    r = subprocess.run([sys.executable, "-c", code, "cache", "--export", str(tmp_path / "k.tar.gz")],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "AUTOFP4_KERNEL_CACHE": str(cache)})
+    assert r.returncode == 2 and f"its record {name}.json is a FIFO (named pipe), not a file" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("suffix", ["-journal", "-wal", "-shm"])
+def test_a_db_named_like_another_dbs_side_file_is_refused(tmp_path, suffix):
+    path = _ro_db(tmp_path)
+    rows = _snapshot(path)
+    rc, _, err = cli("import", _other_export(tmp_path), "--db", f"{path}{suffix}")
+    assert rc == 2 and f"it is where SQLite keeps the {SQLITE_SIDE_FILES[suffix]} of the database {path}" in err, err
+    assert not Path(f"{path}{suffix}").exists() and _snapshot(path) == rows
+
+
+def test_derived_names_and_paths_past_the_limits_are_refused(tmp_path, monkeypatch, capsys):
+    from autofp4.cli import main
+
+    path = _ro_db(tmp_path)
+    name = "n" * 240
+    assert main(["db", "export", "--db", str(path), "--out", str(tmp_path / f"{name}.json")]) == 2
+    assert "bytes long; autofp4 (and SQLite) write files named after it, up to 24 bytes longer" in capsys.readouterr().err
+    assert main(["cache", "--export", str(tmp_path / f"{name}.tgz")]) == 2
+    assert "give a name of at most 231 bytes" in capsys.readouterr().err
+    deep = "/".join(["d" * 200] * 22)
+    monkeypatch.setenv("AUTOFP4_DB", f"{tmp_path}/{deep}/t.db")
+    with pytest.raises(TuningDBError, match=r"AUTOFP4_DB=.*bytes long, more than the 4071 a path may have here"):
+        TuningDB(None)
+    monkeypatch.delenv("AUTOFP4_DB")
+    fifo_storage = tmp_path / "study.db"
+    fifo_storage.touch()
+    os.mkfifo(tmp_path / "study.db-journal")
+    argv = ["tune", "--device", "cpu", "--model", str(Path(__file__).parents[1] / "examples" / "llama-3.1-8b.json"),
+            "--m", "1", "--ops", "linear", "--no-progress", "--db", str(tmp_path / "t2.db")]
+    assert main(argv + ["--storage", f"sqlite:///{fifo_storage}"]) == 2
+    assert "study.db-journal (SQLite's journal file beside it) is not a regular file: it is a FIFO" in \
+        capsys.readouterr().err
+    assert main(argv + ["--storage", f"sqlite:///{tmp_path}/{'s' * 300}.db"]) == 2
+    assert "is 303 bytes long, more than the 255" in capsys.readouterr().err

@@ -945,10 +945,15 @@ def check_dense_linears(model: nn.Module, t: _Tensors, scheme: _Scheme) -> None:
 
 def check_dense_stored(model: nn.Module, t: _Tensors, dense: list[str]) -> None:
     """For the transformers path (which initializes what the checkpoint lacks at random): every
-    linear or experts module left dense has tensors stored under its name; KeyError naming those
-    without (and where the checkpoint stores them otherwise, :func:`_lacking_note`)."""
+    Linear layer left dense has its weight stored (but an output embedding tied to the input
+    one), and every experts module in ``dense`` (those not stored in FP4) tensors under its
+    name; KeyError naming those without (and where the checkpoint stores them otherwise,
+    :func:`_lacking_note`)."""
+    out = model.get_output_embeddings() if getattr(model.config, "tie_word_embeddings", False) else None
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not out]
+    dense = [n for n in dense if not isinstance(model.get_submodule(n), nn.Linear)]
     under = {n: [k for k in t if k.startswith(f"{n}.")] for n in dense}
-    absent = [n for n in dense if not under[n]]
+    absent = [n for n in linears if f"{n}.weight" not in t] + [n for n in dense if not under[n]]
     packed = [n for n in dense if not isinstance(model.get_submodule(n), nn.Linear)
               and any(t.stored_dtype(k) == "U8" for k in under[n])]
     if packed:  # FP4 experts the loader did not find where it reads them (expert indices other than 0..E-1)
@@ -956,8 +961,8 @@ def check_dense_stored(model: nn.Module, t: _Tensors, dense: list[str]) -> None:
                        f"{_lacking_note([f'{n}.gate_up_proj' for n in packed], t, model)}")
     if absent:
         keys = [f"{n}.weight" if isinstance(model.get_submodule(n), nn.Linear) else f"{n}.gate_up_proj" for n in absent]
-        raise KeyError(f"{_WHAT}: the checkpoint stores no tensors of {len(absent)} modules the model builds: "
-                       f"{absent[:8]}{_lacking_note(keys, t, model)}")
+        raise KeyError(f"{_WHAT}: the checkpoint stores no weight for {len(absent)} module(s) the model builds "
+                       f"(transformers would initialize them at random): {absent[:8]}{_lacking_note(keys, t, model)}")
 
 
 def _warn_dense(dense_stored: list[str], scheme: _Scheme, dtype: torch.dtype) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
-from ..paths import REGULAR, kind_of, not_regular
+from ..paths import REGULAR, kind_of, not_regular, path_problem
 
 __all__ = ["SafetensorsReader", "ShardedWriter", "TensorInfo", "parse_size", "DTYPES"]
 
@@ -77,6 +77,9 @@ def path_arg(value: Any, name: str, what: str) -> Path:
     text = os.fspath(value)
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"{what}: {name} is an empty path {text!r}; name the folder")
+    why = path_problem(text)
+    if why is not None:
+        raise ValueError(f"{what}: {name}={text!r:.80}: {why}")
     return Path(text)
 
 

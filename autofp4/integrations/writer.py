@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..nn import FP4FusedLinear, FP4Linear
-from ..paths import REGULAR, kind_of
+from ..paths import REGULAR, kind_of, path_problem
 from ..weights import FP4Weight, _describe
 from . import layouts as L
 from .safetensors_io import ShardedWriter, parse_size, present_file
@@ -138,6 +138,9 @@ def check_output(out: Any, overwrite: Any, what: str, arg: str = "path",
         raise ValueError(f"{what}: {arg} contains a NUL character: {text[:80]!r}")
     if not isinstance(overwrite, bool):
         raise TypeError(f"{what}: overwrite must be True or False, got {_describe(overwrite)}")
+    why = path_problem(text, written=True)
+    if why is not None:
+        raise ValueError(f"{what}: {arg}={text!r:.80}: {why}")
     path = Path(os.path.abspath(text))  # "." and "sub/.." named by what they are
     if source is not None:
         src, dst = Path(source).resolve(), path.resolve()
