@@ -325,19 +325,35 @@ def _refuse_memory_storage(url: str) -> None:
 
 
 def _refuse_storage_on_db(url: str, db_path: Path) -> None:
-    """``--storage sqlite:///FILE`` where FILE is the tuning DB (or another autofp4 tuning DB):
-    optuna would add its tables to it, and both schemas have a ``trials`` table."""
-    if not url.startswith("sqlite:///"):
+    """``--storage`` naming an SQLite file (any ``sqlite`` dialect, as SQLAlchemy reads the URL)
+    it cannot be: the tuning DB or another autofp4 tuning DB (optuna would add its tables to
+    it; both schemas have a ``trials`` table), another database's -wal/-shm/-journal (SQLite
+    removes it), a folder, a FIFO or special file, one whose side files are (SQLite blocks on a
+    FIFO), a path with percent-escapes or a leading ``~`` (SQLAlchemy decodes the one and not
+    the other, so the file checked here would not be the file it opens)."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        parsed = make_url(url)
+    except Exception:  # no SQLAlchemy, or a URL it cannot read: optuna names it
         return
-    text = url[len("sqlite:///"):].split("?", 1)[0]
-    if not text or text == ":memory:":
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
         return
-    why = path_problem(text, file=True, written=True)
+    text = url.split("://", 1)[1][1:].split("?", 1)[0]  # the path as written, after "sqlite:///"
+    if text != parsed.database:
+        raise _UsageError(f"--storage {url:.80}: its path has percent-escapes, which SQLAlchemy decodes "
+                          f"({text!r:.60} is the file {parsed.database!r:.60}); write the path plainly")
+    if text.startswith("~"):
+        raise _UsageError(f"--storage {url:.80}: SQLAlchemy does not expand a leading '~'; give the full path")
+    from .db import _not_a_db_file_name, _side_file_problem
+
+    why = path_problem(text, file=True, written=True) or _not_a_db_file_name(text)
     if why is not None:
         raise _UsageError(f"--storage {url:.80}: {why}")
-    path = Path(text).expanduser()
-    from .db import _side_file_problem
-
+    path = Path(text)
+    kind = kind_of(path)
+    if kind not in (None, REGULAR):
+        raise _UsageError(f"--storage {url:.80}: {path} is {kind}, not an SQLite file")
     side = _side_file_problem(path)
     if side:  # SQLite would block on a FIFO there, or consume it
         raise _UsageError(f"--storage: {side}")

@@ -14,6 +14,7 @@ from typing import Any, Sequence, TextIO
 
 from .db import (
     SQLITE_SIDE_FILES,
+    is_sqlite_file,
     Difference,
     MergeReport,
     TuningDB,
@@ -348,17 +349,6 @@ def _cmd_export(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-_SQLITE_MAGIC = b"SQLite format 3\x00"
-
-
-def _is_sqlite(path: Path) -> bool:
-    """Is ``path`` a regular file that starts like an SQLite database?"""
-    if not path.is_file():
-        return False
-    with path.open("rb") as f:
-        return f.read(len(_SQLITE_MAGIC)) == _SQLITE_MAGIC
-
-
 def _check_export_target(target: Path, source: Path) -> None:
     """``db export --out``: an export replaces its target, so only a new file or an earlier export
     (never the database being exported, an SQLite file or its side files, a misses file, any other
@@ -376,11 +366,11 @@ def _check_export_target(target: Path, source: Path) -> None:
                 if not parent.is_dir():
                     raise UsageError(f"--out {target}: {parent} is a file, not a folder")
                 break
-        if _is_sqlite(target):
+        if is_sqlite_file(target):
             raise UsageError(f"--out {target} is an SQLite database; an export would replace it")
         for suffix, what in SQLITE_SIDE_FILES.items():
             base = target.with_name(target.name[: -len(suffix)]) if target.name.endswith(suffix) else None
-            if base is not None and (_is_sqlite(base) or (source.exists() and base.resolve() == source.resolve())):
+            if base is not None and (is_sqlite_file(base) or (source.exists() and base.resolve() == source.resolve())):
                 raise UsageError(f"--out {target} is the {what} of the SQLite database {base}, which SQLite "
                                  "writes and deletes (an export there would corrupt or lose it); write the export "
                                  "elsewhere")

@@ -138,7 +138,10 @@ def _side_file_problem(path: Path, e: sqlite3.Error | None = None) -> str | None
         real = path
     for suffix, base in [(s, b) for b in dict.fromkeys((path, real)) for s in SQLITE_SIDE_FILES]:
         side = base.with_name(base.name + suffix)
-        kind = kind_of(side)
+        try:
+            kind = f"a symbolic link (to {os.readlink(side)!r:.80}); SQLite keeps its own file there"
+        except OSError:  # no link there
+            kind = kind_of(side)
         if kind not in (None, REGULAR):
             return (f"cannot open {path}: {side} (SQLite's {suffix[1:]} file beside it) is not a regular file: it is "
                     f"{kind}; move it away" + (f" ({e})" if e is not None else ""))
@@ -158,6 +161,17 @@ def _readonly_message(path: Path, e: sqlite3.Error) -> str:
 # --------------------------------------------------------------------------------------
 
 
+def is_sqlite_file(path: str | os.PathLike) -> bool:
+    """Is ``path`` a regular file that begins as an SQLite database does?"""
+    if kind_of(path) != REGULAR:
+        return False
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+    except OSError:
+        return False
+
+
 def _not_a_db_file_name(text: str) -> str | None:
     """Names that a DB path cannot mean, beyond :func:`.paths.path_problem`'s."""
     if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", text.strip()):
@@ -171,7 +185,7 @@ def _not_a_db_file_name(text: str) -> str | None:
                 "name a DB file (such as ./tuning.db)")
     for suffix, what in SQLITE_SIDE_FILES.items():
         stem = text[:-len(suffix)]
-        if text.endswith(suffix) and stem and os.path.isfile(os.path.expanduser(stem)):
+        if text.endswith(suffix) and stem and is_sqlite_file(os.path.expanduser(stem)):
             return (f"it is where SQLite keeps the {what} of the database {stem}, which removes or rewrites that "
                     "file as it writes the database (a DB there would be lost); name another file")
     return None
@@ -977,7 +991,8 @@ class TuningDB:
     """One SQLite tuning database file. Use as a context manager or call :meth:`close`."""
 
     def __init__(self, path: str | Path | None = None, *, readonly: bool = False) -> None:
-        self.path = expand_path(path, "the tuning DB path", written=True) if path is not None else default_db_path()
+        self.path = (expand_path(path, "the tuning DB path", written=not readonly) if path is not None
+                     else default_db_path())
         self.readonly = readonly
         if self.path.is_dir():
             raise TuningDBError(f"{self.path} is a directory, not a tuning database file")

@@ -358,7 +358,7 @@ def export_archive(dest: str | Path) -> ArchiveReport:
         try:
             record = json.loads(o.with_suffix(".json").read_text())
             data = o.read_bytes()
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             report.skipped.append((o.name, f"no record of what it was built from ({type(e).__name__})"))
             continue
         if not isinstance(record, dict):

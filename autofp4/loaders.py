@@ -207,8 +207,9 @@ def _from_mxfp4_blocks(blocks, scales, what: str, b_label: str, s_label: str) ->
     if blocks.dim() == scales.dim() + 1:
         if blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
             raise ValueError(
-                f"{what}: gpt-oss {b_label} must be {tuple(scales.shape) + (16,)} for {s_label} of shape "
-                f"{tuple(scales.shape)}, got {tuple(blocks.shape)}"
+                f"{what}: gpt-oss {b_label} {tuple(blocks.shape)} and {s_label} {tuple(scales.shape)} do not match: "
+                f"blocks [..., N, K/32, 16] take scales [..., N, K/32] (one E8M0 exponent per block of 32 values)"
+                + (f", so {tuple(blocks.shape[:-1])} for these blocks" if blocks.shape[-1] == 16 else "")
             )
         blocks = blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * 16)
     elif blocks.dim() == scales.dim() + 2 and blocks.shape[-1] == 16:  # gpt-oss blocks, scales flattened

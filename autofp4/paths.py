@@ -20,6 +20,9 @@ PATH_MAX = 4096
 #: staging folder ``.<name>.partial-XXXXXXXX``, a temporary file, SQLite's ``<name>-journal``,
 #: the misses file ``<name>.misses.json``)
 DERIVED = 24
+#: the bytes of a path left for the names of files in or beside it (index files, shards,
+#: staging folders)
+PATH_ROOM = 64
 
 
 def unusable_path(path: str | os.PathLike) -> str | None:
@@ -49,14 +52,17 @@ def path_problem(path: str | os.PathLike, file: bool = False, example: str = "tu
     if file and text != text.strip():
         return (f"it begins or ends with whitespace ({text!r:.80}), which would name a file nobody meant; "
                 "give the path without it")
-    if len(os.fsencode(text)) >= PATH_MAX - DERIVED:
-        return (f"it is {len(os.fsencode(text))} bytes long, more than the {PATH_MAX - DERIVED - 1} a path may have "
-                "here; give a shorter path")
+    full = os.path.abspath(os.path.expanduser(text))
+    room = PATH_MAX - (2 if written else 1) * PATH_ROOM
+    if len(os.fsencode(full)) > room:
+        return (f"it is {len(os.fsencode(full))} bytes long as an absolute path, more than the {room} autofp4 takes "
+                f"(the files it reads or writes in or beside it need the rest of the system's {PATH_MAX}); give a "
+                "shorter path")
     long = next((part for part in text.split(os.sep) if len(os.fsencode(part)) > NAME_MAX), None)
     if long is not None:
         return (f"its part {long[:24]!r}... is {len(os.fsencode(long))} bytes long, more than the {NAME_MAX} a file "
                 "or folder name may have; give a shorter name")
-    last = os.path.basename(text.rstrip(os.sep))
+    last = os.path.basename(full)
     if written and len(os.fsencode(last)) > NAME_MAX - DERIVED:
         return (f"its name {last[:24]!r}... is {len(os.fsencode(last))} bytes long; autofp4 (and SQLite) write files "
                 f"named after it, up to {DERIVED} bytes longer, and a name may have {NAME_MAX}: give a name of at most "

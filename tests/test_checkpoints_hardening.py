@@ -925,3 +925,12 @@ def test_flattened_gpt_oss_scales_are_blamed_not_the_blocks(tmp_path, seed):
     safetensors_torch.save_file(t, str(ck / "model.safetensors"), {"format": "pt"})
     with pytest.raises(ValueError, match=rf"'{k}' must be \(\d+, \d+, \d+\) \(one E8M0 exponent per 32 values of"):
         autofp4.from_pretrained(ck)
+
+
+def test_nothing_left_to_quantize_names_the_skip_patterns(tmp_path, seed):
+    src = tmp_path / "src"
+    _model("gpt_oss", seed).save_pretrained(src)
+    with pytest.raises(ValueError, match=r"nothing in .* to quantize to mxfp4 in the gpt-oss layout \(no linear layer or "
+                                         r"routed experts it can convert that the skip patterns \['\*.mlp.experts'\] "
+                                         r"leave: \d+ kept\)"):
+        autofp4.quantize_checkpoint(src, tmp_path / "out", "mxfp4", skip=["lm_head", "*.mlp.experts"], progress=False)

@@ -1496,7 +1496,7 @@ def test_derived_names_and_paths_past_the_limits_are_refused(tmp_path, monkeypat
     assert "give a name of at most 231 bytes" in capsys.readouterr().err
     deep = "/".join(["d" * 200] * 22)
     monkeypatch.setenv("AUTOFP4_DB", f"{tmp_path}/{deep}/t.db")
-    with pytest.raises(TuningDBError, match=r"AUTOFP4_DB=.*bytes long, more than the 4071 a path may have here"):
+    with pytest.raises(TuningDBError, match=r"AUTOFP4_DB=.*bytes long as an absolute path, more than the 3968 autofp4 takes"):
         TuningDB(None)
     monkeypatch.delenv("AUTOFP4_DB")
     fifo_storage = tmp_path / "study.db"
@@ -1509,3 +1509,70 @@ def test_derived_names_and_paths_past_the_limits_are_refused(tmp_path, monkeypat
         capsys.readouterr().err
     assert main(argv + ["--storage", f"sqlite:///{tmp_path}/{'s' * 300}.db"]) == 2
     assert "is 303 bytes long, more than the 255" in capsys.readouterr().err
+
+
+def test_storage_urls_are_read_as_sqlalchemy_reads_them(tmp_path, monkeypatch, capsys):
+    """``--storage`` as SQLAlchemy opens it: any sqlite dialect, percent-escapes decoded, no '~'
+    expanded; and not another database's side file (SQLite removed the study written there), a
+    folder or a FIFO."""
+    from autofp4.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    db = _ro_db(tmp_path)
+    other = tmp_path / "o.db"
+    other.write_bytes(db.read_bytes())
+    argv = ["tune", "--device", "cpu", "--model", str(Path(__file__).parents[1] / "examples" / "llama-3.1-8b.json"),
+            "--m", "1", "--ops", "linear", "--no-progress", "--db", str(db)]
+    (tmp_path / "sdir").mkdir()
+    os.mkfifo(tmp_path / "s.db")
+    for storage, said in ((f"sqlite+pysqlite:///{db}", "is the tuning DB"),
+                          ("sqlite:///o.db-journal", "it is where SQLite keeps the rollback journal of the database o.db"),
+                          ("sqlite:///s%2Edb", "its path has percent-escapes, which SQLAlchemy decodes"),
+                          ("sqlite:///~/x.db", "SQLAlchemy does not expand a leading '~'"),
+                          ("sqlite:///sdir", "sdir is a directory, not an SQLite file"),
+                          ("sqlite:///s.db", "s.db is a FIFO (named pipe), not an SQLite file")):
+        assert main(argv + ["--storage", storage]) == 2, storage
+        assert said in capsys.readouterr().err, storage
+    assert not (tmp_path / "o.db-journal").exists()
+
+
+def test_side_file_names_and_links_and_lengths_as_the_system_sees_them(tmp_path, monkeypatch, capsys):
+    from autofp4.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    notes = tmp_path / "notes"
+    notes.write_text("not a database")
+    rc, _, err = cli("import", _other_export(tmp_path), "--db", "notes-journal")  # notes is no database
+    assert rc == 0 and notes.read_text() == "not a database", err
+    db = _ro_db(tmp_path)
+    wal = db.with_name(db.name + "-wal")
+    wal.unlink(missing_ok=True)
+    wal.symlink_to(db.name)
+    rc, _, err = cli("list", "--db", db)
+    assert rc == 2 and "t.db-wal (SQLite's wal file beside it) is not a regular file: it is a symbolic link" in err, err
+    wal.unlink()
+    deep = tmp_path.joinpath(*["d" * 200] * 19)
+    deep.mkdir(parents=True)
+    monkeypatch.chdir(deep)  # a relative name, long as an absolute path
+    assert main(["db", "export", "--db", str(db), "--out", "x" * 200 + ".json"]) == 2
+    assert "bytes long as an absolute path, more than the 3968 autofp4 takes" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    assert main(["quantize", str(tmp_path), "--fmt", "nvfp4", "--out", "q" * 240 + "/."]) == 2
+    assert "is 240 bytes long; autofp4 (and SQLite) write files named after it" in capsys.readouterr().err
+    long_db = tmp_path / ("r" * 240 + ".db")
+    long_db.write_bytes(db.read_bytes())
+    rc, out, err = cli("diff", long_db, "--db", db)  # only read: its name leaves room for nothing
+    assert rc == 0 and "0 differences" in out, err
+
+
+def test_a_kernel_record_nested_past_the_recursion_limit_is_left_out(tmp_path, monkeypatch, capsys):
+    from autofp4.cli import main
+
+    cache = tmp_path / "kc"
+    cache.mkdir()
+    name = "gemm-" + "1" * 32
+    (cache / f"{name}.o").write_bytes(b"\x7fELF" + bytes(60))
+    (cache / f"{name}.json").write_text("[" * 100_000 + "]" * 100_000)
+    monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(cache))
+    assert main(["cache", "--export", str(tmp_path / "k.tar.gz")]) == 2
+    assert f"{name}.o: no record of what it was built from (RecursionError)" in capsys.readouterr().err

@@ -191,9 +191,9 @@ def test_from_mxfp4_blocks_errors(gen):
     cases = [
         (TypeError, r"blocks must be uint8, got torch.int8", lambda: from_mxfp4_blocks(b4.view(torch.int8), q.scale)),
         (TypeError, r"scales must be uint8 E8M0 exponents, got torch.float32", lambda: from_mxfp4_blocks(b4, q.scale.float())),
-        (ValueError, r"gpt-oss blocks must be \(2, 8, 2, 16\) for scales of shape \(2, 8, 2\), got \(2, 8, 2, 8\)",
+        (ValueError, r"gpt-oss blocks \(2, 8, 2, 8\) and scales \(2, 8, 2\) do not match: blocks \[..., N, K/32, 16\] take",
          lambda: from_mxfp4_blocks(b4[..., :8], q.scale)),
-        (ValueError, r"got \(2, 8, 3, 16\)", lambda: from_mxfp4_blocks(torch.cat([b4, b4[:, :, :1]], 2), q.scale)),
+        (ValueError, r"blocks \(2, 8, 3, 16\) and scales \(2, 8, 2\) do not match", lambda: from_mxfp4_blocks(torch.cat([b4, b4[:, :, :1]], 2), q.scale)),
         (ValueError, r"scales must have shape \(2, 8, 2\) .*got \(2, 8, 1\)", lambda: from_mxfp4_blocks(q.data, q.scale[..., :1])),
         (ValueError, r"blocks must be \[..., N, K/2\] or \[..., N, K/32, 16\] .*got \(2, 8, 2, 16, 1\)",
          lambda: from_mxfp4_blocks(b4[..., None], q.scale)),

@@ -45,6 +45,9 @@ def reference(row: list[float], spec: RouterSpec, bias: list[float] | None = Non
     ids = order[:k]
     if len(order) > k:
         margins.append(choice[order[k - 1]] - choice[order[k]])
+    # the ids come in score order: two selected experts whose scores all but tie (float32 against
+    # float64) may come in either order
+    margins += [choice[a] - choice[b] for a, b in zip(ids, ids[1:]) if choice[a] != choice[b]]
     if spec.scoring == "softmax":
         top = choice[ids[0]]
         w = [math.exp(choice[i] - top) for i in ids]

@@ -579,8 +579,10 @@ def quantize_checkpoint(src: Union[str, Path], out: Union[str, Path], fmt: str, 
     try:
         units, excluded = _plan(reader, model, model_type, fmt, layout, skip)
         if not any(not isinstance(u, str) for u in units):
+            kept = [p for p in skip if p not in DEFAULT_SKIP]
             raise ValueError(f"{_WHAT}: nothing in {src} to quantize to {fmt} in the {layout} layout "
-                             "(no linear layer or routed experts it can convert)")
+                             "(no linear layer or routed experts it can convert"
+                             + (f" that the skip patterns {kept} leave: {len(excluded)} kept" if kept else "") + ")")
         summary = QuantizeSummary(Path(out), fmt, layout, excluded=excluded)
         summary.bytes_before = sum(reader.info(k).nbytes for k in reader)
         declared = _declare(units, reader, fmt, layout, model_type)
