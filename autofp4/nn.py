@@ -440,8 +440,8 @@ def matches_skip(name: str, patterns: Iterable[str]) -> bool:
 def _warn_unmatched_skips(model: nn.Module, patterns: list[str]) -> None:
     """quantize_model's warning for skip patterns that keep nothing, as quantize_checkpoint's: the
     names a pattern can keep are the model's Linear layers (under every name a shared one has),
-    its stacked experts modules (3-D ``gate_up_proj`` / ``down_proj``) and those parameters; the
-    other modules hold layers."""
+    its stacked experts modules (3-D ``gate_up_proj`` / ``down_proj``) and those parameters; its
+    other modules are the ``others`` of :func:`autofp4.patterns.warn_unmatched`."""
     names, experts, others = [], {}, []
     for name, mod in model.named_modules(remove_duplicate=False):
         if not name:
@@ -454,10 +454,7 @@ def _warn_unmatched_skips(model: nn.Module, patterns: list[str]) -> None:
         names += [f"{name}.{p}" for p in stacked]
         if stacked:
             experts.setdefault(name, int(mod._parameters[stacked[0]].shape[0]))
-    holders = {name.rsplit(".", i)[0] for name in names for i in range(1, name.count(".") + 1)}
-    containers = [n for n in others if n in holders]
-    names += [n for n in others if n not in holders]  # a norm, a router that is no Linear: never quantized
-    warn_unmatched(patterns, names, experts, "quantize_model", containers=containers, ignore=("lm_head", "*.lm_head"),
+    warn_unmatched(patterns, names, experts, "quantize_model", others=others, ignore=("lm_head", "*.lm_head"),
                    stacklevel=4)
 
 

@@ -69,15 +69,16 @@ _EXPERT_PARTS = tuple(f"{p}{s}" for p in ("", ".gate_proj", ".up_proj", ".down_p
 
 
 def warn_unmatched(patterns: list[str], names: list[str], experts: Mapping[str, int], what: str, *,
-                   containers: Iterable[str] = (), ignore: tuple[str, ...] = (), stacklevel: int = 3) -> None:
+                   others: Iterable[str] = (), ignore: tuple[str, ...] = (), stacklevel: int = 3) -> None:
     """Warn (``RuntimeWarning``) about each skip pattern that matches none of ``names``, the names
     a pattern can keep (layers, stacked experts and their tensors): a typo, a glob such as ``[``
-    that fnmatch reads literally, or the name of a module that holds layers (``containers``:
-    ``*.mlp``); the layers it was meant to keep are quantized. ``experts`` maps each stacked
+    that fnmatch reads literally, or the name of a module that holds layers (one of ``others``,
+    the model's other modules, with a layer inside it: ``*.mlp``); the layers it was meant to keep
+    are quantized. A pattern matching one of ``others`` that holds no layer (a norm, a router that
+    is no Linear) says nothing: that module stays as it is anyway. ``experts`` maps each stacked
     routed-experts module to its expert count: a pattern meant for one expert of it
     (``*.experts.2.gate_proj``) is told that the experts are kept whole or not at all.
-    A module that is neither (a norm, a router that is no Linear) stays as it is anyway: list it
-    in ``names``. ``ignore``: patterns every call carries (``lm_head``, ``*.lm_head``): not warned about where
+    ``ignore``: patterns every call carries (``lm_head``, ``*.lm_head``): not warned about where
     another of them matches, or where nothing any of them would match is there."""
     import fnmatch
     import warnings
@@ -87,7 +88,10 @@ def warn_unmatched(patterns: list[str], names: list[str], experts: Mapping[str, 
 
     ignored = set(ignore) if (any(matches(q, names) for q in patterns if q in ignore)
                               or not any(matches(q, names) for q in ignore)) else set()
-    containers = list(containers)
+    holders = {n.rsplit(".", i)[0] for n in names for i in range(1, n.count(".") + 1)}
+    others = list(others)
+    containers = sorted((o for o in others if o in holders), key=lambda n: (n.count("."), n))
+    names = list(names) + [o for o in others if o not in holders]
     for p in patterns:
         if p in ignored or matches(p, names):
             continue

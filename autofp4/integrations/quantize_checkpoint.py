@@ -196,12 +196,10 @@ def _plan(reader: SafetensorsReader, model: Any, model_type: Optional[str], fmt:
 
     _check_against_model(reader, model, model_type, by_model, experts)
     layers = [n for n, m in model.named_modules(remove_duplicate=False) if n and (isinstance(m, nn.Linear) or n in experts)]
-    holders = {n.rsplit(".", i)[0] for n in layers for i in range(1, n.count(".") + 1)}
-    seen = set(layers) | holders
-    others = [n for n, _ in model.named_modules() if n and n not in seen]  # norms, routers: never quantized
-    warn_unmatched(skip, layers + others + [f"{n}.{p}" for n in experts for p in ("gate_up_proj", "down_proj")],
+    seen = set(layers)
+    warn_unmatched(skip, layers + [f"{n}.{p}" for n in experts for p in ("gate_up_proj", "down_proj")],
                    {n: _expert_count(m) for n, m in experts.items()}, _WHAT, ignore=DEFAULT_SKIP, stacklevel=4,
-                   containers=sorted(holders, key=lambda n: (n.count("."), n)))
+                   others=[n for n, _ in model.named_modules() if n and n not in seen])
 
     # linears to quantize
     linears: dict[str, str] = {}  # module name -> stored weight key
