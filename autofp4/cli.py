@@ -20,7 +20,7 @@ from typing import Any, Sequence, TextIO
 import torch
 
 from .models import LAYOUTS
-from .paths import REGULAR, arg_type, kind_of, path_problem
+from .paths import REGULAR, arg_type, kind_of
 from .problem import DTYPES, FORMATS, OPS, is_moe
 from .weights import missing_device
 
@@ -345,12 +345,12 @@ def _refuse_storage_on_db(url: str, db_path: Path) -> None:
                           f"({text!r:.60} is the file {parsed.database!r:.60}); write the path plainly")
     if text.startswith("~"):
         raise _UsageError(f"--storage {url:.80}: SQLAlchemy does not expand a leading '~'; give the full path")
-    from .db import _not_a_db_file_name, _side_file_problem
+    from .db import TuningDBError, _side_file_problem, expand_path
 
-    why = path_problem(text, file=True, written=True) or _not_a_db_file_name(text)
-    if why is not None:
-        raise _UsageError(f"--storage {url:.80}: {why}")
-    path = Path(text)
+    try:  # the checks of a DB file's path: length, a name, not another database's side file
+        path = expand_path(text, "--storage", file=True, written=True)
+    except TuningDBError as e:
+        raise _UsageError(str(e)) from None
     kind = kind_of(path)
     if kind not in (None, REGULAR):
         raise _UsageError(f"--storage {url:.80}: {path} is {kind}, not an SQLite file")

@@ -582,11 +582,18 @@ def _check_scale_dtype(t: _Tensors, scheme: _Scheme, name: str) -> None:
                          f"{scheme.source} ({scheme.fmt}) stores {what}: expected {want}")
 
 
-def _fp4_weight(t: _Tensors, scheme: _Scheme, name: str) -> FP4Weight:
+def _fp4_weight(t: _Tensors, scheme: _Scheme, name: str, lin: Optional[nn.Linear] = None) -> FP4Weight:
+    """Module ``name``'s stored FP4 weight (``lin``: the Linear layer it is for, named in errors;
+    None: one expert's)."""
     packed = _packed_key(scheme, name)
-    if packed is not None and packed in t and len(t.stored_shape(packed)) != 2:
+    shape = t.stored_shape(packed) if packed is not None and packed in t else None
+    if shape is not None and len(shape) != 2 and lin is not None:
+        raise ValueError(f"{_WHAT}: {packed!r} must be [N, K/2] = ({lin.out_features}, {lin.in_features // 2}) for "
+                         f"the Linear layer {name!r}, got shape {shape} (stacked experts are 3-D; a Linear layer's "
+                         "FP4 weight is 2-D)")
+    if shape is not None and len(shape) != 2:
         raise ValueError(f"{_WHAT}: {packed!r} must be 2-D, [N, K/2] (the FP4 weight of one layer or one expert, two "
-                         f"values a byte), got shape {t.stored_shape(packed)}")
+                         f"values a byte), got shape {shape}")
     if scheme.method != "mxfp4":
         _check_scale_dtype(t, scheme, name)
     if scheme.method == "modelopt":
@@ -618,12 +625,7 @@ def _packed_key(scheme: _Scheme, name: str) -> Optional[str]:
 
 
 def _fp4_linear(t: _Tensors, scheme: _Scheme, name: str, lin: nn.Linear, dtype: torch.dtype) -> FP4Linear:
-    packed = _packed_key(scheme, name)
-    if packed is not None and packed in t and len(t.stored_shape(packed)) != 2:
-        raise ValueError(f"{_WHAT}: {packed!r} must be [N, K/2] = ({lin.out_features}, {lin.in_features // 2}) for "
-                         f"the Linear layer {name!r}, got shape {t.stored_shape(packed)} (stacked experts are 3-D; "
-                         "a Linear layer's FP4 weight is 2-D)")
-    w = _fp4_weight(t, scheme, name)
+    w = _fp4_weight(t, scheme, name, lin)
     if (w.n, w.k) != (lin.out_features, lin.in_features):
         raise ValueError(
             f"{_WHAT}: {name!r} is stored as an FP4 weight of shape {tuple(w.shape)} ([N, K]) but the model's "
@@ -954,8 +956,7 @@ def check_dense_stored(model: nn.Module, t: _Tensors, dense: list[str]) -> None:
     dense = [n for n in dense if not isinstance(model.get_submodule(n), nn.Linear)]
     under = {n: [k for k in t if k.startswith(f"{n}.")] for n in dense}
     absent = [n for n in linears if f"{n}.weight" not in t] + [n for n in dense if not under[n]]
-    packed = [n for n in dense if not isinstance(model.get_submodule(n), nn.Linear)
-              and any(t.stored_dtype(k) == "U8" for k in under[n])]
+    packed = [n for n in dense if any(t.stored_dtype(k) == "U8" for k in under[n])]
     if packed:  # FP4 experts the loader did not find where it reads them (expert indices other than 0..E-1)
         raise KeyError(f"{_WHAT}: the FP4 experts stored under {packed[:4]} are not where the model reads them"
                        f"{_lacking_note([f'{n}.gate_up_proj' for n in packed], t, model)}")
