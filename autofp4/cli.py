@@ -382,7 +382,7 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise _UsageError("tune needs --model CONFIG (a config.json) or --from-misses [FILE]")
     if args.model is not None and args.from_misses is not None:
         raise _UsageError("give either --model or --from-misses, not both")
-    _fmt_of_checkpoint(args, args.model, err)
+    _fmt_of_checkpoint(args, args.model)
     _check_dsl_options()
     _model_options(args)
     _options_for(args, _RUN_OPTIONS, not args.dry_run, "a tuning run",
@@ -408,7 +408,7 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     )
     if args.from_misses is not None:
         return _tune_misses(args, on_cpu, cpu_note, common, db_path, out)
-    return _tune_model(args, on_cpu, cpu_note, common, db_path, out)
+    return _tune_model(args, on_cpu, cpu_note, common, db_path, out, err)
 
 
 #: the options of ``tune --model`` (and their defaults), which ``--from-misses`` does not take
@@ -451,10 +451,12 @@ def _check_dsl_options() -> None:
         raise _UsageError(f"AUTOFP4_CUTE_DSL_OPTIONS={extra!r:.80}: {e} (CuTeDSL reads it as shell words)") from None
 
 
-def _fmt_of_checkpoint(args: argparse.Namespace, model: str | None, err: TextIO) -> None:
+def _fmt_of_checkpoint(args: argparse.Namespace, model: str | None) -> None:
     """``model`` a quantized checkpoint (its folder or its config.json) and ``--fmt`` not given:
     the checkpoint's own format (an MXFP4 checkpoint's shapes are tuned as MXFP4); ``--fmt``
-    given and not the checkpoint's: as given, with a note saying so."""
+    given and not the checkpoint's: as given, with a note saying so, kept in ``args.fmt_note`` for
+    ``_model_shapes`` to print once the model's config has passed its checks (a config refused
+    gets its one-line error alone)."""
     if not model:
         return
     from .integrations.checkpoints import checkpoint_fmt
@@ -463,8 +465,8 @@ def _fmt_of_checkpoint(args: argparse.Namespace, model: str | None, err: TextIO)
     if args.fmt is None:
         args.fmt = own
     elif own is not None and own != args.fmt:
-        print(f"note: {model} is an {own.upper()} checkpoint; its shapes are taken as {args.fmt.upper()} "
-              f"(--fmt {args.fmt}), not as they run when loaded (leave --fmt out for {own})", file=err)
+        args.fmt_note = (f"note: {model} is an {own.upper()} checkpoint; its shapes are taken as {args.fmt.upper()} "
+                         f"(--fmt {args.fmt}), not as they run when loaded (leave --fmt out for {own})")
 
 
 def _model_options(args: argparse.Namespace) -> None:
@@ -562,12 +564,12 @@ def _tune_misses(args: argparse.Namespace, on_cpu: bool, cpu_note: str, common: 
 
 
 def _tune_model(args: argparse.Namespace, on_cpu: bool, cpu_note: str, common: dict[str, Any], db_path: Path,
-                out: TextIO) -> int:
+                out: TextIO, err: TextIO) -> int:
     """``tune --model CONFIG``: every (shape, M bucket) of a model."""
     from . import dispatch, tuning
     from .models import shapes_table
 
-    shapes = _model_shapes(args.model, args)
+    shapes = _model_shapes(args.model, args, err)
     _check_backends_serve(_backend_names(args), shapes)
     _backends_run_on(_backend_names(args), torch.device("cpu" if on_cpu else "cuda"))
     if args.m:
@@ -636,10 +638,11 @@ def _check_backends_serve(backends: list[str] | None, shapes: Sequence[Any]) -> 
                               f"ops ({', '.join(ops)}){hint}")
 
 
-def _model_shapes(path: str, args: argparse.Namespace) -> list[Any]:
+def _model_shapes(path: str, args: argparse.Namespace, err: TextIO) -> list[Any]:
     """The shapes of the model config at ``path`` for ``args.tp``, ``args.ep``, ``args.fmt``,
     ``args.layout`` and ``args.lm_head``;
-    any problem with the file or a field of it is a usage error (exit 2) of one line."""
+    any problem with the file or a field of it is a usage error (exit 2) of one line. The note of
+    ``_fmt_of_checkpoint`` (if any) goes to ``err`` once the shapes are read."""
     from .models import load_config, model_shapes
 
     try:
@@ -666,6 +669,8 @@ def _model_shapes(path: str, args: argparse.Namespace) -> list[Any]:
     if args.ep is not None and args.ep > 1 and not any(is_moe(s.op) for s in shapes):
         raise _UsageError(f"--ep {args.ep} splits the experts of MoE layers, and " + (
             f"--ops {','.join(ops)} leaves them out" if has_moe else f"{_one_line(str(path), 300)} has none"))
+    if note := getattr(args, "fmt_note", None):
+        print(note, file=err)
     return shapes
 
 
@@ -702,13 +707,13 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     _set_db(args)
     if args.model is not None and (args.n is not None or args.k is not None):
         raise _UsageError("give --model or one shape (--n, --k), not both")
-    _fmt_of_checkpoint(args, args.model, err)
+    _fmt_of_checkpoint(args, args.model)
     if args.fmt is None:
         args.fmt = "nvfp4"
     _options_for(args, _EXPLAIN_MODEL, args.model is not None, "--model", " (one shape is explained as given)")
     _options_for(args, _EXPLAIN_SHAPE, args.model is None, "one shape (--n, --k)", "; --model takes each shape's own")
     if args.model is not None:
-        keys = [(s.problem_key(args.fmt, args.dtype), s.name) for s in _model_shapes(args.model, args)]
+        keys = [(s.problem_key(args.fmt, args.dtype), s.name) for s in _model_shapes(args.model, args, err)]
     else:
         if args.n is None or args.k is None:
             raise _UsageError("explain needs --model CONFIG, or one shape: --n N --k K (a MoE one also "
@@ -825,7 +830,7 @@ def _cache_line() -> str:
 def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .kernel_cache import cache_dir, cache_dir_problem, clear, others
 
-    _fmt_of_checkpoint(args, args.warm, err)
+    _fmt_of_checkpoint(args, args.warm)
     _options_for(args, _WARM_OPTIONS, args.warm is not None, "--warm CONFIG")
 
     try:
@@ -841,7 +846,7 @@ def _cmd_cache(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                           "and leave an export nothing to write (or an import's old kernels gone); run them one "
                           "at a time")
     # everything checked before the first action: a usage error leaves the cache as it was
-    warm = _warm_plan(args) if args.warm else None
+    warm = _warm_plan(args, err) if args.warm else None
     if args.export_to:
         from .kernel_cache import KernelArchiveError, check_export_target
 
@@ -901,7 +906,7 @@ class _WarmPlan:
     stored: list
 
 
-def _warm_plan(args: argparse.Namespace) -> _WarmPlan:
+def _warm_plan(args: argparse.Namespace, err: TextIO) -> _WarmPlan:
     from . import dispatch, tuning
     from .kernel_cache import cache_dir, disabled_by, target_arch
 
@@ -920,7 +925,7 @@ def _warm_plan(args: argparse.Namespace) -> _WarmPlan:
         raise _UsageError(f"--arch must look like sm_90a, got {arch!r}")
     if arch not in _ARCHS:
         raise _UsageError(f"--arch {arch}: the kernels are built for {', '.join(_ARCHS)}")
-    shapes = _model_shapes(args.warm, args)
+    shapes = _model_shapes(args.warm, args, err)
     stored = []
     if args.warm_db is not None:
         from .db import TuningDBError, TuningFileError, expand_path, read_records

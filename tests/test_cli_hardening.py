@@ -614,3 +614,25 @@ def test_an_export_leaves_out_what_its_import_would_refuse(tmp_path, one_kernel_
     rc, out, err = run(["cache", "--import", tmp_path / "k.tar.gz"])
     assert rc == 0 and "imported 1 kernels" in out, (out, err)
     assert (one_kernel_cache / good.name).read_bytes() == kept
+
+
+def test_a_checkpoint_config_refused_gets_its_error_alone(tmp_path):
+    """``--fmt`` other than a checkpoint's own format is noted, but only once the config has passed
+    its checks: a refused config gets its one-line error and no note before it."""
+    import json
+
+    import autofp4
+    from tiny_models import tiny_model
+
+    m = tiny_model("llama", 3)
+    autofp4.quantize_model(m, "nvfp4")
+    autofp4.save_pretrained(m, tmp_path / "ck", layout="modelopt")
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    del cfg["hidden_size"]
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    for argv in (["tune", "--model", tmp_path / "ck", "--fmt", "mxfp4", "--dry-run", "--db", tmp_path / "t.db"],
+                 ["explain", "--model", tmp_path / "ck", "--fmt", "mxfp4", "--m", "1", "--device", "cpu",
+                  "--db", tmp_path / "t.db"]):
+        rc, out, err = run(argv)
+        assert rc == 2 and "hidden_size" in err and "note:" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
