@@ -5,10 +5,13 @@ interleaved rounds of one run (TFLOP/s, 2 M N K per call, CUDA-graph medians):
 
 * ``cublas``: bf16 cuBLAS (``F.linear`` on the unquantized bf16 weight), the baseline;
 * ``w4a16``: our bf16-activation GEMM, the config the shipped DB stores (else its default);
-* ``w4a8``: ``autofp4.linear(x, w, act_dtype="fp8")``'s kernels: the activation quantizer and the
-  W4A8 GEMM, the fastest of ``--configs`` candidates around :func:`autofp4.w4a8.default_config`
-  (W4A8 rows are not tuned yet; each candidate's time is in the JSON); ``w4a8 gemm``: its GEMM
-  alone on pre-quantized activations;
+* ``w4a8``: ``autofp4.linear(x, w, act_dtype="fp8")``'s in-kernel path: the activation quantizer
+  and the W4A8 GEMM, the fastest of ``--configs`` candidates around
+  :func:`autofp4.w4a8.default_config` (each candidate's time is in the JSON); ``w4a8 gemm``: its
+  GEMM alone on pre-quantized activations;
+* ``w4a8 cublas``: the cuBLAS path (:mod:`autofp4.kernels.w4a8_cublas`): the activation quantizer,
+  the FP4 -> E4M3 conversion of the weight and cuBLAS's FP8 GEMM, whole call, the fastest of its
+  ``chunk_n`` configs (each one's time in the JSON);
 * ``fp8``: cuBLAS FP8 (``torch._scaled_mm``, E4M3 x E4M3 with per-token and per-channel scales,
   bf16 out, fast accumulation), which reads twice the weight bytes of an FP4 weight.
 
@@ -97,12 +100,22 @@ def exact_on_operands(x, fw):
     return (xv @ q.double().T) * f
 
 
+def cublas_configs(n: int, k: int, fmt: str) -> list:
+    from autofp4.kernels import w4a8_cublas as cb
+
+    return [c for c in (cb.W4A8CublasConfig(chunk_n=v) for v in cb.CHUNKS)
+            if cb.validate(c, n, k, fmt, "bfloat16") is None]
+
+
 def measure(args) -> dict:
+    import types
+
     import autofp4
     from autofp4.db import read_records
     from autofp4.kernels import fp8_act_quant as aq
     from autofp4.kernels import sm90_w4a16_gemm as g16
     from autofp4.kernels import sm90_w4a8_gemm as g8
+    from autofp4.kernels import w4a8_cublas as cb
 
     _, records = read_records(SHIPPED_DB)
     fmts = args.fmt
@@ -116,6 +129,8 @@ def measure(args) -> dict:
                 for m in ms:
                     for cfg in candidates(n, k, fmt, m, args.configs):
                         g8.compile_only(cfg, n, k, fmt, "bfloat16")
+                    for cfg in cublas_configs(n, k, fmt):
+                        cb.compile_only(cfg, n, k, fmt, "bfloat16")
                     g16.compile_only(picked_w4a16(records, fmt, n, k, m), n, k, fmt, "bfloat16")
         print("compiled")
         return {}
@@ -158,9 +173,23 @@ def measure(args) -> dict:
                 variants[f"{fmt} w4a8 gemm"] = (
                     lambda a, b, c, p=packed, g=gemm, z=zeros: g(a, p.data.view(-1), p.alpha, b, z, c, 0),
                     [(xq, sx, out)])
+                prep = types.SimpleNamespace(weight=fw)
+                cb_t, cb_err = {}, {}
+                for cfg in cublas_configs(n, k, fmt):
+                    run = cb.compile_kernel(cfg, n, k, fmt, "bfloat16")
+                    err = rel_err(run(x, prep, None), exact)
+                    if not err < 1e-2:
+                        raise SystemExit(f"{name} {fmt} M={m} {cfg}: relative error {err:.3g} against float64 "
+                                         "on the same E4M3 operands")
+                    cb_err[str(cfg)] = err
+                    cb_t[cfg] = interleaved_medians({"c": (run, [(x, prep, None)])}, 1, args.reps)["c"]
+                cb_best = min(cb_t, key=cb_t.get)
+                variants[f"{fmt} w4a8 cublas"] = (cb.compile_kernel(cb_best, n, k, fmt, "bfloat16"),
+                                                  [(x, prep, None)])
                 detail[fmt] = dict(best=str(best), candidates={str(c): t for c, t in cand.items()},
                                    # the MMA's accumulation: relative error against float64 on the same E4M3 operands
-                                   error_on_operands=cand_err)
+                                   error_on_operands=cand_err, cublas_best=str(cb_best),
+                                   cublas_candidates={str(c): t for c, t in cb_t.items()}, cublas_error=cb_err)
             us = interleaved_medians(variants, args.rounds, args.reps)
             row = dict(shape=name, n=n, k=k, m=m, us=us, tflops={t: tflops(m, n, k, v) for t, v in us.items()},
                        w4a8=detail)
@@ -216,23 +245,30 @@ def error_table(errs: list[dict]) -> list[str]:
     return lines
 
 
+VARIANTS = ("w4a16", "w4a8", "w4a8 gemm", "w4a8 cublas")
+
+
 def table(doc: dict) -> str:
     fmts = doc["fmts"]
     head = ["shape", "M", "cuBLAS bf16", "cuBLAS FP8 (rowwise, fast accum.)"]
     for f in fmts:
-        head += [f"{f} W4A16", f"{f} W4A8", f"{f} W4A8 GEMM only"]
+        head += [f"{f} W4A16", f"{f} W4A8", f"{f} W4A8 GEMM only", f"{f} W4A8 cuBLAS path"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
     for r in doc["rows"]:
         t, c = r["tflops"], r["tflops"]["cublas"]
         cells = [r["shape"], str(r["m"]), f"{c:.0f}", f"{t['fp8']:.0f} ({t['fp8'] / c:.2f}x)"]
         for f in fmts:
-            cells += [f"{t[f'{f} {v}']:.0f} ({t[f'{f} {v}'] / c:.2f}x)" for v in ("w4a16", "w4a8", "w4a8 gemm")]
+            cells += [f"{t[f'{f} {v}']:.0f} ({t[f'{f} {v}'] / c:.2f}x)" if f"{f} {v}" in t else "-"
+                      for v in VARIANTS]
         lines.append("| " + " | ".join(cells) + " |")
     for m in sorted({r["m"] for r in doc["rows"]}):
         rs = [r for r in doc["rows"] if r["m"] == m]
         cells = ["geomean x bf16 / x FP8", str(m), "", f"{geomean(r['tflops']['fp8'] / r['tflops']['cublas'] for r in rs):.2f}x"]
         for f in fmts:
-            for v in ("w4a16", "w4a8", "w4a8 gemm"):
+            for v in VARIANTS:
+                if any(f"{f} {v}" not in r["tflops"] for r in rs):
+                    cells.append("-")
+                    continue
                 gb = geomean(r["tflops"][f"{f} {v}"] / r["tflops"]["cublas"] for r in rs)
                 gf = geomean(r["tflops"][f"{f} {v}"] / r["tflops"]["fp8"] for r in rs)
                 cells.append(f"{gb:.2f}x / {gf:.2f}x")

@@ -188,6 +188,70 @@ def test_linear_act_fp8_runs_the_kernel_and_replays_in_a_graph():
     _check(og, ref, mag, torch.bfloat16, _fast_accum_error(xg, w))
 
 
+CUBLAS_CASES = [  # (chunk_n, m, n, k, fmt, dtype)
+    (0, 513, 4096, 4096, "nvfp4", torch.bfloat16),
+    (1024, 700, 3072, 2048, "mxfp4", torch.bfloat16),
+    (2048, 300, 4112, 144, "nvfp4", torch.float16),  # K32 > K: zero-padded; a last chunk of 16 rows
+    (0, 5, 1008, 2880, "mxfp4", torch.float16),
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("chunk,m,n,k,fmt,dtype", CUBLAS_CASES)
+def test_cublas_path_against_float64(chunk, m, n, k, fmt, dtype):
+    """The cuBLAS path (FP4 -> E4M3 pass, cuBLAS FP8 GEMM) through the backend's runner: the same
+    numbers as the in-kernel GEMM, against float64 math on them, with and without a bias."""
+    from autofp4.backends import get_backend
+    from autofp4.kernels import w4a8_cublas as cb
+    from autofp4.problem import ProblemKey
+
+    torch.manual_seed(n + k + m + chunk)
+    w = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), fmt)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    be = get_backend("sm90_w4a8")
+    dt = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    key = ProblemKey("linear_fp8", fmt, dt, n, k)
+    cfg = cb.W4A8CublasConfig(chunk_n=chunk)
+    assert be.is_valid(cfg, key) is None and cfg in be.candidates(key, 4096)
+    run = be.compile(cfg, key)
+    prep = be.prepare(w)
+    fast = _fast_accum_error(x, w)
+    for b in (bias, None):
+        out = run(x, prep, b)
+        assert out.shape == (m, n) and out.dtype == dtype
+        ref, mag = _exact(x, w, b)
+        _check(out, ref, mag, dtype, fast)
+    assert run(x[:0], prep, None).shape == (0, n)
+
+
+@needs_sm90
+def test_cublas_path_replays_in_a_graph_and_keeps_the_stored_weight():
+    from autofp4.backends import get_backend
+    from autofp4.kernels import w4a8_cublas as cb
+    from autofp4.problem import ProblemKey
+
+    torch.manual_seed(9)
+    n, k = 2048, 1024
+    w = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), "nvfp4")
+    be = get_backend("sm90_w4a8")
+    key = ProblemKey("linear_fp8", "nvfp4", "bfloat16", n, k)
+    run = be.compile(cb.W4A8CublasConfig(chunk_n=1024), key)
+    prep = be.prepare(w)
+    assert not be.pack_all(prep, "bfloat16", None)  # a dense weight's stored tensors are read on every call
+    xg = torch.randn(512, k, device="cuda", dtype=torch.bfloat16)
+    run(xg, prep, None)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        og = run(xg, prep, None)
+    for _ in range(2):
+        xg.copy_(torch.randn_like(xg))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, mag = _exact(xg, w, None)
+        _check(og, ref, mag, torch.bfloat16, _fast_accum_error(xg, w))
+
+
 MOE_CASES = [  # (fmt, E, I, H, T, top_k, activation, config)
     ("nvfp4", 8, 768, 2048, 300, 4, "silu", g8.Sm90W4A8Config(tile_m=64, stages=8)),
     ("mxfp4", 4, 2880, 2880, 1024, 2, "swigluoai", g8.Sm90W4A8Config(tile_m=256)),

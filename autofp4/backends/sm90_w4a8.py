@@ -1,10 +1,13 @@
 """Hopper (sm_90a) W4A8 backend: the ``*_fp8`` ops (``act_dtype="fp8"``) on the FP8 tensor cores.
 
-One kernel family (:mod:`autofp4.kernels.sm90_w4a8_gemm`, config :class:`Sm90W4A8Config`): the
-activation quantizer and the W4A8 GEMM for ``linear_fp8``, the quantizers and the grouped W4A8
-GEMMs for ``moe_fp8``. It reads the packed weights of the W4A16 backend (:meth:`prepare` returns
-that backend's prepared weight, so one packed copy serves both), and its numerics are W4A8: the
-tuner checks it against the reference backend's W4A8 path.
+Two kernel families. ``gemm_fp8`` (:mod:`autofp4.kernels.sm90_w4a8_gemm`, config
+:class:`Sm90W4A8Config`): the activation quantizer and the W4A8 GEMM for ``linear_fp8``, the
+quantizers and the grouped W4A8 GEMMs for ``moe_fp8``; it reads the packed weights of the W4A16
+backend (:meth:`prepare` returns that backend's prepared weight, so one packed copy serves both).
+``cublas_fp8`` (:mod:`autofp4.kernels.w4a8_cublas`, ``linear_fp8`` only): the FP4 weight converted
+to E4M3 in a pass of its own, then cuBLAS's FP8 GEMM; it reads the weight's stored FP4 tensors,
+so a dense weight's are kept (:meth:`pack_all`). Both multiply the same E4M3 numbers; the numerics
+are W4A8: the tuner checks them against the reference backend's W4A8 path.
 
 Weights whose E4M3 conversion rounds (MXFP4 whose block exponents span more than 14 binades)
 are warned about once and run as the reference computes them; a dense weight over 2 GiB packed
@@ -32,6 +35,12 @@ def _g8():
     from ..kernels import sm90_w4a8_gemm
 
     return sm90_w4a8_gemm
+
+
+def _cb():
+    from ..kernels import w4a8_cublas
+
+    return w4a8_cublas
 
 
 def _w4a16():
@@ -97,6 +106,14 @@ def _linear_runner(run: Runner, n: int) -> Runner:
     return runner
 
 
+def _cublas_runner(run: Runner) -> Runner:
+    def runner(x: torch.Tensor, prep: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        _g8().warn_if_rounded(prep.weight, _cb().weight_state(prep).exact)
+        return run(x, prep, bias)
+
+    return runner
+
+
 def _moe_runner(run: Runner) -> Runner:
     from .sm90_w4a16 import _moe_runner as runs
 
@@ -118,7 +135,7 @@ class SM90W4A8Backend(Backend):
 
     @property
     def config_types(self) -> Mapping[str | None, type]:  # type: ignore[override]
-        return {"gemm_fp8": _g8().Sm90W4A8Config}
+        return {"gemm_fp8": _g8().Sm90W4A8Config, "cublas_fp8": _cb().W4A8CublasConfig}
 
     # -- where it runs ------------------------------------------------------------------
     def unavailable_reason(self, device: torch.device) -> str | None:
@@ -129,17 +146,35 @@ class SM90W4A8Backend(Backend):
 
     # -- the search space ---------------------------------------------------------------
     def config_space(self, key: ProblemKey) -> Mapping[str, Sequence[Any]]:
+        """The in-kernel GEMM's grid (:meth:`candidates` adds the cuBLAS path's few configs)."""
         return {"kernel": ["gemm_fp8"], "tile_n": [64, 128, 256], "tile_m": [64, 128, 192, 256],
                 "tile_k": [128, 256], "stages": [2, 3, 4, 5, 6, 7, 8], "raster": ["n", "m"],
                 "swizzle": [1, 2, 4, 8] if key.op == "linear_fp8" else [1], "producer": [False, True],
                 "pdl": [False, True]}
 
+    def _cublas_configs(self, key: ProblemKey) -> list[BackendConfig]:
+        cb = _cb()
+        if key.op != "linear_fp8":
+            return []
+        return [c for c in (cb.W4A8CublasConfig(chunk_n=n) for n in cb.CHUNKS) if self.is_valid(c, key) is None]
+
+    def candidates(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
+        """The in-kernel GEMM's grid (the default first, then the seeds) and the cuBLAS path's."""
+        out = super().candidates(key, m)
+        first = [c for c in self.seeds(key, m) if c in out or type(c) is not _g8().Sm90W4A8Config]
+        rest = [c for c in out if c not in first]
+        return rest[:1] + first + rest[1:] + [c for c in self._cublas_configs(key) if c not in first]
+
     def is_valid(self, config: BackendConfig, key: ProblemKey) -> str | None:
         g8 = _g8()
-        if type(config) is not g8.Sm90W4A8Config:
-            return f"expected a Sm90W4A8Config, got {type(config).__name__}"
         if key.op not in self.ops:
             return f"{self.name} runs {sorted(self.ops)}, not {key.op}"
+        if type(config) is _cb().W4A8CublasConfig:
+            if key.op != "linear_fp8":
+                return "the cuBLAS path runs linear_fp8 only"
+            return _cb().validate(config, key.n, key.k, key.fmt, key.dtype)
+        if type(config) is not g8.Sm90W4A8Config:
+            return f"expected a Sm90W4A8Config or W4A8CublasConfig, got {type(config).__name__}"
         if key.op == "moe_fp8":
             if config.swizzle != 1:
                 return "the grouped GEMMs walk (weight tile, block) pairs: swizzle must be 1"
@@ -157,9 +192,12 @@ class SM90W4A8Backend(Backend):
 
     def seeds(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
         """Neighbours of the default: the token tile one step either way, banded CTA order, a
-        producer warp with a smaller tile, the other raster."""
+        producer warp with a smaller tile, the other raster; from 512 tokens on, the cuBLAS
+        path first (the whole weight converted at once, then in chunks of 4096 rows)."""
         base = self.default(key, m)
-        out = []
+        out: list[BackendConfig] = []
+        if m is None or m >= 512:
+            out += [c for c in self._cublas_configs(key) if c.chunk_n in (0, 4096)]
         for change in (dict(tile_m=192), dict(tile_m=128), dict(tile_m=64), dict(swizzle=4), dict(raster="m"),
                        dict(tile_n=256, tile_m=128), dict(tile_m=128, producer=True), dict(tile_k=256, tile_m=128)):
             for stages in range(8, 1, -1):
@@ -177,8 +215,9 @@ class SM90W4A8Backend(Backend):
         return weight.packed(w4a16.name, w4a16.prepare)
 
     def pack_all(self, prepared: Any, dtype: str, gate_up: bool | None) -> bool:
-        """The W4A16 backend's layouts (a superset of these kernels')."""
-        return _w4a16().pack_all(prepared, dtype, gate_up)
+        """The W4A16 backend's layouts (a superset of the in-kernel GEMMs'); a dense weight's
+        stored tensors are kept: the cuBLAS path converts from them on every call."""
+        return gate_up is not None and _w4a16().pack_all(prepared, dtype, gate_up)
 
     def compile(self, config: BackendConfig, key: ProblemKey) -> Runner:
         reason = self.is_valid(config, key)
@@ -192,18 +231,23 @@ class SM90W4A8Backend(Backend):
         if reason:
             raise ValueError(f"invalid {self.name} config: {reason}")
         g8 = _g8()
-        if key.op == "moe_fp8":
+        if type(config) is _cb().W4A8CublasConfig:
+            _cb().compile_only(config, key.n, key.k, key.fmt, key.dtype)
+        elif key.op == "moe_fp8":
             g8.compile_moe_only(config, key.n, key.k, key.fmt, key.dtype)
         else:
             g8.compile_only(config, key.n, key.k, key.fmt, key.dtype)
 
-    source_parts = ("gemm_fp8",)
+    source_parts = ("gemm_fp8", "cublas_fp8")
 
     def source_part(self, config: Mapping[str, Any] | BackendConfig | None) -> str | None:
-        return "gemm_fp8"
+        tag = config.get("kernel") if isinstance(config, Mapping) else getattr(type(config), "kernel", None)
+        return "cublas_fp8" if tag == "cublas_fp8" else "gemm_fp8"
 
     def source_modules(self, part: str | None = None) -> list[Any]:
-        return [_g8()]
+        if part is None:
+            return [_g8(), _cb()]
+        return [_cb()] if part == "cublas_fp8" else [_g8()]
 
 
 @functools.lru_cache(maxsize=None)
@@ -214,6 +258,9 @@ def _compiled(config: Any, key: ProblemKey) -> Runner:
     from .sm90_w4a16 import _first_call_outside_pools
 
     g8 = _g8()
+    if type(config) is _cb().W4A8CublasConfig:
+        return _cublas_runner(_first_call_outside_pools(_cb().compile_kernel(config, key.n, key.k, key.fmt,
+                                                                              key.dtype)))
     if key.op == "moe_fp8":
         return _moe_runner(_first_call_outside_pools(g8.compile_moe(config, key.n, key.k, key.fmt, key.dtype)))
     return _linear_runner(_first_call_outside_pools(g8.compile_kernel(config, key.n, key.k, key.fmt, key.dtype)),
