@@ -273,6 +273,7 @@ def test_validate_rules():
 
 
 def test_quantizer_validate():
+    assert [aq.warps_per_row(k) for k in (8, 1024, 1032, 2048, 4096, 8192, 28672)] == [1, 1, 2, 2, 4, 8, 8]
     assert aq.validate(4096, "bfloat16") is None
     assert "multiple of 8" in aq.validate(100, "bfloat16")
     assert "dtype" in aq.validate(64, "float32")
@@ -294,7 +295,7 @@ def test_w4a8_gemm_compiles(cfg, n, k, fmt, dtype, tmp_path, monkeypatch):
 
 @needs_cute
 @pytest.mark.compile
-@pytest.mark.parametrize("k,dtype", [(4096, "bfloat16"), (200, "float16")])
+@pytest.mark.parametrize("k,dtype", [(4096, "bfloat16"), (200, "float16"), (1040, "bfloat16"), (28672, "float16")])
 def test_fp8_quantizer_compiles(k, dtype, tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(tmp_path))
     aq.compile_only(k, dtype)

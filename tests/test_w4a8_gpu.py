@@ -29,7 +29,11 @@ def _nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @needs_sm90
 @pytest.mark.parametrize("m,k,dtype", [(1, 4096, torch.bfloat16), (37, 200, torch.float16),
-                                       (1000, 14336, torch.bfloat16), (5, 8, torch.bfloat16)])
+                                       (1000, 14336, torch.bfloat16), (5, 8, torch.bfloat16),
+                                       # rows shared by 2 warps (two rows a CTA, the last one half empty),
+                                       # 4 and 8 warps, K32 past K
+                                       (5, 1040, torch.bfloat16), (3, 2056, torch.float16),
+                                       (9, 28680, torch.bfloat16)])
 def test_quantizer_matches_reference_bits(m, k, dtype):
     torch.manual_seed(m + k)
     x = (torch.randn(m, k, device="cuda") * torch.logspace(-4, 4, m, device="cuda").unsqueeze(1)).to(dtype)

@@ -130,7 +130,12 @@ def test_the_hopper_w4a8_backend_space():
         assert cands[0] == b.default(dense, m) and len(cands) > 20
         assert all(b.is_valid(c, dense) is None for c in cands)
         assert all(b.parse_config(b.config_dict(c)) == c for c in cands[:10])
-    assert b.default(dense, 8192).tile_m == 256 and b.default(dense, 64).tile_m == 64
+    assert b.default(dense, 512).tile_m == 256 and b.default(dense, 64).tile_m == 64
+    # from 1024 tokens on, the cuBLAS path (the whole weight converted at once); a shape it cannot
+    # run (N not a multiple of 16) keeps the in-kernel GEMM
+    assert type(b.default(dense, 8192)).kernel == "cublas_fp8" and b.default(dense, 8192).chunk_n == 0
+    assert b.default(ProblemKey("linear_fp8", "nvfp4", "bfloat16", 1000, 4096), 8192).tile_m == 256
+    assert any(type(c).kernel == "cublas_fp8" for c in b.seeds(dense, 512))
     moe = ProblemKey("moe_fp8", "mxfp4", "bfloat16", 5760, 2880, 128, 4)
     assert b.default(moe, 1).tile_m == 64 and b.default(moe, 16384).tile_m == 256
     assert "swizzle" in b.is_valid(b.default(moe, 1).__class__(swizzle=4), moe)
@@ -142,11 +147,12 @@ def test_the_hopper_w4a8_backend_space():
 def test_the_hopper_w4a8_backend_compiles_its_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOFP4_KERNEL_CACHE", str(tmp_path))
     b = get_backend("sm90_w4a8")
-    for key, m in ((ProblemKey("linear_fp8", "nvfp4", "bfloat16", 1024, 512), 4096),
+    for key, m in ((ProblemKey("linear_fp8", "nvfp4", "bfloat16", 1024, 512), 512),
+                   (ProblemKey("linear_fp8", "nvfp4", "bfloat16", 1024, 512), 4096),
                    (ProblemKey("moe_fp8", "mxfp4", "bfloat16", 512, 256, 8, 2), 64)):
         b.compile_only(b.default(key, m), key)
     names = {p.name.split("-")[0] for p in tmp_path.iterdir() if p.suffix == ".o"}
-    assert {"sm90_w4a8_gemm", "sm90_w4a8_moe"} <= names
+    assert {"sm90_w4a8_gemm", "sm90_w4a8_moe", "fp4_to_e4m3", "fp8_act_quant"} <= names
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])

@@ -29,6 +29,9 @@ from .reference import reference_linear_w4a8
 
 #: the largest tensor (bytes, or elements of an output) the kernels' 32-bit offsets address
 MAX_ARG_BYTES = 2**31 - 1
+#: from this many tokens on, an untuned linear call runs the cuBLAS path (measured on the Llama-3.1
+#: shapes: the in-kernel GEMM faster at 512 tokens, the cuBLAS path at 2048)
+CUBLAS_MIN_M = 1024
 
 
 def _g8():
@@ -163,7 +166,7 @@ class SM90W4A8Backend(Backend):
         out = super().candidates(key, m)
         first = [c for c in self.seeds(key, m) if c in out or type(c) is not _g8().Sm90W4A8Config]
         rest = [c for c in out if c not in first]
-        return rest[:1] + first + rest[1:] + [c for c in self._cublas_configs(key) if c not in first]
+        return list(dict.fromkeys(rest[:1] + first + rest[1:] + self._cublas_configs(key)))
 
     def is_valid(self, config: BackendConfig, key: ProblemKey) -> str | None:
         g8 = _g8()
@@ -185,19 +188,30 @@ class SM90W4A8Backend(Backend):
                 config, key.k, inter, key.fmt, key.dtype)
         return g8.validate(config, key.n, key.k, key.fmt, key.dtype)
 
-    def default(self, key: ProblemKey, m: int | None = None) -> BackendConfig:
+    def _gemm_default(self, key: ProblemKey, m: int | None) -> BackendConfig:
         if key.op == "moe_fp8":
             return moe_config(key.experts, m, key.topk)
         return default_config(key.n, key.k, key.fmt, key.dtype, m)
 
+    def default(self, key: ProblemKey, m: int | None = None) -> BackendConfig:
+        """The in-kernel GEMM's heuristic config; for a linear call of at least
+        :data:`CUBLAS_MIN_M` tokens, the cuBLAS path (the whole weight converted at once), which
+        measured faster there on every Llama-3.1 shape."""
+        if key.op == "linear_fp8" and m is not None and m >= CUBLAS_MIN_M:
+            cfg = _cb().W4A8CublasConfig()
+            if self.is_valid(cfg, key) is None:
+                return cfg
+        return self._gemm_default(key, m)
+
     def seeds(self, key: ProblemKey, m: int | None = None) -> list[BackendConfig]:
-        """Neighbours of the default: the token tile one step either way, banded CTA order, a
-        producer warp with a smaller tile, the other raster; from 512 tokens on, the cuBLAS
-        path first (the whole weight converted at once, then in chunks of 4096 rows)."""
-        base = self.default(key, m)
-        out: list[BackendConfig] = []
+        """Neighbours of the in-kernel GEMM's default: the token tile one step either way, banded
+        CTA order, a producer warp with a smaller tile, the other raster; from 512 tokens on, the
+        cuBLAS path first (the whole weight converted at once, then in chunks of 4096 rows)."""
+        default = self.default(key, m)
+        base = self._gemm_default(key, m)
+        out: list[BackendConfig] = [] if base == default else [base]
         if m is None or m >= 512:
-            out += [c for c in self._cublas_configs(key) if c.chunk_n in (0, 4096)]
+            out += [c for c in self._cublas_configs(key) if c.chunk_n in (0, 4096) and c != default]
         for change in (dict(tile_m=192), dict(tile_m=128), dict(tile_m=64), dict(swizzle=4), dict(raster="m"),
                        dict(tile_n=256, tile_m=128), dict(tile_m=128, producer=True), dict(tile_k=256, tile_m=128)):
             for stages in range(8, 1, -1):

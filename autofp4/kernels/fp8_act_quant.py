@@ -14,8 +14,10 @@ offsets (2t, 2t+1, 2t+8, 2t+9) of a 16-value step, where the FP8 instruction exp
 4t..4t+3 of its 32. Permuting x the same way makes the two agree at no cost: the dot product of a
 32-value block does not depend on the order of its terms. Pad positions (K..K32) hold zeros.
 
-One warp quantizes one row: each lane owns 8 consecutive values of every 256 (16-byte loads),
-finds the row's amax (warp reduction), then reads its values again (from L1/L2), converts them,
+One warp, or several for a long row (:func:`warps_per_row`: up to 8, each taking every
+``per_row``-th chunk of 256 values), quantizes one row: each lane owns 8 consecutive values of
+its 256-value chunks (16-byte loads), finds the row's amax (a warp reduction, then the row's
+warps' maxima through shared memory), then reads its values again (from L1/L2), converts them,
 trades two of its four E4M3 pairs with the neighbour lane and stores 8 bytes at the same offset
 it loaded from, so a warp's stores are contiguous.
 """
@@ -95,6 +97,15 @@ def dequantize(xq: torch.Tensor, sx: torch.Tensor, k: int, permute: bool = True)
     return q.view(torch.float8_e4m3fn).float()[:, :k] * sx[:, None]
 
 
+def warps_per_row(k: int) -> int:
+    """Warps that share one row of ``k`` values: one up to 1024 values, then one per 1024, at most
+    8 (a few hundred rows of a long K, as at prefill of a down projection, still fill the GPU)."""
+    per = 1
+    while per < 8 and padded_k(k) > 1024 * per:
+        per *= 2
+    return per
+
+
 def validate(k: int, dtype: str, arch: str = "sm_90a") -> str | None:
     if dtype not in DTYPES:
         return f"dtype must be one of {DTYPES}, got {dtype!r}"
@@ -110,6 +121,10 @@ def _build(k: int, dtype: str):
 
     k32 = padded_k(k)
     iters = (k32 + 255) // 256
+    per_row = warps_per_row(k)
+    warps = max(WARPS, per_row)
+    rows_per_cta = warps // per_row
+    steps = (iters + per_row - 1) // per_row
     bf16 = dtype == "bfloat16"
 
     def halves(word):
@@ -141,51 +156,61 @@ def _build(k: int, dtype: str):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
-        row = bidx * WARPS + tidx // 32
-        if row < m_rows:
-            xbase = mX.iterator.toint() + Int64(row) * (k * 2)
-            qbase = mQ.iterator.toint() + Int64(row) * k32
-            amax = Float32(0.0)
-            for it in cutlass.range(iters, unroll=1):
-                k0 = it * 256 + lane * 8
-                v = ld_global_v4(xbase + Int64(k0) * 2, Int32(k0 < k), False)
-                for i in cutlass.range_constexpr(4):
-                    lo, hi = halves(v[i])
-                    amax = cute.arch.fmax(amax, cute.arch.fmax(_abs(lo), _abs(hi)))
-            for sh in cutlass.range_constexpr(5):
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << sh))
-            inv = Float32(0.0)
-            if amax > Float32(0.0):
-                inv = div_rn(Float32(E4M3_MAX), amax)
-            odd = lane % 2
-            for it in cutlass.range(iters, unroll=1):
-                k0 = it * 256 + lane * 8
-                v = ld_global_v4(xbase + Int64(k0) * 2, Int32(k0 < k), False)
-                p = []
-                for i in cutlass.range_constexpr(4):
-                    lo, hi = halves(v[i])
-                    p.append(e4m3_pair(lo, hi, inv))
-                # even lane of a pair: offsets 16h + (0..7) -> bytes 16h + 4i + {0, 1};
-                # odd lane: offsets 16h + (8..15) -> bytes 16h + 4i + {2, 3}
-                send = p[0] | (p[1] << Uint32(16))
-                if odd == 0:
-                    send = p[2] | (p[3] << Uint32(16))
-                got = Uint32(cute.arch.shuffle_sync_bfly(send, offset=1))
-                w0 = got & Uint32(0xFFFF) | (p[2] << Uint32(16))
-                w1 = (got >> Uint32(16)) | (p[3] << Uint32(16))
-                if odd == 0:
-                    w0 = p[0] | (got << Uint32(16))
-                    w1 = p[1] | ((got >> Uint32(16)) << Uint32(16))
-                if k0 < k32:
-                    asm_void("st.global.v2.b32 [$0], {$1, $2};", "l,r,r",
-                             qbase + Int64(k0), Uint32(w0), Uint32(w1))
+        warp = tidx // 32
+        sub = warp % per_row  # this warp's share of the row: 256-value chunks sub, sub + per_row, ...
+        row = bidx * rows_per_cta + warp // per_row
+        valid = row < m_rows
+        red = cutlass.memory.SmemAllocator().allocate_tensor(Float32, cute.make_layout(warps), byte_alignment=16)
+        xbase = mX.iterator.toint() + Int64(row) * (k * 2)
+        qbase = mQ.iterator.toint() + Int64(row) * k32
+        amax = Float32(0.0)
+        for it in cutlass.range(steps, unroll=1):
+            k0 = (it * per_row + sub) * 256 + lane * 8
+            v = ld_global_v4(xbase + Int64(k0) * 2, Int32(valid) * Int32(k0 < k), False)
+            for i in cutlass.range_constexpr(4):
+                lo, hi = halves(v[i])
+                amax = cute.arch.fmax(amax, cute.arch.fmax(_abs(lo), _abs(hi)))
+        for sh in cutlass.range_constexpr(5):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << sh))
+        if cutlass.const_expr(per_row > 1):  # the row's warps trade their maxima in shared memory
             if lane == 0:
-                mS[row] = div_rn(amax, Float32(E4M3_MAX))
+                red[warp] = amax
+            cute.arch.barrier()
+            first = warp - sub
+            for w in cutlass.range_constexpr(per_row):
+                amax = cute.arch.fmax(amax, red[first + w])
+        inv = Float32(0.0)
+        if amax > Float32(0.0):
+            inv = div_rn(Float32(E4M3_MAX), amax)
+        odd = lane % 2
+        for it in cutlass.range(steps, unroll=1):
+            k0 = (it * per_row + sub) * 256 + lane * 8
+            v = ld_global_v4(xbase + Int64(k0) * 2, Int32(valid) * Int32(k0 < k), False)
+            p = []
+            for i in cutlass.range_constexpr(4):
+                lo, hi = halves(v[i])
+                p.append(e4m3_pair(lo, hi, inv))
+            # even lane of a pair: offsets 16h + (0..7) -> bytes 16h + 4i + {0, 1};
+            # odd lane: offsets 16h + (8..15) -> bytes 16h + 4i + {2, 3}
+            send = p[0] | (p[1] << Uint32(16))
+            if odd == 0:
+                send = p[2] | (p[3] << Uint32(16))
+            got = Uint32(cute.arch.shuffle_sync_bfly(send, offset=1))
+            w0 = got & Uint32(0xFFFF) | (p[2] << Uint32(16))
+            w1 = (got >> Uint32(16)) | (p[3] << Uint32(16))
+            if odd == 0:
+                w0 = p[0] | (got << Uint32(16))
+                w1 = p[1] | ((got >> Uint32(16)) << Uint32(16))
+            if Int32(valid) * Int32(k0 < k32) != 0:
+                asm_void("st.global.v2.b32 [$0], {$1, $2};", "l,r,r",
+                         qbase + Int64(k0), Uint32(w0), Uint32(w1))
+        if Int32(valid) * Int32(lane == 0) * Int32(sub == 0) != 0:
+            mS[row] = div_rn(amax, Float32(E4M3_MAX))
 
     @cute.jit
     def host(mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, stream: cuda.CUstream):
         m = mX.shape[0]
-        kernel(mX, mQ, mS, m).launch(grid=[(m + WARPS - 1) // WARPS, 1, 1], block=[32 * WARPS, 1, 1],
+        kernel(mX, mQ, mS, m).launch(grid=[(m + rows_per_cta - 1) // rows_per_cta, 1, 1], block=[32 * warps, 1, 1],
                                      stream=stream)
 
     return host
