@@ -7,7 +7,6 @@ interrupted (everything measured so far is kept).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import re
@@ -315,64 +314,13 @@ def _backends_run_on(names: list[str] | None, device: torch.device) -> None:
             raise _UsageError(f"--backend {n} cannot run on {where}: {why}")
 
 
-def _refuse_memory_storage(url: str) -> None:
-    """``--storage sqlite:///:memory:`` (or ``sqlite://``) is private to one process: it shares
-    nothing, which is all ``--storage`` is for."""
-    head, _, rest = url.partition("://")
-    if head.lower().split("+")[0] == "sqlite" and rest.split("?", 1)[0] in ("", "/", "/:memory:"):
-        raise _UsageError(f"--storage {url} is an in-memory SQLite database, which no other process can share; "
-                          "name a file (sqlite:///study.db) or leave --storage out")
+def _refuse_bad_storage(url: str, db_path: Path) -> None:
+    """A usage error for a ``--storage`` URL no study can live at (:func:`.tuning.storage.storage_problem`)."""
+    from .tuning.storage import storage_problem
 
-
-def _refuse_storage_on_db(url: str, db_path: Path) -> None:
-    """``--storage`` naming an SQLite file (any ``sqlite`` dialect, as SQLAlchemy reads the URL)
-    it cannot be: the tuning DB or another autofp4 tuning DB (optuna would add its tables to
-    it; both schemas have a ``trials`` table), another database's -wal/-shm/-journal (SQLite
-    removes it), a folder, a FIFO or special file, one whose side files are (SQLite blocks on a
-    FIFO), a path with percent-escapes or a leading ``~`` (SQLAlchemy decodes the one and not
-    the other, so the file checked here would not be the file it opens)."""
-    try:
-        from sqlalchemy.engine import make_url
-
-        parsed = make_url(url)
-    except Exception:  # no SQLAlchemy, or a URL it cannot read: optuna names it
-        return
-    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
-        return
-    text = url.split("://", 1)[1][1:].split("?", 1)[0]  # the path as written, after "sqlite:///"
-    if text != parsed.database:
-        raise _UsageError(f"--storage {url:.80}: its path has percent-escapes, which SQLAlchemy decodes "
-                          f"({text!r:.60} is the file {parsed.database!r:.60}); write the path plainly")
-    if text.startswith("~"):
-        raise _UsageError(f"--storage {url:.80}: SQLAlchemy does not expand a leading '~'; give the full path")
-    from .db import TuningDBError, _side_file_problem, expand_path
-
-    try:  # the checks of a DB file's path: length, a name, not another database's side file
-        path = expand_path(text, "--storage", file=True, written=True)
-    except TuningDBError as e:
-        raise _UsageError(str(e)) from None
-    kind = kind_of(path)
-    if kind not in (None, REGULAR):
-        raise _UsageError(f"--storage {url:.80}: {path} is {kind}, not an SQLite file")
-    side = _side_file_problem(path)
-    if side:  # SQLite would block on a FIFO there, or consume it
-        raise _UsageError(f"--storage: {side}")
-    try:
-        same = path.resolve() == Path(db_path).resolve() or (path.exists() and Path(db_path).exists()
-                                                             and path.samefile(db_path))
-    except OSError:
-        same = False
-    if same:
-        raise _UsageError(f"--storage {url} is the tuning DB ({db_path}); optuna's study storage must be another file")
-    try:
-        if path.is_file() and path.stat().st_size:
-            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
-                tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            if {"results", "environments", "meta"} <= tables:
-                raise _UsageError(f"--storage {url} is an autofp4 tuning DB; optuna's study storage must be "
-                                  "another file")
-    except sqlite3.DatabaseError:
-        return  # not SQLite: optuna names it
+    why = storage_problem(url, db_path, "--storage")
+    if why:
+        raise _UsageError(why)
 
 
 def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -398,8 +346,7 @@ def _cmd_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     _set_db(args)
     db_path = dispatch.user_db_path()
     if args.storage:
-        _refuse_storage_on_db(args.storage, db_path)
-        _refuse_memory_storage(args.storage)
+        _refuse_bad_storage(args.storage, db_path)
     on_cpu, cpu_note = _tune_device(args)
     common: dict[str, Any] = dict(
         backends=backends, db=db_path, budget_per_shape=args.budget, budget_total_s=args.time_budget,
@@ -459,9 +406,13 @@ def _fmt_of_checkpoint(args: argparse.Namespace, model: str | None) -> None:
     gets its one-line error alone)."""
     if not model:
         return
-    from .integrations.checkpoints import checkpoint_fmt
+    from .integrations.checkpoints import checkpoint_fmt_why
 
-    own = checkpoint_fmt(model)
+    own, why = checkpoint_fmt_why(model)
+    if why is not None and args.fmt is None:
+        raise _UsageError(f"{_one_line(str(model), 300)} says it is a quantized checkpoint, but its quantization config "
+                          f"does not load ({_one_line(why)}); give --fmt nvfp4 or --fmt mxfp4 to take its shapes as "
+                          "that format")
     if args.fmt is None:
         args.fmt = own
     elif own is not None and own != args.fmt:
@@ -497,7 +448,7 @@ def _set_db(args: argparse.Namespace) -> None:
         from . import dispatch
         from .db import expand_path
 
-        dispatch._use_db_path(expand_path(args.db, "--db", file=True, written=True))
+        dispatch._use_db_path(expand_path(args.db, "--db", file=True, written=True, sqlite=True))
 
 
 def _tune_device(args: argparse.Namespace) -> tuple[bool, str]:

@@ -15,6 +15,7 @@ from typing import Any, Sequence, TextIO
 from .db import (
     SQLITE_SIDE_FILES,
     is_sqlite_file,
+    sqlite_would_open,
     Difference,
     MergeReport,
     TuningDB,
@@ -144,7 +145,7 @@ def add_db_parser(subparsers: Any) -> argparse.ArgumentParser:
 # helpers
 # --------------------------------------------------------------------------------------
 def _db_path(args: argparse.Namespace) -> Path:
-    return expand_path(args.db, "--db", file=True, written=True) if getattr(args, "db", None) is not None else default_db_path()
+    return expand_path(args.db, "--db", file=True, written=True, sqlite=True) if getattr(args, "db", None) is not None else default_db_path()
 
 
 def _not_a_file(path: Path) -> str | None:
@@ -370,7 +371,7 @@ def _check_export_target(target: Path, source: Path) -> None:
             raise UsageError(f"--out {target} is an SQLite database; an export would replace it")
         for suffix, what in SQLITE_SIDE_FILES.items():
             base = target.with_name(target.name[: -len(suffix)]) if target.name.endswith(suffix) else None
-            if base is not None and (is_sqlite_file(base) or (source.exists() and base.resolve() == source.resolve())):
+            if base is not None and (sqlite_would_open(base) or (source.exists() and base.resolve() == source.resolve())):
                 raise UsageError(f"--out {target} is the {what} of the SQLite database {base}, which SQLite "
                                  "writes and deletes (an export there would corrupt or lose it); write the export "
                                  "elsewhere")

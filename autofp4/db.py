@@ -172,6 +172,17 @@ def is_sqlite_file(path: str | os.PathLike) -> bool:
         return False
 
 
+def sqlite_would_open(path: str | os.PathLike) -> bool:
+    """Would SQLite open ``path`` as a database (and so own the side files named after it)? An
+    SQLite file, or an empty regular file (SQLite takes it for an empty database)."""
+    if is_sqlite_file(path):
+        return True
+    try:
+        return kind_of(path) == REGULAR and os.path.getsize(path) == 0
+    except OSError:
+        return False
+
+
 def _not_a_db_file_name(text: str) -> str | None:
     """Names that a DB path cannot mean, beyond :func:`.paths.path_problem`'s."""
     if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", text.strip()):
@@ -185,18 +196,37 @@ def _not_a_db_file_name(text: str) -> str | None:
                 "name a DB file (such as ./tuning.db)")
     for suffix, what in SQLITE_SIDE_FILES.items():
         stem = text[:-len(suffix)]
-        if text.endswith(suffix) and stem and is_sqlite_file(os.path.expanduser(stem)):
+        if text.endswith(suffix) and stem and sqlite_would_open(os.path.expanduser(stem)):
             return (f"it is where SQLite keeps the {what} of the database {stem}, which removes or rewrites that "
                     "file as it writes the database (a DB there would be lost); name another file")
     return None
 
 
-def expand_path(path: str | os.PathLike, what: str, file: bool = False, written: bool = False) -> Path:
+#: the longest absolute path (bytes) SQLite opens a database by: its unix build keeps a
+#: database's path with "-journal" after it within 512 bytes (measured: 504 opens, 505 does not)
+SQLITE_PATH_MAX = 504
+
+
+def sqlite_path_problem(path: str | os.PathLike) -> str | None:
+    """Why SQLite cannot open a database at ``path`` by its length, or None."""
+    n = len(os.fsencode(os.path.abspath(os.path.expanduser(os.fspath(path)))))
+    if n > SQLITE_PATH_MAX:
+        return (f"it is {n} bytes long as an absolute path, and SQLite opens a database only by a path of at most "
+                f"{SQLITE_PATH_MAX} bytes; give a shorter path")
+    return None
+
+
+def expand_path(path: str | os.PathLike, what: str, file: bool = False, written: bool = False,
+                sqlite: bool = False) -> Path:
     """``path`` with a leading ``~`` or ``~user`` expanded; :class:`TuningDBError` naming ``what``
     (the variable or option it came from) where that cannot be done (no such user, no home), or
     where no DB file can have that name (:func:`.paths.path_problem`: empty, a control character,
-    a folder's name; a URL, an SQLite URI, ``:memory:``)."""
-    return paths.expand_path(path, what, file=file, error=TuningDBError, first=_not_a_db_file_name, written=written)
+    a folder's name; a URL, an SQLite URI, ``:memory:``; with ``sqlite``, an SQLite database's
+    path longer than SQLite opens)."""
+    out = paths.expand_path(path, what, file=file, error=TuningDBError, first=_not_a_db_file_name, written=written)
+    if sqlite and (why := sqlite_path_problem(out)):
+        raise TuningDBError(f"{what}={os.fsdecode(os.fspath(path))!r:.80}: {why}")
+    return out
 
 
 def default_db_path() -> Path:
@@ -205,9 +235,9 @@ def default_db_path() -> Path:
     (:class:`TuningDBError` naming it)."""
     env = os.environ.get("AUTOFP4_DB")
     if env:
-        return expand_path(env, "AUTOFP4_DB", file=True, written=True)
+        return expand_path(env, "AUTOFP4_DB", file=True, written=True, sqlite=True)
     cache = os.environ.get("XDG_CACHE_HOME")
-    if cache:
+    if cache and os.path.isabs(os.path.expanduser(cache)):  # a relative one is ignored (the XDG spec)
         return expand_path(cache, "XDG_CACHE_HOME") / "autofp4" / "tuning.db"
     try:
         home = Path.home()
@@ -993,6 +1023,8 @@ class TuningDB:
     def __init__(self, path: str | Path | None = None, *, readonly: bool = False) -> None:
         self.path = (expand_path(path, "the tuning DB path", written=not readonly) if path is not None
                      else default_db_path())
+        if why := sqlite_path_problem(self.path):
+            raise TuningDBError(f"the tuning DB {str(self.path)[:60]!r}...: {why}")
         self.readonly = readonly
         if self.path.is_dir():
             raise TuningDBError(f"{self.path} is a directory, not a tuning database file")

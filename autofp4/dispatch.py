@@ -778,7 +778,7 @@ def set_db(path: str | os.PathLike | None) -> None:
                             f"got {type(path).__name__}") from None
         if why is not None:
             raise ValueError(f"set_db({path!r:.80}): {why}")
-    new = expand_path(path, "the tuning DB path", file=True, written=True) if path is not None else None
+    new = expand_path(path, "the tuning DB path", file=True, written=True, sqlite=True) if path is not None else None
     if new is not None and new.is_dir():
         raise ValueError(f"set_db({path!r:.80}): that is a folder (a directory); name the DB file in it "
                          f"(such as {str(new / 'tuning.db')!r})")

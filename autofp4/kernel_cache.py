@@ -60,8 +60,10 @@ def cache_dir() -> Path | None:
         # '~/kc' as AUTOFP4_DB takes it, not a folder named '~'; a NUL byte, a pasted line break or
         # only whitespace refused
         return expand_path(env, "AUTOFP4_KERNEL_CACHE", example="")
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "autofp4" / "kernels"
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(os.path.expanduser(base)):  # unset, empty or relative: ignored (the XDG spec)
+        base = str(Path.home() / ".cache")
+    return Path(os.path.expanduser(base)) / "autofp4" / "kernels"
 
 
 def code_only(source: str) -> str:

@@ -58,6 +58,10 @@ def path_problem(path: str | os.PathLike, file: bool = False, example: str = "tu
         return (f"it is {len(os.fsencode(full))} bytes long as an absolute path, more than the {room} autofp4 takes "
                 f"(the files it reads or writes in or beside it need the rest of the system's {PATH_MAX}); give a "
                 "shorter path")
+    given = len(os.fsencode(os.path.expanduser(text)))
+    if given > room:  # the system takes the path as written ('a/../a/..' counts), not normalized
+        return (f"it is {given} bytes long as written, more than the {room} autofp4 takes (the system's limit is "
+                f"{PATH_MAX}, and the files read or written in or beside it need some of it); give a shorter path")
     long = next((part for part in text.split(os.sep) if len(os.fsencode(part)) > NAME_MAX), None)
     if long is not None:
         return (f"its part {long[:24]!r}... is {len(os.fsencode(long))} bytes long, more than the {NAME_MAX} a file "

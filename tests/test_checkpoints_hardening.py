@@ -934,3 +934,20 @@ def test_nothing_left_to_quantize_names_the_skip_patterns(tmp_path, seed):
                                          r"routed experts it can convert that the skip patterns \['\*.mlp.experts'\] "
                                          r"leave: \d+ kept\)"):
         autofp4.quantize_checkpoint(src, tmp_path / "out", "mxfp4", skip=["lm_head", "*.mlp.experts"], progress=False)
+
+
+def test_the_transformers_path_refuses_a_norm_stored_as_integers(tmp_path, seed):
+    """A floating-point parameter other than a Linear weight (a norm) stored as uint8: refused
+    on the transformers path as by from_pretrained (transformers would cast the bytes)."""
+    import transformers
+    from safetensors import torch as safetensors_torch
+
+    ck = _checkpoint(tmp_path / "q", "llama", "modelopt", seed)
+    t = safetensors_torch.load_file(str(ck / "model.safetensors"))
+    t["model.norm.weight"] = t["model.norm.weight"].view(torch.uint8)[::2].contiguous()
+    safetensors_torch.save_file(t, str(ck / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model.norm.weight' is stored as uint8"):
+        autofp4.from_pretrained(ck)
+    with pytest.raises(ValueError, match=r"'model.norm.weight' is stored as U8 \(quantized\?\), but the model's "
+                                         r"parameter is floating point"):
+        transformers.AutoModelForCausalLM.from_pretrained(ck, dtype=torch.bfloat16)

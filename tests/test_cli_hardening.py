@@ -636,3 +636,83 @@ def test_a_checkpoint_config_refused_gets_its_error_alone(tmp_path):
         rc, out, err = run(argv)
         assert rc == 2 and "hidden_size" in err and "note:" not in err, err
         assert len(err.strip().splitlines()) == 1, err
+
+
+def test_storage_checks_hold_for_the_python_api_too(tmp_path):
+    """``autofp4.tune(storage=...)`` is checked as ``--storage`` is: the tuning DB itself, a folder,
+    another database's rollback journal (SQLite removes it); nothing written to any of them."""
+    import autofp4
+    from autofp4.problem import ProblemKey
+    from autofp4.tuning.storage import storage_problem
+
+    db = tmp_path / "t.db"
+    other = tmp_path / "o.db"
+    sqlite3.connect(other).execute("CREATE TABLE x (a)").connection.commit()
+    (tmp_path / "dir").mkdir()
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 64, 64)
+    for url, why in ((f"sqlite:///{db}", "is the tuning DB"), (f"sqlite:///{tmp_path / 'dir'}", "is a directory"),
+                     (f"sqlite:///{other}-journal", "rollback journal of the database")):
+        with pytest.raises(ValueError, match=why):
+            autofp4.tune([key], m_buckets=[1], device="cpu", db=db, storage=url, progress=False)
+    assert not (tmp_path / "o.db-journal").exists()
+    assert "studies" not in {r[0] for r in sqlite3.connect(db).execute("SELECT name FROM sqlite_master")}
+    # a URL with credentials (SQLCipher's form) has no percent-escapes
+    why = storage_problem("sqlite+pysqlcipher://:pw@/" + str(tmp_path / "s.db"), db, "--storage")
+    assert why is None or "percent" not in why
+
+
+def test_an_empty_file_owns_its_side_file_names(tmp_path):
+    """SQLite opens an empty file as an empty database and removes a 'hot journal' named after it:
+    a DB named like the -journal of an empty file is refused as one beside an SQLite file is."""
+    (tmp_path / "t.db").write_bytes(b"")
+    rc, out, err = run(["db", "list", "--db", tmp_path / "t.db-journal"])
+    assert rc == 2 and "rollback journal of the database" in err, err
+    assert not (tmp_path / "t.db-journal").exists()
+
+
+def test_paths_longer_than_sqlite_or_the_system_takes_are_refused(tmp_path, monkeypatch):
+    from autofp4.db import SQLITE_PATH_MAX
+
+    monkeypatch.chdir(tmp_path)
+    deep = tmp_path / ("d" * 200) / ("e" * 200)
+    deep.mkdir(parents=True)
+    name = deep / ("f" * (SQLITE_PATH_MAX - len(str(deep)) - 1 + 10))  # 10 bytes past SQLite's limit
+    rc, out, err = run(["db", "list", "--db", name])
+    assert rc == 2 and f"SQLite opens a database only by a path of at most {SQLITE_PATH_MAX} bytes" in err, err
+    ok = deep / ("f" * (SQLITE_PATH_MAX - len(str(deep)) - 1))
+    assert run(["db", "import", _export(tmp_path / "e.json"), "--db", ok])[0] == 0
+    rc, out, err = run(["db", "list", "--db", "a/../" * 1000 + "x.db"])
+    assert rc == 2 and "bytes long as written" in err, err
+
+
+def test_a_relative_xdg_cache_home_is_ignored(tmp_path, monkeypatch):
+    from autofp4.db import default_db_path
+    from autofp4.kernel_cache import cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "rel/cache")
+    monkeypatch.delenv("AUTOFP4_DB", raising=False)
+    monkeypatch.delenv("AUTOFP4_KERNEL_CACHE", raising=False)
+    assert default_db_path() == tmp_path / "home" / ".cache" / "autofp4" / "tuning.db"
+    assert cache_dir() == tmp_path / "home" / ".cache" / "autofp4" / "kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_db_path() == tmp_path / "xdg" / "autofp4" / "tuning.db"
+
+
+def test_a_checkpoint_whose_quantization_config_does_not_load_is_not_tuned_as_nvfp4(tmp_path):
+    import json
+
+    import autofp4
+    from tiny_models import tiny_model
+
+    m = tiny_model("llama", 3)
+    autofp4.quantize_model(m, "mxfp4")
+    autofp4.save_pretrained(m, tmp_path / "ck")
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    cfg["quantization_config"]["quant_method"] = "mxfp5"
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    rc, out, err = run(["tune", "--model", tmp_path / "ck", "--dry-run", "--db", tmp_path / "t.db"])
+    assert rc == 2 and "says it is a quantized checkpoint, but its quantization config does not load" in err, err
+    assert "mxfp5" in err
+    rc, out, err = run(["tune", "--model", tmp_path / "ck", "--dry-run", "--fmt", "mxfp4", "--db", tmp_path / "t.db"])
+    assert rc == 0, err

@@ -1498,6 +1498,9 @@ def test_derived_names_and_paths_past_the_limits_are_refused(tmp_path, monkeypat
     monkeypatch.setenv("AUTOFP4_DB", f"{tmp_path}/{deep}/t.db")
     with pytest.raises(TuningDBError, match=r"AUTOFP4_DB=.*bytes long as an absolute path, more than the 3968 autofp4 takes"):
         TuningDB(None)
+    monkeypatch.setenv("AUTOFP4_DB", f"{tmp_path}/{'d' * 250}/{'e' * 250}/t.db")  # past SQLite's own limit
+    with pytest.raises(TuningDBError, match=r"AUTOFP4_DB=.*SQLite opens a database only by a path of at most 504"):
+        TuningDB(None)
     monkeypatch.delenv("AUTOFP4_DB")
     fifo_storage = tmp_path / "study.db"
     fifo_storage.touch()

@@ -463,16 +463,33 @@ def checkpoint_fmt(path: Union[str, Path]) -> Optional[str]:
     """The FP4 format of the quantized checkpoint at ``path`` (its folder or its config.json), or
     None where it is not one that loads (a plain config, a dense checkpoint, anything unreadable:
     its own command says why)."""
+    return checkpoint_fmt_why(path)[0]
+
+
+def checkpoint_fmt_why(path: Union[str, Path]) -> tuple[Optional[str], Optional[str]]:
+    """``(fmt, None)`` for a quantized checkpoint that loads (:func:`checkpoint_fmt`), ``(None,
+    why)`` for one that says it is quantized (a ``quantization_config`` in its config.json, or an
+    ``hf_quant_config.json``) but whose quantization config does not load, ``(None, None)`` for
+    anything else (a plain config, a dense checkpoint, an unreadable file)."""
     p = Path(path)
     root = p if p.is_dir() else p.parent if p.name == "config.json" else None
     if root is None:
-        return None
+        return None, None
+    try:
+        config = _read_config(root / "config.json")
+    except (ValueError, TypeError, OSError, KeyError):
+        return None, None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return _scheme(root, _read_config(root / "config.json")).fmt
-    except (ValueError, TypeError, OSError, KeyError):
-        return None
+            return _scheme(root, config).fmt, None
+    except (ValueError, TypeError, OSError, KeyError) as e:
+        quantized = isinstance(config, Mapping) and config.get("quantization_config") is not None
+        try:
+            quantized = quantized or present_file(root / "hf_quant_config.json", _WHAT)
+        except (ValueError, OSError):
+            quantized = True
+        return None, (str(e) if quantized else None)
 
 
 def _scheme(root: Path, config: Mapping) -> _Scheme:
@@ -926,11 +943,16 @@ def load_quantized_modules(model: nn.Module, t: _Tensors, scheme: _Scheme, dtype
     return load_experts(model, t, scheme, dtype, Readers(_fp4_weight, _dense)) + _replace_linears(model, t, scheme, dtype)
 
 
+#: safetensors dtypes of integers (and booleans): no floating-point parameter is stored so
+_INTEGER_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"})
+
+
 def check_dense_linears(model: nn.Module, t: _Tensors, scheme: _Scheme) -> None:
     """For the transformers path (which loads the dense tensors itself): no linear left dense in
     ``model`` has its ``weight`` stored as uint8 (packed FP4 bytes whose scales are missing, or
     a module the config excludes though stored quantized), which transformers would load as the
-    layer's weight."""
+    layer's weight, and no other floating-point parameter (a norm, an embedding) is stored as
+    integers, which transformers would cast."""
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
             continue
@@ -943,6 +965,10 @@ def check_dense_linears(model: nn.Module, t: _Tensors, scheme: _Scheme) -> None:
         _dense(t, key, shape, torch.bfloat16)  # raises, naming the missing scale (or the uint8 weight)
         raise ValueError(f"{_WHAT}: {key!r} is stored as uint8 {tuple(stored.shape)} (quantized?) but "
                          f"{scheme.source} leaves its module dense")
+    for key, p in model.named_parameters():  # norms, embeddings, biases: transformers would cast the bytes
+        if key in t and p.is_floating_point() and t.stored_dtype(key) in _INTEGER_DTYPES:
+            raise ValueError(f"{_WHAT}: {key!r} is stored as {t.stored_dtype(key)} (quantized?), but the model's "
+                             f"parameter is floating point and {scheme.source} does not quantize it")
 
 
 def check_dense_stored(model: nn.Module, t: _Tensors, dense: list[str]) -> None:

@@ -336,8 +336,15 @@ def tune_jobs(
     t0 = budget._now()
     started_at = utc_now()
     report = TuneReport(device=", ".join(str(d) for d in devices), env_key=env.key())
-    storage_obj = _open_storage(storage)
     main_db, owned, db_path = _open_db(db)
+    if storage is not None:
+        from .storage import storage_problem
+
+        if why := storage_problem(storage, db_path, "storage"):
+            if owned:
+                main_db.close()
+            raise ValueError(why)
+    storage_obj = _open_storage(storage)
     main_db.add_environment(env)
     claims = _claims(db_path, storage, storage_obj, exclusive)
     pool = _open_pool(workers, on_gpu)
