@@ -24,7 +24,7 @@ Writes ``w4a8.json`` and ``w4a8.md`` to ``--out`` (default ``docs/results/<gpu>/
 
     python scripts/bench_w4a8.py --fmt nvfp4,mxfp4
     CUTE_DSL_ARCH=sm_90a python scripts/bench_w4a8.py --compile-only   # no GPU: compile the candidates
-    python scripts/bench_w4a8.py --table docs/results/nvidia-h200/w4a8.json   # re-render a saved run
+    python scripts/bench_w4a8.py --table docs/results/nvidia-h100-80gb-hbm3/w4a8.json   # re-render a saved run
     python scripts/bench_w4a8.py --errors-only --device cpu --error-m 64     # the numerics' error, no GPU
 """
 from __future__ import annotations
