@@ -256,6 +256,36 @@ def test_cublas_path_replays_in_a_graph_and_keeps_the_stored_weight():
         _check(og, ref, mag, torch.bfloat16, _fast_accum_error(xg, w))
 
 
+@needs_sm90
+def test_linear_act_fp8_at_prefill_runs_the_cublas_path_by_default_and_in_a_graph():
+    """From 1024 tokens an untuned ``autofp4.linear(..., act_dtype="fp8")`` runs the cuBLAS path:
+    the same numbers as the reference; its first call builds the weight's state, later calls
+    replay in a CUDA graph with new inputs."""
+    import autofp4
+    from autofp4.dispatch import get_dispatcher
+    from autofp4.problem import ProblemKey
+
+    torch.manual_seed(12)
+    n, k = 3072, 2048
+    w = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), "mxfp4")
+    key = ProblemKey("linear_fp8", "mxfp4", "bfloat16", n, k)
+    backend, cfg, _ = get_dispatcher().resolve(key, 1500)[:3]
+    assert backend.name == "sm90_w4a8" and type(cfg).kernel == "cublas_fp8", (backend.name, cfg)
+    x = torch.randn(1500, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    out = autofp4.linear(x, w, bias, act_dtype="fp8")
+    ref, mag = _exact(x, w, bias)
+    _check(out, ref, mag, torch.bfloat16, _fast_accum_error(x, w))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        og = autofp4.linear(x, w, bias, act_dtype="fp8")
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, mag = _exact(x, w, bias)
+    _check(og, ref, mag, torch.bfloat16, _fast_accum_error(x, w))
+
+
 MOE_CASES = [  # (fmt, E, I, H, T, top_k, activation, config)
     ("nvfp4", 8, 768, 2048, 300, 4, "silu", g8.Sm90W4A8Config(tile_m=64, stages=8)),
     ("mxfp4", 4, 2880, 2880, 1024, 2, "swigluoai", g8.Sm90W4A8Config(tile_m=256)),

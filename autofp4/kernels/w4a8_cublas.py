@@ -79,8 +79,12 @@ def weight_state(prep: Any) -> _WeightState:
     """The state of ``prep.weight`` (``prep``: a prepared weight that keeps it), built on first use."""
     st = getattr(prep, "_w4a8_cublas", None)
     if st is None:
-        prep.weight._require_loaded("the W4A8 cuBLAS path's conversion (its stored FP4 tensors were freed)")
-        st = prep._w4a8_cublas = _WeightState(prep.weight)
+        from ..graph_pools import outside_graph_pools
+
+        w = prep.weight
+        w._require_loaded("the W4A8 cuBLAS path's conversion (its stored FP4 tensors were freed)")
+        # kept for every later call: not in a CUDA graph's memory pool (as the packed layouts)
+        st = prep._w4a8_cublas = outside_graph_pools(lambda: _WeightState(w), w.data.device)
     return st
 
 
