@@ -122,6 +122,15 @@ def test_check_tolerance(gen):
     nan[3, 3] = float("nan")
     assert "non-finite" in _check(nan, ref, "bfloat16")
     assert "expected" in _check(ref[:, :10], ref, "bfloat16")
+    # the W4A8 MoE layer: about 1.2% off the reference by its E4M3 intermediate (measured on the
+    # GPU), which the dense and bf16-activation problems' bound would call wrong; a wrong kernel
+    # (a column negated) still fails
+    step = torch.randn(8, 64, generator=gen).double()
+    off = ref.double() + step / step.norm() * ref.double().norm() * 0.012
+    assert _check(off.to(torch.bfloat16), ref, "bfloat16", "moe_fp8") is None
+    assert "exceeds" in _check(off.to(torch.bfloat16), ref, "bfloat16", "moe")
+    assert "exceeds" in _check(off.to(torch.bfloat16), ref, "bfloat16", "linear_fp8")
+    assert "moe_fp8" in _check(bad, ref, "bfloat16", "moe_fp8")
 
 
 def test_wrong_result_recorded_and_never_chosen(monkeypatch, tmp_path):

@@ -20,6 +20,11 @@ from .compile_pool import _backend_from, _key_from, _short_error
 
 #: relative Frobenius error bound of a candidate's output vs. the reference backend's.
 TOLERANCE: dict[str, float] = {"bfloat16": 1e-2, "float16": 5e-3}
+#: a looser bound where the numerics themselves differ by more: the W4A8 MoE layer re-quantizes
+#: its intermediate activations to E4M3, and a product rounded on the other side of an E4M3 tie
+#: than in the reference moves that element by an E4M3 step (1/8): 0.8-1.2% of the layer's norm
+#: on the GPU, where a wrong kernel is off by far more
+OP_TOLERANCE: dict[str, float] = {"moe_fp8": 3e-2}
 #: kernels faster than this (eager estimate) are timed by CUDA-graph replay; a MoE layer always
 #: is (where it can be captured): it is a chain of small ops (routing, two GEMMs, the top-k sum)
 #: whose eager launch cost (about 0.7 ms at T = 256 on an H200 host) would decide the pick, and
@@ -239,8 +244,9 @@ def _timing_plan(pass_us: float, warmup: int, reps: int) -> tuple[int, int]:
     return min(warmup, max(1, r // 3)), r
 
 
-def _check(out: Any, ref: torch.Tensor, dtype: str) -> str | None:
-    """``None`` when ``out`` matches ``ref`` within ``TOLERANCE[dtype]``, else why not."""
+def _check(out: Any, ref: torch.Tensor, dtype: str, op: str = "") -> str | None:
+    """``None`` when ``out`` matches ``ref`` within ``TOLERANCE[dtype]`` (or ``OP_TOLERANCE[op]``
+    where looser), else why not."""
     if not isinstance(out, torch.Tensor):
         return f"runner returned {type(out).__name__}, expected a tensor"
     if tuple(out.shape) != tuple(ref.shape) or out.dtype != ref.dtype:
@@ -251,9 +257,9 @@ def _check(out: Any, ref: torch.Tensor, dtype: str) -> str | None:
         return f"output has {int((~torch.isfinite(o)).sum())} non-finite values"
     denom = float(torch.linalg.vector_norm(r)) or 1.0
     err = float(torch.linalg.vector_norm(o - r)) / denom
-    tol = TOLERANCE[dtype]
+    tol = max(TOLERANCE[dtype], OP_TOLERANCE.get(op, 0.0))
     if not err <= tol:
-        return f"relative Frobenius error {err:.3e} exceeds {tol:.0e} ({dtype})"
+        return f"relative Frobenius error {err:.3e} exceeds {tol:.0e} ({dtype}{', ' + op if op in OP_TOLERANCE else ''})"
     return None
 
 
@@ -310,7 +316,7 @@ def run_trial(req: dict[str, Any]) -> dict[str, Any]:
         out = _call(key, runner, prepared[0], acts[0])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        why = _check(out, d.refs[m, routing, b.numerics], key.dtype)
+        why = _check(out, d.refs[m, routing, b.numerics], key.dtype, key.op)
         if why:
             return {**res, "outcome": "wrong_result", "error": why}
         stage = "timing"
