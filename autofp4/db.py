@@ -174,7 +174,8 @@ def is_sqlite_file(path: str | os.PathLike) -> bool:
 
 def sqlite_would_open(path: str | os.PathLike) -> bool:
     """Would SQLite open ``path`` as a database (and so own the side files named after it)? An
-    SQLite file, or an empty regular file (SQLite takes it for an empty database)."""
+    SQLite file, or an empty regular file (SQLite takes it for an empty database). Other files
+    are not opened by autofp4 (:class:`TuningDB` refuses them before SQLite reads them)."""
     if is_sqlite_file(path):
         return True
     try:
@@ -208,11 +209,20 @@ SQLITE_PATH_MAX = 504
 
 
 def sqlite_path_problem(path: str | os.PathLike) -> str | None:
-    """Why SQLite cannot open a database at ``path`` by its length, or None."""
-    n = len(os.fsencode(os.path.abspath(os.path.expanduser(os.fspath(path)))))
+    """Why SQLite cannot open a database at ``path`` by its length (as an absolute path, and with
+    its symbolic links resolved, as SQLite opens it), or None."""
+    full = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    n = len(os.fsencode(full))
     if n > SQLITE_PATH_MAX:
         return (f"it is {n} bytes long as an absolute path, and SQLite opens a database only by a path of at most "
                 f"{SQLITE_PATH_MAX} bytes; give a shorter path")
+    try:
+        real = os.path.realpath(full)
+    except (OSError, ValueError):
+        return None
+    if len(os.fsencode(real)) > SQLITE_PATH_MAX:
+        return (f"it leads through symbolic links to {real[:60]!r}..., {len(os.fsencode(real))} bytes long, and SQLite "
+                f"opens a database by its resolved path, of at most {SQLITE_PATH_MAX} bytes; give a shorter path")
     return None
 
 
@@ -1038,6 +1048,11 @@ class TuningDB:
         side = _side_file_problem(self.path)
         if side:  # before SQLite opens it: a FIFO there would block the open for ever
             raise TuningDBError(side)
+        if mode is not None and not is_sqlite_file(self.path) and self.path.stat().st_size:
+            # SQLite takes a file shorter than its header for an empty database and writes over it
+            raise TuningDBError(f"{self.path} is not a readable tuning database: it is not an SQLite file (it does not "
+                                "begin as one), and SQLite would take its -journal for its own; name a tuning DB file, "
+                                "or a new one")
         try:
             self._open(readonly)
         except sqlite3.Error as e:

@@ -716,3 +716,61 @@ def test_a_checkpoint_whose_quantization_config_does_not_load_is_not_tuned_as_nv
     assert "mxfp5" in err
     rc, out, err = run(["tune", "--model", tmp_path / "ck", "--dry-run", "--fmt", "mxfp4", "--db", tmp_path / "t.db"])
     assert rc == 0, err
+
+
+def test_a_file_that_is_no_database_is_not_opened_by_sqlite(tmp_path):
+    """SQLite takes a -journal beside any file it opens for its own (and deletes it), and a file
+    shorter than its header for an empty database (and writes over it): a file that is no SQLite
+    database is refused before SQLite opens it, the DB written beside it and the file kept."""
+    (tmp_path / "t.db").write_bytes(b"not a database, 50 bytes long....................")
+    assert run(["db", "import", _export(tmp_path / "e.json"), "--db", tmp_path / "t.db-journal"])[0] == 0
+    rc, out, err = run(["db", "import", _export(tmp_path / "e.json"), "--db", tmp_path / "t.db"])
+    assert rc == 2 and "is not a readable tuning database: it is not an SQLite file" in err, err
+    assert (tmp_path / "t.db-journal").stat().st_size > 0
+    assert run(["db", "list", "--db", tmp_path / "t.db-journal"])[0] == 0
+    (tmp_path / "u.db").write_bytes(b"x")
+    rc, out, err = run(["db", "import", _export(tmp_path / "e.json"), "--db", tmp_path / "u.db"])
+    assert rc == 2 and "it is not an SQLite file (it does not begin as one)" in err, err
+    assert (tmp_path / "u.db").read_bytes() == b"x"
+
+
+def test_storage_lock_file_that_is_a_fifo_and_storage_of_another_type(tmp_path):
+    import os
+
+    import autofp4
+    from autofp4.problem import ProblemKey
+
+    os.mkfifo(tmp_path / "s.db.ask.lock")
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 64, 64)
+    with pytest.raises(ValueError, match=r"s.db.ask.lock \(the lock file autofp4 keeps beside the study\) is a FIFO"):
+        autofp4.tune([key], m_buckets=[1], device="cpu", db=tmp_path / "t.db", storage=f"sqlite:///{tmp_path}/s.db",
+                     progress=False)
+    with pytest.raises(ValueError, match="storage must be a storage URL string .* got PosixPath"):
+        autofp4.tune([key], m_buckets=[1], device="cpu", db=tmp_path / "t.db", storage=tmp_path / "s2.db",
+                     progress=False)
+
+
+def test_a_quantization_config_of_the_wrong_type_is_not_tuned_as_nvfp4(tmp_path):
+    import json
+
+    import autofp4
+    from tiny_models import tiny_model
+
+    m = tiny_model("llama", 3)
+    autofp4.quantize_model(m, "mxfp4")
+    autofp4.save_pretrained(m, tmp_path / "ck")
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    cfg["quantization_config"] = "mxfp4"
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    rc, out, err = run(["tune", "--model", tmp_path / "ck", "--dry-run", "--db", tmp_path / "t.db"])
+    assert rc == 2 and "quantization_config must be an object, got str" in err, err
+
+
+def test_a_db_reached_through_links_is_measured_as_sqlite_opens_it(tmp_path):
+    import os
+
+    deep = tmp_path / ("d" * 250) / ("e" * 250)
+    deep.mkdir(parents=True)
+    os.symlink(deep, tmp_path / "lk")
+    rc, out, err = run(["db", "list", "--db", tmp_path / "lk" / "x.db"])
+    assert rc == 2 and "leads through symbolic links to" in err and "resolved path, of at most 504" in err, err

@@ -154,3 +154,15 @@ def test_the_kernel_writes_the_reference_bits(fmt, n, k, spread):
     conv(w.data.view(torch.uint8).reshape(n, k // 2)[r0:r0 + n // 3], raw.reshape(n, -1)[r0:r0 + n // 3],
          cv.e_max(w), part)
     assert torch.equal(part, ref[r0:r0 + n // 3])
+
+
+def test_stacked_experts_and_bad_rows_are_refused():
+    experts = quantize(torch.randn(3, 32, 64) * torch.tensor([1.0, 10.0, 100.0]).view(3, 1, 1), "nvfp4")
+    for fn in (cv.e_max, lambda w: cv.factor(w, 0), cv.reference):
+        with pytest.raises(ValueError, match=r"one linear layer's weight \[N, K\], got shape \[3, 32, 64\]"):
+            fn(experts)
+    with pytest.raises(TypeError, match="rows must be a slice"):
+        cv.reference(_weight("nvfp4", 8, 64, 1), rows=3)
+    from autofp4.kernels import w4a8_cublas as cb
+
+    assert "chunk_n" in cb.validate(cb.W4A8CublasConfig(chunk_n=1024.0), 4096, 4096, "nvfp4", "bfloat16")

@@ -477,8 +477,12 @@ def checkpoint_fmt_why(path: Union[str, Path]) -> tuple[Optional[str], Optional[
         return None, None
     try:
         config = _read_config(root / "config.json")
-    except (ValueError, TypeError, OSError, KeyError):
-        return None, None
+    except (ValueError, TypeError, OSError, KeyError) as e:
+        try:  # a config.json that does not read as a model's: still a quantized checkpoint's?
+            raw = json.loads((root / "config.json").read_text())
+        except (ValueError, OSError, RecursionError):
+            return None, None
+        return None, (str(e) if isinstance(raw, dict) and "quantization_config" in raw else None)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -50,9 +50,18 @@ def validate(k: int, fmt: str, arch: str = "sm_90a") -> str | None:
     return None
 
 
+def _linear_weight(w: Any, what: str) -> None:
+    """ValueError unless ``w`` is one linear layer's weight ``[N, K]`` (stacked experts have a
+    global scale, and a reference exponent, each)."""
+    if len(tuple(w.shape)) != 2:
+        raise ValueError(f"fp4_to_e4m3.{what}: takes one linear layer's weight [N, K], got shape {list(w.shape)} "
+                         "(stacked experts: convert each expert's weight)")
+
+
 def e_max(w: Any) -> int:
     """The largest E8M0 block exponent of an MXFP4 weight (the reference of its conversion); 0 for
     NVFP4. One device-to-host read: callers keep it with the weight."""
+    _linear_weight(w, "e_max")
     if w.fmt != "mxfp4":
         return 0
     raw = w.scale if w.scale.dtype == torch.uint8 else w.scale.view(torch.uint8)
@@ -62,6 +71,7 @@ def e_max(w: Any) -> int:
 def factor(w: Any, emax: int) -> float:
     """``dequant(W) ~= q * factor`` (exactly where the conversion is): NVFP4 the global scale
     times 2**3, MXFP4 ``2**(e_max - 127 - 6)``."""
+    _linear_weight(w, "factor")
     if w.fmt == "nvfp4":
         return float(w.global_scale.reshape(-1)[0]) * 2.0 ** -_SHIFT["nvfp4"]
     return 2.0 ** (emax - 127 - _SHIFT["mxfp4"])
@@ -73,6 +83,9 @@ def reference(w: Any, rows: slice | None = None) -> torch.Tensor:
     from . import fp8_act_quant
     from .sm90_w4a8_gemm import reference_weight
 
+    _linear_weight(w, "reference")
+    if rows is not None and not isinstance(rows, slice):
+        raise TypeError(f"fp4_to_e4m3.reference: rows must be a slice of the weight's rows, got {type(rows).__name__}")
     q, _ = reference_weight(w)
     if rows is not None:
         q = q[rows]

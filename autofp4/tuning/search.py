@@ -84,7 +84,10 @@ def _ask(ctx: _Ctx, study: Any) -> Any:
         return study.ask()
     import fcntl
 
-    with open(ctx.ask_lock, "a") as f:
+    # never blocks on opening (a FIFO there raises instead): :func:`.storage.storage_problem`
+    # names anything but a file there before a run starts
+    fd = os.open(ctx.ask_lock, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK, 0o644)
+    with os.fdopen(fd, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
         return study.ask()
 

@@ -40,6 +40,8 @@ def storage_problem(url: str, db_path: str | os.PathLike, what: str = "storage")
     from ..db import TuningDBError, _side_file_problem, expand_path
     from ..paths import REGULAR, kind_of
 
+    if not isinstance(url, str):
+        return f"{what} must be a storage URL string (such as 'sqlite:///study.db'), got {type(url).__name__}"
     if why := _memory_problem(url, what):
         return why
     try:
@@ -68,6 +70,10 @@ def storage_problem(url: str, db_path: str | os.PathLike, what: str = "storage")
     side = _side_file_problem(path)
     if side:  # SQLite would block on a FIFO there, or consume it
         return f"{what}: {side}"
+    lock = path.with_name(path.name + ".ask.lock")  # autofp4's lock beside the study (search._ask_lock_path)
+    if kind_of(lock) not in (None, REGULAR):
+        return (f"{what} {url:.80}: {lock} (the lock file autofp4 keeps beside the study) is {kind_of(lock)}, "
+                "not a file; move it away")
     try:
         same = path.resolve() == Path(db_path).resolve() or (path.exists() and Path(db_path).exists()
                                                              and path.samefile(db_path))
