@@ -100,6 +100,15 @@ def exact_on_operands(x, fw):
     return (xv @ q.double().T) * f
 
 
+def checked_error(out: torch.Tensor, exact: torch.Tensor, what: str) -> float:
+    """The relative error of ``out`` against float64 math on the same E4M3 operands; the run
+    stops where it is not below 1e-2 (a wrong kernel is not timed)."""
+    err = rel_err(out, exact)
+    if not err < 1e-2:
+        raise SystemExit(f"{what}: relative error {err:.3g} against float64 on the same E4M3 operands")
+    return err
+
+
 def cublas_configs(n: int, k: int, fmt: str) -> list:
     from autofp4.kernels import w4a8_cublas as cb
 
@@ -154,11 +163,7 @@ def measure(args) -> dict:
                 cand, cand_err = {}, {}
                 for cfg in candidates(n, k, fmt, m, args.configs):
                     run = g8.compile_kernel(cfg, n, k, fmt, "bfloat16")
-                    err = rel_err(run(x, packed, None), exact)
-                    if not err < 1e-2:
-                        raise SystemExit(f"{name} {fmt} M={m} {cfg}: relative error {err:.3g} against float64 "
-                                         "on the same E4M3 operands")
-                    cand_err[str(cfg)] = err
+                    cand_err[str(cfg)] = checked_error(run(x, packed, None), exact, f"{name} {fmt} M={m} {cfg}")
                     gemm = g8._compile(cfg, n, k, fmt, "bfloat16")
                     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
                     zeros = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
@@ -177,11 +182,7 @@ def measure(args) -> dict:
                 cb_t, cb_err = {}, {}
                 for cfg in cublas_configs(n, k, fmt):
                     run = cb.compile_kernel(cfg, n, k, fmt, "bfloat16")
-                    err = rel_err(run(x, prep, None), exact)
-                    if not err < 1e-2:
-                        raise SystemExit(f"{name} {fmt} M={m} {cfg}: relative error {err:.3g} against float64 "
-                                         "on the same E4M3 operands")
-                    cb_err[str(cfg)] = err
+                    cb_err[str(cfg)] = checked_error(run(x, prep, None), exact, f"{name} {fmt} M={m} {cfg}")
                     cb_t[cfg] = interleaved_medians({"c": (run, [(x, prep, None)])}, 1, args.reps)["c"]
                 cb_best = min(cb_t, key=cb_t.get)
                 variants[f"{fmt} w4a8 cublas"] = (cb.compile_kernel(cb_best, n, k, fmt, "bfloat16"),
