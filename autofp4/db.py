@@ -184,6 +184,27 @@ def sqlite_would_open(path: str | os.PathLike) -> bool:
         return False
 
 
+def sqlite_open_problem(path: Path) -> str | None:
+    """Why SQLite must not open ``path`` (before it does, as it may change files there at once):
+    a file that is no SQLite database (SQLite takes one shorter than its header for an empty
+    database and writes over it, and deletes what it takes for its journal), or an SQLite database
+    named like ``path``'s -journal or -wal (a tuning DB there: SQLite would take it for its own
+    and delete or rewrite it; its own journal and log begin otherwise)."""
+    try:
+        if kind_of(path) == REGULAR and path.stat().st_size and not is_sqlite_file(path):
+            return (f"{path} is not a readable tuning database: it is not an SQLite file (it does not begin as one), "
+                    "and SQLite would take the files named after it for its own; name an SQLite database file, or a "
+                    "new one")
+    except OSError:
+        return None
+    for suffix, what in SQLITE_SIDE_FILES.items():
+        side = path.with_name(path.name + suffix)
+        if suffix != "-shm" and is_sqlite_file(side):
+            return (f"{side} is an SQLite database (a tuning DB?), and SQLite opening {path} would take it for its "
+                    f"{what} and delete or rewrite it; rename or move one of them")
+    return None
+
+
 def _not_a_db_file_name(text: str) -> str | None:
     """Names that a DB path cannot mean, beyond :func:`.paths.path_problem`'s."""
     if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", text.strip()):
@@ -1048,11 +1069,9 @@ class TuningDB:
         side = _side_file_problem(self.path)
         if side:  # before SQLite opens it: a FIFO there would block the open for ever
             raise TuningDBError(side)
-        if mode is not None and not is_sqlite_file(self.path) and self.path.stat().st_size:
-            # SQLite takes a file shorter than its header for an empty database and writes over it
-            raise TuningDBError(f"{self.path} is not a readable tuning database: it is not an SQLite file (it does not "
-                                "begin as one), and SQLite would take its -journal for its own; name a tuning DB file, "
-                                "or a new one")
+        why = sqlite_open_problem(self.path)
+        if why:
+            raise TuningDBError(why)
         try:
             self._open(readonly)
         except sqlite3.Error as e:

@@ -41,6 +41,25 @@ class FP4Buffers(nn.Module):
         check_act_dtype(value, f"{type(self).__name__}.act_dtype")
         self._act_dtype = value
 
+    #: the stems of the FP4 weights among the buffers (``<stem>_packed``, ``_scale``, ``_global_scale``)
+    _fp4_stems: tuple[str, ...] = ()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Loading copies values into the buffers in place: they are checked as
+        :class:`~autofp4.weights.FP4Weight` checks a weight's (a NaN or negative scale is an error
+        of the load, as torch reports a wrong shape), the buffers left as loaded."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        for stem in self._fp4_stems:
+            if f"{prefix}{stem}_packed" not in state_dict:
+                continue
+            try:
+                FP4Weight(self.fmt, getattr(self, f"{stem}_packed"), getattr(self, f"{stem}_scale"),
+                          getattr(self, f"{stem}_global_scale"))
+            except (ValueError, TypeError) as e:
+                error_msgs.append(f"{prefix}{stem}: {e}")
+
     def _apply(self, fn, recurse=True):
         kept = {name: t for name, t in self._buffers.items() if t is not None}
         out = super()._apply(fn, recurse)
@@ -106,6 +125,8 @@ class FP4Linear(_PackedWeight, FP4Buffers):
     computed in it and the output is cast back to the input's dtype; a bias of another dtype is
     added after the cast back.
     """
+
+    _fp4_stems = ("weight",)
 
     def __init__(self, weight: FP4Weight, bias: Optional[torch.Tensor] = None,
                  compute_dtype: Optional[torch.dtype] = None) -> None:

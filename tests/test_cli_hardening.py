@@ -774,3 +774,27 @@ def test_a_db_reached_through_links_is_measured_as_sqlite_opens_it(tmp_path):
     os.symlink(deep, tmp_path / "lk")
     rc, out, err = run(["db", "list", "--db", tmp_path / "lk" / "x.db"])
     assert rc == 2 and "leads through symbolic links to" in err and "resolved path, of at most 504" in err, err
+
+
+def test_an_sqlite_database_named_like_a_journal_is_never_taken_for_one(tmp_path):
+    """A tuning DB written at t.db-journal before t.db existed: opening t.db (a tuning DB or an
+    optuna storage) later would make SQLite take the DB for t.db's rollback journal and delete
+    it. Refused, the DB kept; a storage file that is no SQLite database is refused too."""
+    import autofp4
+    from autofp4.problem import ProblemKey
+
+    assert run(["db", "import", _export(tmp_path / "e.json"), "--db", tmp_path / "t.db-journal"])[0] == 0
+    (tmp_path / "t.db").write_bytes(b"")
+    before = (tmp_path / "t.db-journal").read_bytes()
+    rc, out, err = run(["db", "import", _export(tmp_path / "e.json"), "--db", tmp_path / "t.db"])
+    assert rc == 2 and "t.db-journal is an SQLite database (a tuning DB?)" in err, err
+    key = ProblemKey("linear", "nvfp4", "bfloat16", 64, 64)
+    with pytest.raises(ValueError, match=r"t.db-journal is an SQLite database"):
+        autofp4.tune([key], m_buckets=[1], device="cpu", db=tmp_path / "u.db", storage=f"sqlite:///{tmp_path}/t.db",
+                     progress=False)
+    assert (tmp_path / "t.db-journal").read_bytes() == before
+    (tmp_path / "s.db").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"s.db is not an SQLite database"):
+        autofp4.tune([key], m_buckets=[1], device="cpu", db=tmp_path / "u.db", storage=f"sqlite:///{tmp_path}/s.db",
+                     progress=False)
+    assert (tmp_path / "s.db").read_bytes() == b"x"

@@ -241,3 +241,27 @@ def test_a_used_fp4_layer_deep_copies_and_pickles(gen, tmp_path):
             assert other[0].fp4_weight() is not m[0].fp4_weight()
             assert other[0].fp4_weight().data.data_ptr() != m[0].weight_packed.data_ptr()
             assert torch.equal(other(x), want)
+
+
+@pytest.mark.parametrize("fmt,key,value", [("nvfp4", "weight_global_scale", float("nan")),
+                                           ("nvfp4", "weight_global_scale", -0.5),
+                                           ("nvfp4", "weight_scale", 0x7F), ("mxfp4", "weight_scale", 0xFF)])
+def test_load_state_dict_checks_the_values_as_fp4weight_does(fmt, key, value):
+    """load_state_dict copies into the buffers in place: a NaN or negative scale is an error of
+    the load (as FP4Weight(...) refuses it), not NaN outputs later."""
+    torch.manual_seed(3)
+    src = FP4Linear(autofp4.quantize(torch.randn(32, 64, dtype=torch.bfloat16), fmt))
+    dst = FP4Linear(autofp4.quantize(torch.randn(32, 64, dtype=torch.bfloat16), fmt))
+    sd = src.state_dict()
+    if key == "weight_global_scale":
+        sd[key] = torch.full_like(sd[key], value)
+    else:
+        raw = sd[key].view(torch.uint8).clone()
+        raw[3, 0] = value
+        sd[key] = raw.view(sd[key].dtype)
+    with pytest.raises(RuntimeError, match=r"weight: FP4Weight: .*(not finite and positive|NaN)"):
+        dst.load_state_dict(sd)
+    src2 = FP4Linear(autofp4.quantize(torch.randn(32, 64, dtype=torch.bfloat16), fmt))
+    dst.load_state_dict(src2.state_dict())  # a valid one loads
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(dst(x), src2(x), rtol=0, atol=0)

@@ -52,6 +52,8 @@ class FP4Experts(FP4Buffers):
     as the parameters ``gate_up_proj_bias`` and ``down_proj_bias``.
     """
 
+    _fp4_stems = ("gate_up_proj", "down_proj")
+
     def __init__(self, gate_up: FP4Weight, down: FP4Weight, activation: str,
                  gate_up_bias: Optional[torch.Tensor] = None, down_bias: Optional[torch.Tensor] = None) -> None:
         super().__init__()

@@ -47,7 +47,9 @@ def validate(cfg: W4A8CublasConfig, n: int, k: int, fmt: str, dtype: str) -> str
         return f"n={n} must be a positive multiple of 16 (cuBLAS FP8 GEMM)"
     if why := fp4_to_e4m3.validate(k, fmt):
         return why
-    if type(cfg.chunk_n) is not int or cfg.chunk_n not in CHUNKS:
+    if type(cfg.chunk_n) is not int:
+        return f"chunk_n must be an int, got {type(cfg.chunk_n).__name__} {cfg.chunk_n!r}"
+    if cfg.chunk_n not in CHUNKS:
         return f"chunk_n must be one of {CHUNKS}, got {cfg.chunk_n!r}"
     if cfg.chunk_n >= n:
         return f"chunk_n={cfg.chunk_n} must be below n={n} (0 converts the whole weight)"
