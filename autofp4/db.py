@@ -197,11 +197,16 @@ def sqlite_open_problem(path: Path) -> str | None:
                     "new one")
     except OSError:
         return None
-    for suffix, what in SQLITE_SIDE_FILES.items():
-        side = path.with_name(path.name + suffix)
-        if suffix != "-shm" and is_sqlite_file(side):
-            return (f"{side} is an SQLite database (a tuning DB?), and SQLite opening {path} would take it for its "
-                    f"{what} and delete or rewrite it; rename or move one of them")
+    try:
+        real = Path(os.path.realpath(path))
+    except (OSError, ValueError):
+        real = path
+    for base in dict.fromkeys((path, real)):  # SQLite keeps them beside the file a link leads to
+        for suffix, what in SQLITE_SIDE_FILES.items():
+            side = base.with_name(base.name + suffix)
+            if is_sqlite_file(side):
+                return (f"{side} is an SQLite database (a tuning DB?), and SQLite opening {path} would take it for "
+                        f"its {what} and delete or rewrite it; rename or move one of them")
     return None
 
 

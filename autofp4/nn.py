@@ -49,10 +49,20 @@ class FP4Buffers(nn.Module):
         """Loading copies values into the buffers in place: they are checked as
         :class:`~autofp4.weights.FP4Weight` checks a weight's (a NaN or negative scale is an error
         of the load, as torch reports a wrong shape), the buffers left as loaded."""
+        parts = ("_packed", "_scale", "_global_scale")
+        wrong = [f"{prefix}{stem}{part}" for stem in self._fp4_stems for part in parts
+                 if isinstance(state_dict.get(f"{prefix}{stem}{part}"), torch.Tensor)
+                 and getattr(self, f"{stem}{part}") is not None
+                 and state_dict[f"{prefix}{stem}{part}"].dtype != getattr(self, f"{stem}{part}").dtype]
+        for key in wrong:  # torch would convert the values: FP4 bytes and scales load as stored, or not at all
+            error_msgs.append(f"{key}: stored as {state_dict[key].dtype}, but the layer's buffer is "
+                              f"{getattr(self, key[len(prefix):]).dtype}; FP4 tensors load in their own dtype")
+        if wrong:
+            state_dict = {k: v for k, v in state_dict.items() if k not in wrong}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         for stem in self._fp4_stems:
-            if f"{prefix}{stem}_packed" not in state_dict:
+            if not any(f"{prefix}{stem}{part}" in state_dict for part in parts):
                 continue
             try:
                 FP4Weight(self.fmt, getattr(self, f"{stem}_packed"), getattr(self, f"{stem}_scale"),

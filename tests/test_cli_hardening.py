@@ -798,3 +798,23 @@ def test_an_sqlite_database_named_like_a_journal_is_never_taken_for_one(tmp_path
         autofp4.tune([key], m_buckets=[1], device="cpu", db=tmp_path / "u.db", storage=f"sqlite:///{tmp_path}/s.db",
                      progress=False)
     assert (tmp_path / "s.db").read_bytes() == b"x"
+
+
+def test_a_database_at_a_shm_name_or_beside_a_linked_file_is_never_taken_for_a_side_file(tmp_path):
+    """SQLite keeps its side files beside the file a link leads to, and autofp4's DBs run in WAL
+    mode (an -shm rewritten on every open): a tuning DB at either place is refused, not lost."""
+    import os
+
+    (tmp_path / "d").mkdir()
+    assert run(["db", "import", _export(tmp_path / "e.json"), "--db", tmp_path / "d" / "real.db-journal"])[0] == 0
+    (tmp_path / "d" / "real.db").write_bytes(b"")
+    os.symlink(tmp_path / "d" / "real.db", tmp_path / "t.db")
+    before = (tmp_path / "d" / "real.db-journal").read_bytes()
+    rc, out, err = run(["db", "list", "--db", tmp_path / "t.db"])
+    assert rc == 2 and "real.db-journal is an SQLite database" in err, err
+    assert (tmp_path / "d" / "real.db-journal").read_bytes() == before
+    assert run(["db", "import", _export(tmp_path / "e2.json"), "--db", tmp_path / "u.db-shm"])[0] == 0
+    shm = (tmp_path / "u.db-shm").read_bytes()
+    rc, out, err = run(["db", "import", _export(tmp_path / "e3.json"), "--db", tmp_path / "u.db"])
+    assert rc == 2 and "u.db-shm is an SQLite database" in err and "shared-memory index" in err, err
+    assert (tmp_path / "u.db-shm").read_bytes() == shm

@@ -265,3 +265,20 @@ def test_load_state_dict_checks_the_values_as_fp4weight_does(fmt, key, value):
     dst.load_state_dict(src2.state_dict())  # a valid one loads
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     torch.testing.assert_close(dst(x), src2(x), rtol=0, atol=0)
+
+
+def test_load_state_dict_checks_a_partial_dict_and_refuses_tensors_of_another_dtype():
+    """strict=False with only a scale in the dict is checked too; a scale of another dtype (which
+    torch would convert by value into the FP8 / E8M0 buffer) is an error, the buffer untouched."""
+    torch.manual_seed(4)
+    dst = FP4Linear(autofp4.quantize(torch.randn(32, 64, dtype=torch.bfloat16), "nvfp4"))
+    with pytest.raises(RuntimeError, match="global_scale that is not finite and positive"):
+        dst.load_state_dict({"weight_global_scale": torch.tensor(float("nan"))}, strict=False)
+    dst = FP4Linear(autofp4.quantize(torch.randn(32, 64, dtype=torch.bfloat16), "nvfp4"))
+    before = dst.weight_scale.clone()
+    sd = dst.state_dict()
+    sd["weight_scale"] = sd["weight_scale"].view(torch.uint8).clone()
+    with pytest.raises(RuntimeError, match=r"weight_scale: stored as torch.uint8, but the layer's buffer is "
+                                           r"torch.float8_e4m3fn"):
+        dst.load_state_dict(sd)
+    assert torch.equal(dst.weight_scale.view(torch.uint8), before.view(torch.uint8))
