@@ -130,8 +130,10 @@ _JOURNAL_MAGIC = bytes.fromhex("d9d505f920a163d7")
 def _side_file_problem(path: Path, e: sqlite3.Error | None = None) -> str | None:
     """Why SQLite cannot use one of the files it keeps beside ``path`` (-wal, -shm, -journal; beside
     the file a symbolic link ``path`` leads to, where SQLite keeps them): one that is a directory, a
-    link to nothing or a special file (SQLite would block for ever opening a FIFO); None where each
-    is a file or absent. ``e``: the error SQLite gave, if any."""
+    link to nothing or a special file (SQLite would block for ever opening a FIFO), or an SQLite
+    database (a tuning DB there: SQLite would take it for its own and delete or rewrite it; its own
+    journal, log and index begin otherwise); None where each is SQLite's own or absent. ``e``: the
+    error SQLite gave, if any."""
     try:
         real = Path(os.path.realpath(path))
     except (OSError, ValueError):
@@ -145,6 +147,9 @@ def _side_file_problem(path: Path, e: sqlite3.Error | None = None) -> str | None
         if kind not in (None, REGULAR):
             return (f"cannot open {path}: {side} (SQLite's {suffix[1:]} file beside it) is not a regular file: it is "
                     f"{kind}; move it away" + (f" ({e})" if e is not None else ""))
+        if kind == REGULAR and is_sqlite_file(side):
+            return (f"{side} is an SQLite database (a tuning DB?), and SQLite opening {path} would take it for its "
+                    f"{SQLITE_SIDE_FILES[suffix]} and delete or rewrite it; rename or move one of them")
     return None
 
 
@@ -184,30 +189,20 @@ def sqlite_would_open(path: str | os.PathLike) -> bool:
         return False
 
 
-def sqlite_open_problem(path: Path) -> str | None:
-    """Why SQLite must not open ``path`` (before it does, as it may change files there at once):
+def sqlite_open_problem(path: Path, what: str = "tuning database") -> str | None:
+    """Why SQLite must not open ``path`` (``what``: the database it is to hold, for the message;
+    checked before SQLite opens it, as it may change files there at once):
     a file that is no SQLite database (SQLite takes one shorter than its header for an empty
-    database and writes over it, and deletes what it takes for its journal), or an SQLite database
-    named like ``path``'s -journal or -wal (a tuning DB there: SQLite would take it for its own
-    and delete or rewrite it; its own journal and log begin otherwise)."""
+    database and writes over it, and deletes what it takes for its journal), or a side file it
+    cannot use or would destroy (:func:`_side_file_problem`)."""
     try:
         if kind_of(path) == REGULAR and path.stat().st_size and not is_sqlite_file(path):
-            return (f"{path} is not a readable tuning database: it is not an SQLite file (it does not begin as one), "
+            return (f"{path} is not a readable {what}: it is not an SQLite file (it does not begin as one), "
                     "and SQLite would take the files named after it for its own; name an SQLite database file, or a "
                     "new one")
     except OSError:
-        return None
-    try:
-        real = Path(os.path.realpath(path))
-    except (OSError, ValueError):
-        real = path
-    for base in dict.fromkeys((path, real)):  # SQLite keeps them beside the file a link leads to
-        for suffix, what in SQLITE_SIDE_FILES.items():
-            side = base.with_name(base.name + suffix)
-            if is_sqlite_file(side):
-                return (f"{side} is an SQLite database (a tuning DB?), and SQLite opening {path} would take it for "
-                        f"its {what} and delete or rewrite it; rename or move one of them")
-    return None
+        pass
+    return _side_file_problem(path)
 
 
 def _not_a_db_file_name(text: str) -> str | None:
@@ -1071,11 +1066,8 @@ class TuningDB:
         if mode is not None and not stat.S_ISREG(mode):
             raise TuningDBError(f"{self.path} is not a regular file (a device, FIFO or socket), not a tuning "
                                 "database file; name a DB file (such as ./tuning.db)")
-        side = _side_file_problem(self.path)
-        if side:  # before SQLite opens it: a FIFO there would block the open for ever
-            raise TuningDBError(side)
         why = sqlite_open_problem(self.path)
-        if why:
+        if why:  # before SQLite opens it: a FIFO there would block the open for ever
             raise TuningDBError(why)
         try:
             self._open(readonly)

@@ -794,7 +794,7 @@ def test_an_sqlite_database_named_like_a_journal_is_never_taken_for_one(tmp_path
                      progress=False)
     assert (tmp_path / "t.db-journal").read_bytes() == before
     (tmp_path / "s.db").write_bytes(b"x")
-    with pytest.raises(ValueError, match=r"s.db is not an SQLite database"):
+    with pytest.raises(ValueError, match=r"s.db is not a readable study storage: it is not an SQLite file"):
         autofp4.tune([key], m_buckets=[1], device="cpu", db=tmp_path / "u.db", storage=f"sqlite:///{tmp_path}/s.db",
                      progress=False)
     assert (tmp_path / "s.db").read_bytes() == b"x"

@@ -37,7 +37,7 @@ def _written_path(url: str) -> str:
 def storage_problem(url: str, db_path: str | os.PathLike, what: str = "storage") -> str | None:
     """Why ``url`` cannot be the study storage of a run whose tuning DB is ``db_path`` (``what``:
     the option or argument it came from, for the message); None where it can (or is not SQLite)."""
-    from ..db import TuningDBError, _side_file_problem, expand_path, sqlite_open_problem
+    from ..db import TuningDBError, expand_path, sqlite_open_problem
     from ..paths import REGULAR, kind_of
 
     if not isinstance(url, str):
@@ -67,11 +67,8 @@ def storage_problem(url: str, db_path: str | os.PathLike, what: str = "storage")
     kind = kind_of(path)
     if kind not in (None, REGULAR):
         return f"{what} {url:.80}: {path} is {kind}, not an SQLite file"
-    side = _side_file_problem(path)
-    if side:  # SQLite would block on a FIFO there, or consume it
-        return f"{what}: {side}"
-    if why := sqlite_open_problem(path):
-        return f"{what} {url:.80}: {why.replace('a readable tuning database', 'an SQLite database')}"
+    if why := sqlite_open_problem(path, "study storage"):  # SQLite would block on a FIFO there, or destroy a DB
+        return f"{what}: {why}"
     lock = path.with_name(path.name + ".ask.lock")  # autofp4's lock beside the study (search._ask_lock_path)
     if kind_of(lock) not in (None, REGULAR):
         return (f"{what} {url:.80}: {lock} (the lock file autofp4 keeps beside the study) is {kind_of(lock)}, "
