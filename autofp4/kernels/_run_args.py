@@ -8,8 +8,8 @@ import torch
 
 def checked_x(x: torch.Tensor, packed: Any, n: int, k: int, fmt: str, dtype: torch.dtype) -> torch.Tensor:
     """``x`` as the kernel compiled for ``(n, k, fmt, dtype)`` reads it (contiguous, 16-byte aligned:
-    a copy where it is not); ``ValueError`` for a packed weight of another shape or format, or an
-    ``x`` that is not ``[M, k]`` of ``dtype``."""
+    a copy where it is not); ``ValueError`` for a packed weight (or an FP4Weight: anything with
+    ``n``, ``k``, ``fmt``) of another shape or format, or an ``x`` that is not ``[M, k]`` of ``dtype``."""
     if packed.n != n or packed.k != k or packed.fmt != fmt:
         raise ValueError(f"kernel compiled for n={n}, k={k}, {fmt}; got a packed weight n={packed.n}, "
                          f"k={packed.k}, {packed.fmt}")

@@ -25,6 +25,7 @@ import torch
 
 from ..problem import DTYPES, FORMATS
 from . import fp4_to_e4m3, fp8_act_quant
+from ._run_args import checked_x
 
 #: helper modules whose source is part of this path's (kernel cache key, DB provenance)
 KERNEL_SOURCES = ("autofp4.kernels.fp4_to_e4m3", "autofp4.kernels.fp8_act_quant", "autofp4.kernels._ptx")
@@ -104,10 +105,7 @@ def compile_kernel(cfg: W4A8CublasConfig, n: int, k: int, fmt: str, dtype: str) 
 
     def run(x: torch.Tensor, prep: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
         st = weight_state(prep)
-        if x.dtype != tdt or x.dim() != 2 or x.shape[1] != k:
-            raise ValueError(f"expected x [M, {k}] {tdt}, got {tuple(x.shape)} {x.dtype}")
-        if not x.is_contiguous() or x.data_ptr() % 16:
-            x = x.contiguous() if not x.is_contiguous() else x.clone()
+        x = checked_x(x, prep.weight, n, k, fmt, tdt)
         m = x.shape[0]
         if m == 0:
             return torch.empty(0, n, dtype=tdt, device=x.device)
