@@ -73,6 +73,15 @@ def _int_list_of(what: str, lo: int):
     return parse
 
 
+def _unique(parse):
+    """An argparse type: ``parse``'s list with repeats dropped (first occurrence kept)."""
+
+    def unique(text: str) -> list:
+        return list(dict.fromkeys(parse(text)))
+
+    return unique
+
+
 def _gpu_list(text: str) -> list[int]:
     return _int_list(text, "--gpus")
 
@@ -155,7 +164,7 @@ _NOT_COMPILED = ("reference",)
 #: ``--act``: the activations the tuned calls run with (FP8: the ``*_fp8`` ops, W4A8)
 ACTS = ("fp8",)
 LAYERS = ("linear", "moe")
-_ACT_HELP = ("tune the shapes as run with FP8 activations (act_dtype='fp8', W4A8: their own problems); "
+_ACT_HELP = ("{} the shapes as run with FP8 activations (act_dtype='fp8', W4A8: their own problems); "
              "default: the activations as given")
 _LM_HEAD_HELP = ("also the lm_head (vocab_size x hidden_size; for a model that runs it in FP4: "
                  "AUTOFP4_VLLM_LM_HEAD=1, quantize_model(..., skip=[]))")
@@ -190,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layout", choices=LAYOUTS, help=_LAYOUT_HELP)
     t.add_argument("--ops", type=_ops_list, metavar="OP,...", help="only these ops' shapes: linear, moe (default: both)")
     t.add_argument("--lm-head", action="store_true", help=_LM_HEAD_HELP)
-    t.add_argument("--act", choices=ACTS, help=_ACT_HELP)
+    t.add_argument("--act", choices=ACTS, help=_ACT_HELP.format("tune"))
     t.add_argument("--budget", type=_positive_int, metavar="N", help="trials per (shape, M)")
     t.add_argument("--time-budget", type=_time_budget, metavar="SECONDS",
                    help="wall-clock budget of the run, shared fairly by its jobs (default 900 on the GPU; 'none': no limit)")
@@ -242,13 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--topk", type=_positive_int, help="one MoE shape: experts per token")
     e.add_argument("--fmt", choices=FORMATS, help="default: a checkpoint's own format, else nvfp4")
     e.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    e.add_argument("--m", type=_int_list_of("--m", 1), default=[1, 16, 2048], metavar="M1,M2,...",
-                   help="token counts (default 1,16,2048)")
+    e.add_argument("--m", type=_unique(_int_list_of("--m", 1)), default=[1, 16, 2048], metavar="M1,M2,...",
+                   help="token counts (default 1,16,2048; a repeated one is explained once)")
     e.add_argument("--tp", type=_positive_int, help="tensor-parallel size (with --model; default 1)")
     e.add_argument("--ep", type=_positive_int, help="expert-parallel size (with --model; default 1)")
     e.add_argument("--layout", choices=LAYOUTS, help=_LAYOUT_HELP)
     e.add_argument("--ops", type=_ops_list, metavar="OP,...", help="only these ops' shapes: linear, moe (default: both)")
-    e.add_argument("--act", choices=ACTS, help=_ACT_HELP + " (with --model)")
+    e.add_argument("--act", choices=ACTS, help=_ACT_HELP.format("explain") + " (with --model)")
     e.add_argument("--db", metavar="PATH", help="tuning DB file (default: $AUTOFP4_DB or ~/.cache/autofp4/tuning.db)")
     e.add_argument("--device", help="the device the calls run on (default: cuda if available, else cpu)")
 
@@ -269,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--layout", choices=LAYOUTS, help=_LAYOUT_HELP)
     c.add_argument("--ops", type=_ops_list, metavar="OP,...", help="only these ops' shapes: linear, moe (default: both)")
     c.add_argument("--lm-head", action="store_true", help=_LM_HEAD_HELP)
-    c.add_argument("--act", choices=ACTS, help=_ACT_HELP)
+    c.add_argument("--act", choices=ACTS, help=_ACT_HELP.format("compile"))
     c.add_argument("--seeds", type=_nonneg_int, metavar="N",
                    help="also each job's first N tuner seeds and the winners other shapes keep at its M (what a tuning run tries first)")
     c.add_argument("--db", metavar="PATH", dest="warm_db",

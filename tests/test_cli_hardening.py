@@ -2,6 +2,7 @@
 each ends in one clear line naming the option, variable or file (exit 2), or is handled."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import sqlite3
@@ -71,6 +72,18 @@ def test_explain_refuses_a_shape_no_fp4_weight_has_and_a_device_not_here(tmp_pat
     assert rc == 2 and "--device meta: autofp4 runs on cuda or cpu" in err
     rc, out, _ = run(["explain", "--op", "linear", "--n", "64", "--k", "64", "--device", "cpu", "--db", tmp_path / "t.db"])
     assert rc == 0 and "N=64 K=64 M=1" in out
+
+
+def test_explain_explains_a_repeated_m_once_and_each_command_says_what_act_does(tmp_path):
+    rc, out, err = run(["explain", "--op", "linear", "--n", "64", "--k", "64", "--m", "16,16,3,16", "--device", "cpu",
+                        "--db", tmp_path / "t.db"])
+    assert rc == 0 and out.count("M=16 ") == 1 and out.count("M=3 ") == 1, out + err
+    for command, verb in (("tune", "tune"), ("explain", "explain"), ("cache", "compile")):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            _, out, _ = run([command, "--help"])
+        text = " ".join((buf.getvalue() + out).split())
+        assert f"{verb} the shapes as run with FP8 activations" in text, (command, text)
 
 
 def test_sqlites_in_memory_name_is_not_a_tuning_db(tmp_path, monkeypatch):
