@@ -61,6 +61,9 @@ class FP4Buffers(nn.Module):
             state_dict = {k: v for k, v in state_dict.items() if k not in wrong}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        for key in wrong:  # given, of the wrong dtype (said above): not missing too
+            while key in missing_keys:
+                missing_keys.remove(key)
         for stem in self._fp4_stems:
             if not any(f"{prefix}{stem}{part}" in state_dict for part in parts):
                 continue
@@ -335,6 +338,40 @@ class FP4LinearPart(_PackedWeight, nn.Module):
     def bias(self) -> Optional[torch.Tensor]:
         return None if self.fused.bias is None else self.fused.bias[self.rows]
 
+    @property
+    def act_dtype(self) -> Optional[str]:
+        """The activations this layer runs with: its fused layer's (one call runs every part)."""
+        return self.fused.act_dtype
+
+    @act_dtype.setter
+    def act_dtype(self, value: Optional[str]) -> None:
+        from .w4a8 import check_act_dtype
+
+        check_act_dtype(value, f"{type(self).__name__}.act_dtype")
+        if value == self.fused.act_dtype:
+            return  # what it runs already
+        raise AttributeError(f"FP4LinearPart.act_dtype: {self._describe_part()}, so it runs with that layer's "
+                             f"activations (act_dtype={self.fused.act_dtype!r}) and cannot have its own "
+                             f"{value!r}; set act_dtype on the FP4FusedLinear ({self._fused_label()}; all its parts "
+                             f"change), or call autofp4.set_activations(model, {value!r})")
+
+    def _fused_label(self) -> str:
+        """The fused layer, as its parent names it where the parts' names tell (``...qkv_proj``)."""
+        names = self.fused.part_names
+        stems = tuple(n.rpartition(".")[2] for n in names)
+        prefix = names[0].rpartition(".")[0]
+        for fused, parts in FUSED_PROJECTIONS:
+            if parts == stems and all(n.rpartition(".")[0] == prefix for n in names):
+                return f"{prefix}.{fused}" if prefix else fused
+        return "the module beside this one that holds it"
+
+    def _describe_part(self) -> str:
+        """This layer as a part: its name, its rows and the siblings its fused layer runs with it."""
+        f = self.fused
+        stems = [n.rpartition(".")[2] for n in f.part_names]
+        return (f"{f.part_names[self.index]} is rows {f.part_bounds[self.index]}:{f.part_bounds[self.index + 1]} of "
+                f"an FP4FusedLinear that computes all its parts ({', '.join(stems)}) in one call")
+
     def fp4_weight(self) -> FP4Weight:
         """This layer's FP4 weight: its rows of the fused one (views of its buffers)."""
         r = self.rows
@@ -505,6 +542,16 @@ def set_activations(model: nn.Module, act_dtype: Optional[str]) -> int:
         raise TypeError(f"set_activations: model must be a torch.nn.Module, got {_describe(model)}")
     check_act_dtype(act_dtype, "set_activations")
     layers = [m for m in model.modules() if isinstance(m, FP4Buffers)]
+    owned = {id(m) for m in layers}
+    stray = next(((n, m) for n, m in model.named_modules()
+                  if isinstance(m, FP4LinearPart) and id(m.fused) not in owned), None)
+    if stray is not None:  # a part runs as its fused layer does, which this call would not reach
+        name, part = stray
+        where = "the module given is an FP4LinearPart" if not name else f"{name} is an FP4LinearPart"
+        raise ValueError(f"set_activations: {where} ({part._describe_part()}), and that fused layer is not in the "
+                         f"module given, so its activations cannot change here; call set_activations on a module "
+                         f"that holds the fused layer ({part._fused_label()}), such as the model, or set act_dtype "
+                         "on the fused layer itself (all its parts change)")
     if not layers:
         raise ValueError("set_activations: the model has no FP4 layer (quantize it first: autofp4.quantize_model, "
                          "or load an FP4 checkpoint with autofp4.from_pretrained)")

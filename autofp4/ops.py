@@ -222,6 +222,75 @@ def _linear_fp8_fake(x, data, scale, global_scale, bias, fmt, min_m):
     return x.new_empty(*x.shape[:-1], data.shape[-2])
 
 
+# Gradients (the weights are frozen): x, the bias (and a MoE layer's router weights and biases)
+# get the gradient of the call with x's dtype on the dequantized weight, ``grad_x = grad_out @
+# dequantize(W)`` (in float32), the bias ``grad_out`` summed over the rows; the FP8 calls' the
+# same, straight through their FP8 quantizations (taken as the identity, as quantization-aware
+# training does; their own derivative is 0 almost everywhere). Eager calls that need one run
+# under _LinearGrad / _MoeGrad (a call without gradients runs as before); the custom ops have the
+# same backward (register_autograd), for torch.compile.
+def _linear_grad_x(grad: torch.Tensor, w: FP4Weight) -> torch.Tensor:
+    """``grad [..., N] @ dequantize(w) [N, K]`` in float32, returned in grad's dtype."""
+    g2 = grad.reshape(-1, w.n).float()
+    return (g2 @ w.dequantize(torch.float32)).to(grad.dtype).reshape(*grad.shape[:-1], w.k)
+
+
+def _bias_grad(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bias's gradient: ``grad [..., N]`` summed over its rows (in float32), in the bias's dtype."""
+    return grad.reshape(-1, grad.shape[-1]).sum(0, dtype=torch.float32).to(dtype)
+
+
+@torch.library.custom_op("autofp4::linear_grad_x", mutates_args=())
+def _linear_grad_x_op(
+    grad: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, global_scale: Optional[torch.Tensor], fmt: str
+) -> torch.Tensor:
+    return _linear_grad_x(grad, _weight_from_tensors(data, scale, global_scale, fmt))
+
+
+@_linear_grad_x_op.register_fake
+def _linear_grad_x_fake(grad, data, scale, global_scale, fmt):
+    return grad.new_empty(*grad.shape[:-1], data.shape[-1] * 2)
+
+
+def _linear_fp8_setup(ctx, inputs, output):
+    x, data, scale, global_scale, bias, fmt, _min_m = inputs
+    ctx.save_for_backward(data, scale, global_scale)
+    ctx.fmt = fmt
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _linear_fp8_backward(ctx, grad):
+    data, scale, global_scale = ctx.saved_tensors
+    gx = torch.ops.autofp4.linear_grad_x(grad, data, scale, global_scale, ctx.fmt) if ctx.needs_input_grad[0] else None
+    gb = _bias_grad(grad, ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[4] else None
+    return gx, None, None, None, gb, None, None
+
+
+_linear_fp8_op.register_autograd(_linear_fp8_backward, setup_context=_linear_fp8_setup)
+
+
+class _LinearGrad(torch.autograd.Function):
+    """An eager linear call whose x or bias needs a gradient (above); ``min_m`` None: x's dtype,
+    else the FP8 call's."""
+
+    @staticmethod
+    def forward(ctx, x, bias, w, min_m):
+        out = _linear_impl(x, w, bias) if min_m is None else _linear_fp8_impl(x, w, bias, min_m)
+        ctx.w = w
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gx = _linear_grad_x(grad, ctx.w) if ctx.needs_input_grad[0] else None
+        gb = _bias_grad(grad, ctx.bias_dtype) if ctx.needs_input_grad[1] else None
+        return gx, gb, None, None
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 @torch.library.custom_op("autofp4::linear", mutates_args=())
 def _linear_op(
     x: torch.Tensor,
@@ -239,6 +308,10 @@ def _linear_fake(x, data, scale, global_scale, bias, fmt):
     return x.new_empty(*x.shape[:-1], data.shape[-2])
 
 
+_linear_op.register_autograd(lambda ctx, grad: _linear_fp8_backward(ctx, grad)[:6],
+                             setup_context=lambda ctx, inputs, output: _linear_fp8_setup(ctx, (*inputs, 0), output))
+
+
 def linear(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor] = None, *,
            act_dtype: Optional[str] = None) -> torch.Tensor:
     """``x @ W^T + bias`` with an FP4 weight ``W`` [N, K]; x [..., K] bf16/fp16 -> [..., N].
@@ -252,7 +325,9 @@ def linear(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor] = None, *
     ``act_dtype="fp8"`` (opt-in, it changes the numerics) quantizes x to FP8 E4M3 per token and
     runs the product on FP8 tensor cores (W4A8, :mod:`autofp4.w4a8`); ``"fp8-prefill"`` does so
     from :data:`autofp4.w4a8.PREFILL_MIN_ROWS` rows of x and keeps x's dtype below; None (the
-    default) keeps x's dtype."""
+    default) keeps x's dtype. Its gradient (x or bias requiring grad) goes straight through the
+    FP8 quantization: ``grad_x = grad_out @ dequantize(W)``, as with x's dtype (the rounding
+    itself has derivative 0 almost everywhere, which would leave x without a useful gradient)."""
     if not isinstance(w, FP4Weight):
         raise TypeError(f"linear: w must be an FP4Weight (see autofp4.quantize), got {_describe(w)}")
     if act_dtype is not None:
@@ -263,12 +338,16 @@ def linear(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor] = None, *
             _check_tensor_args("linear", x=x, bias=bias)
             return torch.ops.autofp4.linear_fp8(x, w.data, w.scale, w.global_scale, bias, w.fmt, min_m)
         _register(w)
+        if _needs_grad(x, bias):
+            return _LinearGrad.apply(x, bias, w, min_m)
         return _linear_fp8_impl(x, w, bias, min_m)
     if torch.compiler.is_compiling():
         # traced once: the Python types here, the shapes in the op when it runs
         _check_tensor_args("linear", x=x, bias=bias)
         return torch.ops.autofp4.linear(x, w.data, w.scale, w.global_scale, bias, w.fmt)
     _register(w)
+    if _needs_grad(x, bias):
+        return _LinearGrad.apply(x, bias, w, None)
     return _linear_impl(x, w, bias)
 
 
@@ -427,6 +506,142 @@ def _moe_fp8_fake(x, *args):
     return torch.empty_like(x)
 
 
+def _act_and_grad(g: torch.Tensor, dh: Optional[torch.Tensor], activation: str):
+    """``h = act(gate, up)`` of the up product ``g = [gate, up]`` (float32, as
+    :mod:`autofp4.kernels._moe_act` defines the activations), and with ``dh`` (the gradient of h)
+    the gradient of g; written out, so the backward of a custom op needs no autograd."""
+    gate, up = g.chunk(2, dim=-1)
+    if activation == "swigluoai":
+        from .kernels._moe_act import SWIGLU_ALPHA as alpha, SWIGLU_LIMIT as lim
+
+        gc, uc = gate.clamp(max=lim), up.clamp(-lim, lim)
+        s = torch.sigmoid(alpha * gc)
+        a, da = gc * s, (s + alpha * gc * s * (1 - s)) * (gate <= lim)
+        b, db = uc + 1, ((up >= -lim) & (up <= lim)).float()
+    elif activation == "gelu":
+        c = 0.7978845608028654  # sqrt(2 / pi), the tanh-GELU's
+        t = torch.tanh(c * (gate + 0.044715 * gate ** 3))
+        a, da = 0.5 * gate * (1 + t), 0.5 * (1 + t) + 0.5 * gate * (1 - t * t) * c * (1 + 3 * 0.044715 * gate * gate)
+        b, db = up, None
+    elif activation == "silu":
+        s = torch.sigmoid(gate)
+        a, da = gate * s, s * (1 + gate * (1 - s))
+        b, db = up, None
+    else:
+        raise ValueError(f"moe: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if dh is None:
+        return a * b, None
+    return a * b, torch.cat((dh * b * da, dh * a if db is None else dh * a * db), dim=-1)
+
+
+def _moe_grads(grad, x, w13, w2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias, needs):
+    """The straight-through gradients of an FP8 MoE call (see :func:`_linear_grad_x`): those of
+    the layer with x's dtype, the FP8 quantizations of x and of the activations between the GEMMs
+    taken as the identity, on the dequantized weights in float32, one expert at a time.
+    ``needs``: for (x, topk_weights, w13_bias, w2_bias), whether each needs one; returns the four
+    (None where not needed)."""
+    gf = grad.float()
+    gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if needs[0] else None
+    gtw = torch.zeros(topk_ids.shape, dtype=torch.float32, device=x.device) if needs[1] else None
+    g13 = torch.zeros(w13_bias.shape, dtype=torch.float32, device=x.device) if needs[2] and w13_bias is not None else None
+    g2 = torch.zeros(w2_bias.shape, dtype=torch.float32, device=x.device) if needs[3] and w2_bias is not None else None
+    ids = topk_ids.long()
+    if expert_map is not None:
+        ids = expert_map.to(device=x.device, dtype=torch.long)[ids]
+    for e in ids.unique().tolist():
+        if e < 0:
+            continue  # another rank's expert
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        q13, q2 = w13.expert(e).dequantize(torch.float32), w2.expert(e).dequantize(torch.float32)
+        up = x[tok].float() @ q13.T
+        if w13_bias is not None:
+            up = up + w13_bias[e].float()
+        tw = topk_weights[tok, slot].float()[:, None]
+        dy = gf[tok] * tw  # the gradient of the expert's output y
+        h, dup = _act_and_grad(up, dy @ q2, activation)
+        if gtw is not None:
+            y = h @ q2.T
+            if w2_bias is not None:
+                y = y + w2_bias[e].float()
+            gtw[tok, slot] = (gf[tok] * y).sum(-1)
+        if g2 is not None:
+            g2[e] = dy.sum(0)
+        if g13 is not None:
+            g13[e] = dup.sum(0)
+        if gx is not None:
+            gx.index_add_(0, tok, dup @ q13)
+    return tuple(None if g is None else g.to(ref.dtype)
+                 for g, ref in zip((gx, gtw, g13, g2), (x, topk_weights, w13_bias, w2_bias)))
+
+
+@torch.library.custom_op("autofp4::moe_grad", mutates_args=())
+def _moe_grad_op(
+    grad: torch.Tensor, x: torch.Tensor, w13_data: torch.Tensor, w13_scale: torch.Tensor,
+    w13_gs: Optional[torch.Tensor], w2_data: torch.Tensor, w2_scale: torch.Tensor, w2_gs: Optional[torch.Tensor],
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, fmt: str, activation: str,
+    expert_map: Optional[torch.Tensor], w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
+) -> list[torch.Tensor]:
+    """The gradients of x, topk_weights, w13_bias and w2_bias (an absent bias: an empty tensor)."""
+    w13 = _weight_from_tensors(w13_data, w13_scale, w13_gs, fmt)
+    w2 = _weight_from_tensors(w2_data, w2_scale, w2_gs, fmt)
+    needs = (True, True, w13_bias is not None, w2_bias is not None)
+    got = _moe_grads(grad, x, w13, w2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias, needs)
+    return [x.new_empty(0) if g is None else g for g in got]
+
+
+@_moe_grad_op.register_fake
+def _moe_grad_fake(grad, x, w13_data, w13_scale, w13_gs, w2_data, w2_scale, w2_gs, topk_weights, topk_ids,
+                       fmt, activation, expert_map, w13_bias, w2_bias):
+    return [torch.empty_like(x), torch.empty_like(topk_weights)] + [
+        x.new_empty(0) if b is None else torch.empty_like(b) for b in (w13_bias, w2_bias)]
+
+
+def _moe_fp8_setup(ctx, inputs, output):
+    (x, w13_data, w13_scale, w13_gs, w2_data, w2_scale, w2_gs, topk_weights, topk_ids, fmt, activation, expert_map,
+     w13_bias, w2_bias, _min_rows) = inputs
+    ctx.save_for_backward(x, w13_data, w13_scale, w13_gs, w2_data, w2_scale, w2_gs, topk_weights, topk_ids,
+                          expert_map, w13_bias, w2_bias)
+    ctx.fmt, ctx.activation = fmt, activation
+
+
+def _moe_fp8_backward(ctx, grad):
+    (x, w13_data, w13_scale, w13_gs, w2_data, w2_scale, w2_gs, topk_weights, topk_ids, expert_map, w13_bias,
+     w2_bias) = ctx.saved_tensors
+    gx, gtw, g13, g2 = torch.ops.autofp4.moe_grad(grad, x, w13_data, w13_scale, w13_gs, w2_data, w2_scale, w2_gs,
+                                                  topk_weights, topk_ids, ctx.fmt, ctx.activation, expert_map,
+                                                  w13_bias, w2_bias)
+    n = ctx.needs_input_grad
+    return (gx if n[0] else None, None, None, None, None, None, None, gtw if n[7] else None, None, None, None, None,
+            g13 if w13_bias is not None and n[12] else None, g2 if w2_bias is not None and n[13] else None, None)
+
+
+_moe_fp8_op.register_autograd(_moe_fp8_backward, setup_context=_moe_fp8_setup)
+
+
+class _MoeGrad(torch.autograd.Function):
+    """An eager MoE call from given routing whose x, topk_weights or a bias needs a gradient
+    (:func:`_moe_grads`); ``min_rows`` None: x's dtype, else the FP8 call's."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, w13_bias, w2_bias, w13, w2, topk_ids, activation, expert_map, min_rows):
+        if min_rows is None:
+            out = _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=expert_map, w13_bias=w13_bias,
+                            w2_bias=w2_bias)
+        else:
+            out = _moe_fp8_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias,
+                                min_rows)
+        ctx.save_for_backward(x, topk_weights, w13_bias, w2_bias, topk_ids, expert_map)
+        ctx.w13, ctx.w2, ctx.activation = w13, w2, activation
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, topk_weights, w13_bias, w2_bias, topk_ids, expert_map = ctx.saved_tensors
+        grads = _moe_grads(grad, x, ctx.w13, ctx.w2, topk_weights, topk_ids, ctx.activation, expert_map, w13_bias,
+                           w2_bias, ctx.needs_input_grad[:4])
+        return (*grads, None, None, None, None, None, None)
+
+
 def _check_moe_router(x, w13, router_logits, topk_weights, topk_ids, expert_map, correction_bias) -> None:
     """A MoE call that routes from ``router_logits``: the weights and the logits' shape."""
     if topk_weights is not None or topk_ids is not None:
@@ -495,6 +710,36 @@ def _moe_op(
 @_moe_op.register_fake
 def _moe_fake(x, *args, **kwargs):
     return torch.empty_like(x)
+
+
+def _moe_setup(ctx, inputs, output):
+    (x, w13_data, w13_scale, w13_gs, w2_data, w2_scale, w2_gs, topk_weights, topk_ids, fmt, activation, expert_map,
+     w13_bias, w2_bias, router_logits, correction_bias, *route_args) = inputs
+    ctx.save_for_backward(x, w13_data, w13_scale, w13_gs, w2_data, w2_scale, w2_gs, topk_weights, topk_ids,
+                          expert_map, w13_bias, w2_bias, router_logits, correction_bias)
+    ctx.fmt, ctx.activation, ctx.route_args = fmt, activation, route_args
+
+
+def _moe_backward(ctx, grad):
+    """The op's backward (:func:`_moe_grads`); from router logits, the routing computed again (no
+    gradient reaches the logits through the compiled op)."""
+    (x, w13_data, w13_scale, w13_gs, w2_data, w2_scale, w2_gs, topk_weights, topk_ids, expert_map, w13_bias,
+     w2_bias, router_logits, correction_bias) = ctx.saved_tensors
+    if router_logits is not None:
+        top_k, scoring, renormalize, n_group, topk_group, scaling = ctx.route_args
+        topk_weights, topk_ids = route(router_logits, top_k, renormalize, scoring=scoring,
+                                       correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
+                                       routed_scaling_factor=scaling)
+    gx, gtw, g13, g2 = torch.ops.autofp4.moe_grad(grad, x, w13_data, w13_scale, w13_gs, w2_data, w2_scale, w2_gs,
+                                                  topk_weights, topk_ids, ctx.fmt, ctx.activation, expert_map,
+                                                  w13_bias, w2_bias)
+    n = ctx.needs_input_grad
+    return (gx if n[0] else None, *[None] * 6, gtw if router_logits is None and n[7] else None, *[None] * 4,
+            g13 if w13_bias is not None and n[12] else None, g2 if w2_bias is not None and n[13] else None,
+            *[None] * 8)
+
+
+_moe_op.register_autograd(_moe_backward, setup_context=_moe_setup)
 
 
 #: moe()'s routing arguments (used with router_logits) and their defaults, in signature order
@@ -578,7 +823,9 @@ def moe(
     between the two GEMMs, to FP8 E4M3 per row and runs both GEMMs on FP8 tensor cores (W4A8,
     :mod:`autofp4.w4a8`); ``"fp8-prefill"`` does so where the experts get
     :data:`autofp4.w4a8.PREFILL_MIN_ROWS` rows each on average and keeps x's dtype below; None
-    (the default) keeps x's dtype."""
+    (the default) keeps x's dtype. Its gradients (x, topk_weights or a bias requiring grad) go
+    straight through both FP8 quantizations: those of the layer with x's dtype, computed on the
+    dequantized weights in float32 (as :func:`linear`'s)."""
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, FP4Weight):
             raise TypeError(f"moe: {name} must be an FP4Weight, got {_describe(w)}")
@@ -606,6 +853,9 @@ def moe(
                 topk_ids, w13.fmt, activation, expert_map, w13_bias, w2_bias, min_rows)
         _register(w13)
         _register(w2)
+        if _needs_grad(x, topk_weights, w13_bias, w2_bias):
+            return _MoeGrad.apply(x, topk_weights, w13_bias, w2_bias, w13, w2, topk_ids, activation, expert_map,
+                                  min_rows)
         return _moe_fp8_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias,
                              min_rows)
     if torch.compiler.is_compiling():
@@ -622,6 +872,13 @@ def moe(
         )
     _register(w13)
     _register(w2)
+    if _needs_grad(x, topk_weights, w13_bias, w2_bias, router_logits):
+        if router_logits is not None:  # routed first: the router weights' gradient flows where route's does
+            _check_moe_router(x, w13, router_logits, topk_weights, topk_ids, expert_map, correction_bias)
+            topk_weights, topk_ids = route(router_logits, top_k, renormalize, scoring=scoring,
+                                           correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
+                                           routed_scaling_factor=routed_scaling_factor)
+        return _MoeGrad.apply(x, topk_weights, w13_bias, w2_bias, w13, w2, topk_ids, activation, expert_map, None)
     spec = None
     if router_logits is not None:
         spec = _router_spec(router_logits, top_k, scoring, renormalize, n_group, topk_group, routed_scaling_factor)

@@ -4,7 +4,9 @@
 Opt-in: the activations are quantized to E4M3 per token and the FP4 weights converted to E4M3
 (exactly for MXFP4, rounded once for NVFP4: :mod:`autofp4.kernels.sm90_w4a8_gemm`), so results
 differ from the bf16-activation path by about the FP8 rounding of x (a few percent of the
-output's norm). Nothing switches to it by itself, and it never switches back silently.
+output's norm). Nothing switches to it by itself, and it never switches back silently. Gradients
+(x, a bias or the router weights requiring grad) go straight through the FP8 quantizations: those
+of the call with x's dtype, on the dequantized weights (see :func:`autofp4.linear`).
 
 The calls are their own problems (ops ``linear_fp8`` and ``moe_fp8`` in the tuning DB's keys),
 dispatched like the others: on a Hopper GPU with CuTeDSL the ``sm90_w4a8`` backend (the

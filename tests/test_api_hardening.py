@@ -1037,3 +1037,205 @@ def test_wrong_python_types_under_torch_compile(gen):
         torch._dynamo.reset()
         with pytest.raises(Exception, match=rf"\b{name} must be"):
             torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+
+
+# ------------------------------------------------------------------ the thirty-second adversarial set
+def _compiled(f):
+    torch._dynamo.reset()
+    return torch.compile(f, backend="aot_eager", fullgraph=True)
+
+
+@pytest.mark.parametrize("act_dtype", [None, "fp8"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_gradient_goes_straight_through_the_fp8_rounding(fmt, act_dtype, gen):
+    """linear(act_dtype="fp8") with x (and the bias) requiring grad: the gradient is the one of
+    the call with x's dtype, ``grad @ W`` (and the bias's: grad summed over the rows), eagerly, as
+    an FP4Linear's and under torch.compile (the custom op's backward); with x's dtype the same.
+    Backward used to go through the per-token E4M3 rounding (derivative 0): x's gradient was zero
+    but for the amax element of each row, and the compiled calls had no backward at all."""
+    n, k = 32 * (1 + int(torch.randint(3, (1,), generator=gen))), 64
+    w = autofp4.quantize(rand_w(gen, n, k), fmt)
+    x0, b0 = rand_w(gen, 2, 5, k, dtype=torch.bfloat16), rand_w(gen, n, dtype=torch.bfloat16)
+    gy = rand_w(gen, 2, 5, n, dtype=torch.bfloat16)
+    want_x = gy.double() @ dense64(w)
+    want_b = gy.double().sum((0, 1))
+    layer = autofp4.FP4Linear(w, b0)
+    layer.bias.requires_grad_(True)
+    layer.act_dtype = act_dtype
+    runs = {"eager": lambda x, b: autofp4.linear(x, w, b, act_dtype=act_dtype),
+            "compiled": _compiled(lambda x, b: autofp4.linear(x, w, b, act_dtype=act_dtype)),
+            "FP4Linear": lambda x, b: layer(x),
+            "FP4Linear compiled": _compiled(lambda x, b: layer(x))}
+    if act_dtype:
+        runs["fp8-prefill (bf16 below its rows)"] = lambda x, b: autofp4.linear(x, w, b, act_dtype="fp8-prefill")
+    for label, f in runs.items():
+        x, b = x0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+        layer.bias.grad = None
+        y = f(x, b)
+        assert y.requires_grad, label
+        y.backward(gy)
+        assert_close(x.grad, want_x, torch.bfloat16)
+        assert int((x.grad == 0).sum()) < x.numel() // 4, (label, x.grad)
+        assert_close(layer.bias.grad if label.startswith("FP4Linear") else b.grad, want_b, torch.bfloat16)
+    with torch.no_grad():  # nothing for autograd without gradients: the plain call
+        assert not autofp4.linear(x0.clone().requires_grad_(True), w, act_dtype="fp8").requires_grad
+
+
+def _moe64_autograd(x, w13, w2, tw, ti, act, b13, b2):
+    """The MoE layer in float64 on leaves that autograd differentiates (moe64 with biases)."""
+    a13, a2 = dense64(w13), dense64(w2)
+    inter = a2.shape[-1]
+    rows = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros(x.shape[1], dtype=torch.float64)
+        for j in range(ti.shape[1]):
+            e = int(ti[t, j])
+            gu = a13[e] @ x[t] + b13[e]
+            g, u = gu[:inter], gu[inter:]
+            if act == "silu":
+                h = g / (1 + torch.exp(-g)) * u
+            else:
+                h = 0.5 * g * (1 + torch.tanh(0.7978845608028654 * (g + 0.044715 * g**3))) * u
+            acc = acc + tw[t, j] * (a2[e] @ h + b2[e])
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("act_dtype", [None, "fp8"])
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_moe_gradient_goes_straight_through_the_fp8_roundings(act, act_dtype, gen):
+    """moe(act_dtype="fp8") with x, the router weights and the biases requiring grad: the
+    gradients are those of the layer with x's dtype (both FP8 quantizations taken as the
+    identity), eagerly and under torch.compile, and with x's dtype the same (from router logits
+    too: x's gradient, routed as given); they were the derivative of the roundings (x's zero but
+    for one element per row)."""
+    fmt = FORMATS[int(torch.randint(2, (1,), generator=gen))]
+    e, h, inter, t, top_k = 3, 64, 32, 6, 2
+    w13 = autofp4.quantize(rand_w(gen, e, 2 * inter, h), fmt)
+    w2 = autofp4.quantize(rand_w(gen, e, h, inter), fmt)
+    x0 = rand_w(gen, t, h, dtype=torch.bfloat16)
+    tw0, ti = autofp4.route(rand_w(gen, t, e), top_k)
+    b13, b2 = rand_w(gen, e, 2 * inter), rand_w(gen, e, h, dtype=torch.bfloat16)
+    gy = rand_w(gen, t, h, dtype=torch.bfloat16)
+    leaves = [v.double().requires_grad_(True) for v in (x0, tw0, b13, b2)]
+    ref = _moe64_autograd(leaves[0], w13, w2, leaves[1], ti, act, leaves[2], leaves[3])
+    want = torch.autograd.grad(ref, leaves, gy.double())
+
+    def call(x, tw, bb13, bb2):
+        return autofp4.moe(x, w13, w2, tw, ti, act, w13_bias=bb13, w2_bias=bb2, act_dtype=act_dtype)
+
+    for label, f in (("eager", call), ("compiled", _compiled(call))):
+        args = [v.clone().requires_grad_(True) for v in (x0, tw0, b13, b2)]
+        f(*args).backward(gy)
+        for name, a, wnt in zip(("x", "topk_weights", "w13_bias", "w2_bias"), args, want):
+            assert a.grad is not None, (label, name)
+            assert_close(a.grad, wnt, a.dtype, 2e-2)
+        assert int((args[0].grad == 0).sum()) < x0.numel() // 4, (label, args[0].grad)
+    logits = rand_w(gen, t, e)
+    tw_l, ti_l = autofp4.route(logits, top_k)
+    ref = _moe64_autograd(leaves[0], w13, w2, tw_l.double(), ti_l, act, leaves[2], leaves[3])
+    want_x = torch.autograd.grad(ref, leaves[0], gy.double())[0]
+
+    def from_logits(x, lg):
+        return autofp4.moe(x, w13, w2, activation=act, w13_bias=b13, w2_bias=b2, router_logits=lg, top_k=top_k,
+                           act_dtype=act_dtype)
+
+    for label, f in (("eager, logits", from_logits), ("compiled, logits", _compiled(from_logits))):
+        x = x0.clone().requires_grad_(True)
+        f(x, logits.clone().requires_grad_(True)).backward(gy)
+        assert_close(x.grad, want_x, x.dtype, 2e-2)
+
+
+class _Attn(nn.Module):
+    """q/k/v projections that quantize_model fuses into one ``qkv_proj``, and an ``o_proj``."""
+
+    def __init__(self, gen):
+        super().__init__()
+        self.q_proj = nn.Linear(64, 64, bias=False, dtype=torch.bfloat16)
+        self.k_proj = nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+        self.v_proj = nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+        self.o_proj = nn.Linear(64, 64, bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+
+
+def _fused_attn(gen) -> nn.Module:
+    model = nn.Module()
+    model.attn = _Attn(gen)
+    rep = autofp4.quantize_model(model, "nvfp4")
+    assert rep.fused == {"attn.qkv_proj": ["attn.q_proj", "attn.k_proj", "attn.v_proj"]}, rep.fused
+    return model
+
+
+def test_act_dtype_of_a_fused_part_is_its_fused_layers(gen):
+    """An FP4LinearPart's act_dtype is its FP4FusedLinear's (one call runs every part): reading it
+    says what the part runs; setting another value is refused, naming the fused layer to set
+    (it used to be stored as a plain attribute with no effect, "int8" included); setting the
+    fused layer's changes the part."""
+    model = _fused_attn(gen)
+    q, fused = model.attn.q_proj, model.attn.qkv_proj
+    assert type(q).__name__ == "FP4LinearPart"
+    x = rand_w(gen, 4, 64, dtype=torch.bfloat16)
+    y0 = q(x)
+    assert q.act_dtype is None
+    q.act_dtype = None  # what it runs: accepted
+    with pytest.raises(AttributeError) as info:
+        q.act_dtype = "fp8"
+    msg = str(info.value)
+    assert ("attn.q_proj is rows 0:64 of an FP4FusedLinear that computes all its parts (q_proj, k_proj, v_proj)" in msg
+            and "set act_dtype on the FP4FusedLinear (attn.qkv_proj" in msg
+            and "autofp4.set_activations(model, 'fp8')" in msg), msg
+    with pytest.raises(ValueError, match=r"FP4LinearPart.act_dtype: act_dtype must be None, 'fp8' or 'fp8-prefill', "
+                                         r"got 'int8'"):
+        q.act_dtype = "int8"
+    assert "act_dtype" not in q.__dict__ and fused.act_dtype is None and q.act_dtype is None
+    assert torch.equal(q(x), y0)
+    fused.act_dtype = "fp8"
+    assert q.act_dtype == "fp8" and model.attn.v_proj.act_dtype == "fp8"
+    y8 = q(x)
+    assert torch.equal(y8, autofp4.linear(x, fused.fp4_weight(), act_dtype="fp8")[:, :64])
+    assert not torch.equal(y8, y0)
+    q.act_dtype = "fp8"  # now what it runs
+    with pytest.raises(AttributeError, match=r"act_dtype='fp8'\) and cannot have its own None"):
+        q.act_dtype = None
+
+
+def test_set_activations_on_a_fused_part_names_its_fused_layer(gen):
+    """set_activations(an FP4LinearPart) said "the model has no FP4 layer (quantize it first ...)"
+    of an FP4 layer: now it names the part and the fused layer that runs it, and changes nothing;
+    on a module holding the fused layer it switches the part too."""
+    model = _fused_attn(gen)
+    q = model.attn.q_proj
+    with pytest.raises(ValueError) as info:
+        autofp4.set_activations(q, "fp8")
+    msg = str(info.value)
+    assert "no FP4 layer" not in msg and "quantize it first" not in msg, msg
+    assert ("the module given is an FP4LinearPart (attn.q_proj is rows 0:64 of an FP4FusedLinear" in msg
+            and "call set_activations on a module that holds the fused layer (attn.qkv_proj)" in msg), msg
+    assert model.attn.qkv_proj.act_dtype is None
+    assert autofp4.set_activations(model.attn, "fp8") == 2  # qkv_proj and o_proj
+    assert q.act_dtype == "fp8" and model.attn.o_proj.act_dtype == "fp8"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_fp4_tensor_of_the_wrong_dtype_is_not_also_called_missing(fmt, gen):
+    """load_state_dict with the block scales present but of another dtype: one error, the dtype's,
+    not also "Missing key(s) ... weight_scale" for a key that is in the dict (strict or not, in a
+    layer at the top or inside a model); the buffer keeps its values."""
+    w = autofp4.quantize(rand_w(gen, 32, 64), fmt)
+    for model in (autofp4.FP4Linear(w), nn.Sequential(nn.Identity(), autofp4.FP4Linear(w))):
+        prefix = "" if isinstance(model, autofp4.FP4Linear) else "1."
+        layer = model if not prefix else model[1]
+        before = layer.weight_scale.clone()
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+        key = f"{prefix}weight_scale"
+        wrong = torch.int8 if sd[key].dtype == torch.uint8 else torch.uint8
+        sd[key] = sd[key].view(wrong)
+        for strict in (True, False):
+            with pytest.raises(RuntimeError) as info:
+                model.load_state_dict(sd, strict=strict)
+            msg = str(info.value)
+            assert "Missing key" not in msg and "missing" not in msg.lower(), msg
+            assert f"{key}: stored as {wrong}, but the layer's buffer is {before.dtype}" in msg, msg
+        assert torch.equal(layer.weight_scale.view(torch.uint8), before.view(torch.uint8))

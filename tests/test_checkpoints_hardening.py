@@ -951,3 +951,61 @@ def test_the_transformers_path_refuses_a_norm_stored_as_integers(tmp_path, seed)
     with pytest.raises(ValueError, match=r"'model.norm.weight' is stored as U8 \(quantized\?\), but the model's "
                                          r"parameter is floating point"):
         transformers.AutoModelForCausalLM.from_pretrained(ck, dtype=torch.bfloat16)
+
+
+# -- the thirty-second adversarial set -------------------------------------------------------------
+def test_a_ct_kv_cache_scheme_is_warned_about_once(tmp_path, seed):
+    """A compressed-tensors kv_cache_scheme (an FP8 KV cache) is said once, as ModelOpt's
+    kv_cache_quant_algo is: autofp4 does not apply it (it loaded without a word); one that is no
+    object is refused, naming it."""
+    import warnings
+
+    path = _checkpoint(tmp_path / "ck", "llama", "compressed-tensors", seed)
+    bits = random.Random(seed).choice([8, 4])
+    for value, n in ((None, 0), ({"num_bits": bits, "type": "float", "strategy": "tensor", "dynamic": False}, 1),
+                     ({"strategy": "tensor"}, 1)):
+        _edit(path / "config.json", lambda d: d["quantization_config"].update(kv_cache_scheme=value))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            autofp4.from_pretrained(path)
+        kv = [str(w.message) for w in caught if "kv_cache" in str(w.message)]
+        assert len(kv) == n, kv
+        if n:
+            assert kv[0].startswith("autofp4: config.json quantization_config: kv_cache_scheme asks for "), kv[0]
+            assert "which autofp4 does not apply: the model's KV cache stays in the model's dtype" in kv[0], kv[0]
+            what = f"a KV cache in {bits}-bit float" if "num_bits" in value else "a quantized KV cache ({\"strategy\""
+            assert what in kv[0], kv[0]
+    _edit(path / "config.json", lambda d: d["quantization_config"].update(kv_cache_scheme=[8]))
+    with pytest.raises(ValueError, match=r"config.json quantization_config: kv_cache_scheme must be an object "
+                                         r"\(num_bits, type, strategy, \.\.\.\) or null, got \[8\]"):
+        autofp4.from_pretrained(path)
+
+
+def test_ct_output_activations_are_warned_about_as_input_activations_are(tmp_path, seed):
+    """A compressed-tensors group's output_activations (quantized layer outputs) is said once, as
+    its input_activations is (it was dropped without a word); the layers' outputs are those of the
+    checkpoint without it; one that is no object is refused, naming it."""
+    import warnings
+
+    path = _checkpoint(tmp_path / "ck", "llama", "compressed-tensors", seed)
+    plain = autofp4.from_pretrained(path)
+    ids = torch.randint(0, plain.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        want = plain(ids).logits
+    group = lambda d: d["quantization_config"]["config_groups"]["group_0"]  # noqa: E731
+    bits = random.Random(seed).choice([8, 4])
+    _edit(path / "config.json", lambda d: group(d).update(output_activations={"num_bits": bits, "type": "float"},
+                                                          input_activations=None))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = autofp4.from_pretrained(path)
+    said = [str(w.message) for w in caught if "activations" in str(w.message)]
+    assert said == [f"autofp4: config.json quantization_config config_groups['group_0'].output_activations asks for "
+                    f"{bits}-bit float output activations, which loading does not apply: the layers' outputs stay in "
+                    "the model's dtype (autofp4 has no output quantization)"], said
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+    _edit(path / "config.json", lambda d: group(d).update(output_activations="fp8"))
+    with pytest.raises(ValueError, match=r"config_groups\['group_0'\]\.output_activations must be an object or null, "
+                                         r"got 'fp8'"):
+        autofp4.from_pretrained(path)

@@ -418,7 +418,8 @@ def _ct_scheme(q: Mapping, source: str) -> _Scheme:
                 why = " (an asymmetric scheme has zero points, which FP4 weights have not)" if k == "symmetric" else ""
                 raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}].weights.{k} is {w[k]!r}, "
                                  f"{_CT_FORMATS[fmt]} ({fmt}) needs {want!r}{why}")
-        _warn_input_activations(g.get("input_activations"), f"{source} config_groups[{gname!r}]")
+        for side in ("input", "output"):
+            _warn_activations(g.get(f"{side}_activations"), f"{source} config_groups[{gname!r}]", side)
         group_targets = _str_list(g.get("targets"), f"{source} config_groups[{gname!r}].targets")
         if "targets" in g and not group_targets:
             raise ValueError(f"{_WHAT}: {source}: config_groups[{gname!r}].targets is empty: the group quantizes no "
@@ -432,19 +433,24 @@ def _ct_scheme(q: Mapping, source: str) -> _Scheme:
     return scheme
 
 
-def _warn_input_activations(acts: Any, where: str) -> None:
+def _warn_activations(acts: Any, where: str, side: str) -> None:
     """A compressed-tensors group that quantizes its input activations (a W4A8 or W4A4 scheme):
     the model loads with the activations in its dtype, said once (FP8 activations are a switch:
-    :func:`autofp4.set_activations`)."""
+    :func:`autofp4.set_activations`). ``side="output"``: its ``output_activations`` (quantized
+    layer outputs), said the same way: nothing in autofp4 quantizes a layer's output."""
     if acts is None:
         return
     if not isinstance(acts, Mapping):
-        raise ValueError(f"{_WHAT}: {where}.input_activations must be an object or null, got {acts!r:.80}")
-    what = (f"{acts['num_bits']}-bit {acts['type']} activations" if "num_bits" in acts and "type" in acts
-            else f"quantized activations ({json.dumps(acts, sort_keys=True, default=str)[:80]})")
-    warnings.warn(f"autofp4: {where}.input_activations asks for {what}, which loading does not apply: the layers "
-                  "run with the model's dtype; "
-                  "autofp4.set_activations(model, 'fp8') runs them with FP8 activations (per token)",
+        raise ValueError(f"{_WHAT}: {where}.{side}_activations must be an object or null, got {acts!r:.80}")
+    noun = "activations" if side == "input" else "output activations"
+    what = (f"{acts['num_bits']}-bit {acts['type']} {noun}" if "num_bits" in acts and "type" in acts
+            else f"quantized {noun} ({json.dumps(acts, sort_keys=True, default=str)[:80]})")
+    if side == "input":
+        then = ("the layers run with the model's dtype; autofp4.set_activations(model, 'fp8') runs them with FP8 "
+                "activations (per token)")
+    else:
+        then = "the layers' outputs stay in the model's dtype (autofp4 has no output quantization)"
+    warnings.warn(f"autofp4: {where}.{side}_activations asks for {what}, which loading does not apply: {then}",
                   UserWarning, stacklevel=3)
 
 
@@ -457,6 +463,23 @@ def _warn_kv_cache(q: Mapping, source: str) -> None:
     warnings.warn(f"autofp4: {source}: kv_cache_quant_algo is {algo!r}, which autofp4 does not apply: the model's KV "
                   "cache stays in the model's dtype (the checkpoint's KV cache scales are not used; autofp4's vLLM "
                   "plugin applies it)", UserWarning, stacklevel=5)
+
+
+def _warn_ct_kv_cache(q: Mapping, source: str) -> None:
+    """A compressed-tensors config asking for a quantized KV cache (``kv_cache_scheme``, e.g.
+    ``{"num_bits": 8, "type": "float"}``: an FP8 KV cache): autofp4's models keep the KV cache in
+    the model's dtype; said once, as ModelOpt's ``kv_cache_quant_algo`` (:func:`_warn_kv_cache`)."""
+    kv = q.get("kv_cache_scheme")
+    if kv is None:
+        return
+    if not isinstance(kv, Mapping):
+        raise ValueError(f"{_WHAT}: {source}: kv_cache_scheme must be an object (num_bits, type, strategy, ...) or "
+                         f"null, got {kv!r:.80}")
+    what = (f"a KV cache in {kv['num_bits']}-bit {kv['type']}" if "num_bits" in kv and "type" in kv
+            else f"a quantized KV cache ({json.dumps(kv, sort_keys=True, default=str)[:80]})")
+    warnings.warn(f"autofp4: {source}: kv_cache_scheme asks for {what}, which autofp4 does not apply: the model's KV "
+                  "cache stays in the model's dtype (the checkpoint's KV cache scales are not used)",
+                  UserWarning, stacklevel=5)
 
 
 def checkpoint_fmt(path: Union[str, Path]) -> Optional[str]:
@@ -532,7 +555,9 @@ def _scheme(root: Path, config: Mapping) -> _Scheme:
         _warn_kv_cache(qc, "config.json quantization_config")
         return _modelopt_scheme(qc, "config.json quantization_config")
     if method == "compressed-tensors":
-        return _ct_scheme(qc, "config.json quantization_config")
+        scheme = _ct_scheme(qc, "config.json quantization_config")
+        _warn_ct_kv_cache(qc, "config.json quantization_config")
+        return scheme
     if method == "mxfp4":
         src = "config.json quantization_config"
         return _Scheme("mxfp4", _str_list(qc.get("modules_to_not_convert"), f"{src} modules_to_not_convert"), [], src,
