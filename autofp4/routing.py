@@ -278,8 +278,10 @@ def per_pair_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     pre = _prebuilt_for(topk_ids, num_experts, block_m, True, expert_map)
     if pre is not None:
         return pre
-    block_expert = (topk_ids.reshape(-1) if expert_map is None
-                    else expert_map.to(device=topk_ids.device)[topk_ids.reshape(-1).long()]).to(torch.int32)
+    # a column of a wider tensor of ids reshapes to a strided view:
+    ids = topk_ids.reshape(-1)
+    block_expert = (ids if expert_map is None else expert_map.to(device=ids.device)[ids.long()]).to(torch.int32)
+    block_expert = block_expert.contiguous()  # the kernels take it compact
     return per_pair_layout(block_expert, block_m, topk_ids.shape[1])
 
 

@@ -114,6 +114,16 @@ def test_per_pair_routing_gives_each_pair_its_own_block(t, k, e, bm):
     assert m.block_expert.tolist() == [x // 2 if x % 2 == 0 else -1 for x in ids.flatten().tolist()]
 
 
+def test_per_pair_routing_of_a_strided_column_of_ids_is_contiguous():
+    """The ids as a column of a wider tensor (stride 2): the per-pair blocks' experts, which the
+    kernels take as a compact tensor, come out contiguous (a strided view was passed on)."""
+    wide = torch.randint(0, 8, (5, 2), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    ids = wide[:, :1]
+    assert ids.reshape(-1).stride() == (2,)
+    r = per_pair_routing(ids, 8, 4)
+    assert r.block_expert.is_contiguous() and torch.equal(r.block_expert, wide[:, 0])
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(topk_ids=torch.zeros(4, dtype=torch.int32)), "2-D"),
     (dict(topk_ids=torch.zeros(4, 2)), "int32 or int64"),

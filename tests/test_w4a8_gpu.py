@@ -386,3 +386,44 @@ def test_w4a8_moe_in_runs_of_experts_and_tokens(monkeypatch):
     assert len(B._token_runs(t, k, e, h)) == 6
     got = autofp4.moe(x, w13, w2, tw, ti, expert_map=emap, w13_bias=b13, w2_bias=b2, act_dtype="fp8")
     assert float((got.double() - ref).norm() / ref.norm()) < 5e-3
+
+
+@needs_sm90
+@pytest.mark.parametrize("act_dtype", [None, "fp8"])
+def test_gradients_through_the_kernels(act_dtype):
+    """On the GPU kernels (eager and in a captured forward), x's gradient through a linear and a
+    MoE layer is the layer's on the dequantized weights (straight through the FP8 roundings), and
+    the forward is the kernels' (the same output as without gradients)."""
+    import autofp4
+
+    torch.manual_seed(31)
+    w = quantize((torch.randn(512, 256, device="cuda") * 0.05).to(torch.bfloat16), "nvfp4")
+    x0 = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    gy = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
+    x = x0.clone().requires_grad_(True)
+    y = autofp4.linear(x, w, act_dtype=act_dtype)
+    with torch.no_grad():
+        assert torch.equal(y, autofp4.linear(x0, w, act_dtype=act_dtype))
+    y.backward(gy)
+    want = gy.double() @ w.dequantize(torch.float64)
+    assert float((x.grad.double() - want).norm() / want.norm()) < 1e-2
+    e, inter, h, t = 8, 256, 256, 64
+    w13 = quantize((torch.randn(e, 2 * inter, h, device="cuda") * 0.05).to(torch.bfloat16), "nvfp4")
+    w2 = quantize((torch.randn(e, h, inter, device="cuda") * 0.05).to(torch.bfloat16), "nvfp4")
+    xm0 = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    tw, ti = autofp4.route(torch.randn(t, e, device="cuda"), 2)
+    xm = xm0.clone().requires_grad_(True)
+    out = autofp4.moe(xm, w13, w2, tw, ti, act_dtype=act_dtype)
+    with torch.no_grad():
+        assert torch.equal(out, autofp4.moe(xm0, w13, w2, tw, ti, act_dtype=act_dtype))
+    g = torch.randn_like(out)
+    out.backward(g)
+    x64 = xm0.double().requires_grad_(True)
+    d13, d2 = w13.dequantize(torch.float64), w2.dequantize(torch.float64)
+    ref = torch.zeros(t, h, dtype=torch.float64, device="cuda")
+    for j in range(2):
+        up = torch.einsum("th,tnh->tn", x64, d13[ti[:, j].long()])
+        act = torch.nn.functional.silu(up[:, :inter]) * up[:, inter:]
+        ref = ref + tw[:, j, None].double() * torch.einsum("ti,thi->th", act, d2[ti[:, j].long()])
+    (want_m,) = torch.autograd.grad(ref, x64, g.double())
+    assert float((xm.grad.double() - want_m).norm() / want_m.norm()) < 1e-2
