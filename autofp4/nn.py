@@ -19,6 +19,18 @@ __all__ = ["FP4Linear", "FP4FusedLinear", "FP4LinearPart", "ConversionReport", "
            "quantize_model", "register_module_converter"]
 
 
+def _other_format_hint(key: str, given: torch.dtype, buffer: torch.dtype, fmt: str) -> str:
+    """Where block scales come in the other FP4 format's dtype: that the state dict is of another
+    format (and which), else nothing."""
+    if not key.endswith("_scale") or key.endswith("_global_scale"):
+        return ""
+    other = {("nvfp4", torch.uint8): "mxfp4 (E8M0 block scales, uint8)",
+             ("mxfp4", torch.float8_e4m3fn): "nvfp4 (E4M3 block scales)"}.get((fmt, given))
+    if other is None or buffer == given:
+        return ""
+    return f" (this layer is {fmt}: the state dict is of an {other} model; quantize to its format to load it)"
+
+
 class FP4Buffers(nn.Module):
     """A module whose FP4 tensors are buffers that keep their dtypes: ``model.to(torch.bfloat16)``
     (or ``.half()``, ``.float()``) converts a module's floating-point buffers, which would turn
@@ -46,32 +58,38 @@ class FP4Buffers(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        """Loading copies values into the buffers in place: they are checked as
-        :class:`~autofp4.weights.FP4Weight` checks a weight's (a NaN or negative scale is an error
-        of the load, as torch reports a wrong shape), the buffers left as loaded."""
+        """Loading copies values into the buffers in place: an FP4 weight's tensors are checked
+        first, of their dtype (FP4 bytes and scales load as stored, never converted) and of their
+        values as :class:`~autofp4.weights.FP4Weight` checks a weight's (a NaN or negative scale is
+        an error of the load, as torch reports a wrong shape); a weight refused either way is not
+        copied (the layer keeps its values) and not reported missing."""
         parts = ("_packed", "_scale", "_global_scale")
-        wrong = [f"{prefix}{stem}{part}" for stem in self._fp4_stems for part in parts
-                 if isinstance(state_dict.get(f"{prefix}{stem}{part}"), torch.Tensor)
-                 and getattr(self, f"{stem}{part}") is not None
-                 and state_dict[f"{prefix}{stem}{part}"].dtype != getattr(self, f"{stem}{part}").dtype]
-        for key in wrong:  # torch would convert the values: FP4 bytes and scales load as stored, or not at all
-            error_msgs.append(f"{key}: stored as {state_dict[key].dtype}, but the layer's buffer is "
-                              f"{getattr(self, key[len(prefix):]).dtype}; FP4 tensors load in their own dtype")
-        if wrong:
-            state_dict = {k: v for k, v in state_dict.items() if k not in wrong}
+        refused: list[str] = []
+        for stem in self._fp4_stems:
+            keys = [f"{prefix}{stem}{part}" for part in parts]
+            given = {k: state_dict[k] for k in keys if isinstance(state_dict.get(k), torch.Tensor)}
+            if not given:
+                continue
+            mine = {k: getattr(self, k[len(prefix):]) for k in keys}
+            wrong = [k for k, v in given.items() if mine[k] is not None and v.dtype != mine[k].dtype]
+            for key in wrong:  # torch would convert the values
+                error_msgs.append(f"{key}: stored as {given[key].dtype}, but the layer's buffer is {mine[key].dtype}"
+                                  f"{_other_format_hint(key, given[key].dtype, mine[key].dtype, self.fmt)}; FP4 "
+                                  "tensors load in their own dtype")
+            if not wrong and all(mine[k] is None or tuple(v.shape) == tuple(mine[k].shape) for k, v in given.items()):
+                try:
+                    FP4Weight(self.fmt, *(given.get(k, mine[k]) for k in keys))
+                except (ValueError, TypeError) as e:
+                    error_msgs.append(f"{prefix}{stem}: {e}")
+                    wrong = list(given)
+            refused += wrong
+        if refused:
+            state_dict = {k: v for k, v in state_dict.items() if k not in refused}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        for key in wrong:  # given, of the wrong dtype (said above): not missing too
+        for key in refused:  # given, and refused (said above): not missing too
             while key in missing_keys:
                 missing_keys.remove(key)
-        for stem in self._fp4_stems:
-            if not any(f"{prefix}{stem}{part}" in state_dict for part in parts):
-                continue
-            try:
-                FP4Weight(self.fmt, getattr(self, f"{stem}_packed"), getattr(self, f"{stem}_scale"),
-                          getattr(self, f"{stem}_global_scale"))
-            except (ValueError, TypeError) as e:
-                error_msgs.append(f"{prefix}{stem}: {e}")
 
     def _apply(self, fn, recurse=True):
         kept = {name: t for name, t in self._buffers.items() if t is not None}

@@ -270,15 +270,21 @@ _linear_fp8_op.register_autograd(_linear_fp8_backward, setup_context=_linear_fp8
 
 
 class _LinearGrad(torch.autograd.Function):
-    """An eager linear call whose x or bias needs a gradient (above); ``min_m`` None: x's dtype,
-    else the FP8 call's."""
+    """An eager linear call under differentiation (above): reverse mode (backward, torch.func.grad
+    / vjp) and forward mode (torch.func.jvp, forward_ad: the tangent ``x_t @ dequantize(W)^T +
+    bias_t``); ``min_m`` None: x's dtype, else the FP8 call's."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x, bias, w, min_m):
-        out = _linear_impl(x, w, bias) if min_m is None else _linear_fp8_impl(x, w, bias, min_m)
+    def forward(x, bias, w, min_m):
+        return _linear_impl(x, w, bias) if min_m is None else _linear_fp8_impl(x, w, bias, min_m)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _x, bias, w, _min_m = inputs
         ctx.w = w
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -286,8 +292,21 @@ class _LinearGrad(torch.autograd.Function):
         gb = _bias_grad(grad, ctx.bias_dtype) if ctx.needs_input_grad[1] else None
         return gx, gb, None, None
 
+    @staticmethod
+    def jvp(ctx, x_t, bias_t, _w_t, _min_m_t):
+        w = ctx.w
+        out = (x_t.reshape(-1, w.k).float() @ w.dequantize(torch.float32).T).to(x_t.dtype)
+        out = out.reshape(*x_t.shape[:-1], w.n)
+        return out if bias_t is None else out + bias_t
+
 
 def _needs_grad(*tensors) -> bool:
+    """Whether a call is differentiated: a tensor requiring grad with grad mode on, or inside a
+    torch.func transform or a forward-mode AD level (whose tangents autograd does not show)."""
+    if torch._C._functorch.maybe_current_level() is not None:
+        return True
+    if getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:
+        return True
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
@@ -619,20 +638,28 @@ _moe_fp8_op.register_autograd(_moe_fp8_backward, setup_context=_moe_fp8_setup)
 
 
 class _MoeGrad(torch.autograd.Function):
-    """An eager MoE call from given routing whose x, topk_weights or a bias needs a gradient
-    (:func:`_moe_grads`); ``min_rows`` None: x's dtype, else the FP8 call's."""
+    """An eager MoE call from given routing under differentiation: reverse mode (backward,
+    torch.func.grad / vjp: :func:`_moe_grads`); forward mode is refused by name. ``min_rows``
+    None: x's dtype, else the FP8 call's."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, w13_bias, w2_bias, w13, w2, topk_ids, activation, expert_map, min_rows):
+    def forward(x, topk_weights, w13_bias, w2_bias, w13, w2, topk_ids, activation, expert_map, min_rows):
         if min_rows is None:
-            out = _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=expert_map, w13_bias=w13_bias,
-                            w2_bias=w2_bias)
-        else:
-            out = _moe_fp8_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias,
-                                min_rows)
+            return _moe_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map=expert_map,
+                             w13_bias=w13_bias, w2_bias=w2_bias)
+        return _moe_fp8_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias, min_rows)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, topk_weights, w13_bias, w2_bias, w13, w2, topk_ids, activation, expert_map, _min_rows = inputs
         ctx.save_for_backward(x, topk_weights, w13_bias, w2_bias, topk_ids, expert_map)
         ctx.w13, ctx.w2, ctx.activation = w13, w2, activation
-        return out
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError("autofp4.moe: forward-mode differentiation (torch.func.jvp, torch.autograd."
+                                  "forward_ad) is not supported; reverse mode is (backward(), torch.func.grad, "
+                                  "torch.func.vjp), and torch.func.jacrev builds a Jacobian from it")
 
     @staticmethod
     def backward(ctx, grad):

@@ -1146,6 +1146,47 @@ def test_moe_gradient_goes_straight_through_the_fp8_roundings(act, act_dtype, ge
         assert_close(x.grad, want_x, x.dtype, 2e-2)
 
 
+@pytest.mark.parametrize("act_dtype", [None, "fp8"])
+def test_functorch_transforms_and_forward_mode_through_linear_and_moe(act_dtype, gen):
+    """torch.func.grad / vjp through linear and moe give the layers' gradients; forward mode
+    (torch.func.jvp, forward_ad) through linear gives ``t @ W^T`` (it went through the FP8
+    rounding: a tangent 100% off), through moe a clear refusal; torch.func.grad used to fail
+    with torch's message about a setup_context of an internal class."""
+    import torch.autograd.forward_ad as fwAD
+
+    w = autofp4.quantize(rand_w(gen, 48, 64), "nvfp4")
+    x, t = rand_w(gen, 5, 64, dtype=torch.bfloat16), rand_w(gen, 5, 64, dtype=torch.bfloat16)
+    want_t = t.double() @ dense64(w).T
+    _, tan = torch.func.jvp(lambda a: autofp4.linear(a, w, act_dtype=act_dtype), (x,), (t,))
+    assert_close(tan, want_t, torch.bfloat16)
+    with fwAD.dual_level():
+        tan2 = fwAD.unpack_dual(autofp4.linear(fwAD.make_dual(x, t), w, act_dtype=act_dtype)).tangent
+    assert tan2 is not None
+    assert_close(tan2, want_t, torch.bfloat16)
+    gy = rand_w(gen, 5, 48, dtype=torch.bfloat16)
+    gx = torch.func.grad(lambda a: (autofp4.linear(a, w, act_dtype=act_dtype).float() * gy.float()).sum())(x)
+    assert_close(gx, gy.double() @ dense64(w), torch.bfloat16)
+    e, h, inter = 3, 64, 32
+    w13 = autofp4.quantize(rand_w(gen, e, 2 * inter, h), "nvfp4")
+    w2 = autofp4.quantize(rand_w(gen, e, h, inter), "nvfp4")
+    tw, ti = autofp4.route(rand_w(gen, 5, e), 2)
+    b13, b2 = rand_w(gen, e, 2 * inter), rand_w(gen, e, h, dtype=torch.bfloat16)
+    leaf = x.double().requires_grad_(True)
+    ref = _moe64_autograd(leaf, w13, w2, tw.double(), ti, "silu", b13.double(), b2.double())
+    gym = rand_w(gen, 5, h, dtype=torch.bfloat16)
+    (want_x,) = torch.autograd.grad(ref, leaf, gym.double())
+
+    def call(a):
+        return autofp4.moe(a, w13, w2, tw, ti, w13_bias=b13, w2_bias=b2, act_dtype=act_dtype)
+
+    gx = torch.func.grad(lambda a: (call(a).float() * gym.float()).sum())(x)
+    assert_close(gx, want_x, torch.bfloat16, 2e-2)
+    _, vjp = torch.func.vjp(call, x)
+    assert_close(vjp(gym)[0], want_x, torch.bfloat16, 2e-2)
+    with pytest.raises(NotImplementedError, match=r"autofp4.moe: forward-mode differentiation .* not supported"):
+        torch.func.jvp(call, (x,), (t,))
+
+
 class _Attn(nn.Module):
     """q/k/v projections that quantize_model fuses into one ``qkv_proj``, and an ``o_proj``."""
 
@@ -1239,3 +1280,27 @@ def test_an_fp4_tensor_of_the_wrong_dtype_is_not_also_called_missing(fmt, gen):
             assert "Missing key" not in msg and "missing" not in msg.lower(), msg
             assert f"{key}: stored as {wrong}, but the layer's buffer is {before.dtype}" in msg, msg
         assert torch.equal(layer.weight_scale.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_a_state_dict_of_the_other_format_is_named_and_a_refused_weight_is_not_copied(gen):
+    """An MXFP4 layer's state dict loaded into an NVFP4 layer (and back) names the two formats,
+    not only the scales' dtypes; a weight refused for its values (a NaN E4M3 block scale, a
+    negative global scale) is not copied: the layer keeps computing what it did (it computed NaN
+    in every row after the error)."""
+    dense = rand_w(gen, 32, 64)
+    nv, mx = autofp4.FP4Linear(autofp4.quantize(dense, "nvfp4")), autofp4.FP4Linear(autofp4.quantize(dense, "mxfp4"))
+    for dst, src, other in ((nv, mx, "mxfp4 (E8M0 block scales, uint8) model"),
+                            (mx, nv, "nvfp4 (E4M3 block scales) model")):
+        with pytest.raises(RuntimeError) as info:
+            dst.load_state_dict(src.state_dict(), strict=False)
+        assert f"this layer is {dst.fmt}: the state dict is of an {other}" in str(info.value), str(info.value)
+    x = rand_w(gen, 3, 64, dtype=torch.bfloat16)
+    before = nv(x)
+    for key, bad in (("weight_scale", lambda t: t.view(torch.uint8).clone().fill_(0x7F).view(t.dtype)),
+                     ("weight_global_scale", lambda t: -t.clone())):
+        sd = {k: v.clone() for k, v in nv.state_dict().items()}
+        sd[key] = bad(sd[key])
+        with pytest.raises(RuntimeError, match="NaN|negative|not finite and positive"):
+            nv.load_state_dict(sd)
+        after = nv(x)
+        assert torch.isfinite(after).all() and torch.equal(after, before), key
