@@ -578,17 +578,22 @@ def test_a_ct_weights_strategy_the_format_does_not_use_is_refused(tmp_path, seed
     assert f"config_groups['group_0'].weights.{field} is {value!r}" in msg and f"needs {want!r}" in msg, msg
 
 
-def test_a_kv_cache_quant_algo_is_warned_about_once(tmp_path, seed):
+def _load_warnings(path, needle: str) -> list[str]:
+    """The warnings from_pretrained(path) gives whose text holds ``needle``."""
     import warnings
 
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autofp4.from_pretrained(path)
+    return [str(w.message) for w in caught if needle in str(w.message)]
+
+
+def test_a_kv_cache_quant_algo_is_warned_about_once(tmp_path, seed):
     path = _checkpoint(tmp_path / "ck", "llama", "modelopt", seed)
     hf = path / "hf_quant_config.json"
     for value, n in ((None, 0), ("FP8", 1)):
         _edit(hf, lambda d: d["quantization"].update(kv_cache_quant_algo=value))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            autofp4.from_pretrained(path)
-        kv = [str(w.message) for w in caught if "kv_cache_quant_algo" in str(w.message)]
+        kv = _load_warnings(path, "kv_cache_quant_algo")
         assert len(kv) == n, kv
         if n:
             assert "hf_quant_config.json" in kv[0] and "'FP8'" in kv[0] and "KV cache stays" in kv[0]
@@ -958,17 +963,12 @@ def test_a_ct_kv_cache_scheme_is_warned_about_once(tmp_path, seed):
     """A compressed-tensors kv_cache_scheme (an FP8 KV cache) is said once, as ModelOpt's
     kv_cache_quant_algo is: autofp4 does not apply it (it loaded without a word); one that is no
     object is refused, naming it."""
-    import warnings
-
     path = _checkpoint(tmp_path / "ck", "llama", "compressed-tensors", seed)
     bits = random.Random(seed).choice([8, 4])
     for value, n in ((None, 0), ({"num_bits": bits, "type": "float", "strategy": "tensor", "dynamic": False}, 1),
                      ({"strategy": "tensor"}, 1)):
         _edit(path / "config.json", lambda d: d["quantization_config"].update(kv_cache_scheme=value))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            autofp4.from_pretrained(path)
-        kv = [str(w.message) for w in caught if "kv_cache" in str(w.message)]
+        kv = _load_warnings(path, "kv_cache")
         assert len(kv) == n, kv
         if n:
             assert kv[0].startswith("autofp4: config.json quantization_config: kv_cache_scheme asks for "), kv[0]
