@@ -117,9 +117,13 @@ def test_bad_input_exits_2(dbfile, tmp_path, capsys):
     assert "record #1" in err and "unknown backend 'evil'" in err
     assert cli("list", "--db", str(tmp_path / "nope.db")) == 2
     assert "no tuning database" in capsys.readouterr().err
-    (tmp_path / "garbage.db").write_bytes(os.urandom(4096))
+    garbage = os.urandom(4096)  # not an export: a file whose first non-blank byte is "{" reads as one
+    (tmp_path / "garbage.db").write_bytes(b"\0" + garbage[1:])
     assert cli("list", "--db", str(tmp_path / "garbage.db")) == 2
     assert "not a readable tuning database" in capsys.readouterr().err
+    (tmp_path / "brace.db").write_bytes(b"{\xff" + garbage[2:])
+    assert cli("list", "--db", str(tmp_path / "brace.db")) == 2
+    assert "brace.db: not UTF-8 text near byte 1" in capsys.readouterr().err
     assert cli("list", "--db", str(dbfile), "--env", "xyz") == 2
     assert cli("prune", "--db", str(dbfile)) == 2
     assert "at least one" in capsys.readouterr().err
