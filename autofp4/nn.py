@@ -82,7 +82,8 @@ class FP4Buffers(nn.Module):
                 except (ValueError, TypeError) as e:
                     error_msgs.append(f"{prefix}{stem}: {e}")
                     wrong = list(given)
-            refused += wrong
+            if wrong:  # the whole weight: its codes without their scales would be another weight
+                refused += list(given)
         if refused:
             state_dict = {k: v for k, v in state_dict.items() if k not in refused}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

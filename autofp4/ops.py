@@ -300,6 +300,24 @@ class _LinearGrad(torch.autograd.Function):
         return out if bias_t is None else out + bias_t
 
 
+def _vmapped() -> bool:
+    """Whether a torch.vmap transform (also inside jacrev, jacfwd, hessian) is active."""
+    stack = torch._C._functorch.get_interpreter_stack()
+    return bool(stack) and any(str(i.key()).endswith("Vmap") for i in stack)
+
+
+_NO_VMAP = ("autofp4.moe: torch.vmap is not supported (nor jacrev, jacfwd or hessian, which batch the layer or "
+            "its gradient with it): which rows each expert gets depends on the values; call the layer once per "
+            "batch element, or differentiate with backward(), torch.func.grad or torch.func.vjp")
+
+
+def _transformed() -> bool:
+    """Whether a torch.func transform or a forward-mode AD level is active (under torch.compile the
+    custom ops carry no forward-mode rule nor functorch support: such calls run eagerly)."""
+    return (torch._C._functorch.maybe_current_level() is not None
+            or getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0)
+
+
 def _needs_grad(*tensors) -> bool:
     """Whether a call is differentiated: a tensor requiring grad with grad mode on, or inside a
     torch.func transform or a forward-mode AD level (whose tangents autograd does not show)."""
@@ -353,14 +371,14 @@ def linear(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor] = None, *
         from .w4a8 import check_act_dtype
 
         min_m = check_act_dtype(act_dtype, "linear")
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not _transformed():
             _check_tensor_args("linear", x=x, bias=bias)
             return torch.ops.autofp4.linear_fp8(x, w.data, w.scale, w.global_scale, bias, w.fmt, min_m)
         _register(w)
         if _needs_grad(x, bias):
             return _LinearGrad.apply(x, bias, w, min_m)
         return _linear_fp8_impl(x, w, bias, min_m)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and not _transformed():
         # traced once: the Python types here, the shapes in the op when it runs
         _check_tensor_args("linear", x=x, bias=bias)
         return torch.ops.autofp4.linear(x, w.data, w.scale, w.global_scale, bias, w.fmt)
@@ -659,10 +677,12 @@ class _MoeGrad(torch.autograd.Function):
     def jvp(ctx, *tangents):
         raise NotImplementedError("autofp4.moe: forward-mode differentiation (torch.func.jvp, torch.autograd."
                                   "forward_ad) is not supported; reverse mode is (backward(), torch.func.grad, "
-                                  "torch.func.vjp), and torch.func.jacrev builds a Jacobian from it")
+                                  "torch.func.vjp)")
 
     @staticmethod
     def backward(ctx, grad):
+        if _vmapped():
+            raise NotImplementedError(_NO_VMAP)
         x, topk_weights, w13_bias, w2_bias, topk_ids, expert_map = ctx.saved_tensors
         grads = _moe_grads(grad, x, ctx.w13, ctx.w2, topk_weights, topk_ids, ctx.activation, expert_map, w13_bias,
                            w2_bias, ctx.needs_input_grad[:4])
@@ -856,6 +876,8 @@ def moe(
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, FP4Weight):
             raise TypeError(f"moe: {name} must be an FP4Weight, got {_describe(w)}")
+    if not torch.compiler.is_compiling() and _vmapped():
+        raise NotImplementedError(_NO_VMAP)
     if router_logits is None and (topk_weights is None or topk_ids is None):
         raise TypeError("moe: needs topk_weights and topk_ids, or router_logits and top_k")
     if router_logits is not None and top_k is None:

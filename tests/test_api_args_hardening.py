@@ -240,6 +240,7 @@ def test_tune_reads_m_buckets_from_a_generator_and_stores_their_buckets(tmp_path
     (dict(duty=True), TypeError, "duty must be a number in .0.01, 1. or None, got bool"),
     (dict(duty="0.5"), TypeError, "duty must be a number"),
     (dict(backends="reference"), TypeError, "backends must be a list of names"),
+    (dict(backends=[]), ValueError, r"backends=\[\] names no backend to tune with: leave it None"),
     (dict(mode=None), ValueError, "mode must be one of"),
 ])
 def test_autotune_names_an_argument_of_the_wrong_type(kwargs, error, named):

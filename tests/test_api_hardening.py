@@ -1166,6 +1166,13 @@ def test_functorch_transforms_and_forward_mode_through_linear_and_moe(act_dtype,
     gy = rand_w(gen, 5, 48, dtype=torch.bfloat16)
     gx = torch.func.grad(lambda a: (autofp4.linear(a, w, act_dtype=act_dtype).float() * gy.float()).sum())(x)
     assert_close(gx, gy.double() @ dense64(w), torch.bfloat16)
+    torch._dynamo.reset()  # under torch.compile the transformed calls run eagerly (a zero tangent, or torch's error)
+    comp = torch.compile(lambda a, b: torch.func.jvp(lambda z: autofp4.linear(z, w, act_dtype=act_dtype), (a,), (b,)),
+                         backend="aot_eager")
+    assert_close(comp(x, t)[1], want_t, torch.bfloat16)
+    loss = lambda a: (autofp4.linear(a, w, act_dtype=act_dtype).float() * gy.float()).sum()  # noqa: E731
+    comp = torch.compile(torch.func.grad(loss), backend="aot_eager")
+    assert_close(comp(x), gy.double() @ dense64(w), torch.bfloat16)
     e, h, inter = 3, 64, 32
     w13 = autofp4.quantize(rand_w(gen, e, 2 * inter, h), "nvfp4")
     w2 = autofp4.quantize(rand_w(gen, e, h, inter), "nvfp4")
@@ -1185,6 +1192,12 @@ def test_functorch_transforms_and_forward_mode_through_linear_and_moe(act_dtype,
     assert_close(vjp(gym)[0], want_x, torch.bfloat16, 2e-2)
     with pytest.raises(NotImplementedError, match=r"autofp4.moe: forward-mode differentiation .* not supported"):
         torch.func.jvp(call, (x,), (t,))
+    for transform in (lambda: torch.func.vmap(call)(x[None].expand(2, -1, -1)),  # the layer batched
+                      lambda: torch.func.jacrev(lambda a: call(a).float().sum(0))(x)):  # its gradient batched
+        with pytest.raises(NotImplementedError, match=r"autofp4.moe: torch.vmap is not supported .*once per batch"):
+            transform()
+    jac = torch.func.jacrev(lambda a: autofp4.linear(a, w, act_dtype=act_dtype).float().sum(0))(x)  # [N, 5, K]
+    assert_close(jac, dense64(w)[:, None, :].expand(-1, 5, -1), torch.bfloat16)  # d out[n] / d x[m, k] = W[n, k]
 
 
 class _Attn(nn.Module):
@@ -1289,12 +1302,15 @@ def test_a_state_dict_of_the_other_format_is_named_and_a_refused_weight_is_not_c
     in every row after the error)."""
     dense = rand_w(gen, 32, 64)
     nv, mx = autofp4.FP4Linear(autofp4.quantize(dense, "nvfp4")), autofp4.FP4Linear(autofp4.quantize(dense, "mxfp4"))
+    x = rand_w(gen, 3, 64, dtype=torch.bfloat16)
     for dst, src, other in ((nv, mx, "mxfp4 (E8M0 block scales, uint8) model"),
                             (mx, nv, "nvfp4 (E4M3 block scales) model")):
-        with pytest.raises(RuntimeError) as info:
-            dst.load_state_dict(src.state_dict(), strict=False)
-        assert f"this layer is {dst.fmt}: the state dict is of an {other}" in str(info.value), str(info.value)
-    x = rand_w(gen, 3, 64, dtype=torch.bfloat16)
+        y = dst(x)
+        for strict in (True, False):
+            with pytest.raises(RuntimeError) as info:
+                dst.load_state_dict(src.state_dict(), strict=strict)
+            assert f"this layer is {dst.fmt}: the state dict is of an {other}" in str(info.value), str(info.value)
+            assert torch.equal(dst(x), y)  # nothing of the refused weight copied (its codes were)
     before = nv(x)
     for key, bad in (("weight_scale", lambda t: t.view(torch.uint8).clone().fill_(0x7F).view(t.dtype)),
                      ("weight_global_scale", lambda t: -t.clone())):

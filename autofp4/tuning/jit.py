@@ -72,6 +72,9 @@ def _settings(mode: str, budget_s: float | None, ops: Iterable[str], backends: S
     if duty is not None and (isinstance(duty, bool) or not isinstance(duty, numbers.Real)):
         raise TypeError(f"duty must be a number in [{MIN_DUTY}, 1] or None, got {type(duty).__name__} {duty!r:.80}")
     backends = A.names(backends, "backends")
+    if backends == []:  # taken for "every backend" further on, where None means that
+        raise ValueError("backends=[] names no backend to tune with: leave it None for every backend that "
+                         "applies, or name some, such as ['sm90_w4a16']")
     duty = (BACKGROUND_DUTY if mode == "background" else 1.0) if duty is None else float(duty)
     if not MIN_DUTY <= duty <= 1:
         raise ValueError(f"duty must be in [{MIN_DUTY}, 1] (the share of the wall time the worker measures; less "
