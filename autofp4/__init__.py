@@ -53,14 +53,21 @@ if _os.environ.get("AUTOFP4_LOG"):  # what each problem's first call runs, on st
 
     _log_from_env()
 
+_TUNER_KNOBS = ("AUTOFP4_AUTOTUNE_BUDGET_S", "AUTOFP4_AUTOTUNE_DUTY", "AUTOFP4_AUTOTUNE_OPS",
+                "AUTOFP4_AUTOTUNE_WORKERS")
+_unknown = sorted(v for v in _os.environ if v.startswith("AUTOFP4_AUTOTUNE_") and v not in _TUNER_KNOBS)
+if _unknown:  # a misspelt or imagined knob: say so rather than tune as if it were not set
+    import warnings as _warnings
+
+    _warnings.warn(f"{', '.join(_unknown)}: no such setting of just-in-time tuning (it has no effect); autofp4 reads "
+                   f"AUTOFP4_AUTOTUNE and {', '.join(_TUNER_KNOBS)}", stacklevel=2)
 if _os.environ.get("AUTOFP4_AUTOTUNE", "").strip().lower() not in ("", "0", "off", "none"):
     # just-in-time tuning for code that cannot be edited
     from .tuning.jit import from_env as _autotune_from_env
 
     _autotune_from_env()
 else:
-    _idle = sorted(v for v in ("AUTOFP4_AUTOTUNE_BUDGET_S", "AUTOFP4_AUTOTUNE_DUTY", "AUTOFP4_AUTOTUNE_OPS",
-                               "AUTOFP4_AUTOTUNE_WORKERS") if _os.environ.get(v) is not None)
+    _idle = sorted(v for v in _TUNER_KNOBS if _os.environ.get(v) is not None)
     if _idle:  # set for a tuner that is off: say so rather than ignore them
         import warnings as _warnings
 

@@ -371,6 +371,11 @@ def linear(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor] = None, *
         from .w4a8 import check_act_dtype
 
         min_m = check_act_dtype(act_dtype, "linear")
+        if not torch.compiler.is_compiling() and _vmapped():
+            raise NotImplementedError("autofp4.linear: torch.vmap of a call with act_dtype='fp8' is not supported (its "
+                                      "per-token FP8 quantization is not batched); call it on the stacked rows "
+                                      "(x of shape [..., K] takes any leading dimensions), or vmap the act_dtype=None "
+                                      "call")
         if torch.compiler.is_compiling() and not _transformed():
             _check_tensor_args("linear", x=x, bias=bias)
             return torch.ops.autofp4.linear_fp8(x, w.data, w.scale, w.global_scale, bias, w.fmt, min_m)
@@ -894,7 +899,7 @@ def moe(
             topk_weights, topk_ids = route(router_logits, top_k, renormalize, scoring=scoring,
                                            correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
                                            routed_scaling_factor=routed_scaling_factor)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not _transformed():
             _check_tensor_args("moe", x=x, w13_bias=w13_bias, w2_bias=w2_bias, topk_weights=topk_weights,
                                topk_ids=topk_ids)
             return torch.ops.autofp4.moe_fp8(
@@ -907,7 +912,7 @@ def moe(
                                   min_rows)
         return _moe_fp8_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias,
                              min_rows)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and not _transformed():
         _check_tensor_args("moe", x=x, w13_bias=w13_bias, w2_bias=w2_bias, correction_bias=correction_bias,
                            **({"router_logits": router_logits} if router_logits is not None
                               else {"topk_weights": topk_weights, "topk_ids": topk_ids}))

@@ -377,6 +377,12 @@ def test_tuner_settings_without_the_tuner_are_named(tmp_path):
     assert "AUTOFP4_AUTOTUNE_BUDGET_S set, but AUTOFP4_AUTOTUNE is not on" in run.stderr
     quiet = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "AUTOFP4_AUTOTUNE" not in quiet.stderr
+    for mode in ("off", "blocking"):  # an unknown knob is named, the tuner on or not
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**env, "AUTOFP4_AUTOTUNE_BACKENDS": "nonexistent", "AUTOFP4_AUTOTUNE": mode,
+                                  "AUTOFP4_DB": str(tmp_path / "t.db")})
+        assert run.returncode == 0 and ("AUTOFP4_AUTOTUNE_BACKENDS: no such setting of just-in-time tuning"
+                                        in run.stderr), run.stderr
 
 
 # -- the seventeenth adversarial set ---------------------------------------------------------------

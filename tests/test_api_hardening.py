@@ -1196,6 +1196,14 @@ def test_functorch_transforms_and_forward_mode_through_linear_and_moe(act_dtype,
                       lambda: torch.func.jacrev(lambda a: call(a).float().sum(0))(x)):  # its gradient batched
         with pytest.raises(NotImplementedError, match=r"autofp4.moe: torch.vmap is not supported .*once per batch"):
             transform()
+    torch._dynamo.reset()  # compiled, the transformed moe runs eagerly too: its gradient, its refusal
+    loss_m = lambda a: (call(a).float() * gym.float()).sum()  # noqa: E731
+    assert_close(torch.compile(torch.func.grad(loss_m), backend="aot_eager")(x), want_x, torch.bfloat16, 2e-2)
+    with pytest.raises(NotImplementedError, match=r"autofp4.moe: forward-mode differentiation"):
+        torch.compile(lambda a, b: torch.func.jvp(call, (a,), (b,)), backend="aot_eager")(x, t)
+    if act_dtype:
+        with pytest.raises(NotImplementedError, match=r"torch.vmap of a call with act_dtype='fp8' is not supported"):
+            torch.func.vmap(lambda a: autofp4.linear(a, w, act_dtype=act_dtype))(x[None].expand(2, -1, -1))
     jac = torch.func.jacrev(lambda a: autofp4.linear(a, w, act_dtype=act_dtype).float().sum(0))(x)  # [N, 5, K]
     assert_close(jac, dense64(w)[:, None, :].expand(-1, 5, -1), torch.bfloat16)  # d out[n] / d x[m, k] = W[n, k]
 

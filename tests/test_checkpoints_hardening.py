@@ -1009,3 +1009,24 @@ def test_ct_output_activations_are_warned_about_as_input_activations_are(tmp_pat
     with pytest.raises(ValueError, match=r"config_groups\['group_0'\]\.output_activations must be an object or null, "
                                          r"got 'fp8'"):
         autofp4.from_pretrained(path)
+
+
+# -- the thirty-fifth adversarial set ---------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
+def test_a_packed_weight_of_another_shape_than_its_layer_is_named(tmp_path, seed, layout):
+    """A stored FP4 weight that lost a row (its scales intact) is compared with its Linear layer's
+    shape first: the error names the weight, its shape and the config's (it blamed the intact scales)."""
+    from safetensors.torch import load_file, save_file
+
+    path = _checkpoint(tmp_path / "ck", "llama", layout, seed)
+    shard = next(path.glob("*.safetensors"))
+    t = load_file(shard)
+    key = next(k for k in t if k.endswith("q_proj.weight" if layout == "modelopt" else "q_proj.weight_packed"))
+    rows, half = t[key].shape
+    t[key] = t[key][:-1].clone()
+    save_file(t, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError) as info:
+        autofp4.from_pretrained(path)
+    msg = str(info.value)
+    assert f"is stored as an FP4 weight of shape ({rows - 1}, {2 * half}) ([N, K])" in msg, msg
+    assert f"config wants [{rows}, {2 * half}] ({key!r} ({rows - 1}, {half}))" in msg and "weight_scale" not in msg, msg

@@ -640,6 +640,9 @@ def _fp4_weight(t: _Tensors, scheme: _Scheme, name: str, lin: Optional[nn.Linear
     if shape is not None and len(shape) != 2:
         raise ValueError(f"{_WHAT}: {packed!r} must be 2-D, [N, K/2] (the FP4 weight of one layer or one expert, two "
                          f"values a byte), got shape {shape}")
+    if shape is not None and lin is not None and tuple(shape) != (lin.out_features, lin.in_features // 2):
+        # before the scales are compared with it (a weight short of a row blamed its intact scales)
+        _shape_mismatch(name, (shape[0], 2 * shape[1]), lin, packed, shape)
     if scheme.method != "mxfp4":
         _check_scale_dtype(t, scheme, name)
     if scheme.method == "modelopt":
@@ -670,14 +673,18 @@ def _packed_key(scheme: _Scheme, name: str) -> Optional[str]:
     return {"modelopt": f"{name}.weight", "mxfp4": None}.get(scheme.method, f"{name}.weight_packed")
 
 
+def _shape_mismatch(name: str, nk: tuple, lin: nn.Linear, packed_key: Any, packed_shape: tuple) -> None:
+    raise ValueError(
+        f"{_WHAT}: {name!r} is stored as an FP4 weight of shape {tuple(nk)} ([N, K]) but the model's config wants "
+        f"[{lin.out_features}, {lin.in_features}] ({packed_key!r} {tuple(packed_shape)}); checkpoint and config.json "
+        "do not match"
+    )
+
+
 def _fp4_linear(t: _Tensors, scheme: _Scheme, name: str, lin: nn.Linear, dtype: torch.dtype) -> FP4Linear:
     w = _fp4_weight(t, scheme, name, lin)
     if (w.n, w.k) != (lin.out_features, lin.in_features):
-        raise ValueError(
-            f"{_WHAT}: {name!r} is stored as an FP4 weight of shape {tuple(w.shape)} ([N, K]) but the model's "
-            f"config wants [{lin.out_features}, {lin.in_features}] ({scheme.packed_key(name)!r} "
-            f"{tuple(w.data.shape)}); checkpoint and config.json do not match"
-        )
+        _shape_mismatch(name, tuple(w.shape), lin, scheme.packed_key(name), tuple(w.data.shape))
     bias = None
     if lin.bias is not None:
         bias = _dense(t, f"{name}.bias", tuple(lin.bias.shape), dtype)
