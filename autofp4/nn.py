@@ -19,14 +19,14 @@ __all__ = ["FP4Linear", "FP4FusedLinear", "FP4LinearPart", "ConversionReport", "
            "quantize_model", "register_module_converter"]
 
 
-def _other_format_hint(key: str, given: torch.dtype, buffer: torch.dtype, fmt: str) -> str:
+def _other_format_hint(key: str, given: torch.dtype, fmt: str) -> str:
     """Where block scales come in the other FP4 format's dtype: that the state dict is of another
     format (and which), else nothing."""
     if not key.endswith("_scale") or key.endswith("_global_scale"):
         return ""
     other = {("nvfp4", torch.uint8): "mxfp4 (E8M0 block scales, uint8)",
              ("mxfp4", torch.float8_e4m3fn): "nvfp4 (E4M3 block scales)"}.get((fmt, given))
-    if other is None or buffer == given:
+    if other is None:
         return ""
     return f" (this layer is {fmt}: the state dict is of an {other} model; quantize to its format to load it)"
 
@@ -74,11 +74,14 @@ class FP4Buffers(nn.Module):
             wrong = [k for k, v in given.items() if mine[k] is not None and v.dtype != mine[k].dtype]
             for key in wrong:  # torch would convert the values
                 error_msgs.append(f"{key}: stored as {given[key].dtype}, but the layer's buffer is {mine[key].dtype}"
-                                  f"{_other_format_hint(key, given[key].dtype, mine[key].dtype, self.fmt)}; FP4 "
+                                  f"{_other_format_hint(key, given[key].dtype, self.fmt)}; FP4 "
                                   "tensors load in their own dtype")
             if not wrong and all(mine[k] is None or tuple(v.shape) == tuple(mine[k].shape) for k, v in given.items()):
+                # on the buffers' device: a partial dict from another device is checked with the rest
+                dev = next(m.device for m in mine.values() if m is not None)
+                parts_now = [given[k].to(dev) if k in given else mine[k] for k in keys]
                 try:
-                    FP4Weight(self.fmt, *(given.get(k, mine[k]) for k in keys))
+                    FP4Weight(self.fmt, *parts_now)
                 except (ValueError, TypeError) as e:
                     error_msgs.append(f"{prefix}{stem}: {e}")
                     wrong = list(given)

@@ -321,11 +321,8 @@ def _transformed() -> bool:
 def _needs_grad(*tensors) -> bool:
     """Whether a call is differentiated: a tensor requiring grad with grad mode on, or inside a
     torch.func transform or a forward-mode AD level (whose tangents autograd does not show)."""
-    if torch._C._functorch.maybe_current_level() is not None:
-        return True
-    if getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:
-        return True
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    return _transformed() or (torch.is_grad_enabled()
+                              and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors))
 
 
 @torch.library.custom_op("autofp4::linear", mutates_args=())
@@ -577,9 +574,9 @@ def _act_and_grad(g: torch.Tensor, dh: Optional[torch.Tensor], activation: str):
 
 
 def _moe_grads(grad, x, w13, w2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias, needs):
-    """The straight-through gradients of an FP8 MoE call (see :func:`_linear_grad_x`): those of
-    the layer with x's dtype, the FP8 quantizations of x and of the activations between the GEMMs
-    taken as the identity, on the dequantized weights in float32, one expert at a time.
+    """The gradients of a MoE call (see :func:`_linear_grad_x`): those of the layer with x's
+    dtype on the dequantized weights in float32, one expert at a time (an FP8 call's: its FP8
+    quantizations of x and of the activations between the GEMMs taken as the identity).
     ``needs``: for (x, topk_weights, w13_bias, w2_bias), whether each needs one; returns the four
     (None where not needed)."""
     gf = grad.float()
