@@ -55,7 +55,8 @@ if _os.environ.get("AUTOFP4_LOG"):  # what each problem's first call runs, on st
 
 _TUNER_KNOBS = ("AUTOFP4_AUTOTUNE_BUDGET_S", "AUTOFP4_AUTOTUNE_DUTY", "AUTOFP4_AUTOTUNE_OPS",
                 "AUTOFP4_AUTOTUNE_WORKERS")
-_unknown = sorted(v for v in _os.environ if v.startswith("AUTOFP4_AUTOTUNE_") and v not in _TUNER_KNOBS)
+_unknown = sorted(v for v in _os.environ if v.startswith("AUTOFP4_AUTOTUNE") and v not in _TUNER_KNOBS
+                  and v != "AUTOFP4_AUTOTUNE")
 if _unknown:  # a misspelt or imagined knob: say so rather than tune as if it were not set
     import warnings as _warnings
 

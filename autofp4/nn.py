@@ -76,7 +76,8 @@ class FP4Buffers(nn.Module):
                 error_msgs.append(f"{key}: stored as {given[key].dtype}, but the layer's buffer is {mine[key].dtype}"
                                   f"{_other_format_hint(key, given[key].dtype, self.fmt)}; FP4 "
                                   "tensors load in their own dtype")
-            if not wrong and all(mine[k] is None or tuple(v.shape) == tuple(mine[k].shape) for k, v in given.items()):
+            if (not wrong and not any(v.is_meta for v in given.values())  # no values: torch names what it cannot copy
+                    and all(mine[k] is None or tuple(v.shape) == tuple(mine[k].shape) for k, v in given.items())):
                 # on the buffers' device: a partial dict from another device is checked with the rest
                 dev = next(m.device for m in mine.values() if m is not None)
                 parts_now = [given[k].to(dev) if k in given else mine[k] for k in keys]
@@ -232,7 +233,7 @@ class FP4Linear(_PackedWeight, FP4Buffers):
 
     def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         act = self._act_dtype
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not ops._transformed():  # transformed: as ops.linear, eagerly
             if act is not None:
                 from .w4a8 import check_act_dtype
 

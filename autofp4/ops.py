@@ -369,10 +369,10 @@ def linear(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor] = None, *
 
         min_m = check_act_dtype(act_dtype, "linear")
         if not torch.compiler.is_compiling() and _vmapped():
-            raise NotImplementedError("autofp4.linear: torch.vmap of a call with act_dtype='fp8' is not supported (its "
-                                      "per-token FP8 quantization is not batched); call it on the stacked rows "
-                                      "(x of shape [..., K] takes any leading dimensions), or vmap the act_dtype=None "
-                                      "call")
+            raise NotImplementedError(f"autofp4.linear: torch.vmap of a call with act_dtype={act_dtype!r} is not "
+                                      "supported (its per-token FP8 quantization is not batched); call it on the "
+                                      "stacked rows (x of shape [..., K] takes any leading dimensions), or vmap the "
+                                      "act_dtype=None call")
         if torch.compiler.is_compiling() and not _transformed():
             _check_tensor_args("linear", x=x, bias=bias)
             return torch.ops.autofp4.linear_fp8(x, w.data, w.scale, w.global_scale, bias, w.fmt, min_m)

@@ -383,6 +383,9 @@ def test_tuner_settings_without_the_tuner_are_named(tmp_path):
                                   "AUTOFP4_DB": str(tmp_path / "t.db")})
         assert run.returncode == 0 and ("AUTOFP4_AUTOTUNE_BACKENDS: no such setting of just-in-time tuning"
                                         in run.stderr), run.stderr
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**env, "AUTOFP4_AUTOTUNEX": "blocking"})  # a typo of the switch itself
+    assert "AUTOFP4_AUTOTUNEX: no such setting of just-in-time tuning" in run.stderr, run.stderr
 
 
 # -- the seventeenth adversarial set ---------------------------------------------------------------

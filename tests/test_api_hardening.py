@@ -1208,6 +1208,26 @@ def test_functorch_transforms_and_forward_mode_through_linear_and_moe(act_dtype,
     assert_close(jac, dense64(w)[:, None, :].expand(-1, 5, -1), torch.bfloat16)  # d out[n] / d x[m, k] = W[n, k]
 
 
+def test_set36_a_meta_state_dict_is_named_by_torch_and_a_compiled_module_gives_its_tangent(gen):
+    """A state dict on the meta device gets torch's error naming the buffer (the values check
+    copied it first: "Cannot copy out of meta tensor", no key); compiled jvp through an FP4Linear
+    module (bf16 and FP8) gives ``t @ W^T`` (a zero tangent: the module called the op directly);
+    vmap of an fp8-prefill call names that value."""
+    w = autofp4.quantize(rand_w(gen, 48, 64), "nvfp4")
+    layer = autofp4.FP4Linear(w)
+    meta = {k: torch.empty_like(v, device="meta") for k, v in layer.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r'While copying the parameter named "weight_'):
+        layer.load_state_dict(meta)
+    x, t = rand_w(gen, 5, 64, dtype=torch.bfloat16), rand_w(gen, 5, 64, dtype=torch.bfloat16)
+    for act in (None, "fp8"):
+        layer.act_dtype = act
+        torch._dynamo.reset()
+        comp = torch.compile(lambda a, b: torch.func.jvp(layer, (a,), (b,)), backend="aot_eager")
+        assert_close(comp(x, t)[1], t.double() @ dense64(w).T, torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"act_dtype='fp8-prefill' is not supported"):
+        torch.func.vmap(lambda a: autofp4.linear(a, w, act_dtype="fp8-prefill"))(x[None].expand(2, -1, -1))
+
+
 class _Attn(nn.Module):
     """q/k/v projections that quantize_model fuses into one ``qkv_proj``, and an ``o_proj``."""
 

@@ -1030,3 +1030,18 @@ def test_a_packed_weight_of_another_shape_than_its_layer_is_named(tmp_path, seed
     msg = str(info.value)
     assert f"is stored as an FP4 weight of shape ({rows - 1}, {2 * half}) ([N, K])" in msg, msg
     assert f"config wants [{rows}, {2 * half}] ({key!r} ({rows - 1}, {half}))" in msg and "weight_scale" not in msg, msg
+
+
+def test_a_packed_weight_of_another_dtype_is_named_as_such_not_as_a_shape(tmp_path, seed):
+    """A packed weight stored as int32 (a quarter of the rows' bytes in each element) is named for
+    its dtype, not reported as a weight of an invented shape."""
+    from safetensors.torch import load_file, save_file
+
+    path = _checkpoint(tmp_path / "ck", "llama", "compressed-tensors", seed)
+    shard = next(path.glob("*.safetensors"))
+    t = load_file(shard)
+    key = next(k for k in t if k.endswith("q_proj.weight_packed"))
+    t[key] = t[key].view(torch.int32).clone()
+    save_file(t, shard, metadata={"format": "pt"})
+    with pytest.raises(TypeError, match=rf"{key}.* must be a uint8 tensor .*got torch.int32"):
+        autofp4.from_pretrained(path)

@@ -640,7 +640,8 @@ def _fp4_weight(t: _Tensors, scheme: _Scheme, name: str, lin: Optional[nn.Linear
     if shape is not None and len(shape) != 2:
         raise ValueError(f"{_WHAT}: {packed!r} must be 2-D, [N, K/2] (the FP4 weight of one layer or one expert, two "
                          f"values a byte), got shape {shape}")
-    if shape is not None and lin is not None and tuple(shape) != (lin.out_features, lin.in_features // 2):
+    if (shape is not None and lin is not None and tuple(shape) != (lin.out_features, lin.in_features // 2)
+            and t.stored_dtype(packed) == "U8"):  # another dtype is named as such by the checks below
         # before the scales are compared with it (a weight short of a row blamed its intact scales)
         _shape_mismatch(name, (shape[0], 2 * shape[1]), lin, packed, shape)
     if scheme.method != "mxfp4":
