@@ -233,7 +233,7 @@ class FP4Linear(_PackedWeight, FP4Buffers):
 
     def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         act = self._act_dtype
-        if torch.compiler.is_compiling() and not ops._transformed():  # transformed: as ops.linear, eagerly
+        if ops._traced_as_op():  # inside a torch.func transform: eagerly, as ops.linear
             if act is not None:
                 from .w4a8 import check_act_dtype
 

@@ -318,6 +318,13 @@ def _transformed() -> bool:
             or getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0)
 
 
+def _traced_as_op() -> bool:
+    """Whether a call is being traced by torch.compile as its custom op: not inside a torch.func
+    transform or forward-mode AD level (the ops carry a backward, no forward-mode rule nor
+    functorch support: such calls run eagerly, a graph break)."""
+    return torch.compiler.is_compiling() and not _transformed()
+
+
 def _needs_grad(*tensors) -> bool:
     """Whether a call is differentiated: a tensor requiring grad with grad mode on, or inside a
     torch.func transform or a forward-mode AD level (whose tangents autograd does not show)."""
@@ -373,14 +380,14 @@ def linear(x: torch.Tensor, w: FP4Weight, bias: Optional[torch.Tensor] = None, *
                                       "supported (its per-token FP8 quantization is not batched); call it on the "
                                       "stacked rows (x of shape [..., K] takes any leading dimensions), or vmap the "
                                       "act_dtype=None call")
-        if torch.compiler.is_compiling() and not _transformed():
+        if _traced_as_op():
             _check_tensor_args("linear", x=x, bias=bias)
             return torch.ops.autofp4.linear_fp8(x, w.data, w.scale, w.global_scale, bias, w.fmt, min_m)
         _register(w)
         if _needs_grad(x, bias):
             return _LinearGrad.apply(x, bias, w, min_m)
         return _linear_fp8_impl(x, w, bias, min_m)
-    if torch.compiler.is_compiling() and not _transformed():
+    if _traced_as_op():
         # traced once: the Python types here, the shapes in the op when it runs
         _check_tensor_args("linear", x=x, bias=bias)
         return torch.ops.autofp4.linear(x, w.data, w.scale, w.global_scale, bias, w.fmt)
@@ -691,6 +698,15 @@ class _MoeGrad(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
+def _routed(x, w13, router_logits, topk_weights, topk_ids, expert_map, correction_bias, top_k, renormalize, scoring,
+            n_group, topk_group, routed_scaling_factor):
+    """``(topk_weights, topk_ids)`` of a MoE call from ``router_logits``, checked as such, by
+    :func:`route` (a call that routes apart from its layer: FP8 activations, or under gradients)."""
+    _check_moe_router(x, w13, router_logits, topk_weights, topk_ids, expert_map, correction_bias)
+    return route(router_logits, top_k, renormalize, scoring=scoring, correction_bias=correction_bias,
+                 n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
+
+
 def _check_moe_router(x, w13, router_logits, topk_weights, topk_ids, expert_map, correction_bias) -> None:
     """A MoE call that routes from ``router_logits``: the weights and the logits' shape."""
     if topk_weights is not None or topk_ids is not None:
@@ -892,11 +908,9 @@ def moe(
 
         min_rows = check_act_dtype(act_dtype, "moe")
         if router_logits is not None:
-            _check_moe_router(x, w13, router_logits, topk_weights, topk_ids, expert_map, correction_bias)
-            topk_weights, topk_ids = route(router_logits, top_k, renormalize, scoring=scoring,
-                                           correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
-                                           routed_scaling_factor=routed_scaling_factor)
-        if torch.compiler.is_compiling() and not _transformed():
+            topk_weights, topk_ids = _routed(x, w13, router_logits, topk_weights, topk_ids, expert_map, correction_bias,
+                                             top_k, renormalize, scoring, n_group, topk_group, routed_scaling_factor)
+        if _traced_as_op():
             _check_tensor_args("moe", x=x, w13_bias=w13_bias, w2_bias=w2_bias, topk_weights=topk_weights,
                                topk_ids=topk_ids)
             return torch.ops.autofp4.moe_fp8(
@@ -909,7 +923,7 @@ def moe(
                                   min_rows)
         return _moe_fp8_impl(x, w13, w2, topk_weights, topk_ids, activation, expert_map, w13_bias, w2_bias,
                              min_rows)
-    if torch.compiler.is_compiling() and not _transformed():
+    if _traced_as_op():
         _check_tensor_args("moe", x=x, w13_bias=w13_bias, w2_bias=w2_bias, correction_bias=correction_bias,
                            **({"router_logits": router_logits} if router_logits is not None
                               else {"topk_weights": topk_weights, "topk_ids": topk_ids}))
@@ -925,10 +939,8 @@ def moe(
     _register(w2)
     if _needs_grad(x, topk_weights, w13_bias, w2_bias, router_logits):
         if router_logits is not None:  # routed first: the router weights' gradient flows where route's does
-            _check_moe_router(x, w13, router_logits, topk_weights, topk_ids, expert_map, correction_bias)
-            topk_weights, topk_ids = route(router_logits, top_k, renormalize, scoring=scoring,
-                                           correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
-                                           routed_scaling_factor=routed_scaling_factor)
+            topk_weights, topk_ids = _routed(x, w13, router_logits, topk_weights, topk_ids, expert_map, correction_bias,
+                                             top_k, renormalize, scoring, n_group, topk_group, routed_scaling_factor)
         return _MoeGrad.apply(x, topk_weights, w13_bias, w2_bias, w13, w2, topk_ids, activation, expert_map, None)
     spec = None
     if router_logits is not None:
